@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Create (or update) the project's virtual environment and install hybrid-zero into it.
+#   VENV        where (default: .venv in the repo root)
+#   TORCH_SPEC  which torch to install first (default: torch==2.13.0, the CPU build that this
+#               project's machines keep on disk; on a GPU cluster set e.g. TORCH_SPEC='torch>=2.4'
+#               and your CUDA index). Installing torch first, then the project constrained to
+#               that version, keeps pip from swapping in a multi-GB CUDA build on a CPU machine.
+#   EXTRAS      which optional dependency groups (default: test,plot)
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+V=${VENV:-$ROOT/.venv}
+if [ ! -x "$V/bin/python" ]; then
+  python3 -m venv "$V"
+fi
+"$V/bin/python" -m pip install -q --upgrade pip
+if ! "$V/bin/python" -c 'import torch' 2>/dev/null; then
+  "$V/bin/python" -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
+fi
+C=$(mktemp)
+"$V/bin/python" -c 'import torch; print("torch==" + torch.__version__.split("+")[0])' > "$C"
+"$V/bin/python" -m pip install -q -c "$C" -e "$ROOT[${EXTRAS:-test,plot}]"
+rm -f "$C"
+echo "environment ready: $V (torch $("$V/bin/python" -c 'import torch; print(torch.__version__)'))"
