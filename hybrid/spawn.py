@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import socket
 import traceback
 from collections.abc import Callable
@@ -16,7 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+import torch.multiprocessing as mp  # registers tensor reductions with ForkingPickler
 
 
 def free_port() -> int:
@@ -48,7 +49,9 @@ def _worker(rank, world_size, port, fn, args, timeout_s, queue):
             timeout=datetime.timedelta(seconds=timeout_s),
         )
         out = fn(rank, world_size, *args)
-        queue.put((rank, True, out))
+        # Pickle by value here (not through shared memory, whose file descriptors die with
+        # this process) so that an unpicklable result is reported, not lost in the feeder thread.
+        queue.put((rank, True, pickle.dumps(out)))
     except BaseException:  # report every failure, including asserts, to the parent
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -109,7 +112,7 @@ def spawn_world(
                         raise RuntimeError(f"spawn_world: a rank died without reporting (exit codes {codes})") from None
                 continue
             if ok:
-                results[rank] = payload
+                results[rank] = pickle.loads(payload)  # our own child's bytes, not untrusted input
             else:
                 errors.append(f"--- rank {rank} ---\n{payload}")
                 break

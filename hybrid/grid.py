@@ -1,0 +1,182 @@
+"""The 2D process grid: tensor parallel (fastest, inside a node) x data parallel (across nodes).
+
+Rank layout (DESIGN.md "The grid"), with a pipeline axis reserved for later::
+
+    rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+
+so the ``tp`` ranks of one tensor-parallel group are consecutive (one node, NVLink) and a
+data-parallel group strides across nodes. The groups come from a ``DeviceMesh`` of shape
+``(pp, dp, tp)`` named ``("pp", "dp", "tp")``; one :class:`ProcessGrid` owns them all and is
+passed explicitly (no module-level state).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+@dataclass(frozen=True)
+class GridShape:
+    """Sizes of the grid's axes; ``world = tp * dp * pp``."""
+
+    tp: int
+    dp: int
+    pp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.dp * self.pp
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """``(pp_rank, dp_rank, tp_rank)`` of global ``rank``."""
+        return rank // (self.tp * self.dp), (rank // self.tp) % self.dp, rank % self.tp
+
+
+def validate_grid(
+    world_size: int, tp: int, pp: int = 1, local_world_size: int | None = None
+) -> GridShape:
+    """Check a requested grid against the world before any collective runs.
+
+    Args:
+        world_size: number of processes in the job.
+        tp: tensor-model-parallel size.
+        pp: pipeline-model-parallel size (only 1 is implemented).
+        local_world_size: processes per host (torchrun's ``LOCAL_WORLD_SIZE``); when given, a
+            tensor-parallel group must fit inside one host.
+
+    Returns:
+        The :class:`GridShape` with ``dp = world_size // (tp * pp)``.
+
+    Raises:
+        ValueError: a non-positive size, ``tp * pp`` not dividing the world, or a TP group that
+            would span two hosts; the message spells out the numbers.
+        NotImplementedError: ``pp > 1``.
+    """
+    for name, value in (("world size", world_size), ("tensor-model-parallel size", tp),
+                        ("pipeline-model-parallel size", pp)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if pp != 1:
+        raise NotImplementedError(f"pipeline-model-parallel size {pp}: only 1 is supported for now")
+    if world_size % (tp * pp):
+        raise ValueError(
+            f"tensor-model-parallel size {tp} x pipeline-model-parallel size {pp} = {tp * pp} "
+            f"does not divide the world size {world_size}; valid tensor-model-parallel sizes: "
+            f"{[d for d in range(1, world_size + 1) if world_size % (d * pp) == 0]}"
+        )
+    if local_world_size is not None and local_world_size % tp:
+        raise ValueError(
+            f"tensor-model-parallel size {tp} does not divide the {local_world_size} processes per "
+            f"node, so a tensor-parallel group would span two nodes; use a tp that divides "
+            f"{local_world_size}"
+        )
+    return GridShape(tp=tp, dp=world_size // (tp * pp), pp=pp)
+
+
+def default_device() -> torch.device:
+    """This process's device: ``cuda:LOCAL_RANK`` when CUDA is available, else CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def init_distributed(timeout_s: float = 600.0, device: torch.device | None = None) -> None:
+    """Initialise the default process group from the ``torchrun`` environment if not done yet.
+
+    The backend follows the device: NCCL for CUDA, gloo for CPU. A single process without
+    ``RANK`` / ``WORLD_SIZE`` in the environment gets a world of one.
+    """
+    if dist.is_initialized():
+        return
+    device = device or default_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if "RANK" not in os.environ:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        from hybrid.spawn import free_port
+
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        timeout=datetime.timedelta(seconds=timeout_s),
+        device_id=device if device.type == "cuda" else None,
+    )
+
+
+class ProcessGrid:
+    """Owns the tensor-parallel and data-parallel process groups of one job.
+
+    Build it after the default process group exists (``torchrun`` + :func:`init_distributed`,
+    or ``hybrid.spawn.spawn_world`` in tests)::
+
+        grid = ProcessGrid(tp=2)          # dp = world // 2
+        grid.tp_group, grid.dp_group      # torch.distributed ProcessGroups
+        grid.tp_rank, grid.dp_rank
+
+    Use :meth:`check` (no collectives) to validate the requested sizes before
+    initialising anything.
+
+    Raises:
+        ValueError / NotImplementedError: see :func:`validate_grid`.
+        RuntimeError: the default process group is not initialised.
+    """
+
+    def __init__(self, tp: int = 1, pp: int = 1, device: torch.device | None = None):
+        if not dist.is_initialized():
+            raise RuntimeError("ProcessGrid needs an initialised default process group "
+                               "(call hybrid.grid.init_distributed() first)")
+        world = dist.get_world_size()
+        local = os.environ.get("LOCAL_WORLD_SIZE")
+        self.shape = validate_grid(world, tp, pp, int(local) if local else None)
+        self.rank = dist.get_rank()
+        self.world_size = world
+        self.device = device or default_device()
+        self.backend = dist.get_backend()
+        self.mesh: DeviceMesh = init_device_mesh(
+            self.device.type, (self.shape.pp, self.shape.dp, self.shape.tp),
+            mesh_dim_names=("pp", "dp", "tp"),
+        )
+        self.pp_rank, self.dp_rank, self.tp_rank = self.shape.coords(self.rank)
+        assert self.mesh.get_local_rank("tp") == self.tp_rank
+        assert self.mesh.get_local_rank("dp") == self.dp_rank
+        self.tp_group = self.mesh.get_group("tp")
+        self.dp_group = self.mesh.get_group("dp")
+        self.world_group = dist.group.WORLD
+
+    check = staticmethod(validate_grid)
+
+    @property
+    def tp_size(self) -> int:
+        """Tensor-model-parallel size."""
+        return self.shape.tp
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel size."""
+        return self.shape.dp
+
+    @property
+    def pp_size(self) -> int:
+        """Pipeline-model-parallel size (always 1 for now)."""
+        return self.shape.pp
+
+    def tp_ranks(self) -> list[int]:
+        """Global ranks of this rank's tensor-parallel group, in tp-rank order."""
+        base = self.rank - self.tp_rank
+        return list(range(base, base + self.tp_size))
+
+    def dp_ranks(self) -> list[int]:
+        """Global ranks of this rank's data-parallel group, in dp-rank order."""
+        first = self.pp_rank * self.tp_size * self.dp_size + self.tp_rank
+        return [first + i * self.tp_size for i in range(self.dp_size)]
+
+    def __repr__(self) -> str:
+        return (f"ProcessGrid(rank={self.rank}, tp={self.tp_size}, dp={self.dp_size}, "
+                f"tp_rank={self.tp_rank}, dp_rank={self.dp_rank}, backend={self.backend})")

@@ -1,0 +1,81 @@
+"""Random-number streams for tensor parallelism (Megatron-LM paper, Appendix B.2).
+
+Dropout outside tensor-parallel regions (embeddings, residual branches) must draw identical
+masks on every TP rank, so the default generator is seeded identically across the TP group.
+Dropout inside TP regions (attention probabilities, whose heads are split) must differ per TP
+rank: it draws from a separate stream seeded ``seed + 2718 + tp_rank`` that
+:meth:`RNGTracker.fork` swaps in for the duration of a block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+
+import numpy as np
+import torch
+
+TP_SEED_OFFSET = 2718
+
+
+def _get_state(device: torch.device) -> torch.Tensor:
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _set_state(state: torch.Tensor, device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+class RNGTracker:
+    """Holds the tensor-parallel RNG stream of one rank, for one device type.
+
+    Args:
+        seed: the job's seed (same on every rank).
+        tp_rank: this rank's tensor-parallel rank; the TP stream is seeded
+            ``seed + 2718 + tp_rank``.
+        device: device whose generator the stream replaces inside :meth:`fork`.
+    """
+
+    def __init__(self, seed: int, tp_rank: int, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.seed = seed
+        self.tp_rank = tp_rank
+        saved = _get_state(self.device)
+        gen_seed = seed + TP_SEED_OFFSET + tp_rank
+        if self.device.type == "cuda":
+            torch.cuda.manual_seed(gen_seed)
+        else:
+            torch.manual_seed(gen_seed)
+        self._state = _get_state(self.device)
+        _set_state(saved, self.device)
+
+    @contextlib.contextmanager
+    def fork(self):
+        """Run the body with the TP stream as the device's default generator, then restore."""
+        outer = _get_state(self.device)
+        _set_state(self._state, self.device)
+        try:
+            yield
+        finally:
+            self._state = _get_state(self.device)
+            _set_state(outer, self.device)
+
+    def get_state(self) -> torch.Tensor:
+        """The TP stream's state (a uint8 tensor), for checkpoints and recompute."""
+        return self._state.clone()
+
+    def set_state(self, state: torch.Tensor) -> None:
+        """Restore the TP stream from :meth:`get_state`."""
+        self._state = state.clone()
+
+
+def seed_everything(seed: int, device: torch.device | str = "cpu") -> None:
+    """Seed Python, numpy and torch (CPU and CUDA) identically on every rank."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    if torch.device(device).type == "cuda":
+        torch.cuda.manual_seed_all(seed)

@@ -1,0 +1,213 @@
+"""Tensor-parallel layers (Megatron-LM paper, §3) and the per-parameter TP spec.
+
+Every parameter of a tensor-parallel model carries a :class:`TPSpec` (``param.tp_spec``):
+which dimension is split over the TP group (or ``None`` when replicated), the full unpadded
+shape, and the padded size along the split dimension. ZeRO, gradient clipping, checkpoints and
+consolidation read it instead of re-deriving the sharding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from hybrid.rng import RNGTracker
+from hybrid.tp_ops import copy_to_tp, reduce_from_tp
+
+
+@dataclass(frozen=True)
+class TPSpec:
+    """How one parameter is laid out over the tensor-parallel group.
+
+    Attributes:
+        split_dim: dimension split across TP ranks, or ``None`` for a replicated parameter.
+        full_shape: global shape without padding (what a single-process model holds).
+        padded_size: global size along ``split_dim`` after padding to a multiple of ``tp_size``
+            (equal to ``full_shape[split_dim]`` when nothing is padded).
+        tp_rank: this rank's index in the TP group.
+        tp_size: TP group size.
+    """
+
+    split_dim: int | None
+    full_shape: tuple[int, ...]
+    padded_size: int
+    tp_rank: int
+    tp_size: int
+
+    @property
+    def replicated(self) -> bool:
+        return self.split_dim is None
+
+    def local_range(self) -> tuple[int, int]:
+        """``[start, stop)`` of this rank's shard along ``split_dim``, in padded coordinates."""
+        if self.replicated:
+            return 0, 0
+        per = self.padded_size // self.tp_size
+        return self.tp_rank * per, (self.tp_rank + 1) * per
+
+    def real_local_size(self) -> int:
+        """Rows of this rank's shard that are real (not padding) along ``split_dim``."""
+        start, stop = self.local_range()
+        return max(0, min(stop, self.full_shape[self.split_dim]) - start)
+
+    def real_numel(self) -> int:
+        """Elements of the local shard that are not padding (all of them when replicated)."""
+        n = 1
+        for d, size in enumerate(self.full_shape):
+            n *= self.real_local_size() if d == self.split_dim else size
+        return n
+
+    def shard(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's (zero-padded) shard of the full tensor ``full`` (shape ``full_shape``)."""
+        if tuple(full.shape) != self.full_shape:
+            raise ValueError(f"expected a tensor of shape {self.full_shape}, got {tuple(full.shape)}")
+        if self.replicated:
+            return full
+        start, stop = self.local_range()
+        real = self.real_local_size()
+        shape = list(full.shape)
+        shape[self.split_dim] = stop - start
+        out = full.new_zeros(shape)
+        if real > 0:
+            out.narrow(self.split_dim, 0, real).copy_(full.narrow(self.split_dim, start, real))
+        return out
+
+
+def get_tp_spec(param: torch.Tensor) -> TPSpec:
+    """The parameter's :class:`TPSpec`; a plain parameter counts as replicated on one rank."""
+    spec = getattr(param, "tp_spec", None)
+    if spec is None:
+        spec = TPSpec(None, tuple(param.shape), 0, 0, 1)
+    return spec
+
+
+def set_tp_spec(param: torch.Tensor, spec: TPSpec) -> None:
+    """Attach ``spec`` to ``param`` (``param.tp_spec``)."""
+    param.tp_spec = spec
+
+
+def _group_coords(group) -> tuple[int, int]:
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _param(shape, device, dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+
+
+class ColumnParallelLinear(nn.Module):
+    """``Y_i = X A_i + b_i``: the weight ``[out, in]`` is split by rows (output features).
+
+    Input ``[..., in]`` (replicated across TP ranks); output ``[..., out_padded / tp]``, this
+    rank's slice. ``out_features`` may be padded to ``padded_out`` (a multiple of tp).
+    """
+
+    def __init__(self, in_features: int, out_features: int, group, bias: bool = True,
+                 padded_out: int | None = None, device=None, dtype=None):
+        super().__init__()
+        self.group = group
+        rank, size = _group_coords(group)
+        padded_out = padded_out or out_features
+        if padded_out % size:
+            raise ValueError(f"output features {padded_out} are not divisible by the TP size {size}")
+        local = padded_out // size
+        self.weight = _param((local, in_features), device, dtype)
+        set_tp_spec(self.weight, TPSpec(0, (out_features, in_features), padded_out, rank, size))
+        if bias:
+            self.bias = _param((local,), device, dtype)
+            set_tp_spec(self.bias, TPSpec(0, (out_features,), padded_out, rank, size))
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(copy_to_tp(x, self.group), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """``Y = sum_i X_i A_i + b``: the weight ``[out, in]`` is split by columns (input features).
+
+    Input ``[..., in / tp]`` (this rank's slice, e.g. from a column-parallel layer); output
+    ``[..., out]`` all-reduced over the TP group; the bias is replicated and added once.
+    """
+
+    def __init__(self, in_features: int, out_features: int, group, bias: bool = True,
+                 device=None, dtype=None):
+        super().__init__()
+        self.group = group
+        rank, size = _group_coords(group)
+        if in_features % size:
+            raise ValueError(f"input features {in_features} are not divisible by the TP size {size}")
+        self.weight = _param((out_features, in_features // size), device, dtype)
+        set_tp_spec(self.weight, TPSpec(1, (out_features, in_features), in_features, rank, size))
+        if bias:
+            self.bias = _param((out_features,), device, dtype)
+            set_tp_spec(self.bias, TPSpec(None, (out_features,), 0, rank, size))
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = reduce_from_tp(F.linear(x, self.weight), self.group)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding ``[V, h]`` split by vocabulary rows over the TP group (Megatron-LM §3).
+
+    The vocabulary is padded to ``padded_vocab`` (a multiple of tp); padded rows are zero and,
+    with :class:`hybrid.tp_cross_entropy.VocabParallelLoss`, never receive gradient.
+    Input ids ``[b, s]``; output ``[b, s, h]``, all-reduced so every TP rank holds all of it.
+    """
+
+    def __init__(self, vocab_size: int, padded_vocab: int, embedding_dim: int, group,
+                 device=None, dtype=None):
+        super().__init__()
+        self.group = group
+        rank, size = _group_coords(group)
+        if padded_vocab % size or padded_vocab < vocab_size:
+            raise ValueError(f"padded vocabulary {padded_vocab} must be >= {vocab_size} and divisible by TP size {size}")
+        self.vocab_size = vocab_size
+        self.padded_vocab = padded_vocab
+        self.weight = _param((padded_vocab // size, embedding_dim), device, dtype)
+        spec = TPSpec(0, (vocab_size, embedding_dim), padded_vocab, rank, size)
+        set_tp_spec(self.weight, spec)
+        self.vocab_start, self.vocab_end = spec.local_range()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local = (ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tp(out, self.group)
+
+
+class ParallelOutputLayer(nn.Module):
+    """Local logits ``[b, s, V_padded / tp] = h @ W_i.T`` from replicated hidden ``[b, s, h]``.
+
+    The logits stay split: the vocab-parallel loss consumes them with all-reduces of ``b*s``
+    values instead of gathering ``b*s*V`` logits (Megatron-LM §3).
+    """
+
+    def __init__(self, group):
+        super().__init__()
+        self.group = group
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(copy_to_tp(hidden, self.group), weight)
+
+
+class TPRegionDropout(nn.Module):
+    """Dropout inside a tensor-parallel region: masks come from the TP rank's own RNG stream
+    (Megatron-LM Appendix B.2), so different TP ranks drop different heads' probabilities."""
+
+    def __init__(self, p: float, tracker: RNGTracker):
+        super().__init__()
+        self.p = p
+        self.tracker = tracker
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0:
+            return x
+        with self.tracker.fork():
+            return F.dropout(x, self.p, True)

@@ -1,0 +1,228 @@
+"""The tensor-parallel plan: turns a plain ``models.gpt.GPT`` into its TP form, in place.
+
+The plan maps module-name patterns to parallel styles (STYLE.md rule 2)::
+
+    wte                      -> VocabParallelEmbedding (vocabulary padded, rows split)
+    lm_head (untied only)    -> vocabulary-split output weight
+    layers.*.attn.qkv        -> ColumnParallelLinear  (heads split)
+    layers.*.attn.proj       -> RowParallelLinear
+    layers.*.mlp.fc1         -> ColumnParallelLinear
+    layers.*.mlp.fc2         -> RowParallelLinear
+    layers.*.attn.attn_dropout -> TPRegionDropout (per-TP-rank RNG stream)
+    output_layer             -> ParallelOutputLayer (local logits)
+    loss_fn                  -> VocabParallelLoss
+    everything else (LayerNorms, positions, biases of row-parallel layers) is replicated.
+
+It also moves weights between the full (single-process) and the sharded form:
+:func:`load_full_state_dict`, :func:`gather_full_state_dict`; checkpoint resharding uses both.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from hybrid.rng import RNGTracker
+from hybrid.tp_cross_entropy import VocabParallelLoss
+from hybrid.tp_layers import (
+    ColumnParallelLinear,
+    ParallelOutputLayer,
+    RowParallelLinear,
+    TPRegionDropout,
+    TPSpec,
+    VocabParallelEmbedding,
+    get_tp_spec,
+    set_tp_spec,
+)
+from models.gpt import GPT, init_parameter, parameter_generator
+
+GPT_TP_PLAN: dict[str, str] = {
+    "wte": "vocab_embedding",
+    "lm_head": "vocab_output",
+    "layers.*.attn.qkv": "column",
+    "layers.*.attn.proj": "row",
+    "layers.*.mlp.fc1": "column",
+    "layers.*.mlp.fc2": "row",
+    "layers.*.attn.attn_dropout": "tp_dropout",
+    "output_layer": "parallel_output",
+    "loss_fn": "vocab_parallel_loss",
+}
+
+
+def padded_vocab_size(vocab_size: int, tp: int, make_vocab_size_divisible_by: int = 128) -> int:
+    """Vocabulary padded to a multiple of ``make_vocab_size_divisible_by * tp`` (Megatron-LM §5.1:
+    50,257 -> 51,200 at 128 x 8)."""
+    multiple = make_vocab_size_divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def _set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, leaf, module)
+
+
+def parallelize_gpt(
+    model: GPT,
+    tp_group,
+    tracker: RNGTracker | None = None,
+    make_vocab_size_divisible_by: int = 128,
+    seed: int | None = None,
+) -> GPT:
+    """Swap ``model``'s modules for their tensor-parallel forms over ``tp_group``, in place.
+
+    Weights: if ``model`` holds real weights they are sharded (so TP equals the model it came
+    from); if it lives on the ``meta`` device the TP model stays on meta unless ``seed`` is
+    given, in which case it is materialised on CPU and initialised shard by shard exactly as
+    ``GPT.init_weights(seed)`` would initialise the full model.
+
+    Args:
+        model: a plain GPT (tp must divide ``num_attention_heads`` and ``ffn_hidden_size``).
+        tp_group: the tensor-parallel process group (``grid.tp_group``).
+        tracker: RNG tracker for dropout inside TP regions; required when attention dropout > 0.
+        make_vocab_size_divisible_by: vocabulary padding unit per TP rank.
+        seed: initialise a meta model shard by shard from this seed.
+
+    Returns:
+        The same ``model`` object, now tensor-parallel. Every parameter carries a ``tp_spec``.
+
+    Raises:
+        ValueError: tp does not divide the head count or the MLP width; dropout without tracker.
+    """
+    cfg = model.config
+    tp = dist.get_world_size(tp_group)
+    if cfg.num_attention_heads % tp:
+        raise ValueError(f"tensor-model-parallel size {tp} does not divide num_attention_heads="
+                         f"{cfg.num_attention_heads}")
+    if cfg.ffn_hidden_size % tp:
+        raise ValueError(f"tensor-model-parallel size {tp} does not divide ffn_hidden_size={cfg.ffn_hidden_size}")
+    if cfg.attention_dropout > 0 and tracker is None:
+        raise ValueError("attention_dropout > 0 needs an RNGTracker for the TP-region dropout")
+    full = None if any(p.is_meta for p in model.parameters()) else {
+        k: v.detach().clone() for k, v in model.state_dict().items()
+    }
+    some = next(model.parameters())
+    device = torch.device("meta") if full is None and seed is None else (
+        some.device if full is not None else torch.device("cpu"))
+    dtype = some.dtype
+    vocab_pad = padded_vocab_size(cfg.vocab_size, tp, make_vocab_size_divisible_by)
+    kw = dict(device=device, dtype=dtype)
+
+    for name, module in list(model.named_modules()):
+        style = next((s for pat, s in GPT_TP_PLAN.items() if fnmatch.fnmatchcase(name, pat)), None)
+        if style is None or module is None:
+            continue
+        if style == "vocab_embedding":
+            new = VocabParallelEmbedding(cfg.vocab_size, vocab_pad, cfg.hidden_size, tp_group, **kw)
+        elif style == "vocab_output":
+            new = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, tp_group, bias=False,
+                                       padded_out=vocab_pad, **kw)
+        elif style == "column":
+            new = ColumnParallelLinear(module.in_features, module.out_features, tp_group,
+                                       bias=module.bias is not None, **kw)
+        elif style == "row":
+            new = RowParallelLinear(module.in_features, module.out_features, tp_group,
+                                    bias=module.bias is not None, **kw)
+        elif style == "tp_dropout":
+            new = TPRegionDropout(module.p, tracker)
+        elif style == "parallel_output":
+            new = ParallelOutputLayer(tp_group)
+        else:  # vocab_parallel_loss
+            start = model.wte.vocab_start
+            new = VocabParallelLoss(cfg.vocab_size, start, tp_group, cfg.label_smoothing)
+        _set_submodule(model, name, new)
+
+    rank = dist.get_rank(tp_group)
+    for p in model.parameters():
+        if getattr(p, "tp_spec", None) is None:
+            set_tp_spec(p, TPSpec(None, tuple(p.shape), 0, rank, tp))
+    if full is not None:
+        load_full_state_dict(model, full)
+    elif seed is not None:
+        if any(p.is_meta for p in model.parameters()):
+            model.to_empty(device=device)
+        init_sharded(model, seed)
+    return model
+
+
+@torch.no_grad()
+def init_sharded(model: GPT, seed: int) -> None:
+    """Initialise each local shard as the matching slice of ``GPT.init_weights(seed)``.
+
+    Materialises one full parameter at a time on CPU (the largest is the embedding).
+    """
+    for name, p in model.named_parameters():
+        spec = get_tp_spec(p)
+        full = torch.empty(spec.full_shape)
+        init_parameter(name, full, model.config, parameter_generator(seed, name))
+        p.copy_(spec.shard(full))
+
+
+@torch.no_grad()
+def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    """Copy full (unsharded, unpadded) tensors into ``model``'s local shards.
+
+    Raises:
+        KeyError: a parameter of ``model`` is missing from ``state_dict``, or the dict has keys
+            the model does not know (both listed).
+        ValueError: a tensor's shape differs from the parameter's full shape.
+    """
+    params = dict(model.named_parameters())
+    missing = sorted(set(params) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(params))
+    if missing or unexpected:
+        raise KeyError(f"state dict mismatch: missing {missing}, unexpected {unexpected}")
+    for name, p in params.items():
+        spec = get_tp_spec(p)
+        try:
+            p.copy_(spec.shard(state_dict[name].to(p.device, p.dtype)))
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+
+
+@torch.no_grad()
+def gather_full_tensor(local: torch.Tensor, spec: TPSpec, group) -> torch.Tensor:
+    """All-gather a sharded tensor over the TP group and drop its padding -> ``spec.full_shape``."""
+    if spec.replicated or spec.tp_size == 1:
+        return local.detach().clone() if spec.replicated else local.detach().narrow(
+            spec.split_dim, 0, spec.full_shape[spec.split_dim]).clone()
+    parts = [torch.empty_like(local) for _ in range(spec.tp_size)]
+    dist.all_gather(parts, local.detach().contiguous(), group=group)
+    return torch.cat(parts, dim=spec.split_dim).narrow(
+        spec.split_dim, 0, spec.full_shape[spec.split_dim]).clone()
+
+
+def gather_full_state_dict(model: nn.Module, tp_group, tensors: dict[str, torch.Tensor] | None = None
+                           ) -> dict[str, torch.Tensor]:
+    """The full (single-process) state dict of a TP model, identical on every TP rank.
+
+    Args:
+        model: a model made by :func:`parallelize_gpt`.
+        tp_group: its tensor-parallel group.
+        tensors: optional per-parameter local tensors to gather instead of the parameters
+            themselves (e.g. their ``.grad``), keyed like ``model.named_parameters()``.
+
+    Returns:
+        ``{name: tensor of spec.full_shape}`` on the parameters' device.
+    """
+    out = {}
+    for name, p in model.named_parameters():
+        local = p if tensors is None else tensors[name]
+        out[name] = gather_full_tensor(local, get_tp_spec(p), tp_group)
+    return out
+
+
+def count_parameters(model: nn.Module) -> tuple[int, int]:
+    """``(sharded, replicated)``: real (unpadded) elements of this rank's split parameters, and
+    elements of its replicated ones. Summing ``sharded`` over TP ranks and adding ``replicated``
+    once gives the single-process count."""
+    sharded = replicated = 0
+    for p in model.parameters():
+        spec = get_tp_spec(p)
+        if spec.replicated:
+            replicated += p.numel()
+        else:
+            sharded += spec.real_numel()
+    return sharded, replicated

@@ -1,0 +1,78 @@
+"""Named GPT sizes from the GPT-2, GPT-3, Megatron-LM and ZeRO papers.
+
+``get_preset(name)`` returns a fresh :class:`models.gpt.GPTConfig`; keyword overrides replace
+fields (``get_preset("gpt2-124m", hidden_dropout=0.0)``).
+
+Notes on the sources (``../shared/reference/paper.md``):
+- GPT-3 (Brown et al. 2020, Table 2.1) lists 24 heads for the 1.3B model and d_model 5140 for
+  13B; neither divides evenly, so we use 16 heads (head dim 128) and 5120 (40 heads of 128), as
+  Megatron-LM's and NeMo's GPT-3 recipes do.
+- Megatron-LM 8.3B: 72 layers, h 3072, 24 heads (Megatron-LM Table 2), GPT-2 vocab, seq 1024.
+- ZeRO (Rajbhandari et al. 2020, Table 4, via paper.md §1.7): GPT-2 vocabulary and sequence 1024,
+  head dim 128. The 40B row is printed with h = 4096, which gives only 17.7B parameters at 88
+  layers; h = 6144 gives 39.9B, so that is what ``zero-40b`` uses. 100/125/150 layers at 8192
+  are the 80B/100B/120B sizes; 175 and 212 layers are 140B and 170B.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from models.gpt import GPTConfig
+
+GPT2_VOCAB = 50257
+
+# name: (num_layers, hidden_size, num_attention_heads, max_position_embeddings)
+_SIZES: dict[str, tuple[int, int, int, int]] = {
+    "gpt2-124m": (12, 768, 12, 1024),
+    "gpt2-355m": (24, 1024, 16, 1024),
+    "gpt2-774m": (36, 1280, 20, 1024),
+    "gpt2-1.5b": (48, 1600, 25, 1024),
+    "gpt3-125m": (12, 768, 12, 2048),
+    "gpt3-350m": (24, 1024, 16, 2048),
+    "gpt3-760m": (24, 1536, 16, 2048),
+    "gpt3-1.3b": (24, 2048, 16, 2048),
+    "gpt3-2.7b": (32, 2560, 32, 2048),
+    "gpt3-6.7b": (32, 4096, 32, 2048),
+    "gpt3-13b": (40, 5120, 40, 2048),
+    "gpt3-175b": (96, 12288, 96, 2048),
+    "megatron-1.2b": (40, 1536, 16, 1024),
+    "megatron-2.5b": (54, 1920, 20, 1024),
+    "megatron-4.2b": (64, 2304, 24, 1024),
+    "megatron-8.3b": (72, 3072, 24, 1024),
+    "zero-1.5b": (48, 1600, 16, 1024),
+    "zero-8b": (72, 3072, 24, 1024),
+    "zero-13b": (62, 4096, 32, 1024),
+    "zero-40b": (88, 6144, 48, 1024),
+    "zero-60b": (75, 8192, 64, 1024),
+    "zero-80b": (100, 8192, 64, 1024),
+    "zero-100b": (125, 8192, 64, 1024),
+    "zero-120b": (150, 8192, 64, 1024),
+    "zero-140b": (175, 8192, 64, 1024),
+    "zero-170b": (212, 8192, 64, 1024),
+}
+
+
+def list_presets() -> list[str]:
+    """All preset names, smallest family first."""
+    return list(_SIZES)
+
+
+def get_preset(name: str, **overrides) -> GPTConfig:
+    """Return the :class:`GPTConfig` of preset ``name`` with ``overrides`` applied.
+
+    Raises:
+        KeyError: ``name`` is not a preset; the message lists the valid names.
+    """
+    key = name.lower()
+    if key not in _SIZES:
+        raise KeyError(f"unknown GPT preset {name!r}; valid presets: {', '.join(_SIZES)}")
+    layers, hidden, heads, positions = _SIZES[key]
+    config = GPTConfig(
+        num_layers=layers,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        vocab_size=GPT2_VOCAB,
+        max_position_embeddings=positions,
+    )
+    return replace(config, **overrides) if overrides else config
