@@ -59,7 +59,8 @@ def run_rank0_first(build: Callable[[], T], what: str, timeout_s: float = 1800.0
                 result = build()
             except Exception as e:  # reported to the others below, then re-raised here
                 error = e
-        ok0 = _flag(error is None, group, timeout_s, f"rank 0 to build {what}")
+        waiting = f"rank 0 to build {what}" if rank else f"the other ranks to take {what}"
+        ok0 = _flag(error is None, group, timeout_s, waiting)
         if error is not None:
             raise error
         if not ok0:
@@ -83,5 +84,5 @@ def _flag(ok: bool, group, timeout_s: float, waiting_for: str) -> bool:
     try:
         return _all_ok(ok, group)
     except RuntimeError as e:  # gloo reports a timeout (or a dead peer) as RuntimeError
-        raise TimeoutError(f"rank {dist.get_rank()}: waited up to {timeout_s:.0f} s for {waiting_for}; "
+        raise TimeoutError(f"rank {dist.get_rank()}: waited up to {timeout_s:g} s for {waiting_for}; "
                            f"a rank crashed or the build is slower than the timeout ({e})") from e
