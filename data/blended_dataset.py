@@ -39,10 +39,14 @@ def parse_data_path(data_path: Sequence[str | float] | str) -> tuple[list[float]
 
     if number(items[0]) is None:
         if any(number(x) is not None for x in items):
-            raise ValueError(f"--data-path {items}: mixes weights and prefixes; give a weight before every prefix")
+            raise ValueError(
+                f"--data-path {items}: mixes weights and prefixes; give a weight before every prefix"
+            )
         return None, [str(x) for x in items]
     if len(items) % 2:
-        raise ValueError(f"--data-path {items}: weighted form needs pairs 'weight prefix', got an odd count")
+        raise ValueError(
+            f"--data-path {items}: weighted form needs pairs 'weight prefix', got an odd count"
+        )
     weights, prefixes = [], []
     for w, p in zip(items[0::2], items[1::2], strict=True):
         wf = number(w)
@@ -84,8 +88,13 @@ class BlendedDataset(torch.utils.data.Dataset):
     A dataset that is never drawn may be None.
     """
 
-    def __init__(self, datasets: list, weights: np.ndarray, dataset_index: np.ndarray,
-                 dataset_sample_index: np.ndarray):
+    def __init__(
+        self,
+        datasets: list,
+        weights: np.ndarray,
+        dataset_index: np.ndarray,
+        dataset_sample_index: np.ndarray,
+    ):
         self.datasets, self.weights = datasets, np.asarray(weights)
         self.dataset_index, self.dataset_sample_index = dataset_index, dataset_sample_index
 

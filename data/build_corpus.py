@@ -26,8 +26,22 @@ from collections.abc import Iterator
 from pathlib import Path
 
 # Test suites, IDE/GUI code and vendored packages: little prose, lots of noise.
-_SKIP_PARTS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__",
-                         "idlelib", "lib2to3", "ensurepip", "turtledemo", "tkinter", "config-3"})
+_SKIP_PARTS = frozenset(
+    {
+        "test",
+        "tests",
+        "idle_test",
+        "site-packages",
+        "dist-packages",
+        "__pycache__",
+        "idlelib",
+        "lib2to3",
+        "ensurepip",
+        "turtledemo",
+        "tkinter",
+        "config-3",
+    }
+)
 
 
 def stdlib_sources(root: str | os.PathLike | None = None) -> list[Path]:
@@ -66,7 +80,11 @@ def module_document(path: Path, module: str) -> str | None:
                 name = f"{qual}.{node.name}"
                 d = ast.get_docstring(node)
                 if d and (not node.name.startswith("_") or node.name == "__init__"):
-                    head = f"class {name}" if isinstance(node, ast.ClassDef) else f"{name}{_signature(node)}"
+                    head = (
+                        f"class {name}"
+                        if isinstance(node, ast.ClassDef)
+                        else f"{name}{_signature(node)}"
+                    )
                     parts.append(f"{head}\n\n{d}")
                 if isinstance(node, ast.ClassDef):
                     visit(node.body, name)
@@ -89,8 +107,9 @@ def iter_documents(root: str | os.PathLike | None = None) -> Iterator[dict]:
             yield {"text": text, "module": module}
 
 
-def build_corpus(output: str | os.PathLike, max_bytes: int = 4_000_000,
-                 root: str | os.PathLike | None = None) -> tuple[int, int]:
+def build_corpus(
+    output: str | os.PathLike, max_bytes: int = 4_000_000, root: str | os.PathLike | None = None
+) -> tuple[int, int]:
     """Write the corpus to ``output`` (jsonl); return ``(documents, bytes of text)``.
 
     Stops before the document that would take the text past ``max_bytes`` (UTF-8 bytes).
@@ -115,7 +134,9 @@ def build_corpus(output: str | os.PathLike, max_bytes: int = 4_000_000,
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="Build the embedded stdlib-docstring corpus (jsonl).")
     p.add_argument("--output", required=True, help="path of the .jsonl to write")
-    p.add_argument("--max-bytes", type=int, default=4_000_000, help="cap on the text size (UTF-8 bytes)")
+    p.add_argument(
+        "--max-bytes", type=int, default=4_000_000, help="cap on the text size (UTF-8 bytes)"
+    )
     a = p.parse_args(argv)
     docs, nbytes = build_corpus(a.output, a.max_bytes)
     print(f"wrote {docs} documents, {nbytes / 1e6:.2f} MB of text, to {a.output}")

@@ -60,7 +60,9 @@ def build_sample_indices(
     sizes = np.asarray(sizes, np.int64)
     tokens = int(sizes.sum())
     if tokens < 2:
-        raise ValueError(f"a split with {tokens} tokens cannot make a {seq_length + 1}-token sample")
+        raise ValueError(
+            f"a split with {tokens} tokens cannot make a {seq_length + 1}-token sample"
+        )
     epochs = -(-(num_samples * seq_length + 1) // tokens)  # smallest e with (e*T - 1)//L >= n
     n_docs = len(sizes)
     rng = np.random.RandomState(seed)
@@ -100,29 +102,58 @@ class GPTDataset(torch.utils.data.Dataset):
     """
 
     def __init__(
-        self, prefix: str | os.PathLike, document_range: tuple[int, int], num_samples: int,
-        seq_length: int, seed: int, split_name: str = "train", cache_dir: str | os.PathLike | None = None,
+        self,
+        prefix: str | os.PathLike,
+        document_range: tuple[int, int],
+        num_samples: int,
+        seq_length: int,
+        seed: int,
+        split_name: str = "train",
+        cache_dir: str | os.PathLike | None = None,
         description: dict | None = None,
     ):
         self.prefix = os.path.abspath(os.fspath(prefix))
         self.indexed = IndexedDataset(self.prefix)
         d0, d1 = document_range
         if d1 <= d0:
-            raise ValueError(f"{split_name} split of {self.prefix} has no documents (range {document_range})")
+            raise ValueError(
+                f"{split_name} split of {self.prefix} has no documents (range {document_range})"
+            )
         s0, s1 = int(self.indexed.document_indices[d0]), int(self.indexed.document_indices[d1])
         self.seq_length, self.split_name = seq_length, split_name
-        self.cache_dir = Path(cache_dir) if cache_dir else Path(self.prefix).parent / "cache" / "GPTDataset_indices"
+        self.cache_dir = (
+            Path(cache_dir)
+            if cache_dir
+            else Path(self.prefix).parent / "cache" / "GPTDataset_indices"
+        )
         self.description = {
-            "class": "GPTDataset", "version": INDEX_FORMAT_VERSION, "prefix": self.prefix,
-            "idx_bytes": idx_path(self.prefix).stat().st_size, "sequences": len(self.indexed),
-            "tokens": self.indexed.num_tokens, "split": split_name, "documents": [d0, d1],
-            "num_samples": num_samples, "seq_length": seq_length, "seed": seed, **(description or {}),
+            "class": "GPTDataset",
+            "version": INDEX_FORMAT_VERSION,
+            "prefix": self.prefix,
+            "idx_bytes": idx_path(self.prefix).stat().st_size,
+            "sequences": len(self.indexed),
+            "tokens": self.indexed.num_tokens,
+            "split": split_name,
+            "documents": [d0, d1],
+            "num_samples": num_samples,
+            "seq_length": seq_length,
+            "seed": seed,
+            **(description or {}),
         }
         arrays = load_or_build(
-            self.cache_dir, f"GPTDataset-{split_name}", self.description, ("doc", "sample", "shuffle"),
-            lambda: build_sample_indices(self.indexed.sizes[s0:s1], s0, num_samples, seq_length, seed),
+            self.cache_dir,
+            f"GPTDataset-{split_name}",
+            self.description,
+            ("doc", "sample", "shuffle"),
+            lambda: build_sample_indices(
+                self.indexed.sizes[s0:s1], s0, num_samples, seq_length, seed
+            ),
         )
-        self.doc_idx, self.sample_idx, self.shuffle_idx = arrays["doc"], arrays["sample"], arrays["shuffle"]
+        self.doc_idx, self.sample_idx, self.shuffle_idx = (
+            arrays["doc"],
+            arrays["sample"],
+            arrays["shuffle"],
+        )
 
     def __len__(self) -> int:
         return len(self.shuffle_idx)
@@ -177,15 +208,17 @@ def build_gpt_datasets(
     weights, prefixes = parse_data_path(data_path)
     fractions = parse_split(split)
     if len(num_samples) != 3 or any(n < 0 for n in num_samples):
-        raise ValueError(f"num_samples must be three counts >= 0 (train, valid, test), got {num_samples}")
-    what = f"GPT dataset indices for {prefixes} (split {split}, seq_length {seq_length}, seed {seed})"
+        raise ValueError(
+            f"num_samples must be three counts >= 0 (train, valid, test), got {num_samples}"
+        )
+    what = (
+        f"GPT dataset indices for {prefixes} (split {split}, seq_length {seq_length}, seed {seed})"
+    )
 
     def build() -> tuple:
         indexed = [IndexedDataset(p) for p in prefixes]
-        if weights is None:  # plain list: blend by size, i.e. concatenate in proportion
-            w = np.array([d.num_tokens for d in indexed], np.float64)
-        else:
-            w = np.asarray(weights, np.float64)
+        # a plain list is blended by size, i.e. concatenated in proportion
+        w = np.array([d.num_tokens for d in indexed] if weights is None else weights, np.float64)
         w = w / w.sum()
         out = []
         for s, name in enumerate(SPLIT_NAMES):
@@ -193,25 +226,52 @@ def build_gpt_datasets(
             if n == 0:
                 out.append(None)
                 continue
+            parts = [
+                (p, split_ranges(fractions, len(d.document_indices) - 1)[s])
+                for p, d in zip(prefixes, indexed, strict=True)
+            ]
             extra = {"split_string": split}
             if len(prefixes) == 1:
-                rng = split_ranges(fractions, len(indexed[0].document_indices) - 1)[s]
-                out.append(GPTDataset(prefixes[0], rng, n, seq_length, seed, name, cache_dir, extra))
-                continue
-            blend = load_or_build(
-                cache_dir or Path(prefixes[0]).parent / "cache" / "GPTDataset_indices", f"BlendedDataset-{name}",
-                {"class": "BlendedDataset", "version": INDEX_FORMAT_VERSION, "weights": w.tolist(),
-                 "prefixes": [os.path.abspath(p) for p in prefixes], "num_samples": n},
-                ("dataset", "sample"), lambda: dict(zip(("dataset", "sample"), blending_indices(w, n), strict=True)),
-            )
-            which, local = blend["dataset"], blend["sample"]
-            counts = np.bincount(which, minlength=len(prefixes))
-            parts = []
-            for i, (p, d) in enumerate(zip(prefixes, indexed, strict=True)):
-                rng = split_ranges(fractions, len(d.document_indices) - 1)[s]
-                parts.append(GPTDataset(p, rng, int(counts[i]), seq_length, seed, name, cache_dir, extra)
-                             if counts[i] else None)
-            out.append(BlendedDataset(parts, w, which, local))
+                out.append(
+                    GPTDataset(
+                        parts[0][0], parts[0][1], n, seq_length, seed, name, cache_dir, extra
+                    )
+                )
+            else:
+                out.append(_blend(parts, w, n, seq_length, seed, name, cache_dir, extra))
         return tuple(out)
 
     return run_rank0_first(build, what, build_timeout_s)
+
+
+def _blend(
+    parts: list[tuple[str, tuple[int, int]]],
+    w: np.ndarray,
+    n: int,
+    seq_length: int,
+    seed: int,
+    name: str,
+    cache_dir: str | os.PathLike | None,
+    extra: dict,
+) -> BlendedDataset:
+    """One split of several datasets blended by ``w``; each builds exactly the samples drawn from it."""
+    prefixes = [os.path.abspath(p) for p, _ in parts]
+    blend = load_or_build(
+        cache_dir or Path(prefixes[0]).parent / "cache" / "GPTDataset_indices",
+        f"BlendedDataset-{name}",
+        {
+            "class": "BlendedDataset",
+            "version": INDEX_FORMAT_VERSION,
+            "weights": w.tolist(),
+            "prefixes": prefixes,
+            "num_samples": n,
+        },
+        ("dataset", "sample"),
+        lambda: dict(zip(("dataset", "sample"), blending_indices(w, n), strict=True)),
+    )
+    counts = np.bincount(blend["dataset"], minlength=len(parts))
+    datasets = [
+        GPTDataset(p, rng, int(c), seq_length, seed, name, cache_dir, extra) if c else None
+        for (p, rng), c in zip(parts, counts, strict=True)
+    ]
+    return BlendedDataset(datasets, w, blend["dataset"], blend["sample"])

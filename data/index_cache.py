@@ -64,7 +64,9 @@ def load_or_build(
         base.mkdir(parents=True, exist_ok=True)
         arrays = build()
         for n, p in paths.items():
-            _atomic_write(p, lambda f, a=arrays[n]: np.save(f, np.ascontiguousarray(a), allow_pickle=False))
+            _atomic_write(
+                p, lambda f, a=arrays[n]: np.save(f, np.ascontiguousarray(a), allow_pickle=False)
+            )
         text = json.dumps(description, sort_keys=True, indent=1).encode()
         _atomic_write(base / f"{stem}-description.json", lambda f: f.write(text))
     return {n: np.load(p, mmap_mode="r", allow_pickle=False) for n, p in paths.items()}

@@ -164,7 +164,9 @@ class IndexedDatasetWriter:
         self.prefix = os.fspath(prefix)
         self.dtype = np.dtype(dtype)
         if self.dtype not in _CODE_OF_DTYPE:
-            raise ValueError(f"dtype {self.dtype} has no Megatron code; use one of {list(_CODE_OF_DTYPE)}")
+            raise ValueError(
+                f"dtype {self.dtype} has no Megatron code; use one of {list(_CODE_OF_DTYPE)}"
+            )
         Path(self.prefix).parent.mkdir(parents=True, exist_ok=True)
         tag = f".tmp{os.getpid()}"
         self._tmp = {k: Path(f"{self.prefix}.{k}{tag}") for k in ("bin", "idx", "sizes", "docs")}
@@ -178,7 +180,9 @@ class IndexedDatasetWriter:
         self._info = np.iinfo(self.dtype) if self.dtype.kind in "iu" else None
         self._open = True
 
-    def add_sequences(self, tokens: np.ndarray, lengths: np.ndarray, end_document: bool = True) -> None:
+    def add_sequences(
+        self, tokens: np.ndarray, lengths: np.ndarray, end_document: bool = True
+    ) -> None:
         """Append ``len(lengths)`` sequences whose tokens lie back to back in ``tokens``.
 
         Args:
@@ -193,11 +197,15 @@ class IndexedDatasetWriter:
         tokens = np.asarray(tokens)
         lengths = np.asarray(lengths, np.int64)
         if tokens.ndim != 1 or lengths.ndim != 1 or int(lengths.sum()) != tokens.size:
-            raise ValueError(f"{tokens.size} tokens do not match lengths summing to {int(lengths.sum())}")
+            raise ValueError(
+                f"{tokens.size} tokens do not match lengths summing to {int(lengths.sum())}"
+            )
         if self._info is not None and tokens.size:
             lo, hi = int(tokens.min()), int(tokens.max())
             if lo < self._info.min or hi > self._info.max:
-                raise ValueError(f"token ids span [{lo}, {hi}], outside {self.dtype} of {self.prefix}")
+                raise ValueError(
+                    f"token ids span [{lo}, {hi}], outside {self.dtype} of {self.prefix}"
+                )
         self._bin.write(tokens.astype(self.dtype, copy=False).tobytes())
         self._sizes.write(lengths.astype(np.int32).tobytes())
         first = self.num_sequences
@@ -225,7 +233,9 @@ class IndexedDatasetWriter:
         """
         shard = IndexedDataset(prefix)
         if shard.dtype != self.dtype:
-            raise ValueError(f"cannot merge {prefix} ({shard.dtype}) into {self.prefix} ({self.dtype})")
+            raise ValueError(
+                f"cannot merge {prefix} ({shard.dtype}) into {self.prefix} ({self.dtype})"
+            )
         with open(bin_path(prefix), "rb") as f:
             shutil.copyfileobj(f, self._bin, 16 << 20)
         self._sizes.write(shard.sizes.tobytes())
@@ -240,12 +250,23 @@ class IndexedDatasetWriter:
         self._close_streams()
         t = self._tmp
         with open(t["idx"], "wb") as out:
-            out.write(_HEADER.pack(INDEX_MAGIC, INDEX_VERSION, _CODE_OF_DTYPE[self.dtype],
-                                   self.num_sequences, self.num_documents + 1))
+            out.write(
+                _HEADER.pack(
+                    INDEX_MAGIC,
+                    INDEX_VERSION,
+                    _CODE_OF_DTYPE[self.dtype],
+                    self.num_sequences,
+                    self.num_documents + 1,
+                )
+            )
             with open(t["sizes"], "rb") as f:
                 shutil.copyfileobj(f, out, 16 << 20)
             # pointers[i] = itemsize * sum(sizes[:i]), streamed chunk by chunk
-            sizes = np.memmap(t["sizes"], np.int32, "r") if self.num_sequences else np.empty(0, np.int32)
+            sizes = (
+                np.memmap(t["sizes"], np.int32, "r")
+                if self.num_sequences
+                else np.empty(0, np.int32)
+            )
             base = 0
             for s in range(0, len(sizes), _CHUNK):
                 lens = sizes[s : s + _CHUNK].astype(np.int64) * self.dtype.itemsize
@@ -282,7 +303,9 @@ class IndexedDatasetWriter:
             self.abort()
 
 
-def merge_datasets(prefixes: list[str | os.PathLike], output_prefix: str | os.PathLike) -> IndexedDataset:
+def merge_datasets(
+    prefixes: list[str | os.PathLike], output_prefix: str | os.PathLike
+) -> IndexedDataset:
     """Join shards, in the given order, into ``<output_prefix>.bin/.idx`` and return it opened.
 
     The result is byte-identical to preprocessing the shards' concatenated input in one go.

@@ -35,16 +35,28 @@ class PretrainingSampler(torch.utils.data.Sampler[list[int]]):
             ``[0, total_samples]``.
     """
 
-    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
-                 data_parallel_rank: int, data_parallel_size: int):
+    def __init__(
+        self,
+        total_samples: int,
+        consumed_samples: int,
+        micro_batch_size: int,
+        data_parallel_rank: int,
+        data_parallel_size: int,
+    ):
         if micro_batch_size < 1 or data_parallel_size < 1:
-            raise ValueError(f"micro_batch_size ({micro_batch_size}) and data_parallel_size "
-                             f"({data_parallel_size}) must be >= 1")
+            raise ValueError(
+                f"micro_batch_size ({micro_batch_size}) and data_parallel_size "
+                f"({data_parallel_size}) must be >= 1"
+            )
         if not 0 <= data_parallel_rank < data_parallel_size:
-            raise ValueError(f"data_parallel_rank {data_parallel_rank} not in [0, {data_parallel_size})")
+            raise ValueError(
+                f"data_parallel_rank {data_parallel_rank} not in [0, {data_parallel_size})"
+            )
         if not 0 <= consumed_samples <= total_samples:
-            raise ValueError(f"consumed_samples {consumed_samples} not in [0, {total_samples}] "
-                             "(the dataset is too small for the run; build it with more samples)")
+            raise ValueError(
+                f"consumed_samples {consumed_samples} not in [0, {total_samples}] "
+                "(the dataset is too small for the run; build it with more samples)"
+            )
         self.total, self.consumed = total_samples, consumed_samples
         self.mbs, self.rank, self.dp = micro_batch_size, data_parallel_rank, data_parallel_size
 
@@ -80,9 +92,14 @@ def build_data_loader(
     Raises:
         ValueError: see :class:`PretrainingSampler`.
     """
-    sampler = PretrainingSampler(len(dataset), consumed_samples, micro_batch_size,
-                                 data_parallel_rank, data_parallel_size)
+    sampler = PretrainingSampler(
+        len(dataset), consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size
+    )
     return torch.utils.data.DataLoader(
-        dataset, batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
-        collate_fn=collate_tokens, persistent_workers=num_workers > 0,
+        dataset,
+        batch_sampler=sampler,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        collate_fn=collate_tokens,
+        persistent_workers=num_workers > 0,
     )

@@ -39,13 +39,17 @@ def resolve_prefixes(inputs: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="Merge indexed-dataset shards into one.")
-    p.add_argument("--input", nargs="+", required=True, help="shard prefixes or directories, in order")
+    p.add_argument(
+        "--input", nargs="+", required=True, help="shard prefixes or directories, in order"
+    )
     p.add_argument("--output-prefix", required=True, help="writes <prefix>.bin and <prefix>.idx")
     a = p.parse_args(argv)
     prefixes = resolve_prefixes(a.input)
     ds = merge_datasets(prefixes, a.output_prefix)
-    print(f"merged {len(prefixes)} shards into {a.output_prefix}: "
-          f"{len(ds.document_indices) - 1} documents, {ds.num_tokens} tokens")
+    print(
+        f"merged {len(prefixes)} shards into {a.output_prefix}: "
+        f"{len(ds.document_indices) - 1} documents, {ds.num_tokens} tokens"
+    )
 
 
 if __name__ == "__main__":

@@ -137,7 +137,9 @@ def preprocess(
     """
     keys = list(json_keys)
     if workers < 1 or chunk_documents < 1:
-        raise ValueError(f"workers ({workers}) and chunk_documents ({chunk_documents}) must be >= 1")
+        raise ValueError(
+            f"workers ({workers}) and chunk_documents ({chunk_documents}) must be >= 1"
+        )
     tok = Tokenizer(tokenizer_model)
     if append_eod:
         tok.eod  # noqa: B018 - raises now, not in a worker, when the model has no eos
@@ -159,10 +161,15 @@ def preprocess(
         for start in range(0, len(ds), chunk_documents):
             part = ds.select(range(start, min(start + chunk_documents, len(ds))))
             out = part.map(
-                encoder, batched=True, batch_size=1000, remove_columns=keys, features=features,
+                encoder,
+                batched=True,
+                batch_size=1000,
+                remove_columns=keys,
+                features=features,
                 num_proc=workers if workers > 1 and len(part) > 1 else None,
                 cache_file_name=os.path.join(scratch, f"chunk{start}.arrow"),
-                load_from_cache_file=False, new_fingerprint=uuid.uuid4().hex,
+                load_from_cache_file=False,
+                new_fingerprint=uuid.uuid4().hex,
             )
             for table in out.with_format("arrow").iter(batch_size=10_000):
                 for k in keys:
@@ -174,9 +181,11 @@ def preprocess(
                 f.unlink()
         for k, ks in stats.keys.items():
             if ks.documents == 0:
-                raise ValueError(f"empty result: no document for key {k!r} in {stats.rows} rows "
-                                 f"({ks.invalid} missing/null/non-string, {ks.empty} empty or blank); "
-                                 "nothing written")
+                raise ValueError(
+                    f"empty result: no document for key {k!r} in {stats.rows} rows "
+                    f"({ks.invalid} missing/null/non-string, {ks.empty} empty or blank); "
+                    "nothing written"
+                )
         for k, w in writers.items():
             w.finalize()
             stats.outputs[k] = w.prefix
@@ -190,8 +199,11 @@ def preprocess(
     stats.seconds = time.perf_counter() - t0
     skipped = {k: ks.invalid for k, ks in stats.keys.items() if ks.invalid}
     if skipped:
-        warnings.warn(f"skipped rows whose text is missing, null or not a string: {skipped} "
-                      f"(of {stats.rows} rows)", stacklevel=2)
+        warnings.warn(
+            f"skipped rows whose text is missing, null or not a string: {skipped} "
+            f"(of {stats.rows} rows)",
+            stacklevel=2,
+        )
     return stats
 
 
@@ -210,10 +222,14 @@ def _write_column(col, writer: IndexedDatasetWriter, ks: KeyStats) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--input", nargs="+", required=True, help="files/globs, a saved dataset dir, or a hub name")
+    p.add_argument(
+        "--input", nargs="+", required=True, help="files/globs, a saved dataset dir, or a hub name"
+    )
     p.add_argument("--dataset-config", default=None, help="hub dataset configuration")
     p.add_argument("--split", default="train", help="dataset split to read")
-    p.add_argument("--json-keys", nargs="+", default=["text"], help="text column(s), one output each")
+    p.add_argument(
+        "--json-keys", nargs="+", default=["text"], help="text column(s), one output each"
+    )
     p.add_argument("--tokenizer-model", required=True, help="sentencepiece .model file")
     p.add_argument("--output-prefix", required=True, help="writes <prefix>_<key>_document.bin/.idx")
     p.add_argument("--workers", type=int, default=1, help="tokenizer processes")
@@ -223,13 +239,28 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     a = p.parse_args(argv)
     datasets.disable_progress_bars()  # ours reports documents and tokens per second instead
-    s = preprocess(a.input, a.output_prefix, a.tokenizer_model, a.json_keys, a.workers, a.append_eod,
-                   a.dataset_config, a.split, a.cache_dir, a.chunk_documents, not a.no_progress)
+    s = preprocess(
+        a.input,
+        a.output_prefix,
+        a.tokenizer_model,
+        a.json_keys,
+        a.workers,
+        a.append_eod,
+        a.dataset_config,
+        a.split,
+        a.cache_dir,
+        a.chunk_documents,
+        not a.no_progress,
+    )
     for k, ks in s.keys.items():
-        print(f"{s.outputs[k]}: {ks.documents} documents, {ks.tokens} tokens "
-              f"({ks.invalid} invalid and {ks.empty} empty rows skipped)")
-    print(f"{s.rows} rows, {s.tokens} tokens in {s.seconds:.1f} s: "
-          f"{s.rows / s.seconds:.0f} docs/s, {s.tokens / s.seconds:.0f} tokens/s with {a.workers} worker(s)")
+        print(
+            f"{s.outputs[k]}: {ks.documents} documents, {ks.tokens} tokens "
+            f"({ks.invalid} invalid and {ks.empty} empty rows skipped)"
+        )
+    print(
+        f"{s.rows} rows, {s.tokens} tokens in {s.seconds:.1f} s: "
+        f"{s.rows / s.seconds:.0f} docs/s, {s.tokens / s.seconds:.0f} tokens/s with {a.workers} worker(s)"
+    )
 
 
 if __name__ == "__main__":

@@ -84,5 +84,7 @@ def _flag(ok: bool, group, timeout_s: float, waiting_for: str) -> bool:
     try:
         return _all_ok(ok, group)
     except RuntimeError as e:  # gloo reports a timeout (or a dead peer) as RuntimeError
-        raise TimeoutError(f"rank {dist.get_rank()}: waited up to {timeout_s:g} s for {waiting_for}; "
-                           f"a rank crashed or the build is slower than the timeout ({e})") from e
+        raise TimeoutError(
+            f"rank {dist.get_rank()}: waited up to {timeout_s:g} s for {waiting_for}; "
+            f"a rank crashed or the build is slower than the timeout ({e})"
+        ) from e

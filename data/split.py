@@ -27,7 +27,9 @@ def parse_split(split: str) -> tuple[float, float, float]:
     """
     fields = [f.strip() for f in split.split(",")]
     if not 1 <= len(fields) <= 3:
-        raise ValueError(f"--split {split!r}: expected 1 to 3 comma-separated numbers, got {len(fields)}")
+        raise ValueError(
+            f"--split {split!r}: expected 1 to 3 comma-separated numbers, got {len(fields)}"
+        )
     values = []
     for f in fields:
         if not _NUMBER.fullmatch(f):

@@ -23,8 +23,14 @@ from pathlib import Path
 import datasets
 
 _BUILDERS = (
-    (".jsonl.gz", "json"), (".json.gz", "json"), (".jsonl", "json"), (".json", "json"),
-    (".parquet", "parquet"), (".csv", "csv"), (".txt", "text"), (".txt.gz", "text"),
+    (".jsonl.gz", "json"),
+    (".json.gz", "json"),
+    (".jsonl", "json"),
+    (".json", "json"),
+    (".parquet", "parquet"),
+    (".csv", "csv"),
+    (".txt", "text"),
+    (".txt.gz", "text"),
 )
 
 
@@ -36,7 +42,12 @@ def _builder_for(path: str) -> str | None:
 
 
 def _looks_local(item: str) -> bool:
-    return os.sep in item or item.startswith(".") or _builder_for(item) is not None or any(c in item for c in "*?[")
+    return (
+        os.sep in item
+        or item.startswith(".")
+        or _builder_for(item) is not None
+        or any(c in item for c in "*?[")
+    )
 
 
 def load_text_dataset(
@@ -65,7 +76,11 @@ def load_text_dataset(
     if len(items) == 1 and Path(items[0]).is_dir():
         return _load_directory(items[0], split, cache_dir)
     if len(items) == 1 and not _looks_local(items[0]) and not Path(items[0]).exists():
-        return _pick_split(datasets.load_dataset(items[0], config, split=split, cache_dir=cache_dir), split, items[0])
+        return _pick_split(
+            datasets.load_dataset(items[0], config, split=split, cache_dir=cache_dir),
+            split,
+            items[0],
+        )
     files: list[str] = []
     for item in items:
         matches = sorted(glob.glob(item)) if any(c in item for c in "*?[") else [item]
@@ -79,12 +94,18 @@ def load_text_dataset(
         raise ValueError(f"unknown input format for {unknown}; use .jsonl/.json/.parquet/.csv/.txt")
     if len(builders) > 1:
         raise ValueError(f"inputs mix formats {sorted(builders)}; convert them to one format")
-    return datasets.load_dataset(builders.pop(), data_files=files, split="train", cache_dir=cache_dir)
+    return datasets.load_dataset(
+        builders.pop(), data_files=files, split="train", cache_dir=cache_dir
+    )
 
 
 def _load_directory(path: str, split: str, cache_dir: str | None) -> datasets.Dataset:
     p = Path(path)
-    if (p / "dataset_info.json").is_file() or (p / "dataset_dict.json").is_file() or (p / "state.json").is_file():
+    if (
+        (p / "dataset_info.json").is_file()
+        or (p / "dataset_dict.json").is_file()
+        or (p / "state.json").is_file()
+    ):
         return _pick_split(datasets.load_from_disk(path), split, path)
     return _pick_split(datasets.load_dataset(path, split=split, cache_dir=cache_dir), split, path)
 
@@ -101,7 +122,9 @@ def check_columns(ds: datasets.Dataset, keys: list[str]) -> None:
     """Raise KeyError naming the missing keys and the columns that do exist."""
     missing = [k for k in keys if k not in ds.column_names]
     if missing:
-        raise KeyError(f"json key(s) {missing} not in the dataset; its columns are {ds.column_names}")
+        raise KeyError(
+            f"json key(s) {missing} not in the dataset; its columns are {ds.column_names}"
+        )
 
 
 def iter_texts(ds: datasets.Dataset, keys: list[str], batch_size: int = 1000) -> Iterator[str]:

@@ -54,7 +54,9 @@ class Tokenizer:
             ValueError: the model was trained without an eos piece.
         """
         if self._eos < 0:
-            raise ValueError(f"tokenizer {self.model_path} has no eos piece to use as end-of-document")
+            raise ValueError(
+                f"tokenizer {self.model_path} has no eos piece to use as end-of-document"
+            )
         return self._eos
 
     def encode(self, texts: list[str], num_threads: int = 1) -> list[list[int]]:

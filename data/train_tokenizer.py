@@ -35,8 +35,13 @@ MAX_SENTENCE_BYTES = 4192  # sentencepiece's default max_sentence_length
 
 
 def validate_special_ids(
-    vocab_size: int, unk_id: int, bos_id: int, eos_id: int, pad_id: int,
-    user_defined_symbols: list[str], byte_fallback: bool,
+    vocab_size: int,
+    unk_id: int,
+    bos_id: int,
+    eos_id: int,
+    pad_id: int,
+    user_defined_symbols: list[str],
+    byte_fallback: bool,
 ) -> None:
     """Check special ids and symbols before training starts.
 
@@ -58,7 +63,9 @@ def validate_special_ids(
     for a in range(len(names)):
         for b in range(a + 1, len(names)):
             if ids[names[a]] >= 0 and ids[names[a]] == ids[names[b]]:
-                errors.append(f"{names[a]}={ids[names[a]]} collides with {names[b]}={ids[names[b]]}")
+                errors.append(
+                    f"{names[a]}={ids[names[a]]} collides with {names[b]}={ids[names[b]]}"
+                )
     seen = set()
     for s in user_defined_symbols:
         if not s:
@@ -68,10 +75,16 @@ def validate_special_ids(
         elif s in CONTROL_PIECES:
             errors.append(f"user-defined symbol {s!r} is a reserved special piece")
         seen.add(s)
-    needed = sum(i >= 0 for i in ids.values()) + len(user_defined_symbols) + (256 if byte_fallback else 0)
+    needed = (
+        sum(i >= 0 for i in ids.values())
+        + len(user_defined_symbols)
+        + (256 if byte_fallback else 0)
+    )
     if vocab_size <= needed:
-        errors.append(f"vocab_size={vocab_size} leaves no room for learned pieces after {needed} "
-                      "special, user-defined and byte-fallback pieces")
+        errors.append(
+            f"vocab_size={vocab_size} leaves no room for learned pieces after {needed} "
+            "special, user-defined and byte-fallback pieces"
+        )
     if errors:
         raise ValueError("invalid tokenizer specials: " + "; ".join(errors))
 
@@ -107,8 +120,12 @@ class SentenceStats:
     long_lines_split: int = 0
 
 
-def iter_sentences(texts: Iterable[str], stats: SentenceStats, max_bytes: int = MAX_SENTENCE_BYTES,
-                   max_documents: int | None = None) -> Iterator[str]:
+def iter_sentences(
+    texts: Iterable[str],
+    stats: SentenceStats,
+    max_bytes: int = MAX_SENTENCE_BYTES,
+    max_documents: int | None = None,
+) -> Iterator[str]:
     """Non-blank lines of each text, long ones split (counted in ``stats``)."""
     for text in texts:
         if max_documents is not None and stats.documents >= max_documents:
@@ -130,7 +147,10 @@ def train_tokenizer(
     model_type: str = "bpe",
     byte_fallback: bool = True,
     user_defined_symbols: list[str] | None = None,
-    unk_id: int = 0, bos_id: int = 1, eos_id: int = 2, pad_id: int = 3,
+    unk_id: int = 0,
+    bos_id: int = 1,
+    eos_id: int = 2,
+    pad_id: int = 3,
     character_coverage: float = 0.9995,
     input_sentence_size: int = 2_000_000,
     max_documents: int | None = None,
@@ -159,20 +179,36 @@ def train_tokenizer(
     try:
         spm.SentencePieceTrainer.Train(
             sentence_iterator=iter_sentences(texts, stats, MAX_SENTENCE_BYTES, max_documents),
-            model_writer=proto, vocab_size=vocab_size, model_type=model_type,
-            byte_fallback=byte_fallback, user_defined_symbols=symbols,
-            unk_id=unk_id, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id,
-            character_coverage=character_coverage, input_sentence_size=input_sentence_size,
-            shuffle_input_sentence=True, max_sentence_length=MAX_SENTENCE_BYTES,
-            normalization_rule_name="identity", remove_extra_whitespaces=False,
-            add_dummy_prefix=False, split_digits=True, allow_whitespace_only_pieces=True,
-            num_threads=num_threads, minloglevel=2,
+            model_writer=proto,
+            vocab_size=vocab_size,
+            model_type=model_type,
+            byte_fallback=byte_fallback,
+            user_defined_symbols=symbols,
+            unk_id=unk_id,
+            bos_id=bos_id,
+            eos_id=eos_id,
+            pad_id=pad_id,
+            character_coverage=character_coverage,
+            input_sentence_size=input_sentence_size,
+            shuffle_input_sentence=True,
+            max_sentence_length=MAX_SENTENCE_BYTES,
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            add_dummy_prefix=False,
+            split_digits=True,
+            allow_whitespace_only_pieces=True,
+            num_threads=num_threads,
+            minloglevel=2,
         )
     except RuntimeError as e:
         if stats.sentences == 0:
-            raise ValueError("no text to train the tokenizer on (every document empty or skipped)") from e
-        raise ValueError(f"sentencepiece training failed (vocab_size={vocab_size}, "
-                         f"model_type={model_type}, {stats.sentences} lines): {e}") from e
+            raise ValueError(
+                "no text to train the tokenizer on (every document empty or skipped)"
+            ) from e
+        raise ValueError(
+            f"sentencepiece training failed (vocab_size={vocab_size}, "
+            f"model_type={model_type}, {stats.sentences} lines): {e}"
+        ) from e
     prefix = Path(os.fspath(model_prefix))
     prefix.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(f"{prefix}.model.tmp{os.getpid()}")
@@ -187,7 +223,9 @@ def train_tokenizer(
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--input", nargs="+", required=True, help="files/globs, a saved dataset dir, or a hub name")
+    p.add_argument(
+        "--input", nargs="+", required=True, help="files/globs, a saved dataset dir, or a hub name"
+    )
     p.add_argument("--dataset-config", default=None, help="hub dataset configuration")
     p.add_argument("--split", default="train", help="dataset split to read")
     p.add_argument("--json-keys", nargs="+", default=["text"], help="text column(s)")
@@ -201,25 +239,49 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--eos-id", type=int, default=2, help="also the end-of-document id")
     p.add_argument("--pad-id", type=int, default=3, help="-1 disables")
     p.add_argument("--character-coverage", type=float, default=0.9995)
-    p.add_argument("--input-sentence-size", type=int, default=2_000_000, help="lines sampled; 0 = all")
-    p.add_argument("--max-documents", type=int, default=None, help="read at most this many documents")
+    p.add_argument(
+        "--input-sentence-size", type=int, default=2_000_000, help="lines sampled; 0 = all"
+    )
+    p.add_argument(
+        "--max-documents", type=int, default=None, help="read at most this many documents"
+    )
     p.add_argument("--num-threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--cache-dir", default=None, help="datasets cache directory")
     a = p.parse_args(argv)
     # Fail on bad specials before the (possibly long) corpus load.
-    validate_special_ids(a.vocab_size, a.unk_id, a.bos_id, a.eos_id, a.pad_id,
-                         a.user_defined_symbols, a.byte_fallback)
+    validate_special_ids(
+        a.vocab_size,
+        a.unk_id,
+        a.bos_id,
+        a.eos_id,
+        a.pad_id,
+        a.user_defined_symbols,
+        a.byte_fallback,
+    )
     ds = load_text_dataset(a.input, config=a.dataset_config, split=a.split, cache_dir=a.cache_dir)
     t0 = time.perf_counter()
     stats = train_tokenizer(
-        iter_texts(ds, a.json_keys), a.model_prefix, a.vocab_size, a.model_type, a.byte_fallback,
-        a.user_defined_symbols, a.unk_id, a.bos_id, a.eos_id, a.pad_id, a.character_coverage,
-        a.input_sentence_size, a.max_documents, a.num_threads,
+        iter_texts(ds, a.json_keys),
+        a.model_prefix,
+        a.vocab_size,
+        a.model_type,
+        a.byte_fallback,
+        a.user_defined_symbols,
+        a.unk_id,
+        a.bos_id,
+        a.eos_id,
+        a.pad_id,
+        a.character_coverage,
+        a.input_sentence_size,
+        a.max_documents,
+        a.num_threads,
     )
-    print(f"trained {a.model_type} tokenizer, vocab {a.vocab_size}, from {stats.documents} documents / "
-          f"{stats.sentences} lines in {time.perf_counter() - t0:.1f} s; "
-          f"{stats.long_lines_split} lines longer than {MAX_SENTENCE_BYTES} bytes were split; "
-          f"wrote {a.model_prefix}.model")
+    print(
+        f"trained {a.model_type} tokenizer, vocab {a.vocab_size}, from {stats.documents} documents / "
+        f"{stats.sentences} lines in {time.perf_counter() - t0:.1f} s; "
+        f"{stats.long_lines_split} lines longer than {MAX_SENTENCE_BYTES} bytes were split; "
+        f"wrote {a.model_prefix}.model"
+    )
 
 
 if __name__ == "__main__":

@@ -41,18 +41,35 @@ def main() -> None:
         (d / "corpus.jsonl").write_text(lines * a.copies, encoding="utf-8")
         texts = [json.loads(x)["text"] for x in lines.splitlines()]
         train_tokenizer(texts, d / "tok", a.vocab_size)
-        print(f"corpus: {docs * a.copies} documents, {nbytes * a.copies / 1e6:.1f} MB; vocab {a.vocab_size}")
-        preprocess([str(d / "corpus.jsonl")], d / "warm", d / "tok.model", progress=False, cache_dir=str(d / "hf"))
+        print(
+            f"corpus: {docs * a.copies} documents, {nbytes * a.copies / 1e6:.1f} MB; vocab {a.vocab_size}"
+        )
+        preprocess(
+            [str(d / "corpus.jsonl")],
+            d / "warm",
+            d / "tok.model",
+            progress=False,
+            cache_dir=str(d / "hf"),
+        )
         for w in a.workers:
             best = None
             for _ in range(a.repeat):
                 t0 = time.perf_counter()
-                s = preprocess([str(d / "corpus.jsonl")], d / f"w{w}", d / "tok.model", workers=w,
-                               append_eod=True, progress=False, cache_dir=str(d / "hf"))
+                s = preprocess(
+                    [str(d / "corpus.jsonl")],
+                    d / f"w{w}",
+                    d / "tok.model",
+                    workers=w,
+                    append_eod=True,
+                    progress=False,
+                    cache_dir=str(d / "hf"),
+                )
                 dt = time.perf_counter() - t0
                 best = dt if best is None else min(best, dt)
-            print(f"workers={w}: {s.tokens} tokens in {best:.2f} s -> {s.tokens / best:,.0f} tokens/s, "
-                  f"{s.rows / best:,.0f} docs/s")
+            print(
+                f"workers={w}: {s.tokens} tokens in {best:.2f} s -> {s.tokens / best:,.0f} tokens/s, "
+                f"{s.rows / best:,.0f} docs/s"
+            )
 
 
 if __name__ == "__main__":

@@ -18,7 +18,9 @@ def write_jsonl(path: Path, rows: list) -> Path:
     """Write rows (dicts, or strings that become ``{"text": s}``) as jsonl; return the path."""
     with open(path, "w", encoding="utf-8") as f:
         for r in rows:
-            f.write(json.dumps(r if isinstance(r, dict) else {"text": r}, ensure_ascii=False) + "\n")
+            f.write(
+                json.dumps(r if isinstance(r, dict) else {"text": r}, ensure_ascii=False) + "\n"
+            )
     return path
 
 
@@ -48,6 +50,7 @@ def write_token_dataset(prefix: Path, docs: list[list[int]], dtype=np.uint16) ->
 
 
 # ---- functions run on every rank of a spawned world (module level so spawn can import them)
+
 
 def world_build_and_load(rank: int, world_size: int, prefix: str, cache_dir: str) -> dict:
     """Build datasets rank-0-first, load batches, and exercise the failure and timeout paths."""

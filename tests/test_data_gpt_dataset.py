@@ -48,11 +48,15 @@ def test_epochs_seed_and_cache(prefix, tmp_path, monkeypatch):
     epochs = len(train.doc_idx) // len(DOCS)
     assert epochs == -(-(100 * 16 + 1) // tokens) and len(train) >= 100
     for e in range(epochs):  # each epoch is a fresh permutation of all documents
-        assert sorted(train.doc_idx[e * len(DOCS) : (e + 1) * len(DOCS)].tolist()) == list(range(len(DOCS)))
+        assert sorted(train.doc_idx[e * len(DOCS) : (e + 1) * len(DOCS)].tolist()) == list(
+            range(len(DOCS))
+        )
     full = ((epochs - 1) * tokens - 1) // 16  # samples of the complete epochs come first
     assert sorted(train.shuffle_idx[:full].tolist()) == list(range(full))
-    assert np.array_equal(_stream(train)[: len(train) * 16],
-                          np.concatenate([train.unshuffled_tokens(j)[:-1] for j in range(len(train))]))
+    assert np.array_equal(
+        _stream(train)[: len(train) * 16],
+        np.concatenate([train.unshuffled_tokens(j)[:-1] for j in range(len(train))]),
+    )
     cache = tmp_path / "cache" / "GPTDataset_indices"
     assert len(list(cache.glob("*-GPTDataset-train-*.npy"))) == 3
 
@@ -61,7 +65,9 @@ def test_epochs_seed_and_cache(prefix, tmp_path, monkeypatch):
 
     monkeypatch.setattr(gpt, "build_sample_indices", no_rebuild)
     again, _, _ = build_gpt_datasets([prefix], "1", 16, 5, (100, 0, 0))  # same settings: cache hit
-    assert [again[i]["tokens"].tolist() for i in range(20)] == [train[i]["tokens"].tolist() for i in range(20)]
+    assert [again[i]["tokens"].tolist() for i in range(20)] == [
+        train[i]["tokens"].tolist() for i in range(20)
+    ]
     with pytest.raises(AssertionError, match="rebuilt"):  # another seed: another cache entry
         build_gpt_datasets([prefix], "1", 16, 6, (100, 0, 0))
     monkeypatch.undo()

@@ -41,7 +41,9 @@ def test_loader_batches_resume_and_tp_copies(train):
     resumed = list(build_data_loader(train, 12, 2, 1, 2))  # 3 global micro-batches consumed
     assert len(resumed) == len(full) - 3
     assert all(torch.equal(a, b) for a, b in zip(resumed, full[3:], strict=True))
-    tp_copy = list(build_data_loader(train, 0, 2, 1, 2, num_workers=1))  # same dp rank, other TP rank
+    tp_copy = list(
+        build_data_loader(train, 0, 2, 1, 2, num_workers=1)
+    )  # same dp rank, other TP rank
     assert all(torch.equal(a, b) for a, b in zip(tp_copy, full, strict=True))
     other = list(build_data_loader(train, 0, 2, 0, 2))
     assert not any(torch.equal(a, b) for a, b in zip(other, full, strict=True))
@@ -55,11 +57,18 @@ def test_two_rank_world_builds_once_and_never_hangs(tmp_path):
     r0, r1 = spawn_world(2, world_build_and_load, prefix, str(tmp_path / "cache"), timeout_s=60)
     assert r0["train_len"] == r1["train_len"] and r0["shuffle"] == r1["shuffle"]
     assert len(r0["batches"]) == len(r1["batches"]) > 0
-    assert not {tuple(map(tuple, b)) for b in r0["batches"]} & {tuple(map(tuple, b)) for b in r1["batches"]}
-    assert len(list((tmp_path / "cache").glob("*-GPTDataset-*.npy"))) == 6  # train + valid, built once
+    assert not {tuple(map(tuple, b)) for b in r0["batches"]} & {
+        tuple(map(tuple, b)) for b in r1["batches"]
+    }
+    assert (
+        len(list((tmp_path / "cache").glob("*-GPTDataset-*.npy"))) == 6
+    )  # train + valid, built once
     assert r0["missing"].startswith("FileNotFoundError") and "_missing" in r0["missing"]
     assert r1["missing"].startswith("RuntimeError: rank 0 failed to build GPT dataset indices")
-    assert r1["slow"].startswith("TimeoutError") and "waited up to 1.5 s for rank 0 to build a slow build" in r1["slow"]
+    assert (
+        r1["slow"].startswith("TimeoutError")
+        and "waited up to 1.5 s for rank 0 to build a slow build" in r1["slow"]
+    )
     assert r1["slow_s"] < 10
     assert r0["slow"].startswith("TimeoutError")  # rank 0 learns that its peer gave up
     assert len(r0["batches"][0]) == 2

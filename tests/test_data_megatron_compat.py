@@ -16,10 +16,14 @@ def _megatron_reader():
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            from megatron.core.datasets.indexed_dataset import IndexedDataset as MegatronIndexedDataset
+            from megatron.core.datasets.indexed_dataset import (
+                IndexedDataset as MegatronIndexedDataset,
+            )
     except Exception as e:  # ImportError, or a megatron-core that fails to import on this torch
-        pytest.skip(f"megatron-core is not importable here ({type(e).__name__}: {e}); "
-                    "install megatron-core>=0.16 to run this check")
+        pytest.skip(
+            f"megatron-core is not importable here ({type(e).__name__}: {e}); "
+            "install megatron-core>=0.16 to run this check"
+        )
     return MegatronIndexedDataset
 
 

@@ -21,10 +21,19 @@ def tok(tmp_path_factory) -> Tokenizer:
     return Tokenizer(tiny_tokenizer(tmp_path_factory.mktemp("tok")))
 
 
-@pytest.mark.parametrize("text", [
-    "é😀 ok", "汉字と仮名、한국어", "e\u0301 a\u0308\u0323 n\u0303", "🧑‍🤝‍🧑 family", "  two  spaces\n\nand\ttabs ",
-    "", "\x00\x7f control", "<|sep|> user symbol",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "é😀 ok",
+        "汉字と仮名、한국어",
+        "e\u0301 a\u0308\u0323 n\u0303",
+        "🧑‍🤝‍🧑 family",
+        "  two  spaces\n\nand\ttabs ",
+        "",
+        "\x00\x7f control",
+        "<|sep|> user symbol",
+    ],
+)
 def test_byte_fallback_round_trips(tok, text):
     (ids,) = tok.encode([text])
     assert tok.decode(ids) == text
@@ -41,17 +50,30 @@ def test_wrapper_ids_and_batches(tok):
         tok.encode("not a list")
 
 
-@pytest.mark.parametrize("kwargs, words", [
-    ({"pad_id": 0}, ["unk_id=0 collides with pad_id=0"]),
-    ({"bos_id": 2, "pad_id": 2}, ["bos_id=2 collides with eos_id=2", "bos_id=2 collides with pad_id=2"]),
-    ({"eos_id": 900}, ["eos_id=900 is outside"]),
-    ({"symbols": ["<s>"]}, ["'<s>' is a reserved"]),
-    ({"symbols": ["a", "a"]}, ["'a' is given twice"]),
-    ({"vocab_size": 260}, ["leaves no room"]),
-])
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"pad_id": 0}, ["unk_id=0 collides with pad_id=0"]),
+        (
+            {"bos_id": 2, "pad_id": 2},
+            ["bos_id=2 collides with eos_id=2", "bos_id=2 collides with pad_id=2"],
+        ),
+        ({"eos_id": 900}, ["eos_id=900 is outside"]),
+        ({"symbols": ["<s>"]}, ["'<s>' is a reserved"]),
+        ({"symbols": ["a", "a"]}, ["'a' is given twice"]),
+        ({"vocab_size": 260}, ["leaves no room"]),
+    ],
+)
 def test_special_ids_are_validated(kwargs, words):
-    args = {"vocab_size": 600, "unk_id": 0, "bos_id": 1, "eos_id": 2, "pad_id": 3, "symbols": [],
-            "byte_fallback": True} | kwargs
+    args = {
+        "vocab_size": 600,
+        "unk_id": 0,
+        "bos_id": 1,
+        "eos_id": 2,
+        "pad_id": 3,
+        "symbols": [],
+        "byte_fallback": True,
+    } | kwargs
     symbols = args.pop("symbols")
     with pytest.raises(ValueError) as e:
         validate_special_ids(user_defined_symbols=symbols, **args)
@@ -62,7 +84,9 @@ def test_special_ids_are_validated(kwargs, words):
 def test_long_lines_are_split_not_dropped():
     line = ("wörd " * 2000).strip()  # 12k bytes
     parts = split_long_line(line, 4192)
-    assert "".join(parts) == line and all(len(p.encode()) <= 4192 for p in parts) and len(parts) == 3
+    assert (
+        "".join(parts) == line and all(len(p.encode()) <= 4192 for p in parts) and len(parts) == 3
+    )
     emoji = "😀" * 2000  # no spaces, 4-byte characters: cut between characters
     assert "".join(split_long_line(emoji, 4190)) == emoji
     stats = SentenceStats()
@@ -72,8 +96,20 @@ def test_long_lines_are_split_not_dropped():
 
 def test_unigram_and_cli(tmp_path, capsys):
     corpus = tiny_corpus(tmp_path)
-    main(["--input", str(corpus), "--vocab-size", "500", "--model-type", "unigram",
-          "--model-prefix", str(tmp_path / "uni"), "--num-threads", "1"])
+    main(
+        [
+            "--input",
+            str(corpus),
+            "--vocab-size",
+            "500",
+            "--model-type",
+            "unigram",
+            "--model-prefix",
+            str(tmp_path / "uni"),
+            "--num-threads",
+            "1",
+        ]
+    )
     assert "lines longer than 4192 bytes were split" in capsys.readouterr().out
     tok = Tokenizer(tmp_path / "uni.model")
     assert tok.vocab_size == 500 and tok.decode(tok.encode(["ünïcode 😀"])) == ["ünïcode 😀"]
