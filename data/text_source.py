@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -41,12 +42,16 @@ def _builder_for(path: str) -> str | None:
     return None
 
 
-def _looks_local(item: str) -> bool:
+_HUB_NAME = re.compile(r"[\w.-]+(/[\w.-]+)?")
+
+
+def _is_hub_name(item: str) -> bool:
+    """``name`` or ``owner/name`` that is no local path and has no file extension we read."""
     return (
-        os.sep in item
-        or item.startswith(".")
-        or _builder_for(item) is not None
-        or any(c in item for c in "*?[")
+        bool(_HUB_NAME.fullmatch(item))
+        and not item.startswith(".")
+        and _builder_for(item) is None
+        and not Path(item).exists()
     )
 
 
@@ -75,12 +80,14 @@ def load_text_dataset(
         raise ValueError("no input given")
     if len(items) == 1 and Path(items[0]).is_dir():
         return _load_directory(items[0], split, cache_dir)
-    if len(items) == 1 and not _looks_local(items[0]) and not Path(items[0]).exists():
-        return _pick_split(
-            datasets.load_dataset(items[0], config, split=split, cache_dir=cache_dir),
-            split,
-            items[0],
-        )
+    if len(items) == 1 and _is_hub_name(items[0]):
+        try:
+            ds = datasets.load_dataset(items[0], config, split=split, cache_dir=cache_dir)
+        except Exception as e:  # offline, unknown name, ...: name both readings of the input
+            raise FileNotFoundError(
+                f"{items[0]!r} is neither a local path nor a loadable hub dataset: {e}"
+            ) from e
+        return _pick_split(ds, split, items[0])
     files: list[str] = []
     for item in items:
         matches = sorted(glob.glob(item)) if any(c in item for c in "*?[") else [item]
