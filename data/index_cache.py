@@ -1,0 +1,72 @@
+"""On-disk cache of index arrays (``.npy``) keyed by a hash of the settings that produce them.
+
+A cache entry is ``<dir>/<md5>-<kind>-<array>.npy`` for each array, plus
+``<md5>-<kind>-description.json`` holding the settings in clear, where ``md5`` hashes that
+description. Any change of settings (data file, split, seq_length, seed, sample count, format
+version) gives a new name, so a stale entry is never read. Files are written under unique
+temporary names and renamed into place, so concurrent builders (several ranks or nodes) are
+safe and a reader never sees a half-written array. Entries are loaded memory-mapped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+
+def cache_key(description: dict) -> str:
+    """md5 hex digest of the description as canonical JSON."""
+    return hashlib.md5(json.dumps(description, sort_keys=True).encode()).hexdigest()
+
+
+def _atomic_write(path: Path, write: Callable) -> None:
+    tmp = path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def load_or_build(
+    cache_dir: str | os.PathLike,
+    kind: str,
+    description: dict,
+    names: tuple[str, ...],
+    build: Callable[[], dict[str, np.ndarray]],
+) -> dict[str, np.ndarray]:
+    """The arrays ``names`` from the cache, after building and saving them if absent.
+
+    Args:
+        cache_dir: directory of the cache (created if needed).
+        kind: readable part of the file names, e.g. ``"GPTDataset-train"``.
+        description: JSON-serialisable settings that fully determine the arrays.
+        names: the arrays ``build`` returns.
+        build: computes ``{name: array}``; called only on a cache miss.
+
+    Returns:
+        ``{name: array}``, memory-mapped read-only from the cache files.
+
+    Raises:
+        OSError: the cache directory cannot be created or written (pass another one).
+    """
+    base = Path(cache_dir)
+    stem = f"{cache_key(description)}-{kind}"
+    paths = {n: base / f"{stem}-{n}.npy" for n in names}
+    if not all(p.is_file() for p in paths.values()):
+        base.mkdir(parents=True, exist_ok=True)
+        arrays = build()
+        for n, p in paths.items():
+            _atomic_write(
+                p, lambda f, a=arrays[n]: np.save(f, np.ascontiguousarray(a), allow_pickle=False)
+            )
+        text = json.dumps(description, sort_keys=True, indent=1).encode()
+        _atomic_write(base / f"{stem}-description.json", lambda f: f.write(text))
+    return {n: np.load(p, mmap_mode="r", allow_pickle=False) for n, p in paths.items()}

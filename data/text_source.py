@@ -1,0 +1,144 @@
+"""Open a text corpus through Hugging Face ``datasets``: local files, a saved dataset, or the hub.
+
+Shared by tokenizer training and preprocessing so that both accept the same ``--input``:
+
+* local files, by extension: ``.jsonl``/``.json`` (optionally ``.gz``), ``.parquet``,
+  ``.csv``, ``.txt`` (one row per line, column ``text``); several files (or a glob) are read
+  as one dataset, in the order given;
+* a directory written by ``Dataset.save_to_disk`` (a ``DatasetDict`` takes ``split``);
+* any other directory is handed to ``datasets.load_dataset`` as a data directory;
+* anything else is a hub name (``name`` with ``config`` and ``split``), which needs network.
+
+Local files are converted to Arrow once (memory-mapped afterwards), so nothing here holds the
+corpus in memory.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import datasets
+
+_BUILDERS = (
+    (".jsonl.gz", "json"),
+    (".json.gz", "json"),
+    (".jsonl", "json"),
+    (".json", "json"),
+    (".parquet", "parquet"),
+    (".csv", "csv"),
+    (".txt", "text"),
+    (".txt.gz", "text"),
+)
+
+
+def _builder_for(path: str) -> str | None:
+    for ext, builder in _BUILDERS:
+        if path.endswith(ext):
+            return builder
+    return None
+
+
+_HUB_NAME = re.compile(r"[\w.-]+(/[\w.-]+)?")
+
+
+def _is_hub_name(item: str) -> bool:
+    """``name`` or ``owner/name`` that is no local path and has no file extension we read."""
+    return (
+        bool(_HUB_NAME.fullmatch(item))
+        and not item.startswith(".")
+        and _builder_for(item) is None
+        and not Path(item).exists()
+    )
+
+
+def load_text_dataset(
+    inputs: list[str] | str,
+    *,
+    config: str | None = None,
+    split: str = "train",
+    cache_dir: str | None = None,
+) -> datasets.Dataset:
+    """Open ``inputs`` as one ``datasets.Dataset``.
+
+    Args:
+        inputs: file paths/globs (all of one format), one saved-dataset directory, or one hub
+            dataset name.
+        config: hub dataset configuration name.
+        split: split to read (hub datasets and saved ``DatasetDict`` directories).
+        cache_dir: where ``datasets`` keeps its Arrow cache (its default when None).
+
+    Raises:
+        FileNotFoundError: a local path or glob matches nothing (it is named).
+        ValueError: files of mixed or unknown formats, or a missing split.
+    """
+    items = [inputs] if isinstance(inputs, str | os.PathLike) else [os.fspath(i) for i in inputs]
+    if not items:
+        raise ValueError("no input given")
+    if len(items) == 1 and Path(items[0]).is_dir():
+        return _load_directory(items[0], split, cache_dir)
+    if len(items) == 1 and _is_hub_name(items[0]):
+        try:
+            ds = datasets.load_dataset(items[0], config, split=split, cache_dir=cache_dir)
+        except Exception as e:  # offline, unknown name, ...: name both readings of the input
+            raise FileNotFoundError(
+                f"{items[0]!r} is neither a local path nor a loadable hub dataset: {e}"
+            ) from e
+        return _pick_split(ds, split, items[0])
+    files: list[str] = []
+    for item in items:
+        matches = sorted(glob.glob(item)) if any(c in item for c in "*?[") else [item]
+        if not matches or not all(Path(m).is_file() for m in matches):
+            missing = item if not matches else next(m for m in matches if not Path(m).is_file())
+            raise FileNotFoundError(f"input file not found: {missing}")
+        files.extend(matches)
+    builders = {_builder_for(f) for f in files}
+    if None in builders:
+        unknown = [f for f in files if _builder_for(f) is None]
+        raise ValueError(f"unknown input format for {unknown}; use .jsonl/.json/.parquet/.csv/.txt")
+    if len(builders) > 1:
+        raise ValueError(f"inputs mix formats {sorted(builders)}; convert them to one format")
+    return datasets.load_dataset(
+        builders.pop(), data_files=files, split="train", cache_dir=cache_dir
+    )
+
+
+def _load_directory(path: str, split: str, cache_dir: str | None) -> datasets.Dataset:
+    p = Path(path)
+    if (
+        (p / "dataset_info.json").is_file()
+        or (p / "dataset_dict.json").is_file()
+        or (p / "state.json").is_file()
+    ):
+        return _pick_split(datasets.load_from_disk(path), split, path)
+    return _pick_split(datasets.load_dataset(path, split=split, cache_dir=cache_dir), split, path)
+
+
+def _pick_split(ds, split: str, name: str) -> datasets.Dataset:
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise ValueError(f"{name} has no split {split!r}; it has {sorted(ds)}")
+        return ds[split]
+    return ds
+
+
+def check_columns(ds: datasets.Dataset, keys: list[str]) -> None:
+    """Raise KeyError naming the missing keys and the columns that do exist."""
+    missing = [k for k in keys if k not in ds.column_names]
+    if missing:
+        raise KeyError(
+            f"json key(s) {missing} not in the dataset; its columns are {ds.column_names}"
+        )
+
+
+def iter_texts(ds: datasets.Dataset, keys: list[str], batch_size: int = 1000) -> Iterator[str]:
+    """Yield every valid text of ``keys``, row by row; null or non-string values are skipped."""
+    check_columns(ds, keys)
+    for batch in ds.select_columns(keys).iter(batch_size=batch_size):
+        for key in keys:
+            for text in batch[key]:
+                if isinstance(text, str):
+                    yield text

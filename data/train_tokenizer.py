@@ -1,0 +1,288 @@
+"""Train a sentencepiece tokenizer (BPE or unigram) on a corpus: ``python -m data.train_tokenizer``.
+
+Example::
+
+    python -m data.train_tokenizer --input corpus.jsonl --json-keys text \\
+        --vocab-size 8000 --model-type bpe --model-prefix runs/tok/spm   # writes runs/tok/spm.model
+
+The model is built so that any text round-trips exactly: byte fallback (on by default: a
+character outside the vocabulary becomes its UTF-8 bytes, never ``<unk>``), no Unicode
+normalisation, and whitespace kept as it is. Digits are split one per token.
+
+sentencepiece reads *sentences*: documents are cut at newlines, and a line longer than its
+``max_sentence_length`` (bytes), which sentencepiece would silently drop, is cut into pieces
+at whitespace where possible; the number of cut lines is reported. For a large corpus
+``--input-sentence-size`` samples that many lines (sentencepiece's reservoir sampling) and
+``--max-documents`` stops reading early.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import sentencepiece as spm
+
+from data.text_source import iter_texts, load_text_dataset
+
+CONTROL_PIECES = ("<unk>", "<s>", "</s>", "<pad>")
+MAX_SENTENCE_BYTES = 4192  # sentencepiece's default max_sentence_length
+
+
+def validate_special_ids(
+    vocab_size: int,
+    unk_id: int,
+    bos_id: int,
+    eos_id: int,
+    pad_id: int,
+    user_defined_symbols: list[str],
+    byte_fallback: bool,
+) -> None:
+    """Check special ids and symbols before training starts.
+
+    ``unk_id`` is required; bos/eos/pad may be -1 (disabled). Ids must be distinct and below
+    ``vocab_size``, and the vocabulary must have room for specials, user symbols and the 256
+    byte pieces of byte fallback.
+
+    Raises:
+        ValueError: naming every colliding pair, the out-of-range id or the duplicated symbol.
+    """
+    ids = {"unk_id": unk_id, "bos_id": bos_id, "eos_id": eos_id, "pad_id": pad_id}
+    if unk_id < 0:
+        raise ValueError("unk_id must be >= 0: sentencepiece always needs an <unk> piece")
+    errors = []
+    for name, i in ids.items():
+        if i < -1 or i >= vocab_size:
+            errors.append(f"{name}={i} is outside [0, vocab_size={vocab_size}) (use -1 to disable)")
+    names = list(ids)
+    for a in range(len(names)):
+        for b in range(a + 1, len(names)):
+            if ids[names[a]] >= 0 and ids[names[a]] == ids[names[b]]:
+                errors.append(
+                    f"{names[a]}={ids[names[a]]} collides with {names[b]}={ids[names[b]]}"
+                )
+    seen = set()
+    for s in user_defined_symbols:
+        if not s:
+            errors.append("an empty user-defined symbol")
+        elif s in seen:
+            errors.append(f"user-defined symbol {s!r} is given twice")
+        elif s in CONTROL_PIECES:
+            errors.append(f"user-defined symbol {s!r} is a reserved special piece")
+        seen.add(s)
+    needed = (
+        sum(i >= 0 for i in ids.values())
+        + len(user_defined_symbols)
+        + (256 if byte_fallback else 0)
+    )
+    if vocab_size <= needed:
+        errors.append(
+            f"vocab_size={vocab_size} leaves no room for learned pieces after {needed} "
+            "special, user-defined and byte-fallback pieces"
+        )
+    if errors:
+        raise ValueError("invalid tokenizer specials: " + "; ".join(errors))
+
+
+def split_long_line(line: str, max_bytes: int = MAX_SENTENCE_BYTES) -> list[str]:
+    """Cut ``line`` into pieces of at most ``max_bytes`` UTF-8 bytes, at whitespace if possible.
+
+    Never splits a character; pieces joined back give ``line``.
+    """
+    raw = line.encode("utf-8")
+    if len(raw) <= max_bytes:
+        return [line]
+    out = []
+    while len(raw) > max_bytes:
+        cut = max_bytes
+        while cut > 0 and (raw[cut] & 0xC0) == 0x80:  # do not cut inside a UTF-8 sequence
+            cut -= 1
+        space = raw.rfind(b" ", max_bytes // 2, cut)
+        if space > 0:
+            cut = space
+        out.append(raw[:cut].decode("utf-8"))
+        raw = raw[cut:]
+    out.append(raw.decode("utf-8"))
+    return out
+
+
+@dataclass
+class SentenceStats:
+    """What :func:`iter_sentences` saw (filled while iterating)."""
+
+    documents: int = 0
+    sentences: int = 0
+    long_lines_split: int = 0
+
+
+def iter_sentences(
+    texts: Iterable[str],
+    stats: SentenceStats,
+    max_bytes: int = MAX_SENTENCE_BYTES,
+    max_documents: int | None = None,
+) -> Iterator[str]:
+    """Non-blank lines of each text, long ones split (counted in ``stats``)."""
+    for text in texts:
+        if max_documents is not None and stats.documents >= max_documents:
+            return
+        stats.documents += 1
+        for line in text.split("\n"):
+            if not line.strip():
+                continue
+            parts = split_long_line(line, max_bytes)
+            stats.long_lines_split += len(parts) > 1
+            stats.sentences += len(parts)
+            yield from parts
+
+
+def train_tokenizer(
+    texts: Iterable[str],
+    model_prefix: str | os.PathLike,
+    vocab_size: int,
+    model_type: str = "bpe",
+    byte_fallback: bool = True,
+    user_defined_symbols: list[str] | None = None,
+    unk_id: int = 0,
+    bos_id: int = 1,
+    eos_id: int = 2,
+    pad_id: int = 3,
+    character_coverage: float = 0.9995,
+    input_sentence_size: int = 2_000_000,
+    max_documents: int | None = None,
+    num_threads: int = 1,
+) -> SentenceStats:
+    """Train and write ``<model_prefix>.model`` (and ``.vocab``); return what was read.
+
+    Args:
+        texts: documents (any iterable of strings).
+        vocab_size: total ids including specials and byte pieces.
+        model_type: ``"bpe"`` or ``"unigram"``.
+        input_sentence_size: lines sampled for training (0: all).
+        max_documents: stop reading after this many documents (None: all).
+
+    Raises:
+        ValueError: bad specials (see :func:`validate_special_ids`), an unknown model type, or
+            a corpus with no text; sentencepiece's own error (vocabulary too large for the
+            corpus, say) is re-raised as ValueError with the setting named.
+    """
+    if model_type not in ("bpe", "unigram"):
+        raise ValueError(f"model_type must be 'bpe' or 'unigram', got {model_type!r}")
+    symbols = list(user_defined_symbols or [])
+    validate_special_ids(vocab_size, unk_id, bos_id, eos_id, pad_id, symbols, byte_fallback)
+    stats = SentenceStats()
+    proto = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.Train(
+            sentence_iterator=iter_sentences(texts, stats, MAX_SENTENCE_BYTES, max_documents),
+            model_writer=proto,
+            vocab_size=vocab_size,
+            model_type=model_type,
+            byte_fallback=byte_fallback,
+            user_defined_symbols=symbols,
+            unk_id=unk_id,
+            bos_id=bos_id,
+            eos_id=eos_id,
+            pad_id=pad_id,
+            character_coverage=character_coverage,
+            input_sentence_size=input_sentence_size,
+            shuffle_input_sentence=True,
+            max_sentence_length=MAX_SENTENCE_BYTES,
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            add_dummy_prefix=False,
+            split_digits=True,
+            allow_whitespace_only_pieces=True,
+            num_threads=num_threads,
+            minloglevel=2,
+        )
+    except RuntimeError as e:
+        if stats.sentences == 0:
+            raise ValueError(
+                "no text to train the tokenizer on (every document empty or skipped)"
+            ) from e
+        raise ValueError(
+            f"sentencepiece training failed (vocab_size={vocab_size}, "
+            f"model_type={model_type}, {stats.sentences} lines): {e}"
+        ) from e
+    prefix = Path(os.fspath(model_prefix))
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(f"{prefix}.model.tmp{os.getpid()}")
+    tmp.write_bytes(proto.getvalue())
+    os.replace(tmp, f"{prefix}.model")
+    sp = spm.SentencePieceProcessor(model_proto=proto.getvalue())
+    with open(f"{prefix}.vocab", "w", encoding="utf-8") as f:
+        for i in range(sp.GetPieceSize()):
+            f.write(f"{sp.IdToPiece(i)}\t{sp.GetScore(i)}\n")
+    return stats
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--input", nargs="+", required=True, help="files/globs, a saved dataset dir, or a hub name"
+    )
+    p.add_argument("--dataset-config", default=None, help="hub dataset configuration")
+    p.add_argument("--split", default="train", help="dataset split to read")
+    p.add_argument("--json-keys", nargs="+", default=["text"], help="text column(s)")
+    p.add_argument("--vocab-size", type=int, default=32000)
+    p.add_argument("--model-type", choices=("bpe", "unigram"), default="bpe")
+    p.add_argument("--model-prefix", required=True, help="writes <prefix>.model and <prefix>.vocab")
+    p.add_argument("--byte-fallback", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--user-defined-symbols", nargs="*", default=[], help="extra special tokens")
+    p.add_argument("--unk-id", type=int, default=0)
+    p.add_argument("--bos-id", type=int, default=1)
+    p.add_argument("--eos-id", type=int, default=2, help="also the end-of-document id")
+    p.add_argument("--pad-id", type=int, default=3, help="-1 disables")
+    p.add_argument("--character-coverage", type=float, default=0.9995)
+    p.add_argument(
+        "--input-sentence-size", type=int, default=2_000_000, help="lines sampled; 0 = all"
+    )
+    p.add_argument(
+        "--max-documents", type=int, default=None, help="read at most this many documents"
+    )
+    p.add_argument("--num-threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--cache-dir", default=None, help="datasets cache directory")
+    a = p.parse_args(argv)
+    # Fail on bad specials before the (possibly long) corpus load.
+    validate_special_ids(
+        a.vocab_size,
+        a.unk_id,
+        a.bos_id,
+        a.eos_id,
+        a.pad_id,
+        a.user_defined_symbols,
+        a.byte_fallback,
+    )
+    ds = load_text_dataset(a.input, config=a.dataset_config, split=a.split, cache_dir=a.cache_dir)
+    t0 = time.perf_counter()
+    stats = train_tokenizer(
+        iter_texts(ds, a.json_keys),
+        a.model_prefix,
+        a.vocab_size,
+        a.model_type,
+        a.byte_fallback,
+        a.user_defined_symbols,
+        a.unk_id,
+        a.bos_id,
+        a.eos_id,
+        a.pad_id,
+        a.character_coverage,
+        a.input_sentence_size,
+        a.max_documents,
+        a.num_threads,
+    )
+    print(
+        f"trained {a.model_type} tokenizer, vocab {a.vocab_size}, from {stats.documents} documents / "
+        f"{stats.sentences} lines in {time.perf_counter() - t0:.1f} s; "
+        f"{stats.long_lines_split} lines longer than {MAX_SENTENCE_BYTES} bytes were split; "
+        f"wrote {a.model_prefix}.model"
+    )
+
+
+if __name__ == "__main__":
+    main()
