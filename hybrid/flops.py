@@ -53,13 +53,14 @@ def pad_vocab_size(vocab_size: int, tp: int = 1, divisible_by: int = 128) -> int
     return -(-vocab_size // multiple) * multiple
 
 
-def _layer_split(m: ModelShape) -> tuple[int, int]:
+def layer_parameter_split(model: object) -> tuple[int, int]:
     """(TP-sharded, replicated) parameters of one transformer layer, in elements.
 
     Attention 4h^2 + 4h (QKV 3h^2 + 3h column-parallel, projection h^2 row-parallel + h bias);
     MLP 2hf + f + h (fc1 hf + f column-parallel, fc2 fh row-parallel + h bias); two LayerNorms 4h.
     Row-parallel biases and LayerNorms are replicated on every TP rank (1909.08053 §3).
     """
+    m = ModelShape.of(model)
     h, f = m.hidden_size, m.ffn
     sharded = 3 * h * h + 3 * h + h * h + h * f + f + f * h
     replicated = h + h + 4 * h
@@ -75,7 +76,7 @@ def parameter_split(model: object) -> tuple[int, int]:
     """
     m = ModelShape.of(model)
     h, v = m.hidden_size, m.vocab_size
-    layer_sharded, layer_replicated = _layer_split(m)
+    layer_sharded, layer_replicated = layer_parameter_split(m)
     sharded = m.num_layers * layer_sharded + v * h
     if m.untie_embeddings_and_output_weights:
         sharded += v * h
