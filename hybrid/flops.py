@@ -135,7 +135,9 @@ def flops_per_iteration(
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
     if batch_size <= 0 or seq_length <= 0:
-        raise ValueError(f"batch_size and seq_length must be positive, got {batch_size}, {seq_length}")
+        raise ValueError(
+            f"batch_size and seq_length must be positive, got {batch_size}, {seq_length}"
+        )
     m = ModelShape.of(model)
     b, s, h, f = batch_size, seq_length, m.hidden_size, m.ffn
     gemm = 2 * b * s * (4 * h * h + 2 * h * f) * m.num_layers
@@ -156,7 +158,9 @@ def flops_per_token(model: object, seq_length: int, recompute: str = "none") -> 
 def tflops_per_device(flops_per_step: float, step_time_s: float, num_devices: int) -> float:
     """Achieved TFLOP/s per device: flops_per_step / (step_time_s * num_devices) / 1e12."""
     if step_time_s <= 0 or num_devices <= 0:
-        raise ValueError(f"step_time_s and num_devices must be positive, got {step_time_s}, {num_devices}")
+        raise ValueError(
+            f"step_time_s and num_devices must be positive, got {step_time_s}, {num_devices}"
+        )
     return flops_per_step / (step_time_s * num_devices) / 1e12
 
 
@@ -168,7 +172,9 @@ def tflops_per_device_from_tokens(
     ``recompute="none"`` gives the model TFLOP/s (for MFU), the run's own mode gives hardware
     TFLOP/s (for HFU).
     """
-    return tflops_per_device(tokens_per_s * flops_per_token(model, seq_length, recompute), 1.0, num_devices)
+    return tflops_per_device(
+        tokens_per_s * flops_per_token(model, seq_length, recompute), 1.0, num_devices
+    )
 
 
 def utilization(
@@ -183,22 +189,40 @@ def utilization(
     return tflops_per_device(flops_per_step, step_time_s, num_devices) / peak_tflops
 
 
-def mfu(model: object, batch_size: int, seq_length: int, step_time_s: float,
-        num_devices: int, peak_tflops: float) -> float:
+def mfu(
+    model: object,
+    batch_size: int,
+    seq_length: int,
+    step_time_s: float,
+    num_devices: int,
+    peak_tflops: float,
+) -> float:
     """Model FLOPs utilisation of one step (fraction, 2205.05198 Eq. 7 over the peak)."""
     flops = flops_per_iteration(model, batch_size, seq_length, "none")
     return utilization(flops, step_time_s, num_devices, peak_tflops)
 
 
-def hfu(model: object, batch_size: int, seq_length: int, step_time_s: float,
-        num_devices: int, peak_tflops: float, recompute: str) -> float:
+def hfu(
+    model: object,
+    batch_size: int,
+    seq_length: int,
+    step_time_s: float,
+    num_devices: int,
+    peak_tflops: float,
+    recompute: str,
+) -> float:
     """Hardware FLOPs utilisation: like ``mfu`` but counting the recomputed forward work."""
     flops = flops_per_iteration(model, batch_size, seq_length, recompute)
     return utilization(flops, step_time_s, num_devices, peak_tflops)
 
 
-def training_time_s(tokens: float, num_params: float, num_devices: int,
-                    tflops_per_device_achieved: float, flops_per_param_token: int = 8) -> float:
+def training_time_s(
+    tokens: float,
+    num_params: float,
+    num_devices: int,
+    tflops_per_device_achieved: float,
+    flops_per_param_token: int = 8,
+) -> float:
     """End-to-end training time estimate in seconds: k T P / (n X) (2104.04473 Eq. 4).
 
     k = 8 assumes full recomputation (2 FLOPs per parameter per token for each of 4 passes);
@@ -206,7 +230,12 @@ def training_time_s(tokens: float, num_params: float, num_devices: int,
     """
     if num_devices <= 0 or tflops_per_device_achieved <= 0:
         raise ValueError("num_devices and tflops_per_device_achieved must be positive")
-    return flops_per_param_token * tokens * num_params / (num_devices * tflops_per_device_achieved * 1e12)
+    return (
+        flops_per_param_token
+        * tokens
+        * num_params
+        / (num_devices * tflops_per_device_achieved * 1e12)
+    )
 
 
 # ----------------------------------------------------------------------------- devices

@@ -55,13 +55,15 @@ class Precision:
         return self.param_bytes + self.grad_bytes + self.k
 
 
-PRECISIONS = MappingProxyType({
-    # ZeRO §3.1 mixed-precision Adam: fp16 params 2 + fp16 grads 2 + fp32 (params, m, v) 12.
-    "bf16": Precision("bf16", 2, 2, 4, 8, 2),
-    "fp16": Precision("fp16", 2, 2, 4, 8, 2),
-    # Pure fp32: the parameters are the master copy, so K = 8 (momentum + variance only).
-    "fp32": Precision("fp32", 4, 4, 0, 8, 4),
-})
+PRECISIONS = MappingProxyType(
+    {
+        # ZeRO §3.1 mixed-precision Adam: fp16 params 2 + fp16 grads 2 + fp32 (params, m, v) 12.
+        "bf16": Precision("bf16", 2, 2, 4, 8, 2),
+        "fp16": Precision("fp16", 2, 2, 4, 8, 2),
+        # Pure fp32: the parameters are the master copy, so K = 8 (momentum + variance only).
+        "fp32": Precision("fp32", 4, 4, 0, 8, 4),
+    }
+)
 
 
 def get_precision(precision: str | Precision) -> Precision:
@@ -71,7 +73,9 @@ def get_precision(precision: str | Precision) -> Precision:
     try:
         return PRECISIONS[precision]
     except KeyError:
-        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}") from None
+        raise ValueError(
+            f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}"
+        ) from None
 
 
 def _check_stage(stage: int) -> None:
@@ -100,7 +104,10 @@ def params_per_tp_rank(model_or_params: object, tp: int) -> int:
 
 
 def model_state_bytes(
-    model_or_params: object, tp: int = 1, dp: int = 1, stage: int = 0,
+    model_or_params: object,
+    tp: int = 1,
+    dp: int = 1,
+    stage: int = 0,
     precision: str | Precision = "bf16",
 ) -> dict[str, int]:
     """Per-rank bytes of parameters, gradients, master weights and optimizer states.
@@ -143,9 +150,15 @@ def state_bytes_per_param(stage: int, dp: int, precision: str | Precision = "bf1
 
 
 def layer_activation_bytes(
-    seq_length: int, micro_batch_size: int, hidden_size: int, num_attention_heads: int,
-    tp: int = 1, ffn_hidden_size: int | None = None, sequence_parallel: bool = False,
-    recompute: str = "none", bytes_per_element: int = 2,
+    seq_length: int,
+    micro_batch_size: int,
+    hidden_size: int,
+    num_attention_heads: int,
+    tp: int = 1,
+    ffn_hidden_size: int | None = None,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+    bytes_per_element: int = 2,
 ) -> int:
     """Activation bytes one transformer layer keeps for backward, per TP rank.
 
@@ -157,11 +170,22 @@ def layer_activation_bytes(
     recompute (Table 2). Under TP the 10sbh replicated part is the two LayerNorm inputs, the QKV
     and fc1 inputs and the two residual dropout masks. Exact integer bytes (ceil of /t).
     """
-    _check_positive(seq_length=seq_length, micro_batch_size=micro_batch_size,
-                    hidden_size=hidden_size, num_attention_heads=num_attention_heads, tp=tp)
+    _check_positive(
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        hidden_size=hidden_size,
+        num_attention_heads=num_attention_heads,
+        tp=tp,
+    )
     if recompute not in LAYER_RECOMPUTE:
         raise ValueError(f"recompute must be one of {LAYER_RECOMPUTE}, got {recompute!r}")
-    s, b, h, a, e = seq_length, micro_batch_size, hidden_size, num_attention_heads, bytes_per_element
+    s, b, h, a, e = (
+        seq_length,
+        micro_batch_size,
+        hidden_size,
+        num_attention_heads,
+        bytes_per_element,
+    )
     f = 4 * h if ffn_hidden_size is None else ffn_hidden_size
     sbh = s * b * h
     if recompute == "full":
@@ -179,8 +203,13 @@ def layer_activation_bytes(
 
 
 def checkpoint_bytes(
-    num_layers: int, seq_length: int, micro_batch_size: int, hidden_size: int,
-    tp: int = 1, partitioned: bool = False, bytes_per_element: int = 2,
+    num_layers: int,
+    seq_length: int,
+    micro_batch_size: int,
+    hidden_size: int,
+    tp: int = 1,
+    partitioned: bool = False,
+    bytes_per_element: int = 2,
 ) -> int:
     """Bytes of one-per-layer activation checkpoints (the layer inputs, [s, b, h] each) per rank.
 
@@ -193,8 +222,12 @@ def checkpoint_bytes(
 
 
 def non_layer_activation_bytes(
-    seq_length: int, micro_batch_size: int, hidden_size: int, vocab_size: int,
-    tp: int = 1, bytes_per_element: int = 2,
+    seq_length: int,
+    micro_batch_size: int,
+    hidden_size: int,
+    vocab_size: int,
+    tp: int = 1,
+    bytes_per_element: int = 2,
 ) -> int:
     """Activations outside the layers per TP rank, in bytes (2205.05198 §4.3 without SP).
 
@@ -206,8 +239,12 @@ def non_layer_activation_bytes(
 
 
 def activation_bytes(
-    model: object, seq_length: int, micro_batch_size: int, tp: int = 1,
-    option: str = "none", precision: str | Precision = "bf16",
+    model: object,
+    seq_length: int,
+    micro_batch_size: int,
+    tp: int = 1,
+    option: str = "none",
+    precision: str | Precision = "bf16",
 ) -> dict[str, int]:
     """Activation memory of one micro-batch per rank, for one of ``ACTIVATION_OPTIONS``.
 
@@ -232,11 +269,20 @@ def activation_bytes(
         layers = one_layer
     cpu = checkpoints if option == "full+pa+cpu" else 0
     gpu = checkpoints - cpu + layers + non_layer
-    return {"checkpoints": checkpoints, "layers": layers, "non_layer": non_layer, "gpu": gpu, "cpu": cpu}
+    return {
+        "checkpoints": checkpoints,
+        "layers": layers,
+        "non_layer": non_layer,
+        "gpu": gpu,
+        "cpu": cpu,
+    }
 
 
 def activation_rule_of_thumb_bytes(
-    hidden_size: int, micro_batch_size: int, seq_length: int, num_layers: int,
+    hidden_size: int,
+    micro_batch_size: int,
+    seq_length: int,
+    num_layers: int,
     bytes_per_element: int = 2,
 ) -> int:
     """ZeRO §3.2 footnote: all activations ≈ 12 h b s L elements (GPT-2 1.5B, b = 32: 60.4 GB)."""
@@ -255,8 +301,12 @@ def fused_buffer_bytes(num_elements: int, bytes_per_element: int = 4) -> int:
 
 
 def comm_buffer_bytes(
-    params_per_rank: int, stage: int, reduce_bucket_elements: int, allgather_bucket_elements: int,
-    precision: str | Precision = "bf16", largest_layer_params: int = 0,
+    params_per_rank: int,
+    stage: int,
+    reduce_bucket_elements: int,
+    allgather_bucket_elements: int,
+    precision: str | Precision = "bf16",
+    largest_layer_params: int = 0,
 ) -> int:
     """Bytes of constant-size communication buffers (C_B, ZeRO §6.2) on one rank.
 

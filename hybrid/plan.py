@@ -48,8 +48,18 @@ from hybrid.model_shape import ModelShape
 from hybrid.traffic import dp_traffic_bytes, tp_traffic_elements
 
 __all__ = [
-    "Cluster", "Training", "Candidate", "tp_candidates", "evaluate", "plan", "best",
-    "max_params", "max_layers", "model_state_bytes", "dp_traffic_bytes", "activation_bytes",
+    "Cluster",
+    "Training",
+    "Candidate",
+    "tp_candidates",
+    "evaluate",
+    "plan",
+    "best",
+    "max_params",
+    "max_layers",
+    "model_state_bytes",
+    "dp_traffic_bytes",
+    "activation_bytes",
 ]
 
 GB = 1e9
@@ -113,8 +123,13 @@ class Training:
 
     def __post_init__(self) -> None:
         get_precision(self.precision)
-        for name in ("seq_length", "micro_batch_size", "reduce_bucket_elements",
-                     "allgather_bucket_elements", "make_vocab_size_divisible_by"):
+        for name in (
+            "seq_length",
+            "micro_batch_size",
+            "reduce_bucket_elements",
+            "allgather_bucket_elements",
+            "make_vocab_size_divisible_by",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.global_batch_size is not None and self.global_batch_size <= 0:
@@ -187,8 +202,9 @@ def _check_tp(m: ModelShape, tp: int, cluster: Cluster) -> None:
         )
 
 
-def evaluate(model: object, cluster: Cluster, training: Training, tp: int, stage: int,
-             activation: str) -> Candidate:
+def evaluate(
+    model: object, cluster: Cluster, training: Training, tp: int, stage: int, activation: str
+) -> Candidate:
     """Memory, traffic and estimated step time of one layout (see the module docstring).
 
     Raises ValueError for an impossible layout (tp not dividing heads or GPUs, a global batch
@@ -212,21 +228,39 @@ def evaluate(model: object, cluster: Cluster, training: Training, tp: int, stage
     acts = activation_bytes(m, s, b, tp, activation, prec)
     layer_sharded, layer_replicated = layer_parameter_split(m)
     largest = max(layer_sharded // tp + layer_replicated, m.vocab_size * m.hidden_size // tp)
-    buffers = comm_buffer_bytes(psi_t, stage, training.reduce_bucket_elements,
-                                training.allgather_bucket_elements, prec, largest)
+    buffers = comm_buffer_bytes(
+        psi_t,
+        stage,
+        training.reduce_bucket_elements,
+        training.allgather_bucket_elements,
+        prec,
+        largest,
+    )
     total = states["total"] + acts["gpu"] + buffers + int(cluster.reserved_bytes)
 
     recompute = activation != "none"
     dp_bytes = dp_traffic_bytes(m, dp, stage, tp, prec, micro_batches)
-    tp_elems = tp_traffic_elements(b, s, m.hidden_size, tp, m.num_layers, recompute,
-                                   activation in ("full+pa", "full+pa+cpu"), m.vocab_size)
+    tp_elems = tp_traffic_elements(
+        b,
+        s,
+        m.hidden_size,
+        tp,
+        m.num_layers,
+        recompute,
+        activation in ("full+pa", "full+pa+cpu"),
+        m.vocab_size,
+    )
     tp_bytes = tp_elems * prec.activation_bytes * micro_batches
     cpu_bytes = 2 * acts["cpu"] * micro_batches
 
     hw_flops = flops_per_iteration(m, gbs, s, "full" if recompute else "none")
     model_flops = flops_per_iteration(m, gbs, s, "none")
     peak = cluster.num_gpus * cluster.peak_tflops * 1e12
-    dp_bw = cluster.inter_node_gbs if cluster.num_gpus > cluster.gpus_per_node else cluster.intra_node_gbs
+    dp_bw = (
+        cluster.inter_node_gbs
+        if cluster.num_gpus > cluster.gpus_per_node
+        else cluster.intra_node_gbs
+    )
     times = {
         "compute_s": hw_flops / (peak * cluster.efficiency),
         "tp_s": tp_bytes / (cluster.intra_node_gbs * GB),
@@ -235,17 +269,34 @@ def evaluate(model: object, cluster: Cluster, training: Training, tp: int, stage
     }
     times["step_s"] = sum(times.values())
     return Candidate(
-        tp=tp, dp=dp, stage=stage, activation=activation, micro_batches=micro_batches,
-        params_per_rank=psi_t, model_states=states, activations=acts, buffers=buffers,
-        total_bytes=total, fits=total <= cluster.gpu_memory_bytes, dp_bytes=dp_bytes,
-        tp_bytes=tp_bytes, cpu_bytes=cpu_bytes, times=times,
-        tokens_per_s=gbs * s / times["step_s"], mfu=model_flops / (times["step_s"] * peak),
+        tp=tp,
+        dp=dp,
+        stage=stage,
+        activation=activation,
+        micro_batches=micro_batches,
+        params_per_rank=psi_t,
+        model_states=states,
+        activations=acts,
+        buffers=buffers,
+        total_bytes=total,
+        fits=total <= cluster.gpu_memory_bytes,
+        dp_bytes=dp_bytes,
+        tp_bytes=tp_bytes,
+        cpu_bytes=cpu_bytes,
+        times=times,
+        tokens_per_s=gbs * s / times["step_s"],
+        mfu=model_flops / (times["step_s"] * peak),
     )
 
 
-def plan(model: object, cluster: Cluster, training: Training, tps: list[int] | None = None,
-         stages: tuple[int, ...] = ZERO_STAGES,
-         activations: tuple[str, ...] = ACTIVATION_OPTIONS) -> tuple[list[Candidate], list[str]]:
+def plan(
+    model: object,
+    cluster: Cluster,
+    training: Training,
+    tps: list[int] | None = None,
+    stages: tuple[int, ...] = ZERO_STAGES,
+    activations: tuple[str, ...] = ACTIVATION_OPTIONS,
+) -> tuple[list[Candidate], list[str]]:
     """Evaluate every layout; returns (candidates, reasons for the layouts that were skipped).
 
     ``tps`` None means ``tp_candidates``. "full+pa" is skipped at tp = 1, where partitioning over
@@ -279,8 +330,7 @@ def best(candidates: list[Candidate]) -> Candidate | None:
     return min(fitting, key=lambda c: (round(c.times["step_s"], 9), c.stage, c.total_bytes))
 
 
-def max_params(memory_bytes: float, tp: int, dp: int, stage: int,
-               precision: str = "bf16") -> int:
+def max_params(memory_bytes: float, tp: int, dp: int, stage: int, precision: str = "bf16") -> int:
     """Largest parameter count whose model states fit ``memory_bytes`` per GPU (elements).
 
     ZeRO Table 2 inversion: Ψ_max = memory * tp / bytes-per-param(stage, dp), activations and
@@ -291,8 +341,15 @@ def max_params(memory_bytes: float, tp: int, dp: int, stage: int,
     return math.floor(memory_bytes * tp / state_bytes_per_param(stage, dp, precision))
 
 
-def max_layers(model: object, cluster: Cluster, training: Training, tp: int, stage: int,
-               activation: str, limit: int = 100_000) -> int:
+def max_layers(
+    model: object,
+    cluster: Cluster,
+    training: Training,
+    tp: int,
+    stage: int,
+    activation: str,
+    limit: int = 100_000,
+) -> int:
     """Largest num_layers (other dimensions from ``model``) that fits, counting everything.
 
     Memory grows monotonically with the layer count, so this bisects; 0 if even one layer does not
@@ -301,8 +358,9 @@ def max_layers(model: object, cluster: Cluster, training: Training, tp: int, sta
     m = ModelShape.of(model)
 
     def fits(layers: int) -> bool:
-        return evaluate(dataclasses.replace(m, num_layers=layers), cluster, training, tp, stage,
-                        activation).fits
+        return evaluate(
+            dataclasses.replace(m, num_layers=layers), cluster, training, tp, stage, activation
+        ).fits
 
     if not fits(1):
         return 0

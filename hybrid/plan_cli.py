@@ -50,29 +50,44 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--micro-batch-size", type=int, default=1)
     g.add_argument("--global-batch-size", type=int, help="default micro-batch * num-gpus")
     g.add_argument("--precision", choices=sorted(PRECISIONS), default="bf16")
-    g.add_argument("--reduce-bucket-size", type=int, default=DEFAULT_BUCKET_ELEMENTS, help="elements")
-    g.add_argument("--allgather-bucket-size", type=int, default=DEFAULT_BUCKET_ELEMENTS, help="elements")
+    g.add_argument(
+        "--reduce-bucket-size", type=int, default=DEFAULT_BUCKET_ELEMENTS, help="elements"
+    )
+    g.add_argument(
+        "--allgather-bucket-size", type=int, default=DEFAULT_BUCKET_ELEMENTS, help="elements"
+    )
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g = p.add_argument_group("cluster")
     g.add_argument("--num-gpus", type=int, default=8)
     g.add_argument("--gpus-per-node", type=int, default=8)
     g.add_argument("--gpu-memory-gb", type=float, default=80.0, help="GB = 1e9 bytes")
-    g.add_argument("--reserved-gb", type=float, default=1.0,
-                   help="held back per GPU for the CUDA context and fragmentation (0 reproduces the ZeRO tables)")
-    g.add_argument("--device", default="A100", help="name looked up for the peak (V100, A100, H100...)")
+    g.add_argument(
+        "--reserved-gb",
+        type=float,
+        default=1.0,
+        help="held back per GPU for the CUDA context and fragmentation (0 reproduces the ZeRO tables)",
+    )
+    g.add_argument(
+        "--device", default="A100", help="name looked up for the peak (V100, A100, H100...)"
+    )
     g.add_argument("--peak-tflops", type=float, help="overrides --device")
     g.add_argument("--efficiency", type=float, default=0.45, help="fraction of peak on GEMMs")
     g.add_argument("--intra-node-gbs", type=float, default=200.0, help="NVLink, GB/s per GPU")
     g.add_argument("--inter-node-gbs", type=float, default=25.0, help="network, GB/s per GPU")
     g.add_argument("--cpu-gbs", type=float, default=20.0, help="host link, GB/s per GPU")
     g = p.add_argument_group("search")
-    g.add_argument("--tp", type=int, action="append", help="restrict to this TP degree (repeatable)")
+    g.add_argument(
+        "--tp", type=int, action="append", help="restrict to this TP degree (repeatable)"
+    )
     g.add_argument("--zero-stage", type=int, action="append", choices=ZERO_STAGES)
     g.add_argument("--activation", action="append", choices=ACTIVATION_OPTIONS)
     g.add_argument("--fitting-only", action="store_true", help="print only layouts that fit")
-    g.add_argument("--max-model", action="store_true",
-                   help="largest model per TP x stage (ZeRO Table 2: model states only; with model "
-                   "dims also the largest layer count counting activations)")
+    g.add_argument(
+        "--max-model",
+        action="store_true",
+        help="largest model per TP x stage (ZeRO Table 2: model states only; with model "
+        "dims also the largest layer count counting activations)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON document")
     return p
 
@@ -92,15 +107,21 @@ def _model(args: argparse.Namespace, required: bool) -> ModelShape | None:
         if value <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
     if base is None:
-        missing = [d for d in ("num_layers", "hidden_size", "num_attention_heads") if d not in given]
+        missing = [
+            d for d in ("num_layers", "hidden_size", "num_attention_heads") if d not in given
+        ]
         if missing and not required and len(missing) == 3:
             return None
         if missing:
-            raise ValueError("give --model or " + ", ".join(f"--{d.replace('_', '-')}" for d in missing))
+            raise ValueError(
+                "give --model or " + ", ".join(f"--{d.replace('_', '-')}" for d in missing)
+            )
         given.setdefault("vocab_size", 50257)
-        base = ModelShape(max_position_embeddings=args.max_position_embeddings or args.seq_length,
-                          untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
-                          **given)
+        base = ModelShape(
+            max_position_embeddings=args.max_position_embeddings or args.seq_length,
+            untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+            **given,
+        )
         return base
     if args.max_position_embeddings:
         given["max_position_embeddings"] = args.max_position_embeddings
@@ -112,17 +133,24 @@ def _cluster(args: argparse.Namespace) -> Cluster:
     if peak is None:
         raise ValueError(f"--device {args.device!r} has no known peak; pass --peak-tflops")
     return Cluster(
-        num_gpus=args.num_gpus, gpus_per_node=args.gpus_per_node,
-        gpu_memory_bytes=args.gpu_memory_gb * GB, reserved_bytes=args.reserved_gb * GB,
-        peak_tflops=peak, efficiency=args.efficiency, intra_node_gbs=args.intra_node_gbs,
-        inter_node_gbs=args.inter_node_gbs, cpu_gbs=args.cpu_gbs,
+        num_gpus=args.num_gpus,
+        gpus_per_node=args.gpus_per_node,
+        gpu_memory_bytes=args.gpu_memory_gb * GB,
+        reserved_bytes=args.reserved_gb * GB,
+        peak_tflops=peak,
+        efficiency=args.efficiency,
+        intra_node_gbs=args.intra_node_gbs,
+        inter_node_gbs=args.inter_node_gbs,
+        cpu_gbs=args.cpu_gbs,
     )
 
 
 def _training(args: argparse.Namespace) -> Training:
     return Training(
-        seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-        global_batch_size=args.global_batch_size, precision=args.precision,
+        seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size,
+        global_batch_size=args.global_batch_size,
+        precision=args.precision,
         reduce_bucket_elements=args.reduce_bucket_size,
         allgather_bucket_elements=args.allgather_bucket_size,
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
@@ -173,35 +201,50 @@ def _plan_text(model, cluster, training, cands, skipped, chosen, fitting_only) -
 
 def _max_model(args, model, cluster, training) -> list[dict]:
     rows = []
-    tps = args.tp or (tp_candidates(model, cluster) if model else
-                      [t for t in (1, 2, 4, 8, 16) if t <= cluster.gpus_per_node
-                       and cluster.num_gpus % t == 0])
+    tps = args.tp or (
+        tp_candidates(model, cluster)
+        if model
+        else [
+            t for t in (1, 2, 4, 8, 16) if t <= cluster.gpus_per_node and cluster.num_gpus % t == 0
+        ]
+    )
     budget = cluster.gpu_memory_bytes - cluster.reserved_bytes
     for tp in tps:
         dp = cluster.num_gpus // tp
         for stage in args.zero_stage or ZERO_STAGES:
-            row = {"tp": tp, "dp": dp, "stage": stage,
-                   "max_params_model_states": max_params(budget, tp, dp, stage, training.precision)}
+            row = {
+                "tp": tp,
+                "dp": dp,
+                "stage": stage,
+                "max_params_model_states": max_params(budget, tp, dp, stage, training.precision),
+            }
             if model is not None:
-                layers = {a: max_layers(model, cluster, training, tp, stage, a)
-                          for a in args.activation or ACTIVATION_OPTIONS if not (tp == 1 and a == "full+pa")}
+                layers = {
+                    a: max_layers(model, cluster, training, tp, stage, a)
+                    for a in args.activation or ACTIVATION_OPTIONS
+                    if not (tp == 1 and a == "full+pa")
+                }
                 row["max_layers"] = layers
                 row["max_params_with_activations"] = {
                     a: num_parameters(dataclasses.replace(model, num_layers=n)) if n else 0
-                    for a, n in layers.items()}
+                    for a, n in layers.items()
+                }
             rows.append(row)
     return rows
 
 
 def _max_model_text(rows: list[dict]) -> str:
-    lines = ["largest model per GPU budget (model states only = ZeRO Table 2; "
-             "with activations = largest layer count of the given width)"]
+    lines = [
+        "largest model per GPU budget (model states only = ZeRO Table 2; "
+        "with activations = largest layer count of the given width)"
+    ]
     for r in rows:
         line = f"tp={r['tp']:>2} dp={r['dp']:>5} zero={r['stage']}: {r['max_params_model_states'] / 1e9:9.2f}B"
         if "max_layers" in r:
             line += "  | " + ", ".join(
                 f"{a}: {n} layers ({r['max_params_with_activations'][a] / 1e9:.1f}B)"
-                for a, n in r["max_layers"].items())
+                for a, n in r["max_layers"].items()
+            )
         lines.append(line)
     return "\n".join(lines)
 
@@ -217,17 +260,25 @@ def main(argv: list[str] | None = None) -> int:
             rows = _max_model(args, model, cluster, training)
             print(json.dumps({"max_model": rows}, indent=1) if args.json else _max_model_text(rows))
             return 0
-        cands, skipped = plan(model, cluster, training, args.tp,
-                              tuple(args.zero_stage or ZERO_STAGES),
-                              tuple(args.activation or ACTIVATION_OPTIONS))
+        cands, skipped = plan(
+            model,
+            cluster,
+            training,
+            args.tp,
+            tuple(args.zero_stage or ZERO_STAGES),
+            tuple(args.activation or ACTIVATION_OPTIONS),
+        )
     except ValueError as err:
         parser.error(str(err))
     chosen = best(cands)
     if args.json:
         doc = {
-            "model": dataclasses.asdict(model), "num_parameters": num_parameters(model),
-            "cluster": dataclasses.asdict(cluster), "training": dataclasses.asdict(training),
-            "candidates": [c.as_dict() for c in cands], "skipped": skipped,
+            "model": dataclasses.asdict(model),
+            "num_parameters": num_parameters(model),
+            "cluster": dataclasses.asdict(cluster),
+            "training": dataclasses.asdict(training),
+            "candidates": [c.as_dict() for c in cands],
+            "skipped": skipped,
             "best": chosen.as_dict() if chosen else None,
         }
         json.dump(doc, sys.stdout, indent=1)

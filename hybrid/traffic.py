@@ -24,8 +24,12 @@ def _ring(n: int, ring_factor: bool) -> float:
 
 
 def dp_traffic_elements(
-    model_or_params: object, dp: int, stage: int, tp: int = 1,
-    micro_batches_per_step: int = 1, ring_factor: bool = True,
+    model_or_params: object,
+    dp: int,
+    stage: int,
+    tp: int = 1,
+    micro_batches_per_step: int = 1,
+    ring_factor: bool = True,
 ) -> float:
     """Elements one rank sends over its data-parallel group per optimizer step.
 
@@ -48,16 +52,24 @@ def dp_traffic_elements(
 
 
 def dp_traffic_bytes(
-    model_or_params: object, dp: int, stage: int, tp: int = 1,
-    precision: str | Precision = "bf16", micro_batches_per_step: int = 1,
+    model_or_params: object,
+    dp: int,
+    stage: int,
+    tp: int = 1,
+    precision: str | Precision = "bf16",
+    micro_batches_per_step: int = 1,
     ring_factor: bool = True,
 ) -> float:
     """``dp_traffic_elements`` in bytes, at the gradient dtype's size (2 mixed, 4 fp32)."""
-    elements = dp_traffic_elements(model_or_params, dp, stage, tp, micro_batches_per_step, ring_factor)
+    elements = dp_traffic_elements(
+        model_or_params, dp, stage, tp, micro_batches_per_step, ring_factor
+    )
     return elements * get_precision(precision).grad_bytes
 
 
-def tp_collectives_per_layer(recompute: bool = False, partitioned_activations: bool = False) -> dict[str, int]:
+def tp_collectives_per_layer(
+    recompute: bool = False, partitioned_activations: bool = False
+) -> dict[str, int]:
     """Tensor-parallel collectives one transformer layer issues per micro-batch.
 
     2 all-reduces forward (g after attention and after the MLP) and 2 backward (f), so 4
@@ -71,9 +83,15 @@ def tp_collectives_per_layer(recompute: bool = False, partitioned_activations: b
 
 
 def tp_traffic_elements(
-    micro_batch_size: int, seq_length: int, hidden_size: int, tp: int, num_layers: int = 1,
-    recompute: bool = False, partitioned_activations: bool = False,
-    vocab_size: int | None = None, ring_factor: bool = True,
+    micro_batch_size: int,
+    seq_length: int,
+    hidden_size: int,
+    tp: int,
+    num_layers: int = 1,
+    recompute: bool = False,
+    partitioned_activations: bool = False,
+    vocab_size: int | None = None,
+    ring_factor: bool = True,
 ) -> float:
     """Elements one rank sends over its TP group per micro-batch.
 
@@ -95,8 +113,9 @@ def tp_traffic_elements(
     return total * _ring(tp, ring_factor)
 
 
-def vocab_parallel_cross_entropy_elements(micro_batch_size: int, seq_length: int,
-                                          vocab_size: int) -> dict[str, int]:
+def vocab_parallel_cross_entropy_elements(
+    micro_batch_size: int, seq_length: int, vocab_size: int
+) -> dict[str, int]:
     """Message sizes (elements) of the fused vocab-parallel cross-entropy vs gathering logits.
 
     Fused: 3 all-reduces of b s values each; naive: all-gather of b s V logits

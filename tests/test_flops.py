@@ -8,9 +8,15 @@ from hybrid import flops
 from hybrid.model_shape import ModelShape
 
 
-def gpt(l, h, a, v=51200, s=2048, **kw):
-    return ModelShape(num_layers=l, hidden_size=h, num_attention_heads=a, vocab_size=v,
-                      max_position_embeddings=s, **kw)
+def gpt(layers, h, a, v=51200, s=2048, **kw):
+    return ModelShape(
+        num_layers=layers,
+        hidden_size=h,
+        num_attention_heads=a,
+        vocab_size=v,
+        max_position_embeddings=s,
+        **kw,
+    )
 
 
 GPT2_SMALL = gpt(12, 768, 12, v=50257, s=1024)
@@ -27,21 +33,24 @@ def test_gpt2_small_parameter_count_matches_hf():
     assert flops.num_parameters(no_final_ln) == 124_438_272  # 2104.04473 Eq. 2 exactly
 
 
-@pytest.mark.parametrize(("l", "h", "s", "billions", "rel"), [
-    (48, 8192, 2048, 39.10, 1e-3),   # 2104.04473 Table 1
-    (72, 3072, 1024, 8.317, 1e-3),   # Megatron 8.3B
-    (40, 1536, 1024, 1.213, 1e-3),
-    (128, 25600, 2048, 1008.04, 1e-4),
-])
-def test_parameter_formula_reproduces_papers(l, h, s, billions, rel):
-    assert flops.num_parameters(gpt(l, h, 32, s=s)) / 1e9 == pytest.approx(billions, rel=rel)
+@pytest.mark.parametrize(
+    ("layers", "h", "s", "billions", "rel"),
+    [
+        (48, 8192, 2048, 39.10, 1e-3),  # 2104.04473 Table 1
+        (72, 3072, 1024, 8.317, 1e-3),  # Megatron 8.3B
+        (40, 1536, 1024, 1.213, 1e-3),
+        (128, 25600, 2048, 1008.04, 1e-4),
+    ],
+)
+def test_parameter_formula_reproduces_papers(layers, h, s, billions, rel):
+    assert flops.num_parameters(gpt(layers, h, 32, s=s)) / 1e9 == pytest.approx(billions, rel=rel)
 
 
 def test_generalised_parameter_count():
-    h, f, v, s, l = 64, 96, 1000, 32, 3
-    m = gpt(l, h, 4, v=v, s=s, ffn_hidden_size=f, untie_embeddings_and_output_weights=True)
+    h, f, v, s, n = 64, 96, 1000, 32, 3
+    m = gpt(n, h, 4, v=v, s=s, ffn_hidden_size=f, untie_embeddings_and_output_weights=True)
     per_layer = (4 * h * h + 4 * h) + (2 * h * f + f + h) + 4 * h
-    assert flops.num_parameters(m) == l * per_layer + (v + s) * h + v * h + 2 * h
+    assert flops.num_parameters(m) == n * per_layer + (v + s) * h + v * h + 2 * h
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
@@ -49,13 +58,21 @@ def test_tp_shards_sum_back_to_the_total(tp):
     m = gpt(4, 256, 8, v=flops.pad_vocab_size(50257, tp))
     sharded, replicated = flops.parameter_split(m)
     assert sharded % tp == 0
-    assert tp * (flops.parameters_per_tp_rank(m, tp) - replicated) + replicated == flops.num_parameters(m)
+    assert tp * (
+        flops.parameters_per_tp_rank(m, tp) - replicated
+    ) + replicated == flops.num_parameters(m)
 
 
 def test_duck_typed_config_and_bad_tp():
-    cfg = SimpleNamespace(num_layers=12, hidden_size=768, num_attention_heads=12, ffn_hidden_size=None,
-                          vocab_size=50257, max_position_embeddings=1024,
-                          untie_embeddings_and_output_weights=False)
+    cfg = SimpleNamespace(
+        num_layers=12,
+        hidden_size=768,
+        num_attention_heads=12,
+        ffn_hidden_size=None,
+        vocab_size=50257,
+        max_position_embeddings=1024,
+        untie_embeddings_and_output_weights=False,
+    )
     assert flops.num_parameters(cfg) == 124_439_808
     with pytest.raises(ValueError, match="tp=5 does not divide num_attention_heads=12"):
         flops.parameters_per_tp_rank(cfg, 5)
@@ -69,22 +86,33 @@ def test_duck_typed_config_and_bad_tp():
 def test_eq3_full_recompute_flops_for_1t():
     f96 = flops.flops_per_iteration(ONE_T, 3072, 2048, "full")
     assert f96 == pytest.approx(5.139e19, rel=1e-3)
-    b, s, l, h, v = 3072, 2048, 128, 25600, 51200
-    assert f96 == pytest.approx(96 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h)), rel=1e-12)
+    b, s, n, h, v = 3072, 2048, 128, 25600, 51200
+    assert f96 == pytest.approx(
+        96 * b * s * n * h * h * (1 + s / (6 * h) + v / (16 * n * h)), rel=1e-12
+    )
     model = flops.flops_per_iteration(ONE_T, 3072, 2048, "none")
-    assert model == pytest.approx(72 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h)), rel=1e-12)
+    assert model == pytest.approx(
+        72 * b * s * n * h * h * (1 + s / (6 * h) + v / (12 * n * h)), rel=1e-12
+    )
     sel = flops.flops_per_iteration(ONE_T, 3072, 2048, "selective")
-    assert sel == pytest.approx(72 * b * s * l * h * h * (1 + s / (3 * h) + v / (12 * l * h)), rel=1e-12)
+    assert sel == pytest.approx(
+        72 * b * s * n * h * h * (1 + s / (3 * h) + v / (12 * n * h)), rel=1e-12
+    )
 
 
-@pytest.mark.parametrize(("model", "batch", "gpus", "time_s", "mfu", "hfu", "tol"), [
-    (GPT3, 64, 64, 13.75, 0.514, 0.528, 0.001),
-    (ONE_T, 512, 512, 71.49, 0.563, 0.570, 0.001),
-    (gpt(48, 6144, 64), 4, 8, 1.10, 0.415, 0.437, 0.003),  # paper rounds differently, 0.3 pp
-])
+@pytest.mark.parametrize(
+    ("model", "batch", "gpus", "time_s", "mfu", "hfu", "tol"),
+    [
+        (GPT3, 64, 64, 13.75, 0.514, 0.528, 0.001),
+        (ONE_T, 512, 512, 71.49, 0.563, 0.570, 0.001),
+        (gpt(48, 6144, 64), 4, 8, 1.10, 0.415, 0.437, 0.003),  # paper rounds differently, 0.3 pp
+    ],
+)
 def test_mfu_hfu_table5(model, batch, gpus, time_s, mfu, hfu, tol):
     assert flops.mfu(model, batch, 2048, time_s, gpus, 312) == pytest.approx(mfu, abs=tol)
-    assert flops.hfu(model, batch, 2048, time_s, gpus, 312, "selective") == pytest.approx(hfu, abs=tol)
+    assert flops.hfu(model, batch, 2048, time_s, gpus, 312, "selective") == pytest.approx(
+        hfu, abs=tol
+    )
 
 
 def test_gpt3_model_flops_value():
@@ -106,8 +134,10 @@ def test_megatron_weak_scaling_arithmetic():
 # item 15 -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("tokens", "params", "n", "x", "days"), [
-    (300e9, 175e9, 1024, 140, 33.9), (450e9, 1e12, 3072, 163, 83.2)])
+@pytest.mark.parametrize(
+    ("tokens", "params", "n", "x", "days"),
+    [(300e9, 175e9, 1024, 140, 33.9), (450e9, 1e12, 3072, 163, 83.2)],
+)
 def test_training_time_eq4(tokens, params, n, x, days):
     assert flops.training_time_s(tokens, params, n, x) / 86400 == pytest.approx(days, abs=0.05)
 
