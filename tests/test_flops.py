@@ -76,6 +76,8 @@ def test_duck_typed_config_and_bad_tp():
     assert flops.num_parameters(cfg) == 124_439_808
     with pytest.raises(ValueError, match="tp=5 does not divide num_attention_heads=12"):
         flops.parameters_per_tp_rank(cfg, 5)
+    with pytest.raises(ValueError, match="vocab_size=50257 \\(pad it"):
+        flops.parameters_per_tp_rank(cfg, 2)
     with pytest.raises(ValueError, match="hidden_size must be a positive integer, got -1"):
         ModelShape.of(SimpleNamespace(**{**vars(cfg), "hidden_size": -1}))
 
