@@ -20,6 +20,8 @@ Bandwidths are achieved per-GPU bus bandwidths in GB/s (1e9 B/s). Defaults descr
 NVLink ~200 GB/s achievable all-reduce bus bandwidth, one 200 Gb/s HDR NIC per GPU = 25 GB/s,
 PCIe 4 x16 ~20 GB/s, 45% of peak on the GEMMs (2104.04473 Table 1 reaches 44-52%).
 The fastest fitting candidate wins; ties go to the lower ZeRO stage, then the smaller footprint.
+"Fits" means model states + activations + buffers + ``reserved_bytes`` (default 1 GB for the CUDA
+context and fragmentation; pass 0 to reproduce the ZeRO tables) <= GPU memory.
 
 Constant-size buffers (ZeRO §6.2, C_B): gradients are reduced in buckets of 5e7 elements and
 stage 3 gathers parameters in buckets of 5e7 elements (100 MB each in bf16, two of each in flight).

@@ -112,6 +112,9 @@ def _model(args: argparse.Namespace, required: bool) -> ModelShape | None:
         ]
         if missing and not required and len(missing) == 3:
             return None
+        if not required and missing == ["num_layers"]:
+            given["num_layers"] = 1  # --max-model searches the layer count itself
+            missing = []
         if missing:
             raise ValueError(
                 "give --model or " + ", ".join(f"--{d.replace('_', '-')}" for d in missing)

@@ -388,6 +388,10 @@ def test_cli_max_model(capsys):
     ]
     assert plan_cli.main([*DIMS, "--max-model", "--tp", "8", "--zero-stage", "3"]) == 0
     assert "layers" in capsys.readouterr().out
+    width_only = ["--max-model", "--hidden-size", "1600", "--num-attention-heads", "16", "--json"]
+    assert plan_cli.main(width_only) == 0
+    rows = json.loads(capsys.readouterr().out)["max_model"]
+    assert all(r["max_layers"]["full"] >= r["max_layers"]["none"] for r in rows)
 
 
 @pytest.mark.parametrize(
