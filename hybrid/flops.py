@@ -1,0 +1,262 @@
+"""Parameter counts, FLOPs per iteration, MFU/HFU and training-time arithmetic for GPT.
+
+Everything here is pure integer/float arithmetic (no torch import except in ``device_peak_tflops``
+when it is asked to look at the current device). Units are in every name or docstring:
+FLOPs are floating-point operations (a multiply-add is 2), TFLOP/s is 1e12 FLOP/s.
+
+Sources (see /work/shared/reference/paper.md):
+- Parameters: Narayanan et al. 2021 (arXiv 2104.04473) §5.1 Eq. 2, P = 12lh^2 + 13lh + (V+s)h,
+  generalised here to an MLP of width f and an optional untied output matrix, plus the final
+  LayerNorm (2h) that the paper leaves out.
+- FLOPs: 2104.04473 Eq. 3 and Appendix (full recompute, "96"), Korthikanti et al. 2022
+  (arXiv 2205.05198) Appendix A Eq. 7 (model FLOPs, "72") and Eq. 8 (selective recompute).
+- Training time: 2104.04473 Eq. 4. Vocabulary padding: Shoeybi et al. 2019 (arXiv 1909.08053) §5.1.
+"""
+
+from __future__ import annotations
+
+from hybrid.model_shape import ModelShape
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+"""Activation recomputation modes understood by ``flops_per_iteration``."""
+
+# (substring of torch.cuda.get_device_name(), dense bf16/fp16 tensor-core peak in TFLOP/s).
+# Checked in order, case-insensitively, so the more specific names come first
+# ("GH200" contains "H200", "H100 PCIe" contains "H100"). Vendor datasheets, dense (no sparsity).
+DEVICE_PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
+    ("V100S", 130.0),
+    ("V100-PCIE", 112.0),
+    ("V100", 125.0),
+    ("A100", 312.0),
+    ("A800", 312.0),
+    ("H100 PCIe", 756.0),
+    ("H100", 989.0),  # SXM5
+    ("H800", 989.0),
+    ("GH200", 989.0),
+    ("H200", 989.0),
+)
+
+
+# ----------------------------------------------------------------------------- parameters
+
+
+def pad_vocab_size(vocab_size: int, tp: int = 1, divisible_by: int = 128) -> int:
+    """Round ``vocab_size`` up to a multiple of ``divisible_by * tp`` (rows of the embedding).
+
+    Megatron-LM (1909.08053) §5.1: each TP rank's vocabulary slice should be a multiple of 128,
+    so 50,257 becomes 51,200 for 8-way TP. Raises ValueError on a non-positive argument.
+    """
+    for name, value in (("vocab_size", vocab_size), ("tp", tp), ("divisible_by", divisible_by)):
+        if value <= 0:
+            raise ValueError(f"{name} must be positive, got {value}")
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def layer_parameter_split(model: object) -> tuple[int, int]:
+    """(TP-sharded, replicated) parameters of one transformer layer, in elements.
+
+    Attention 4h^2 + 4h (QKV 3h^2 + 3h column-parallel, projection h^2 row-parallel + h bias);
+    MLP 2hf + f + h (fc1 hf + f column-parallel, fc2 fh row-parallel + h bias); two LayerNorms 4h.
+    Row-parallel biases and LayerNorms are replicated on every TP rank (1909.08053 §3).
+    """
+    m = ModelShape.of(model)
+    h, f = m.hidden_size, m.ffn
+    sharded = 3 * h * h + 3 * h + h * h + h * f + f + f * h
+    replicated = h + h + 4 * h
+    return sharded, replicated
+
+
+def parameter_split(model: object) -> tuple[int, int]:
+    """(TP-sharded, replicated) parameter counts of the whole model, in elements.
+
+    Sharded: the layers' column/row-parallel weights, the vocab-parallel word embedding (V h) and,
+    if untied, the output matrix (V h). Replicated: row-parallel biases, LayerNorms, the position
+    table (s h) and the final LayerNorm (2h). ``sharded + replicated == num_parameters(model)``.
+    """
+    m = ModelShape.of(model)
+    h, v = m.hidden_size, m.vocab_size
+    layer_sharded, layer_replicated = layer_parameter_split(m)
+    sharded = m.num_layers * layer_sharded + v * h
+    if m.untie_embeddings_and_output_weights:
+        sharded += v * h
+    replicated = m.num_layers * layer_replicated + m.max_position_embeddings * h
+    if m.final_layernorm:
+        replicated += 2 * h
+    return sharded, replicated
+
+
+def num_parameters(model: object) -> int:
+    """Total parameters P (elements) of ``model`` (a ModelShape or anything GPTConfig-like).
+
+    With f = 4h, tied output and the final LayerNorm:
+    P = 12lh^2 + 13lh + (V + s)h + 2h (2104.04473 Eq. 2 plus 2h). GPT-2 small gives 124,439,808.
+    """
+    sharded, replicated = parameter_split(model)
+    return sharded + replicated
+
+
+def parameters_per_tp_rank(model: object, tp: int) -> int:
+    """Parameters held by one tensor-parallel rank, in elements: sharded/tp + replicated.
+
+    Raises ValueError when tp does not divide the heads, f or the vocabulary (pad it first).
+    """
+    m = ModelShape.of(model)
+    if tp <= 0:
+        raise ValueError(f"tp must be positive, got {tp}")
+    for name, value in (
+        ("num_attention_heads", m.num_attention_heads),
+        ("ffn_hidden_size", m.ffn),
+        ("vocab_size", m.vocab_size),
+    ):
+        if value % tp:
+            hint = " (pad it with flops.pad_vocab_size)" if name == "vocab_size" else ""
+            raise ValueError(f"tp={tp} does not divide {name}={value}{hint}")
+    sharded, replicated = parameter_split(m)
+    return sharded // tp + replicated
+
+
+# ----------------------------------------------------------------------------- FLOPs
+
+
+def flops_per_iteration(
+    model: object, batch_size: int, seq_length: int, recompute: str = "none"
+) -> int:
+    """Matmul FLOPs of one forward+backward over ``batch_size`` sequences of ``seq_length`` tokens.
+
+    Per layer forward: QKV + projection + MLP GEMMs 2Bs(4h^2 + 2hf) (= 24Bsh^2 at f = 4h) and
+    attention scores + attention over V 4Bs^2h; logit layer 2BshV. Backward costs 2x forward.
+    - ``"none"``: model FLOPs, 3 passes = 72BLsh^2(1 + s/6h + V/12hL) (2205.05198 Eq. 7).
+    - ``"full"``: one extra layer forward = 96BLsh^2(1 + s/6h + V/16Lh) (2104.04473 Eq. 3);
+      the logit layer is not recomputed.
+    - ``"selective"``: 72BLsh^2(1 + s/3h + V/12hL) (2205.05198 Eq. 8: the paper's accounting
+      doubles the attention term, so we follow it to reproduce its HFU).
+    GEMMs only; LayerNorm, softmax and biases are ignored, as in both papers.
+    """
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
+    if batch_size <= 0 or seq_length <= 0:
+        raise ValueError(
+            f"batch_size and seq_length must be positive, got {batch_size}, {seq_length}"
+        )
+    m = ModelShape.of(model)
+    b, s, h, f = batch_size, seq_length, m.hidden_size, m.ffn
+    gemm = 2 * b * s * (4 * h * h + 2 * h * f) * m.num_layers
+    attention = 4 * b * s * s * h * m.num_layers
+    logits = 2 * b * s * h * m.vocab_size
+    if recompute == "none":
+        return 3 * (gemm + attention + logits)
+    if recompute == "full":
+        return 4 * (gemm + attention) + 3 * logits
+    return 3 * gemm + 6 * attention + 3 * logits
+
+
+def flops_per_token(model: object, seq_length: int, recompute: str = "none") -> float:
+    """FLOPs per trained token (forward + backward), ``flops_per_iteration(B=1) / seq_length``."""
+    return flops_per_iteration(model, 1, seq_length, recompute) / seq_length
+
+
+def tflops_per_device(flops_per_step: float, step_time_s: float, num_devices: int) -> float:
+    """Achieved TFLOP/s per device: flops_per_step / (step_time_s * num_devices) / 1e12."""
+    if step_time_s <= 0 or num_devices <= 0:
+        raise ValueError(
+            f"step_time_s and num_devices must be positive, got {step_time_s}, {num_devices}"
+        )
+    return flops_per_step / (step_time_s * num_devices) / 1e12
+
+
+def tflops_per_device_from_tokens(
+    model: object, tokens_per_s: float, seq_length: int, num_devices: int, recompute: str = "none"
+) -> float:
+    """TFLOP/s per device from the training loop's tokens/s (whole job, all devices together).
+
+    ``recompute="none"`` gives the model TFLOP/s (for MFU), the run's own mode gives hardware
+    TFLOP/s (for HFU).
+    """
+    return tflops_per_device(
+        tokens_per_s * flops_per_token(model, seq_length, recompute), 1.0, num_devices
+    )
+
+
+def utilization(
+    flops_per_step: float, step_time_s: float, num_devices: int, peak_tflops: float
+) -> float:
+    """Fraction of peak: flops / (time * devices * peak) (2205.05198 Appendix A).
+
+    Pass model FLOPs (``recompute="none"``) for MFU, the FLOPs actually executed for HFU.
+    """
+    if peak_tflops <= 0:
+        raise ValueError(f"peak_tflops must be positive, got {peak_tflops}")
+    return tflops_per_device(flops_per_step, step_time_s, num_devices) / peak_tflops
+
+
+def mfu(
+    model: object,
+    batch_size: int,
+    seq_length: int,
+    step_time_s: float,
+    num_devices: int,
+    peak_tflops: float,
+) -> float:
+    """Model FLOPs utilisation of one step (fraction, 2205.05198 Eq. 7 over the peak)."""
+    flops = flops_per_iteration(model, batch_size, seq_length, "none")
+    return utilization(flops, step_time_s, num_devices, peak_tflops)
+
+
+def hfu(
+    model: object,
+    batch_size: int,
+    seq_length: int,
+    step_time_s: float,
+    num_devices: int,
+    peak_tflops: float,
+    recompute: str,
+) -> float:
+    """Hardware FLOPs utilisation: like ``mfu`` but counting the recomputed forward work."""
+    flops = flops_per_iteration(model, batch_size, seq_length, recompute)
+    return utilization(flops, step_time_s, num_devices, peak_tflops)
+
+
+def training_time_s(
+    tokens: float,
+    num_params: float,
+    num_devices: int,
+    tflops_per_device_achieved: float,
+    flops_per_param_token: int = 8,
+) -> float:
+    """End-to-end training time estimate in seconds: k T P / (n X) (2104.04473 Eq. 4).
+
+    k = 8 assumes full recomputation (2 FLOPs per parameter per token for each of 4 passes);
+    use 6 without recompute. GPT-3 (T = 300e9, P = 175e9, n = 1024, X = 140 TF) gives 33.9 days.
+    """
+    if num_devices <= 0 or tflops_per_device_achieved <= 0:
+        raise ValueError("num_devices and tflops_per_device_achieved must be positive")
+    return (
+        flops_per_param_token
+        * tokens
+        * num_params
+        / (num_devices * tflops_per_device_achieved * 1e12)
+    )
+
+
+# ----------------------------------------------------------------------------- devices
+
+
+def device_peak_tflops(device_name: str | None = None) -> float | None:
+    """Dense bf16/fp16 tensor-core peak of a device in TFLOP/s, or None when unknown.
+
+    ``device_name`` is matched (case-insensitive substring) against ``DEVICE_PEAK_TFLOPS``;
+    None means the current CUDA device (``torch.cuda.get_device_name()``), and a machine without
+    CUDA (CPU) gives None. fp32 runs are still measured against this bf16 peak.
+    """
+    if device_name is None:
+        import torch  # lazy: the rest of this module is pure arithmetic
+
+        if not torch.cuda.is_available():
+            return None
+        device_name = torch.cuda.get_device_name()
+    lowered = device_name.lower()
+    for key, peak in DEVICE_PEAK_TFLOPS:
+        if key.lower() in lowered:
+            return peak
+    return None

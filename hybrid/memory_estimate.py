@@ -1,0 +1,327 @@
+"""Per-rank GPU memory of training state: ZeRO model states, activations and comm buffers.
+
+All results are bytes per rank (one GPU), with GB = 1e9 bytes as in the ZeRO paper.
+Layout assumed everywhere: the tensor-parallel shard is taken first, then ZeRO shards each TP
+rank's parameters within its data-parallel group (ZeRO 1910.02054 §1 "ZeRO and MP": reduction
+N_d x N_m; paper.md §5 item 3).
+
+Sources (see /work/shared/reference/paper.md):
+- Model states: ZeRO §3.1 (2 + 2 + K bytes/param, K = 12) and §5.1-5.3 (P_os, P_os+g, P_os+g+p).
+- Activations: Korthikanti et al. 2022 (2205.05198) §4.1 and Table 2; checkpoints and P_a:
+  ZeRO §4.2, §6.1, §8; the 12hbsL rule of thumb: ZeRO §3.2 footnote.
+- Constant-size buffers C_B: ZeRO §6.2 (no size given; our defaults are in ``hybrid.plan``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from hybrid.flops import parameters_per_tp_rank
+from hybrid.model_shape import ModelShape
+
+ZERO_STAGES = (0, 1, 2, 3)
+ACTIVATION_OPTIONS = ("none", "full", "full+pa", "full+pa+cpu")
+"""No checkpointing; one checkpoint per layer; checkpoints partitioned over TP (P_a);
+partitioned checkpoints offloaded to CPU (P_a+cpu)."""
+LAYER_RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per parameter of each model state, and bytes per activation element."""
+
+    name: str
+    param_bytes: int
+    """Working copy used by forward/backward."""
+    grad_bytes: int
+    """Gradient as produced by backward and communicated by data parallelism."""
+    master_bytes: int
+    """fp32 master copy of the parameters kept by the optimizer (0 when params are fp32)."""
+    optimizer_bytes: int
+    """Adam momentum + variance (2 x fp32)."""
+    activation_bytes: int
+    """Bytes per stored activation element (dropout masks are always 1 byte)."""
+
+    @property
+    def k(self) -> int:
+        """ZeRO's optimizer-state multiplier K = master + optimizer bytes (12 for mixed precision)."""
+        return self.master_bytes + self.optimizer_bytes
+
+    @property
+    def state_bytes(self) -> int:
+        """All model-state bytes per parameter, unsharded (16 for mixed precision, ZeRO §3.1)."""
+        return self.param_bytes + self.grad_bytes + self.k
+
+
+PRECISIONS = MappingProxyType(
+    {
+        # ZeRO §3.1 mixed-precision Adam: fp16 params 2 + fp16 grads 2 + fp32 (params, m, v) 12.
+        "bf16": Precision("bf16", 2, 2, 4, 8, 2),
+        "fp16": Precision("fp16", 2, 2, 4, 8, 2),
+        # Pure fp32: the parameters are the master copy, so K = 8 (momentum + variance only).
+        "fp32": Precision("fp32", 4, 4, 0, 8, 4),
+    }
+)
+
+
+def get_precision(precision: str | Precision) -> Precision:
+    """Look up a precision by name ('bf16', 'fp16', 'fp32'); raises ValueError if unknown."""
+    if isinstance(precision, Precision):
+        return precision
+    try:
+        return PRECISIONS[precision]
+    except KeyError:
+        raise ValueError(
+            f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}"
+        ) from None
+
+
+def _check_stage(stage: int) -> None:
+    if stage not in ZERO_STAGES:
+        raise ValueError(f"ZeRO stage must be one of {ZERO_STAGES}, got {stage!r}")
+
+
+def _check_positive(**values: float) -> None:
+    for name, value in values.items():
+        if value <= 0:
+            raise ValueError(f"{name} must be positive, got {value}")
+
+
+def params_per_tp_rank(model_or_params: object, tp: int) -> int:
+    """Parameters one TP rank holds (elements) before ZeRO sharding.
+
+    A number is the whole model's Ψ, taken as perfectly TP-sharded (ceil(Ψ / tp)), which is how
+    the ZeRO paper counts; a config-like object is counted exactly, with replicated LayerNorms,
+    row-parallel biases and position embeddings (``flops.parameters_per_tp_rank``).
+    """
+    _check_positive(tp=tp)
+    if isinstance(model_or_params, (int, float)) and not isinstance(model_or_params, bool):
+        _check_positive(num_params=model_or_params)
+        return math.ceil(model_or_params / tp)
+    return parameters_per_tp_rank(model_or_params, tp)
+
+
+def model_state_bytes(
+    model_or_params: object,
+    tp: int = 1,
+    dp: int = 1,
+    stage: int = 0,
+    precision: str | Precision = "bf16",
+) -> dict[str, int]:
+    """Per-rank bytes of parameters, gradients, master weights and optimizer states.
+
+    ``model_or_params`` is Ψ (total parameters of the model) or a config-like object. Each TP
+    rank holds Ψ_t = Ψ / tp; ZeRO then shards over ``dp`` ranks (ceil(Ψ_t / dp) elements each):
+    stage 1 the optimizer states and master copy, stage 2 also gradients, stage 3 also parameters
+    (ZeRO §5.1-5.3: 4Ψ + KΨ/N_d, 2Ψ + (2+K)Ψ/N_d, (4+K)Ψ/N_d with mixed precision, K = 12).
+    Returns {'params', 'grads', 'master', 'optimizer', 'total'} in bytes.
+    """
+    _check_stage(stage)
+    _check_positive(dp=dp)
+    p = get_precision(precision)
+    full = params_per_tp_rank(model_or_params, tp)
+    shard = math.ceil(full / dp)
+    out = {
+        "params": (shard if stage >= 3 else full) * p.param_bytes,
+        "grads": (shard if stage >= 2 else full) * p.grad_bytes,
+        "master": (shard if stage >= 1 else full) * p.master_bytes,
+        "optimizer": (shard if stage >= 1 else full) * p.optimizer_bytes,
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+def state_bytes_per_param(stage: int, dp: int, precision: str | Precision = "bf16") -> float:
+    """Model-state bytes per parameter of one TP shard on one rank (ZeRO §5, no rounding).
+
+    Mixed precision: 16, 4 + 12/N_d, 2 + 14/N_d, 16/N_d for stages 0-3. Used to invert
+    ZeRO Table 2 (max model size = memory * tp / this).
+    """
+    _check_stage(stage)
+    _check_positive(dp=dp)
+    p = get_precision(precision)
+    sharded = {0: 0, 1: p.k, 2: p.k + p.grad_bytes, 3: p.state_bytes}[stage]
+    return (p.state_bytes - sharded) + sharded / dp
+
+
+# ----------------------------------------------------------------------------- activations
+
+
+def layer_activation_bytes(
+    seq_length: int,
+    micro_batch_size: int,
+    hidden_size: int,
+    num_attention_heads: int,
+    tp: int = 1,
+    ffn_hidden_size: int | None = None,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+    bytes_per_element: int = 2,
+) -> int:
+    """Activation bytes one transformer layer keeps for backward, per TP rank.
+
+    Element-by-element accounting of 2205.05198 §4.1 (activations ``bytes_per_element``, dropout
+    masks 1 byte; LayerNorm statistics ignored), generalised to an MLP of width f:
+    attention 11sbh + 5as^2b, MLP 3sbh + 4sbf, LayerNorms 4sbh. At f = 4h, 2 bytes:
+    sbh(34 + 5as/h) with t = 1, sbh(10 + 24/t + 5as/(ht)) with TP, (sbh/t)(34 + 5as/h) with TP+SP,
+    minus the 5as^2b/t term with selective recompute, and 2sbh (the layer input) with full
+    recompute (Table 2). Under TP the 10sbh replicated part is the two LayerNorm inputs, the QKV
+    and fc1 inputs and the two residual dropout masks. Exact integer bytes (ceil of /t).
+    """
+    _check_positive(
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        hidden_size=hidden_size,
+        num_attention_heads=num_attention_heads,
+        tp=tp,
+    )
+    if recompute not in LAYER_RECOMPUTE:
+        raise ValueError(f"recompute must be one of {LAYER_RECOMPUTE}, got {recompute!r}")
+    s, b, h, a, e = (
+        seq_length,
+        micro_batch_size,
+        hidden_size,
+        num_attention_heads,
+        bytes_per_element,
+    )
+    f = 4 * h if ffn_hidden_size is None else ffn_hidden_size
+    sbh = s * b * h
+    if recompute == "full":
+        return sbh * e
+    # LN1 + LN2 inputs, QKV input, fc1 input (elements) and two residual-dropout masks (bytes).
+    replicated = 4 * sbh * e + 2 * sbh
+    # Q, K, V, projection input, fc2 input and GeLU input: split by t (heads / columns).
+    split = 4 * sbh * e + 2 * s * b * f * e
+    if recompute == "none":
+        # softmax output, its dropout mask, dropout output: a s^2 b each.
+        split += a * s * s * b * (2 * e + 1)
+    if sequence_parallel:
+        return math.ceil((replicated + split) / tp)
+    return replicated + math.ceil(split / tp)
+
+
+def checkpoint_bytes(
+    num_layers: int,
+    seq_length: int,
+    micro_batch_size: int,
+    hidden_size: int,
+    tp: int = 1,
+    partitioned: bool = False,
+    bytes_per_element: int = 2,
+) -> int:
+    """Bytes of one-per-layer activation checkpoints (the layer inputs, [s, b, h] each) per rank.
+
+    L s b h e replicated on every TP rank; divided by t with P_a (ZeRO §6.1, §8). The 100B example
+    (L = 125, h = 8192, s = 1024, b = 32, t = 16) gives 67.1 GB, and 4.19 GB with P_a.
+    """
+    _check_positive(num_layers=num_layers, tp=tp)
+    total = num_layers * seq_length * micro_batch_size * hidden_size * bytes_per_element
+    return math.ceil(total / tp) if partitioned else total
+
+
+def non_layer_activation_bytes(
+    seq_length: int,
+    micro_batch_size: int,
+    hidden_size: int,
+    vocab_size: int,
+    tp: int = 1,
+    bytes_per_element: int = 2,
+) -> int:
+    """Activations outside the layers per TP rank, in bytes (2205.05198 §4.3 without SP).
+
+    Embedding-dropout mask sbh (1 byte), final-LayerNorm input and output-layer input 2sbh*e,
+    fp32 logits of the vocab-parallel cross-entropy 4sbV/t.
+    """
+    s, b, h = seq_length, micro_batch_size, hidden_size
+    return s * b * h + 2 * s * b * h * bytes_per_element + math.ceil(4 * s * b * vocab_size / tp)
+
+
+def activation_bytes(
+    model: object,
+    seq_length: int,
+    micro_batch_size: int,
+    tp: int = 1,
+    option: str = "none",
+    precision: str | Precision = "bf16",
+) -> dict[str, int]:
+    """Activation memory of one micro-batch per rank, for one of ``ACTIVATION_OPTIONS``.
+
+    - ``none``: L layers of ``layer_activation_bytes`` (TP form) + non-layer activations.
+    - ``full``: L checkpoints of 2sbh + one layer's full activations (the recompute working set)
+      + non-layer activations.
+    - ``full+pa``: checkpoints divided by t (P_a, ZeRO §6.1).
+    - ``full+pa+cpu``: the partitioned checkpoints live in CPU memory (reported as ``cpu``).
+    Returns {'checkpoints', 'layers', 'non_layer', 'gpu', 'cpu'} in bytes.
+    """
+    if option not in ACTIVATION_OPTIONS:
+        raise ValueError(f"activation option must be one of {ACTIVATION_OPTIONS}, got {option!r}")
+    m = ModelShape.of(model)
+    e = get_precision(precision).activation_bytes
+    s, b, h, a, f = seq_length, micro_batch_size, m.hidden_size, m.num_attention_heads, m.ffn
+    one_layer = layer_activation_bytes(s, b, h, a, tp, f, bytes_per_element=e)
+    non_layer = non_layer_activation_bytes(s, b, h, m.vocab_size, tp, e)
+    if option == "none":
+        checkpoints, layers = 0, m.num_layers * one_layer
+    else:
+        checkpoints = checkpoint_bytes(m.num_layers, s, b, h, tp, option != "full", e)
+        layers = one_layer
+    cpu = checkpoints if option == "full+pa+cpu" else 0
+    gpu = checkpoints - cpu + layers + non_layer
+    return {
+        "checkpoints": checkpoints,
+        "layers": layers,
+        "non_layer": non_layer,
+        "gpu": gpu,
+        "cpu": cpu,
+    }
+
+
+def activation_rule_of_thumb_bytes(
+    hidden_size: int,
+    micro_batch_size: int,
+    seq_length: int,
+    num_layers: int,
+    bytes_per_element: int = 2,
+) -> int:
+    """ZeRO §3.2 footnote: all activations ≈ 12 h b s L elements (GPT-2 1.5B, b = 32: 60.4 GB)."""
+    return 12 * hidden_size * micro_batch_size * seq_length * num_layers * bytes_per_element
+
+
+# ----------------------------------------------------------------------------- buffers
+
+
+def fused_buffer_bytes(num_elements: int, bytes_per_element: int = 4) -> int:
+    """A flat buffer over ``num_elements`` (what Apex/Megatron allocate without C_B, ZeRO §3.2).
+
+    A 1.5B model's fp32 fused gradient buffer is 6 GB, a 3B model's 12 GB (ZeRO §3.2, §6.2).
+    """
+    return num_elements * bytes_per_element
+
+
+def comm_buffer_bytes(
+    params_per_rank: int,
+    stage: int,
+    reduce_bucket_elements: int,
+    allgather_bucket_elements: int,
+    precision: str | Precision = "bf16",
+    largest_layer_params: int = 0,
+) -> int:
+    """Bytes of constant-size communication buffers (C_B, ZeRO §6.2) on one rank.
+
+    Gradients are reduced through 2 buckets (one filling while the other is in flight) of
+    ``reduce_bucket_elements`` gradient elements. Stages 1-2 all-gather the updated parameters
+    straight into the (replicated) parameter tensor, so they need nothing more; stage 3 keeps
+    2 gather buffers (current + prefetch) of max(all-gather bucket, largest layer's shard)
+    parameter elements, since a whole layer must be materialised to run it. Every buffer is
+    capped at the rank's parameter count ``params_per_rank`` (the TP shard): no bucket is larger
+    than what it carries.
+    """
+    _check_stage(stage)
+    p = get_precision(precision)
+    reduce = 2 * min(reduce_bucket_elements, params_per_rank) * p.grad_bytes
+    if stage < 3:
+        return reduce
+    gather = max(allgather_bucket_elements, largest_layer_params)
+    return reduce + 2 * min(gather, params_per_rank) * p.param_bytes

@@ -1,0 +1,90 @@
+"""The handful of GPT dimensions the memory planner and the FLOP arithmetic need.
+
+``ModelShape`` is the plain-number way to describe a model. Every function of ``hybrid.flops``,
+``hybrid.memory_estimate`` and ``hybrid.plan`` that takes a ``model`` also accepts any object with
+the same attribute names, e.g. ``models.gpt.GPTConfig`` (duck typing; ``ModelShape.of`` does the
+conversion and validation once).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Dimensions of a GPT-2-style decoder (pre-LN, learned positions, GeLU MLP)."""
+
+    num_layers: int
+    """Transformer layers l (L)."""
+    hidden_size: int
+    """Model width h."""
+    num_attention_heads: int
+    """Attention heads a."""
+    vocab_size: int
+    """Vocabulary V as seen by the embedding (pad it first with ``flops.pad_vocab_size``)."""
+    max_position_embeddings: int
+    """Rows of the learned position table (s in the parameter formula)."""
+    ffn_hidden_size: int | None = None
+    """MLP width f; None means 4h."""
+    untie_embeddings_and_output_weights: bool = False
+    """True adds a separate V x h output matrix."""
+    final_layernorm: bool = True
+    """Count the final LayerNorm (2h parameters); 2104.04473's formula leaves it out."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "vocab_size",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.ffn_hidden_size is not None and (
+            not isinstance(self.ffn_hidden_size, int) or self.ffn_hidden_size <= 0
+        ):
+            raise ValueError(
+                f"ffn_hidden_size must be a positive integer or None, got {self.ffn_hidden_size!r}"
+            )
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} is not divisible by "
+                f"num_attention_heads={self.num_attention_heads}"
+            )
+
+    @property
+    def ffn(self) -> int:
+        """MLP width f in elements (4h when ``ffn_hidden_size`` is None)."""
+        return 4 * self.hidden_size if self.ffn_hidden_size is None else self.ffn_hidden_size
+
+    @classmethod
+    def of(cls, model: object) -> ModelShape:
+        """Convert any object with GPTConfig's attribute names (or a ModelShape) to a ModelShape.
+
+        Missing optional attributes take the defaults above; ``max_position_embeddings`` may be
+        spelled ``seq_length`` (Megatron). Raises ValueError on a missing or bad dimension.
+        """
+        if isinstance(model, cls):
+            return model
+
+        def need(name: str, *aliases: str) -> int:
+            for n in (name, *aliases):
+                if getattr(model, n, None) is not None:
+                    return getattr(model, n)
+            raise ValueError(f"model {type(model).__name__} has no attribute {name!r}")
+
+        return cls(
+            num_layers=need("num_layers"),
+            hidden_size=need("hidden_size"),
+            num_attention_heads=need("num_attention_heads"),
+            vocab_size=need("vocab_size", "padded_vocab_size"),
+            max_position_embeddings=need("max_position_embeddings", "seq_length"),
+            ffn_hidden_size=getattr(model, "ffn_hidden_size", None),
+            untie_embeddings_and_output_weights=bool(
+                getattr(model, "untie_embeddings_and_output_weights", False)
+            ),
+            final_layernorm=bool(getattr(model, "final_layernorm", True)),
+        )

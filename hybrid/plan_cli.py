@@ -1,0 +1,291 @@
+"""Command line of the memory planner: ``python -m hybrid.plan [--json] [--max-model] ...``.
+
+Flag names follow Megatron-LM where one exists. Sizes on the command line are in GB = 1e9 bytes
+and GB/s; bucket sizes in elements. Bad input (tp not dividing the heads, GPUs not divisible by
+GPUs per node, non-positive sizes) exits with status 2 and a message naming the value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from hybrid.flops import device_peak_tflops, num_parameters
+from hybrid.memory_estimate import ACTIVATION_OPTIONS, PRECISIONS, ZERO_STAGES
+from hybrid.model_shape import ModelShape
+from hybrid.plan import (
+    DEFAULT_BUCKET_ELEMENTS,
+    GB,
+    Cluster,
+    Training,
+    best,
+    max_layers,
+    max_params,
+    plan,
+    tp_candidates,
+)
+
+_DIMS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m hybrid.plan",
+        description="Per-rank memory, traffic and a step-time estimate for every TP x ZeRO x "
+        "activation-checkpointing layout; picks the fastest one that fits.",
+    )
+    g = p.add_argument_group("model")
+    g.add_argument("--model", help="preset name (models.presets.get_preset); dims below override")
+    g.add_argument("--num-layers", type=int)
+    g.add_argument("--hidden-size", type=int)
+    g.add_argument("--num-attention-heads", type=int)
+    g.add_argument("--ffn-hidden-size", type=int, help="default 4 * hidden")
+    g.add_argument("--vocab-size", type=int, default=None, help="default 50257 (GPT-2)")
+    g.add_argument("--seq-length", type=int, default=1024)
+    g.add_argument("--max-position-embeddings", type=int, help="default --seq-length")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=1)
+    g.add_argument("--global-batch-size", type=int, help="default micro-batch * num-gpus")
+    g.add_argument("--precision", choices=sorted(PRECISIONS), default="bf16")
+    g.add_argument(
+        "--reduce-bucket-size", type=int, default=DEFAULT_BUCKET_ELEMENTS, help="elements"
+    )
+    g.add_argument(
+        "--allgather-bucket-size", type=int, default=DEFAULT_BUCKET_ELEMENTS, help="elements"
+    )
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g = p.add_argument_group("cluster")
+    g.add_argument("--num-gpus", type=int, default=8)
+    g.add_argument("--gpus-per-node", type=int, default=8)
+    g.add_argument("--gpu-memory-gb", type=float, default=80.0, help="GB = 1e9 bytes")
+    g.add_argument(
+        "--reserved-gb",
+        type=float,
+        default=1.0,
+        help="held back per GPU for the CUDA context and fragmentation (0 reproduces the ZeRO tables)",
+    )
+    g.add_argument(
+        "--device", default="A100", help="name looked up for the peak (V100, A100, H100...)"
+    )
+    g.add_argument("--peak-tflops", type=float, help="overrides --device")
+    g.add_argument("--efficiency", type=float, default=0.45, help="fraction of peak on GEMMs")
+    g.add_argument("--intra-node-gbs", type=float, default=200.0, help="NVLink, GB/s per GPU")
+    g.add_argument("--inter-node-gbs", type=float, default=25.0, help="network, GB/s per GPU")
+    g.add_argument("--cpu-gbs", type=float, default=20.0, help="host link, GB/s per GPU")
+    g = p.add_argument_group("search")
+    g.add_argument(
+        "--tp", type=int, action="append", help="restrict to this TP degree (repeatable)"
+    )
+    g.add_argument("--zero-stage", type=int, action="append", choices=ZERO_STAGES)
+    g.add_argument("--activation", action="append", choices=ACTIVATION_OPTIONS)
+    g.add_argument("--fitting-only", action="store_true", help="print only layouts that fit")
+    g.add_argument(
+        "--max-model",
+        action="store_true",
+        help="largest model per TP x stage (ZeRO Table 2: model states only; with model "
+        "dims also the largest layer count counting activations)",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    return p
+
+
+def _load_preset(name: str) -> ModelShape:
+    try:
+        from models.presets import get_preset  # written on main; optional here
+    except ImportError as err:
+        raise ValueError(f"--model {name}: model presets are not available ({err})") from None
+    return ModelShape.of(get_preset(name))
+
+
+def _model(args: argparse.Namespace, required: bool) -> ModelShape | None:
+    base = _load_preset(args.model) if args.model else None
+    given = {d: getattr(args, d) for d in _DIMS if getattr(args, d) is not None}
+    for name, value in given.items():
+        if value <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    if base is None:
+        missing = [
+            d for d in ("num_layers", "hidden_size", "num_attention_heads") if d not in given
+        ]
+        if missing and not required and len(missing) == 3:
+            return None
+        if not required and missing == ["num_layers"]:
+            given["num_layers"] = 1  # --max-model searches the layer count itself
+            missing = []
+        if missing:
+            raise ValueError(
+                "give --model or " + ", ".join(f"--{d.replace('_', '-')}" for d in missing)
+            )
+        given.setdefault("vocab_size", 50257)
+        base = ModelShape(
+            max_position_embeddings=args.max_position_embeddings or args.seq_length,
+            untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+            **given,
+        )
+        return base
+    if args.max_position_embeddings:
+        given["max_position_embeddings"] = args.max_position_embeddings
+    return dataclasses.replace(base, **given)
+
+
+def _cluster(args: argparse.Namespace) -> Cluster:
+    peak = args.peak_tflops if args.peak_tflops is not None else device_peak_tflops(args.device)
+    if peak is None:
+        raise ValueError(f"--device {args.device!r} has no known peak; pass --peak-tflops")
+    return Cluster(
+        num_gpus=args.num_gpus,
+        gpus_per_node=args.gpus_per_node,
+        gpu_memory_bytes=args.gpu_memory_gb * GB,
+        reserved_bytes=args.reserved_gb * GB,
+        peak_tflops=peak,
+        efficiency=args.efficiency,
+        intra_node_gbs=args.intra_node_gbs,
+        inter_node_gbs=args.inter_node_gbs,
+        cpu_gbs=args.cpu_gbs,
+    )
+
+
+def _training(args: argparse.Namespace) -> Training:
+    return Training(
+        seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size,
+        global_batch_size=args.global_batch_size,
+        precision=args.precision,
+        reduce_bucket_elements=args.reduce_bucket_size,
+        allgather_bucket_elements=args.allgather_bucket_size,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+    )
+
+
+def _gb(x: float) -> str:
+    return f"{x / GB:8.2f}"
+
+
+def _plan_text(model, cluster, training, cands, skipped, chosen, fitting_only) -> str:
+    lines = [
+        f"model: {model.num_layers} layers, h={model.hidden_size}, heads={model.num_attention_heads}, "
+        f"f={model.ffn}, V={model.vocab_size}, {num_parameters(model) / 1e9:.3f}B params (unpadded)",
+        f"cluster: {cluster.num_gpus} GPUs ({cluster.gpus_per_node}/node) x "
+        f"{cluster.gpu_memory_bytes / GB:g} GB, peak {cluster.peak_tflops:g} TFLOP/s x "
+        f"{cluster.efficiency:g}; s={training.seq_length}, b={training.micro_batch_size}, "
+        f"{training.precision}",
+        "per-rank GB (1e9 B); dp/tp = GB sent per step; times in s",
+        f"{'tp':>3} {'dp':>4} {'z':>1} {'activation':<11} {'m':>3} {'params':>8} {'grads':>8} "
+        f"{'master':>8} {'optim':>8} {'activ':>8} {'buffers':>8} {'total':>8} fit "
+        f"{'dpGB':>8} {'tpGB':>8} {'step_s':>9} {'MFU':>5}",
+    ]
+    for c in cands:
+        if fitting_only and not c.fits:
+            continue
+        s = c.model_states
+        lines.append(
+            f"{c.tp:>3} {c.dp:>4} {c.stage:>1} {c.activation:<11} {c.micro_batches:>3} "
+            f"{_gb(s['params'])} {_gb(s['grads'])} {_gb(s['master'])} {_gb(s['optimizer'])} "
+            f"{_gb(c.activations['gpu'])} {_gb(c.buffers)} {_gb(c.total_bytes)} "
+            f"{'yes' if c.fits else ' no'} {_gb(c.dp_bytes)} {_gb(c.tp_bytes)} "
+            f"{c.times['step_s']:9.3f} {c.mfu:5.1%}"
+        )
+    lines += [f"skipped {r}" for r in skipped]
+    if chosen is None:
+        lines.append("best: nothing fits")
+    else:
+        t = chosen.times
+        lines.append(
+            f"best: tp={chosen.tp} dp={chosen.dp} zero={chosen.stage} activation={chosen.activation} "
+            f"total {chosen.total_bytes / GB:.2f} GB/rank, step {t['step_s']:.3f} s (compute "
+            f"{t['compute_s']:.3f} + tp {t['tp_s']:.3f} + dp {t['dp_s']:.3f} + cpu {t['cpu_s']:.3f}), "
+            f"{chosen.tokens_per_s:,.0f} tokens/s, MFU {chosen.mfu:.1%}"
+        )
+    return "\n".join(lines)
+
+
+def _max_model(args, model, cluster, training) -> list[dict]:
+    rows = []
+    tps = args.tp or (
+        tp_candidates(model, cluster)
+        if model
+        else [
+            t for t in (1, 2, 4, 8, 16) if t <= cluster.gpus_per_node and cluster.num_gpus % t == 0
+        ]
+    )
+    budget = cluster.gpu_memory_bytes - cluster.reserved_bytes
+    for tp in tps:
+        dp = cluster.num_gpus // tp
+        for stage in args.zero_stage or ZERO_STAGES:
+            row = {
+                "tp": tp,
+                "dp": dp,
+                "stage": stage,
+                "max_params_model_states": max_params(budget, tp, dp, stage, training.precision),
+            }
+            if model is not None:
+                layers = {
+                    a: max_layers(model, cluster, training, tp, stage, a)
+                    for a in args.activation or ACTIVATION_OPTIONS
+                    if not (tp == 1 and a == "full+pa")
+                }
+                row["max_layers"] = layers
+                row["max_params_with_activations"] = {
+                    a: num_parameters(dataclasses.replace(model, num_layers=n)) if n else 0
+                    for a, n in layers.items()
+                }
+            rows.append(row)
+    return rows
+
+
+def _max_model_text(rows: list[dict]) -> str:
+    lines = [
+        "largest model per GPU budget (model states only = ZeRO Table 2; "
+        "with activations = largest layer count of the given width)"
+    ]
+    for r in rows:
+        line = f"tp={r['tp']:>2} dp={r['dp']:>5} zero={r['stage']}: {r['max_params_model_states'] / 1e9:9.2f}B"
+        if "max_layers" in r:
+            line += "  | " + ", ".join(
+                f"{a}: {n} layers ({r['max_params_with_activations'][a] / 1e9:.1f}B)"
+                for a, n in r["max_layers"].items()
+            )
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        model = _model(args, required=not args.max_model)
+        cluster = _cluster(args)
+        training = _training(args)
+        if args.max_model:
+            rows = _max_model(args, model, cluster, training)
+            print(json.dumps({"max_model": rows}, indent=1) if args.json else _max_model_text(rows))
+            return 0
+        cands, skipped = plan(
+            model,
+            cluster,
+            training,
+            args.tp,
+            tuple(args.zero_stage or ZERO_STAGES),
+            tuple(args.activation or ACTIVATION_OPTIONS),
+        )
+    except ValueError as err:
+        parser.error(str(err))
+    chosen = best(cands)
+    if args.json:
+        doc = {
+            "model": dataclasses.asdict(model),
+            "num_parameters": num_parameters(model),
+            "cluster": dataclasses.asdict(cluster),
+            "training": dataclasses.asdict(training),
+            "candidates": [c.as_dict() for c in cands],
+            "skipped": skipped,
+            "best": chosen.as_dict() if chosen else None,
+        }
+        json.dump(doc, sys.stdout, indent=1)
+        print()
+    else:
+        print(_plan_text(model, cluster, training, cands, skipped, chosen, args.fitting_only))
+    return 0

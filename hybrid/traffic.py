@@ -1,0 +1,125 @@
+"""Communication volume per rank per training step: data-parallel (ZeRO) and tensor-parallel.
+
+"Volume" is what one rank sends, in elements (multiply by bytes per element for bytes); a ring
+collective over n ranks of a message of M elements sends M (n-1)/n for all-gather and
+reduce-scatter and 2M (n-1)/n for all-reduce. ZeRO §7 drops the (n-1)/n factor;
+``ring_factor=False`` reproduces the paper's numbers.
+
+Sources (see /work/shared/reference/paper.md):
+- Data parallel: ZeRO (1910.02054) §7.1-7.2: 2Ψ for DDP, ZeRO-1 and ZeRO-2, 3Ψ for ZeRO-3.
+- Tensor parallel: Megatron-LM (1909.08053) §3 / Fig. 4 (4 all-reduces per layer), Narayanan et al.
+  (2104.04473) §3.2 (8bsh(t-1)/t per layer per micro-batch), ZeRO §8 (6 all-reduces with
+  recompute, plus one P_a all-gather of the block input).
+"""
+
+from __future__ import annotations
+
+from hybrid.memory_estimate import ZERO_STAGES, Precision, get_precision, params_per_tp_rank
+
+
+def _ring(n: int, ring_factor: bool) -> float:
+    if n <= 0:
+        raise ValueError(f"group size must be positive, got {n}")
+    return (n - 1) / n if ring_factor else 1.0
+
+
+def dp_traffic_elements(
+    model_or_params: object,
+    dp: int,
+    stage: int,
+    tp: int = 1,
+    micro_batches_per_step: int = 1,
+    ring_factor: bool = True,
+) -> float:
+    """Elements one rank sends over its data-parallel group per optimizer step.
+
+    Ψ_t = the rank's TP shard (``memory_estimate.params_per_tp_rank``). With one micro-batch per
+    step (ZeRO §7): stages 0-2 move 2Ψ_t (all-reduce, or reduce-scatter + all-gather of the updated
+    parameters), stage 3 3Ψ_t (parameter all-gather in forward and again in backward + gradient
+    reduce-scatter). With m micro-batches of gradient accumulation, stages 0-1 still reduce once;
+    stage 2 must reduce-scatter every micro-batch (its gradient is partitioned), so (m + 1)Ψ_t;
+    stage 3 repeats all three every micro-batch, so 3mΨ_t. Times (dp-1)/dp when ``ring_factor``;
+    0 when dp == 1.
+    """
+    if stage not in ZERO_STAGES:
+        raise ValueError(f"ZeRO stage must be one of {ZERO_STAGES}, got {stage!r}")
+    if micro_batches_per_step <= 0:
+        raise ValueError(f"micro_batches_per_step must be positive, got {micro_batches_per_step}")
+    psi = params_per_tp_rank(model_or_params, tp)
+    m = micro_batches_per_step
+    passes = {0: 2, 1: 2, 2: m + 1, 3: 3 * m}[stage]
+    return passes * psi * _ring(dp, ring_factor)
+
+
+def dp_traffic_bytes(
+    model_or_params: object,
+    dp: int,
+    stage: int,
+    tp: int = 1,
+    precision: str | Precision = "bf16",
+    micro_batches_per_step: int = 1,
+    ring_factor: bool = True,
+) -> float:
+    """``dp_traffic_elements`` in bytes, at the gradient dtype's size (2 mixed, 4 fp32)."""
+    elements = dp_traffic_elements(
+        model_or_params, dp, stage, tp, micro_batches_per_step, ring_factor
+    )
+    return elements * get_precision(precision).grad_bytes
+
+
+def tp_collectives_per_layer(
+    recompute: bool = False, partitioned_activations: bool = False
+) -> dict[str, int]:
+    """Tensor-parallel collectives one transformer layer issues per micro-batch.
+
+    2 all-reduces forward (g after attention and after the MLP) and 2 backward (f), so 4
+    (1909.08053 Fig. 4); recomputing the forward adds 2 (6 in all, ZeRO §8); P_a adds one
+    all-gather of the checkpointed block input before recompute (ZeRO §8).
+    """
+    return {
+        "all_reduce": 6 if recompute else 4,
+        "all_gather": 1 if (recompute and partitioned_activations) else 0,
+    }
+
+
+def tp_traffic_elements(
+    micro_batch_size: int,
+    seq_length: int,
+    hidden_size: int,
+    tp: int,
+    num_layers: int = 1,
+    recompute: bool = False,
+    partitioned_activations: bool = False,
+    vocab_size: int | None = None,
+    ring_factor: bool = True,
+) -> float:
+    """Elements one rank sends over its TP group per micro-batch.
+
+    Per layer, each all-reduce of an [s, b, h] tensor sends 2bsh(t-1)/t: 8bsh(t-1)/t for the 4 of
+    a plain layer (2104.04473 §3.2), 12bsh(t-1)/t with recompute, plus bsh(t-1)/t for the P_a
+    all-gather (ZeRO §8, <10% extra). When ``vocab_size`` is given the model's ends are added:
+    the all-reduce after the vocab-parallel embedding (forward), the one at the output layer's
+    input (backward), and 3 all-reduces of [s, b] in the fused cross-entropy (max, target logit,
+    sum of exp) instead of an all-gather of bsV logits (1909.08053 §3). 0 when tp == 1.
+    """
+    if tp <= 0 or num_layers <= 0:
+        raise ValueError(f"tp and num_layers must be positive, got {tp}, {num_layers}")
+    bsh = micro_batch_size * seq_length * hidden_size
+    counts = tp_collectives_per_layer(recompute, partitioned_activations)
+    per_layer = (2 * counts["all_reduce"] + counts["all_gather"]) * bsh
+    total = num_layers * per_layer
+    if vocab_size is not None:
+        total += 2 * 2 * bsh + 3 * 2 * micro_batch_size * seq_length
+    return total * _ring(tp, ring_factor)
+
+
+def vocab_parallel_cross_entropy_elements(
+    micro_batch_size: int, seq_length: int, vocab_size: int
+) -> dict[str, int]:
+    """Message sizes (elements) of the fused vocab-parallel cross-entropy vs gathering logits.
+
+    Fused: 3 all-reduces of b s values each; naive: all-gather of b s V logits
+    (1909.08053 §3; b = 8, s = 1024, V = 51,200 avoids 419,430,400 elements).
+    """
+    bs = micro_batch_size * seq_length
+    return {"fused_per_collective": bs, "fused_collectives": 3, "naive_all_gather": bs * vocab_size}
