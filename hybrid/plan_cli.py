@@ -15,6 +15,7 @@ import sys
 from hybrid.flops import device_peak_tflops, num_parameters
 from hybrid.memory_estimate import ACTIVATION_OPTIONS, PRECISIONS, ZERO_STAGES
 from hybrid.model_shape import ModelShape
+from models.presets import get_preset
 from hybrid.plan import (
     DEFAULT_BUCKET_ELEMENTS,
     GB,
@@ -94,10 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _load_preset(name: str) -> ModelShape:
     try:
-        from models.presets import get_preset  # written on main; optional here
-    except ImportError as err:
-        raise ValueError(f"--model {name}: model presets are not available ({err})") from None
-    return ModelShape.of(get_preset(name))
+        return ModelShape.of(get_preset(name))
+    except KeyError as err:
+        raise ValueError(f"--model: {err.args[0]}") from None
 
 
 def _model(args: argparse.Namespace, required: bool) -> ModelShape | None:

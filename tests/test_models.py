@@ -67,3 +67,11 @@ def test_seeded_init_is_reproducible_and_forward_runs():
     assert a(tokens, tokens).shape == (2, 16)
     with pytest.raises(ValueError, match="max_position_embeddings"):
         a(torch.zeros(1, 17, dtype=torch.long))
+
+
+@pytest.mark.parametrize("name", list_presets())
+def test_planner_counts_every_preset_like_the_model(name):
+    from hybrid.flops import num_parameters
+
+    cfg = get_preset(name)
+    assert num_parameters(cfg) == cfg.num_parameters()

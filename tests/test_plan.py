@@ -421,3 +421,15 @@ def test_python_dash_m_entry_point():
     )
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout)["best"] is not None
+
+
+def test_cli_takes_a_preset_and_names_an_unknown_one(capsys):
+    from hybrid.plan_cli import main
+
+    assert main(["--model", "gpt2-124m", "--seq-length", "1024", "--micro-batch-size", "1",
+                 "--num-gpus", "8", "--gpus-per-node", "8", "--gpu-memory-gb", "80", "--json"]) in (0, None)
+    doc = json.loads(capsys.readouterr().out)
+    assert doc
+    with pytest.raises(SystemExit):
+        main(["--model", "gpt-5", "--seq-length", "1024", "--num-gpus", "8"])
+    assert "gpt2-124m" in capsys.readouterr().err
