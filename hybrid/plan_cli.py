@@ -15,7 +15,6 @@ import sys
 from hybrid.flops import device_peak_tflops, num_parameters
 from hybrid.memory_estimate import ACTIVATION_OPTIONS, PRECISIONS, ZERO_STAGES
 from hybrid.model_shape import ModelShape
-from models.presets import get_preset
 from hybrid.plan import (
     DEFAULT_BUCKET_ELEMENTS,
     GB,
@@ -27,6 +26,7 @@ from hybrid.plan import (
     plan,
     tp_candidates,
 )
+from models.presets import get_preset
 
 _DIMS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size")
 

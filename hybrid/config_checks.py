@@ -1,0 +1,225 @@
+"""Cross-field validation of a :class:`hybrid.config.PretrainConfig` and the derived values.
+
+Runs in every process before any process group starts, from the config and the launcher's
+environment alone (``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``), so a bad setting fails fast on every
+rank with the same message and no worker waits in a collective.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from hybrid.config import PretrainConfig
+from hybrid.grid import validate_grid
+from hybrid.tp_plan import padded_vocab_size
+from models.gpt import GPTConfig
+from models.presets import get_preset
+
+
+class ConfigError(ValueError):
+    """An inconsistent or impossible setting; the message names the values."""
+
+
+@dataclass(frozen=True)
+class Derived:
+    """Values computed from the config and the world (printed at start).
+
+    Attributes:
+        gpt: the model's :class:`GPTConfig` (real, unpadded vocabulary).
+        world_size, tp, dp: grid sizes.
+        global_batch_size: samples per optimizer step.
+        grad_accum_steps: micro-batches per rank per step
+            (``global = micro x accumulation x dp``, STYLE.md rule 7).
+        tokens_per_step: ``global_batch_size * seq_length``.
+        padded_vocab_size: embedding rows after padding for this tp.
+        warmup_iters, decay_iters: resolved LR schedule lengths (steps).
+    """
+
+    gpt: GPTConfig
+    world_size: int
+    tp: int
+    dp: int
+    global_batch_size: int
+    grad_accum_steps: int
+    tokens_per_step: int
+    padded_vocab_size: int
+    warmup_iters: int
+    decay_iters: int
+
+    def summary(self) -> str:
+        return (f"world {self.world_size} = tp {self.tp} x dp {self.dp} | global batch "
+                f"{self.global_batch_size} = micro batch {self.global_batch_size // (self.grad_accum_steps * self.dp)}"
+                f" x accumulation {self.grad_accum_steps} x dp {self.dp} | tokens per step "
+                f"{self.tokens_per_step:,} | vocab {self.gpt.vocab_size} padded to {self.padded_vocab_size} | "
+                f"parameters {self.gpt.num_parameters():,} | LR warmup {self.warmup_iters} decay {self.decay_iters}")
+
+
+def _world_from_env() -> tuple[int, int | None]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    return world, int(local) if local else None
+
+
+def _vocab_size(cfg: PretrainConfig) -> int:
+    d, m = cfg.data, cfg.model
+    if d.tokenizer_model:
+        if not Path(d.tokenizer_model).is_file():
+            raise ConfigError(f"--tokenizer-model {d.tokenizer_model}: file not found")
+        from data.tokenizer import Tokenizer
+
+        try:
+            vocab = Tokenizer(d.tokenizer_model).vocab_size
+        except ValueError as e:
+            raise ConfigError(f"--tokenizer-model {d.tokenizer_model}: {e}") from None
+        if m.vocab_size is not None and m.vocab_size != vocab:
+            raise ConfigError(f"--vocab-size {m.vocab_size} does not match the tokenizer's vocabulary "
+                              f"of {vocab} ({d.tokenizer_model})")
+        return vocab
+    if m.vocab_size is None:
+        if d.mock_data:
+            raise ConfigError("--mock-data without --tokenizer-model needs --vocab-size")
+        raise ConfigError("--tokenizer-model is required with --data-path (or give --mock-data --vocab-size N)")
+    return m.vocab_size
+
+
+def _model_config(cfg: PretrainConfig, vocab: int) -> GPTConfig:
+    m = cfg.model
+    try:
+        base = get_preset(m.preset) if m.preset else None
+    except KeyError as e:
+        raise ConfigError(f"--preset: {e.args[0]}") from None
+    dims = {k: getattr(m, k) for k in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size")}
+    if base is None:
+        missing = [f"--{k.replace('_', '-')}" for k in ("num_layers", "hidden_size", "num_attention_heads")
+                   if dims[k] is None]
+        if missing:
+            raise ConfigError(f"give --preset or all of {', '.join(missing)}")
+    overrides = {k: v for k, v in dims.items() if v is not None}
+    if base is not None and "hidden_size" in overrides and "ffn_hidden_size" not in overrides:
+        overrides["ffn_hidden_size"] = None
+    max_pos = m.max_position_embeddings or (
+        max(base.max_position_embeddings, m.seq_length) if base is not None else m.seq_length)
+    common = dict(vocab_size=vocab, max_position_embeddings=max_pos, hidden_dropout=m.hidden_dropout,
+                  attention_dropout=m.attention_dropout, init_method_std=m.init_method_std,
+                  layernorm_epsilon=m.layernorm_epsilon,
+                  untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights)
+    try:
+        if base is None:
+            return GPTConfig(**overrides, **common)
+        return replace(base, **overrides, **common)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def validate(cfg: PretrainConfig, world_size: int | None = None,
+             local_world_size: int | None = None) -> Derived:
+    """Check ``cfg`` against itself, the files it names and the world; return derived values.
+
+    Args:
+        cfg: the parsed configuration.
+        world_size, local_world_size: default to torchrun's ``WORLD_SIZE`` / ``LOCAL_WORLD_SIZE``.
+
+    Raises:
+        ConfigError: the first problem found, with the offending values in the message.
+    """
+    env_world, env_local = _world_from_env()
+    world = world_size or env_world
+    local = local_world_size if local_world_size is not None else env_local
+    p, o, m = cfg.parallel, cfg.optim, cfg.model
+    tp = p.tensor_model_parallel_size
+    try:
+        shape = validate_grid(world, tp, 1, local)
+    except (ValueError, NotImplementedError) as e:
+        raise ConfigError(str(e)) from None
+    if p.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"--zero-stage {p.zero_stage}: valid stages are 0, 1, 2, 3")
+    if o.bf16 and o.fp16:
+        raise ConfigError("--bf16 and --fp16 are mutually exclusive")
+    vocab = _vocab_size(cfg)
+    gpt = _model_config(cfg, vocab)
+    if gpt.num_attention_heads % tp:
+        raise ConfigError(f"--num-attention-heads {gpt.num_attention_heads} is not divisible by "
+                          f"--tensor-model-parallel-size {tp}")
+    if gpt.ffn_hidden_size % tp:
+        raise ConfigError(f"--ffn-hidden-size {gpt.ffn_hidden_size} is not divisible by "
+                          f"--tensor-model-parallel-size {tp}")
+    if m.seq_length < 1 or m.seq_length > gpt.max_position_embeddings:
+        raise ConfigError(f"--seq-length {m.seq_length} must be in [1, --max-position-embeddings "
+                          f"{gpt.max_position_embeddings}]")
+    if o.micro_batch_size < 1:
+        raise ConfigError(f"--micro-batch-size {o.micro_batch_size} must be >= 1")
+    gbs = o.global_batch_size or o.micro_batch_size * shape.dp
+    if gbs % (o.micro_batch_size * shape.dp):
+        raise ConfigError(f"--global-batch-size {gbs} is not divisible by --micro-batch-size "
+                          f"{o.micro_batch_size} x data-parallel size {shape.dp} = {o.micro_batch_size * shape.dp}")
+    if o.train_iters < 1:
+        raise ConfigError(f"--train-iters {o.train_iters} must be >= 1")
+    if o.lr < 0 or o.min_lr < 0 or o.min_lr > o.lr:
+        raise ConfigError(f"need 0 <= --min-lr ({o.min_lr}) <= --lr ({o.lr})")
+    decay = o.lr_decay_iters if o.lr_decay_iters is not None else o.train_iters
+    if decay < 1:
+        raise ConfigError(f"--lr-decay-iters {decay} must be >= 1")
+    if o.lr_warmup_fraction is not None:
+        if not 0 <= o.lr_warmup_fraction <= 1:
+            raise ConfigError(f"--lr-warmup-fraction {o.lr_warmup_fraction} must be in [0, 1]")
+        warmup = int(o.lr_warmup_fraction * decay)
+    else:
+        warmup = o.lr_warmup_iters
+    if not 0 <= warmup <= decay:
+        raise ConfigError(f"--lr-warmup-iters {warmup} must be in [0, --lr-decay-iters {decay}]")
+    if o.fp16 and o.loss_scale is None and (
+            o.initial_loss_scale < 1 or 2 ** round(math.log2(o.initial_loss_scale)) != o.initial_loss_scale):
+        raise ConfigError(f"--initial-loss-scale {o.initial_loss_scale} must be a power of two >= 1")
+    if o.hysteresis < 1 or o.loss_scale_window < 1:
+        raise ConfigError(f"--hysteresis {o.hysteresis} and --loss-scale-window {o.loss_scale_window} must be >= 1")
+    if o.clip_grad < 0:
+        raise ConfigError(f"--clip-grad {o.clip_grad} must be >= 0")
+    _check_activation_flags(cfg, gpt)
+    _check_data(cfg)
+    if cfg.eval.eval_interval < 1 or cfg.eval.eval_iters < 0 or cfg.logging.log_interval < 1:
+        raise ConfigError(f"--eval-interval {cfg.eval.eval_interval} and --log-interval "
+                          f"{cfg.logging.log_interval} must be >= 1, --eval-iters {cfg.eval.eval_iters} >= 0")
+    return Derived(
+        gpt=gpt, world_size=world, tp=tp, dp=shape.dp, global_batch_size=gbs,
+        grad_accum_steps=gbs // (o.micro_batch_size * shape.dp), tokens_per_step=gbs * m.seq_length,
+        padded_vocab_size=padded_vocab_size(vocab, tp, m.make_vocab_size_divisible_by),
+        warmup_iters=warmup, decay_iters=decay,
+    )
+
+
+def _check_activation_flags(cfg: PretrainConfig, gpt: GPTConfig) -> None:
+    p = cfg.parallel
+    if (p.partition_activations or p.checkpoint_in_cpu or p.contiguous_checkpointing) and not p.checkpoint_activations:
+        raise ConfigError("--partition-activations, --checkpoint-in-cpu and --contiguous-checkpointing "
+                          "need --checkpoint-activations")
+    if p.checkpoint_in_cpu and not p.partition_activations:
+        raise ConfigError("--checkpoint-in-cpu offloads the partitioned checkpoints: add --partition-activations")
+    n = p.checkpoint_num_layers
+    if n is not None and not 0 < n <= gpt.num_layers:
+        raise ConfigError(f"--checkpoint-num-layers {n} must be in [1, --num-layers {gpt.num_layers}]")
+
+
+def _check_data(cfg: PretrainConfig) -> None:
+    d = cfg.data
+    from data.blended_dataset import parse_data_path
+    from data.split import parse_split
+
+    try:
+        parse_split(d.split)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if d.mock_data:
+        return
+    if not d.data_path:
+        raise ConfigError("give --data-path PREFIX (a preprocessed <prefix>.bin/.idx pair) or --mock-data")
+    try:
+        _, prefixes = parse_data_path(d.data_path)
+    except ValueError as e:
+        raise ConfigError(f"--data-path {' '.join(map(str, d.data_path))}: {e}") from None
+    for prefix in prefixes:
+        missing = [s for s in (".bin", ".idx") if not Path(prefix + s).is_file()]
+        if missing:
+            raise ConfigError(f"--data-path {prefix}: missing {', '.join(prefix + s for s in missing)}")

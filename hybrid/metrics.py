@@ -1,0 +1,153 @@
+"""One metrics path (STYLE.md rule 12): a human log line, a JSONL record and wandb, same numbers.
+
+Only global rank 0 writes anything. The log line follows Megatron-LM's field order; the JSON
+record keeps full float precision. wandb is optional: without the package, or when it fails
+to start, training goes on with a warning; with no credentials it runs offline (no network).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+TRAIN_FIELDS = ("iteration", "consumed_samples", "lm_loss", "lr", "grad_norm", "loss_scale",
+                "skipped_iterations", "nan_iterations", "elapsed_ms", "tokens_per_sec",
+                "tflops_per_device")
+
+
+def memory_mb(device: torch.device) -> float:
+    """Peak memory of this process in MB (2**20 bytes): CUDA max allocated, else peak RSS."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def format_train_line(r: dict, train_iters: int) -> str:
+    """Megatron-LM's log line for a training record ``r``."""
+    parts = [
+        f" iteration {r['iteration']:8d}/{train_iters:8d}",
+        f"consumed samples: {r['consumed_samples']:12d}",
+        f"elapsed time per iteration (ms): {r['elapsed_ms']:.1f}",
+        f"learning rate: {r['lr']:.6E}",
+        f"global batch size: {r['global_batch_size']:5d}",
+        f"lm loss: {r['lm_loss']:.6E}",
+        f"loss scale: {r['loss_scale']:.1f}",
+        f"grad norm: {r['grad_norm']:.3f}",
+        f"number of skipped iterations: {r['skipped_iterations']:3d}",
+        f"number of nan iterations: {r['nan_iterations']:3d}",
+        f"tokens per second: {r['tokens_per_sec']:.1f}",
+        f"TFLOP/s per device: {r['tflops_per_device']:.3f}",
+    ]
+    if r.get("mfu") is not None:
+        parts.append(f"MFU: {100 * r['mfu']:.1f}%")
+    parts.append(f"memory (MB): {r['memory_mb']:.0f}")
+    return " | ".join(parts) + " |"
+
+
+def format_eval_line(r: dict) -> str:
+    ppl = math.exp(min(20.0, r["lm_loss"]))
+    return (f" {r['split']} loss at iteration {r['iteration']} | lm loss value: {r['lm_loss']:.6E} | "
+            f"lm loss PPL: {ppl:.6E} |")
+
+
+class MetricsWriter:
+    """Writes records on global rank 0; a no-op object on every other rank.
+
+    Args:
+        rank: global rank.
+        metrics_file: JSONL path or None.
+        config: resolved config dict (for wandb).
+        wandb_project, wandb_exp_name, wandb_save_dir: wandb settings; no project, no wandb.
+        print_fn: where log lines go (``print`` or a progress bar's ``write``).
+    """
+
+    def __init__(self, rank: int, metrics_file: str | None, config: dict,
+                 wandb_project: str | None = None, wandb_exp_name: str | None = None,
+                 wandb_save_dir: str | None = None, print_fn=print):
+        self.active = rank == 0
+        self.print = print_fn
+        self._file = None
+        self._wandb = None
+        if not self.active:
+            return
+        if metrics_file:
+            Path(metrics_file).parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(metrics_file, "a", buffering=1)
+        if wandb_project:
+            self._wandb = _start_wandb(wandb_project, wandb_exp_name, wandb_save_dir, config)
+
+    def train(self, record: dict, train_iters: int) -> None:
+        """Log one training record (must hold :data:`TRAIN_FIELDS`)."""
+        if not self.active:
+            return
+        self.print(format_train_line(record, train_iters))
+        self._write({"kind": "train", **record}, step=record["iteration"])
+
+    def eval(self, record: dict) -> None:
+        """Log one evaluation record (``split``, ``iteration``, ``lm_loss``)."""
+        if not self.active:
+            return
+        self.print(format_eval_line(record))
+        self._write({"kind": "eval", **record}, step=record["iteration"],
+                    wandb_prefix=f"{record['split']}/")
+
+    def _write(self, record: dict, step: int, wandb_prefix: str = "") -> None:
+        if self._file:
+            self._file.write(json.dumps(record) + "\n")
+        if self._wandb is not None:
+            try:
+                self._wandb.log({wandb_prefix + k: v for k, v in record.items()
+                                 if isinstance(v, int | float) and not isinstance(v, bool)}, step=step)
+            except Exception as e:  # tracking must never stop training
+                warnings.warn(f"wandb.log failed, disabling wandb: {e}", stacklevel=2)
+                self._wandb = None
+
+    def close(self) -> None:
+        if self._file:
+            self._file.close()
+            self._file = None
+        if self._wandb is not None:
+            try:
+                self._wandb.finish()
+            except Exception as e:
+                warnings.warn(f"wandb.finish failed: {e}", stacklevel=2)
+            self._wandb = None
+
+
+def wandb_mode() -> str:
+    """``WANDB_MODE`` if set; else ``online`` with credentials (``WANDB_API_KEY`` or a netrc
+    entry for api.wandb.ai), otherwise ``offline`` so that no network is ever attempted."""
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
+    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    try:
+        if "api.wandb.ai" in netrc.read_text():
+            return "online"
+    except OSError:
+        pass
+    return "offline"
+
+
+def _start_wandb(project, name, save_dir, config):
+    try:
+        import wandb
+    except ImportError:
+        warnings.warn("--wandb-project is set but wandb is not installed; continuing without it", stacklevel=3)
+        return None
+    save_dir = save_dir or os.getcwd()
+    Path(save_dir).mkdir(parents=True, exist_ok=True)
+    try:
+        return wandb.init(project=project, name=name, dir=save_dir, config=config, mode=wandb_mode(),
+                          settings=wandb.Settings(init_timeout=90, console="off", silent=True))
+    except Exception as e:
+        print(f"warning: wandb failed to start ({e}); continuing without it", file=sys.stderr)
+        return None

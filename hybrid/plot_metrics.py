@@ -1,0 +1,97 @@
+"""Turn a metrics JSONL file (``--metrics-file``) into PNG plots.
+
+``python -m hybrid.plot_metrics METRICS.jsonl [more.jsonl ...] --output-dir DIR`` writes
+``loss.png`` (training and validation loss against iteration), ``lr.png`` and
+``throughput.png`` (tokens/s and TFLOP/s per device). Several files are overlaid, labelled by
+file name. Needs matplotlib (``pip install hybrid-zero[plot]``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def read_metrics(path: str | Path) -> tuple[list[dict], list[dict]]:
+    """``(train_records, eval_records)`` of one JSONL file.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: a line that is not JSON (its line number is named).
+    """
+    train, evals = [], []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not a JSON record ({e})") from None
+            (evals if r.get("kind") == "eval" else train).append(r)
+    return train, evals
+
+
+def plot(paths: list[str], output_dir: str) -> list[Path]:
+    """Write the PNGs for ``paths`` into ``output_dir``; returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    runs = {Path(p).stem: read_metrics(p) for p in paths}
+    written = []
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, (train, evals) in runs.items():
+        ax.plot([r["iteration"] for r in train], [r["lm_loss"] for r in train], label=f"{name} train")
+        for split, marker in (("valid", "o"), ("test", "s")):
+            pts = [r for r in evals if r.get("split") == split]
+            if pts:
+                ax.plot([r["iteration"] for r in pts], [r["lm_loss"] for r in pts], marker=marker,
+                        linestyle="--" if split == "valid" else "none", label=f"{name} {split}")
+    ax.set(xlabel="iteration", ylabel="lm loss", title="language-model loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    written.append(_save(fig, out / "loss.png"))
+    for fname, keys, title in (("lr.png", ("lr",), "learning rate"),
+                               ("throughput.png", ("tokens_per_sec", "tflops_per_device"), "throughput")):
+        fig, axes = plt.subplots(1, len(keys), figsize=(6 * len(keys), 4), squeeze=False)
+        for ax, key in zip(axes[0], keys, strict=True):
+            for name, (train, _) in runs.items():
+                ax.plot([r["iteration"] for r in train], [r[key] for r in train], label=name)
+            ax.set(xlabel="iteration", ylabel=key, title=f"{title}: {key}")
+            ax.grid(alpha=0.3)
+            ax.legend()
+        written.append(_save(fig, out / fname))
+    return written
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hybrid-plot-metrics", description=__doc__.split("\n")[0])
+    parser.add_argument("metrics", nargs="+", help="metrics JSONL file(s)")
+    parser.add_argument("--output-dir", default="plots", help="where the PNGs go")
+    args = parser.parse_args(argv)
+    try:
+        for path in plot(args.metrics, args.output_dir):
+            print(path)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"hybrid-plot-metrics: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

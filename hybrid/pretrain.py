@@ -1,0 +1,156 @@
+"""GPT pretraining entry point: ``torchrun --nproc-per-node N -m hybrid.pretrain [flags]``.
+
+parse -> validate (before any process group) -> grid -> model (TP plan -> activation
+checkpointing -> ZeRO) -> data -> train -> test evaluation -> close. Flags: ``--help``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from hybrid.cli import config_json, parse_config
+from hybrid.config import PretrainConfig
+from hybrid.config_checks import ConfigError, Derived, validate
+
+
+def build_model(cfg: PretrainConfig, derived: Derived, grid, tracker):
+    """The tensor-parallel GPT on ``grid.device``, initialised from the seed exactly as the
+    single-process ``GPT.init_weights(seed)`` would be, whatever the tp."""
+    from hybrid.tp_plan import parallelize_gpt
+    from models.gpt import GPT
+
+    with torch.device("meta"):
+        model = GPT(derived.gpt)
+    parallelize_gpt(model, grid.tp_group, tracker=tracker, seed=cfg.data.seed,
+                    make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
+    return model.to(grid.device)
+
+
+def build_datasets(cfg: PretrainConfig, derived: Derived):
+    """``(train, valid, test)`` datasets sized for the run (None for an empty split)."""
+    from data.split import parse_split
+
+    gbs, seq = derived.global_batch_size, cfg.model.seq_length
+    fractions = parse_split(cfg.data.split)
+    eval_samples = cfg.eval.eval_iters * gbs
+    counts = (cfg.optim.train_iters * gbs,
+              eval_samples if fractions[1] > 0 else 0,
+              eval_samples if fractions[2] > 0 else 0)
+    if cfg.data.mock_data:
+        from data.mock_dataset import MockGPTDataset
+
+        return tuple(MockGPTDataset(n, seq, derived.gpt.vocab_size, cfg.data.seed + 7919 * i) if n else None
+                     for i, n in enumerate(counts))
+    from data.gpt_dataset import build_gpt_datasets
+
+    return build_gpt_datasets(cfg.data.data_path, cfg.data.split, seq, cfg.data.seed, counts,
+                              cache_dir=cfg.data.data_cache_path)
+
+
+def _batches(dataset, consumed: int, cfg: PretrainConfig, grid):
+    from data.loader import build_data_loader
+
+    return iter(build_data_loader(dataset, consumed, cfg.optim.micro_batch_size, grid.dp_rank, grid.dp_size))
+
+
+def run(cfg: PretrainConfig, derived: Derived) -> dict:
+    """Train with an already validated config; returns the final state's history (rank 0)."""
+    from hybrid.activations import ActivationConfig, apply_activation_checkpointing
+    from hybrid.flops import device_peak_tflops, flops_per_iteration
+    from hybrid.grid import ProcessGrid, init_distributed
+    from hybrid.metrics import MetricsWriter
+    from hybrid.rng import RNGTracker, seed_everything
+    from hybrid.schedule import LRSchedule
+    from hybrid.training import LoopSettings, TrainState, run_eval, train
+    from hybrid.zero import OptimizerConfig, ZeroConfig, ZeroEngine
+
+    p, o = cfg.parallel, cfg.optim
+    init_distributed(timeout_s=60 * p.distributed_timeout_minutes)
+    grid = ProcessGrid(tp=p.tensor_model_parallel_size)
+    seed_everything(cfg.data.seed, grid.device)
+    tracker = RNGTracker(cfg.data.seed, grid.tp_rank, grid.device)
+    if grid.rank == 0:
+        print(f"hybrid-zero pretraining | {derived.summary()}", flush=True)
+        print(config_json(cfg), flush=True)
+
+    model = build_model(cfg, derived, grid, tracker)
+    act = ActivationConfig(
+        checkpoint_activations=p.checkpoint_activations, partition_activations=p.partition_activations,
+        checkpoint_in_cpu=p.checkpoint_in_cpu, contiguous_checkpointing=p.contiguous_checkpointing,
+        checkpoint_num_layers=p.checkpoint_num_layers)
+    if act.checkpoint_activations:
+        apply_activation_checkpointing(model, grid, act, tracker)
+    precision = "bf16" if o.bf16 else "fp16" if o.fp16 else "fp32"
+    engine = ZeroEngine(
+        model, grid,
+        ZeroConfig(stage=p.zero_stage, reduce_bucket_size=p.reduce_bucket_size,
+                   allgather_bucket_size=p.allgather_bucket_size, overlap_comm=p.overlap_comm,
+                   param_persistence_threshold=p.param_persistence_threshold, precision=precision,
+                   loss_scale=o.loss_scale, initial_loss_scale_power=int(o.initial_loss_scale).bit_length() - 1,
+                   loss_scale_window=o.loss_scale_window, hysteresis=o.hysteresis, min_loss_scale=o.min_loss_scale),
+        OptimizerConfig(lr=o.lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
+                        adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad),
+    )
+
+    train_ds, valid_ds, test_ds = build_datasets(cfg, derived)
+    state = TrainState()
+    eval_sets = {"valid": valid_ds, "test": test_ds}
+
+    def eval_batches(split):
+        ds = eval_sets[split]
+        return None if ds is None else _batches(ds, 0, cfg, grid)
+
+    settings = LoopSettings(
+        train_iters=o.train_iters, grad_accum_steps=derived.grad_accum_steps,
+        global_batch_size=derived.global_batch_size, tokens_per_step=derived.tokens_per_step,
+        log_interval=cfg.logging.log_interval, eval_interval=cfg.eval.eval_interval,
+        eval_iters=cfg.eval.eval_iters, max_nan_iterations=o.max_nan_iterations,
+        flops_per_step=flops_per_iteration(derived.gpt, derived.global_batch_size, cfg.model.seq_length),
+        peak_tflops=device_peak_tflops() if grid.device.type == "cuda" else None,
+    )
+    schedule = LRSchedule(o.lr, o.min_lr, derived.warmup_iters, derived.decay_iters, o.lr_decay_style)
+    lg = cfg.logging
+    progress = None
+    if grid.rank == 0 and sys.stderr.isatty():
+        from tqdm import tqdm
+
+        progress = tqdm(total=o.train_iters, desc="train", unit="it", dynamic_ncols=True)
+    writer = MetricsWriter(grid.rank, lg.metrics_file, cfg.to_dict(), lg.wandb_project, lg.wandb_exp_name,
+                           lg.wandb_save_dir, print_fn=progress.write if progress else print)
+    try:
+        train(engine, grid, state, settings, schedule, _batches(train_ds, state.consumed_samples, cfg, grid),
+              eval_batches, writer, progress)
+        if settings.eval_iters:
+            run_eval(engine, grid, state, settings, eval_batches, writer, "valid")
+            run_eval(engine, grid, state, settings, eval_batches, writer, "test")
+    finally:
+        if progress is not None:
+            progress.close()
+        writer.close()
+    return {"history": state.history, "engine": engine}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point; returns the exit status (2 for a configuration error)."""
+    try:
+        cfg = parse_config(argv)
+        derived = validate(cfg)
+    except ConfigError as e:
+        print(f"hybrid-pretrain: error: {e}", file=sys.stderr)
+        return 2
+    import torch.distributed as dist
+
+    try:
+        run(cfg, derived)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""The training loop: micro-batch accumulation, the optimizer step, evaluation and metrics.
+
+``train_step`` runs one optimizer step over ``grad_accum_steps`` micro-batches; ``train``
+repeats it with the LR schedule, logs every ``log_interval`` steps, evaluates on the validation
+split every ``eval_interval`` steps, and stops with a clear error after too many consecutive
+NaN/inf losses. Losses are the data-parallel mean (identical on every rank).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from hybrid.metrics import MetricsWriter, memory_mb
+
+
+class TooManyNaNIterations(RuntimeError):
+    """Raised after ``max_nan_iterations`` consecutive iterations whose loss was NaN/inf."""
+
+
+@dataclass
+class TrainState:
+    """Progress counters (what a checkpoint must restore for an exact resume)."""
+
+    iteration: int = 0
+    """Optimizer steps attempted (including skipped ones)."""
+    consumed_samples: int = 0
+    """Training samples consumed by all ranks together."""
+    successful_steps: int = 0
+    """Steps that updated the weights: the LR schedule's index."""
+    skipped_iterations: int = 0
+    """Steps skipped for fp16 overflow or a NaN/inf loss."""
+    nan_iterations: int = 0
+    """Steps whose loss was NaN/inf."""
+    consecutive_nan: int = 0
+    history: list = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    loss: float
+    grad_norm: float
+    loss_scale: float
+    skipped: bool
+    nan_loss: bool
+
+
+def _dp_mean(values: torch.Tensor, group, dp: int) -> torch.Tensor:
+    if dp > 1:
+        dist.all_reduce(values, group=group)
+    return values / dp
+
+
+def train_step(engine, micro_batches: list[torch.Tensor], lr: float, grid) -> StepResult:
+    """One optimizer step over this rank's micro-batches ``[b, s+1]`` (int64 token ids).
+
+    The loss of each micro-batch (mean over its tokens) is divided by the number of
+    micro-batches before backward, so the gradient is that of the mean over the global batch.
+    A NaN/inf data-parallel mean loss discards the gradients instead of stepping.
+    """
+    n = len(micro_batches)
+    losses = torch.zeros(n, dtype=torch.float64)
+    for i, tokens in enumerate(micro_batches):
+        tokens = tokens.to(grid.device, non_blocking=True)
+        loss = engine.model(tokens[:, :-1], tokens[:, 1:]).mean()
+        engine.backward(loss / n, is_last_micro_batch=i == n - 1)
+        losses[i] = loss.detach().double().cpu()
+    mean = _dp_mean(losses.mean().reshape(1).to(grid.device), grid.dp_group, grid.dp_size).item()
+    if not math.isfinite(mean):
+        engine.zero_grad()
+        return StepResult(mean, float("nan"), engine.loss_scale, True, True)
+    info = engine.step(lr)
+    return StepResult(mean, info.grad_norm, info.loss_scale, info.skipped, False)
+
+
+@torch.no_grad()
+def evaluate(engine, batches: Iterator[torch.Tensor], num_micro_batches: int, grid) -> float:
+    """Mean loss over ``num_micro_batches`` micro-batches of this rank, averaged over dp."""
+    engine.eval()
+    total = torch.zeros(1, dtype=torch.float64)
+    count = 0
+    for _ in range(num_micro_batches):
+        try:
+            tokens = next(batches).to(grid.device)
+        except StopIteration:
+            break
+        total += engine.model(tokens[:, :-1], tokens[:, 1:]).mean().double().cpu()
+        count += 1
+    engine.train()
+    if count == 0:
+        return float("nan")
+    return _dp_mean((total / count).to(grid.device), grid.dp_group, grid.dp_size).item()
+
+
+@dataclass
+class LoopSettings:
+    """What :func:`train` needs from the config (all counts in optimizer steps)."""
+
+    train_iters: int
+    grad_accum_steps: int
+    global_batch_size: int
+    tokens_per_step: int
+    log_interval: int
+    eval_interval: int
+    eval_iters: int
+    max_nan_iterations: int
+    flops_per_step: float
+    """Model FLOPs of one optimizer step (2205.05198 Eq. 7), for TFLOP/s per device."""
+    peak_tflops: float | None
+    """Device peak for MFU, None when unknown (CPU)."""
+
+
+def train(engine, grid, state: TrainState, settings: LoopSettings, lr_at: Callable[[int], float],
+          train_batches: Iterator[torch.Tensor], eval_batches: Callable[[str], Iterator[torch.Tensor] | None],
+          writer: MetricsWriter, progress=None) -> TrainState:
+    """Run until ``settings.train_iters`` steps; returns the final :class:`TrainState`.
+
+    Raises:
+        TooManyNaNIterations: ``max_nan_iterations`` consecutive NaN/inf losses.
+    """
+    engine.train()
+    s = settings
+    window_t0, window_steps, window_losses = time.perf_counter(), 0, []
+    last = None
+    while state.iteration < s.train_iters:
+        lr = lr_at(state.successful_steps)
+        batches = [next(train_batches) for _ in range(s.grad_accum_steps)]
+        last = train_step(engine, batches, lr, grid)
+        state.iteration += 1
+        state.consumed_samples += s.global_batch_size
+        if last.nan_loss:
+            state.nan_iterations += 1
+            state.consecutive_nan += 1
+            if state.consecutive_nan >= s.max_nan_iterations:
+                raise TooManyNaNIterations(
+                    f"{state.consecutive_nan} consecutive iterations had a NaN/inf loss (last at iteration "
+                    f"{state.iteration}); lower --lr, enable --clip-grad or check the data")
+        else:
+            state.consecutive_nan = 0
+            window_losses.append(last.loss)
+        if last.skipped:
+            state.skipped_iterations += 1
+        else:
+            state.successful_steps += 1
+        window_steps += 1
+        if progress is not None:
+            progress.update(1)
+        if state.iteration % s.log_interval == 0 or state.iteration == s.train_iters:
+            elapsed = (time.perf_counter() - window_t0) / window_steps
+            tokens_per_sec = s.tokens_per_step / elapsed
+            tflops = s.flops_per_step / elapsed / grid.world_size / 1e12
+            record = dict(
+                iteration=state.iteration, consumed_samples=state.consumed_samples,
+                lm_loss=sum(window_losses) / len(window_losses) if window_losses else float("nan"),
+                lr=lr, global_batch_size=s.global_batch_size, grad_norm=last.grad_norm,
+                loss_scale=last.loss_scale, skipped_iterations=state.skipped_iterations,
+                nan_iterations=state.nan_iterations, elapsed_ms=1000 * elapsed,
+                tokens_per_sec=tokens_per_sec, tflops_per_device=tflops,
+                mfu=tflops / s.peak_tflops if s.peak_tflops else None, memory_mb=memory_mb(grid.device),
+            )
+            writer.train(record, s.train_iters)
+            state.history.append(record)
+            window_t0, window_steps, window_losses = time.perf_counter(), 0, []
+        if s.eval_iters and state.iteration % s.eval_interval == 0 and state.iteration < s.train_iters:
+            run_eval(engine, grid, state, settings, eval_batches, writer, "valid")
+            window_t0 = time.perf_counter()
+    return state
+
+
+def run_eval(engine, grid, state, settings, eval_batches, writer, split: str) -> float | None:
+    """Evaluate on ``split`` ("valid" or "test") and log one record; None if the split is empty."""
+    batches = eval_batches(split)
+    if batches is None:
+        return None
+    loss = evaluate(engine, batches, settings.eval_iters * settings.grad_accum_steps, grid)
+    record = dict(split=split, iteration=state.iteration, consumed_samples=state.consumed_samples, lm_loss=loss)
+    writer.eval(record)
+    state.history.append(record)
+    return loss

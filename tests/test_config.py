@@ -1,0 +1,116 @@
+"""Configuration: flags, config files and every consistency error before any process group."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from hybrid.cli import parse_config
+from hybrid.config_checks import ConfigError, validate
+from hybrid.pretrain import main
+from tests.data_helpers import tiny_tokenizer, write_token_dataset
+
+BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--mock-data", "--vocab-size", "500"]
+
+
+def check(argv, world=4, local=None):
+    return validate(parse_config(argv), world_size=world, local_world_size=local)
+
+
+def test_derived_batch_arithmetic():
+    d = check(BASE + ["--tensor-model-parallel-size", "2", "--micro-batch-size", "2",
+                      "--global-batch-size", "16"])
+    assert (d.tp, d.dp, d.grad_accum_steps, d.tokens_per_step) == (2, 2, 4, 16 * 32)
+    assert d.padded_vocab_size == 512
+    assert "accumulation 4" in d.summary()
+
+
+def test_preset_with_overrides():
+    d = check(["--preset", "gpt2-124m", "--mock-data", "--vocab-size", "1000", "--num-layers", "2",
+               "--seq-length", "128"], world=1)
+    assert (d.gpt.num_layers, d.gpt.hidden_size, d.gpt.vocab_size) == (2, 768, 1000)
+    assert d.gpt.max_position_embeddings == 1024
+
+
+@pytest.mark.parametrize("extra,world,message", [
+    (["--num-attention-heads", "6", "--hidden-size", "66", "--tensor-model-parallel-size", "4"], 4,
+     "--num-attention-heads 6 is not divisible by --tensor-model-parallel-size 4"),
+    (["--global-batch-size", "6", "--micro-batch-size", "2"], 4,
+     "--global-batch-size 6 is not divisible by --micro-batch-size 2 x data-parallel size 4 = 8"),
+    (["--tensor-model-parallel-size", "3"], 4, "tensor-model-parallel size 3"),
+    (["--zero-stage", "4"], 4, "--zero-stage 4"),
+    (["--seq-length", "4096", "--max-position-embeddings", "1024"], 4, "--seq-length 4096"),
+    (["--bf16", "--fp16"], 4, "mutually exclusive"),
+    (["--lr", "1e-4", "--min-lr", "1e-3"], 4, "--min-lr"),
+    (["--lr-warmup-iters", "500", "--train-iters", "100"], 4, "--lr-warmup-iters 500"),
+    (["--split", "90,abc,5"], 4, "'abc' is not a non-negative number"),
+    (["--partition-activations"], 4, "need --checkpoint-activations"),
+    (["--preset", "gpt-5"], 4, "unknown GPT preset"),
+    (["--fp16", "--initial-loss-scale", "1000"], 4, "power of two"),
+])
+def test_each_bad_setting_names_its_values(extra, world, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("+", r"\+")):
+        check(BASE + extra, world=world)
+
+
+def test_tp_group_spanning_nodes():
+    with pytest.raises(ConfigError, match="span two nodes"):
+        check(BASE + ["--tensor-model-parallel-size", "4"], world=8, local=2)
+
+
+def test_missing_data_files_and_tokenizer(tmp_path):
+    base = BASE[:-3]  # without --mock-data --vocab-size
+    with pytest.raises(ConfigError, match="--tokenizer-model is required"):
+        check(base + ["--data-path", str(tmp_path / "x")])
+    tok = tiny_tokenizer(tmp_path)
+    with pytest.raises(ConfigError, match=r"missing .*x\.bin"):
+        check(base + ["--data-path", str(tmp_path / "x"), "--tokenizer-model", str(tok)])
+    with pytest.raises(ConfigError, match="file not found"):
+        check(base + ["--data-path", str(tmp_path / "x"), "--tokenizer-model", str(tmp_path / "nope.model")])
+    prefix = write_token_dataset(tmp_path / "ds", [[1, 2, 3]] * 5)
+    with pytest.raises(ConfigError, match="--vocab-size 500 does not match the tokenizer's vocabulary of 600"):
+        check(base + ["--data-path", str(prefix), "--tokenizer-model", str(tok), "--vocab-size", "500"])
+    d = check(base + ["--data-path", "1.0", str(prefix), "--tokenizer-model", str(tok)])
+    assert d.gpt.vocab_size == 600
+
+
+def test_config_file_yaml_and_toml(tmp_path):
+    y = tmp_path / "c.yaml"
+    y.write_text("model:\n  num_layers: 3\nlr: 3e-4\nnum-attention-heads: 4\ndata_path: 0.5 A 0.5 B\n")
+    cfg = parse_config(["--config", str(y), "--num-layers", "5"])
+    assert cfg.model.num_layers == 5  # the command line wins
+    assert cfg.optim.lr == 3e-4 and isinstance(cfg.optim.lr, float)
+    assert cfg.model.num_attention_heads == 4
+    assert cfg.data.data_path == ["0.5", "A", "0.5", "B"]
+    t = tmp_path / "c.toml"
+    t.write_text('[parallel]\nzero_stage = 3\ntensor_model_parallel_size = 2\n[optim]\nbf16 = true\n')
+    cfg = parse_config(["--config", str(t)])
+    assert (cfg.parallel.zero_stage, cfg.parallel.tensor_model_parallel_size, cfg.optim.bf16) == (3, 2, True)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("num_layer: 3\n")
+    with pytest.raises(ConfigError, match=r"unknown fields \['num_layer'\]"):
+        parse_config(["--config", str(bad)])
+
+
+def test_main_returns_2_without_touching_torch_distributed(capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert main(BASE + ["--tensor-model-parallel-size", "3"]) == 2
+    assert "does not divide the world size 4" in capsys.readouterr().err
+    assert not dist.is_initialized()
+
+
+@pytest.mark.timeout(120)
+def test_torchrun_workers_exit_nonzero_before_any_collective():
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "0",
+         "-m", "hybrid.pretrain", *BASE, "--num-attention-heads", "3", "--hidden-size", "66",
+         "--tensor-model-parallel-size", "2"],
+        capture_output=True, text=True, timeout=110, env=env, cwd=root)
+    assert out.returncode != 0
+    assert "--num-attention-heads 3 is not divisible by --tensor-model-parallel-size 2" in out.stderr
