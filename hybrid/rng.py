@@ -79,3 +79,40 @@ def seed_everything(seed: int, device: torch.device | str = "cpu") -> None:
     torch.manual_seed(seed)
     if torch.device(device).type == "cuda":
         torch.cuda.manual_seed_all(seed)
+
+
+def capture_rng_states(tracker: RNGTracker | None, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """Every RNG state of this rank as tensors (for a checkpoint shard): Python, numpy,
+    torch CPU, CUDA (on GPU) and the TP tracker's stream."""
+    py_version, py_state, py_gauss = random.getstate()
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    out = {
+        "python": torch.tensor([py_version, *py_state], dtype=torch.int64),
+        "numpy_keys": torch.from_numpy(np.asarray(np_keys, dtype=np.int64)),
+        "numpy_extra": torch.tensor([np_pos, np_has_gauss], dtype=torch.int64),
+        "numpy_gauss": torch.tensor([np_gauss], dtype=torch.float64),
+        "torch_cpu": torch.get_rng_state(),
+    }
+    if py_gauss is not None:
+        out["python_gauss"] = torch.tensor([py_gauss], dtype=torch.float64)
+    if torch.device(device).type == "cuda":
+        out["torch_cuda"] = torch.cuda.get_rng_state(device)
+    if tracker is not None:
+        out["tp_tracker"] = tracker.get_state()
+    return out
+
+
+def restore_rng_states(states: dict[str, torch.Tensor], tracker: RNGTracker | None,
+                       device: torch.device | str = "cpu") -> None:
+    """Inverse of :func:`capture_rng_states`."""
+    py = states["python"].tolist()
+    gauss = states["python_gauss"].item() if "python_gauss" in states else None
+    random.setstate((py[0], tuple(py[1:]), gauss))
+    pos, has_gauss = states["numpy_extra"].tolist()
+    np.random.set_state(("MT19937", states["numpy_keys"].numpy().astype(np.uint32), pos, has_gauss,
+                         states["numpy_gauss"].item()))
+    torch.set_rng_state(states["torch_cpu"])
+    if "torch_cuda" in states and torch.device(device).type == "cuda":
+        torch.cuda.set_rng_state(states["torch_cuda"], device)
+    if tracker is not None and "tp_tracker" in states:
+        tracker.set_state(states["tp_tracker"])

@@ -1,0 +1,124 @@
+"""Checkpoint directories: atomic publication, the "latest" pointer, retention, completeness.
+
+Layout under ``--save DIR``::
+
+    DIR/latest_checkpointed_iteration.txt     the newest *complete* iteration (Megatron's name)
+    DIR/iter_0000500/metadata.json            grid, ZeRO stage, config, iteration, files, version
+    DIR/iter_0000500/rank_00003.safetensors   one shard per rank
+    DIR/iter_0000600.tmp/...                  a save in progress (never loaded)
+
+Protocol (STYLE.md rule 13): every rank writes its shard into ``iter_N.tmp`` under a temporary
+file name and renames it; after a barrier, rank 0 checks every shard is there, writes
+``metadata.json`` (listing the shards), renames the directory to ``iter_N``, then replaces the
+pointer file atomically and only then deletes checkpoints beyond the newest ``keep``. A
+process killed anywhere in this sequence leaves the previous complete checkpoint in place and
+pointed to.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+FORMAT_VERSION = 1
+POINTER = "latest_checkpointed_iteration.txt"
+_ITER = re.compile(r"^iter_(\d{7,})$")
+
+
+class IncompleteCheckpointError(RuntimeError):
+    """A checkpoint directory lacks its metadata or one of its shards."""
+
+
+def iteration_dir(root: str | os.PathLike, iteration: int) -> Path:
+    """``root/iter_{iteration:07d}``."""
+    return Path(root) / f"iter_{iteration:07d}"
+
+
+def staging_dir(root: str | os.PathLike, iteration: int) -> Path:
+    """Where a save of ``iteration`` is written before it is published."""
+    return Path(str(iteration_dir(root, iteration)) + ".tmp")
+
+
+def shard_name(rank: int) -> str:
+    return f"rank_{rank:05d}.safetensors"
+
+
+def write_file_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a temporary file, fsync and rename."""
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def publish(root: str | os.PathLike, iteration: int, metadata: dict, world_size: int, keep: int | None) -> Path:
+    """Rank 0, after every rank has written its shard: verify, write metadata, rename, point.
+
+    Raises:
+        IncompleteCheckpointError: a shard is missing from the staging directory.
+    """
+    stage = staging_dir(root, iteration)
+    shards = [shard_name(r) for r in range(world_size)]
+    missing = [s for s in shards if not (stage / s).is_file()]
+    if missing:
+        raise IncompleteCheckpointError(f"cannot publish iteration {iteration}: missing {missing} in {stage}")
+    meta = dict(metadata, format_version=FORMAT_VERSION, iteration=iteration, shards=shards)
+    write_file_atomic(stage / "metadata.json", json.dumps(meta, indent=2, default=str).encode())
+    final = iteration_dir(root, iteration)
+    if final.exists():  # re-saving the same iteration (e.g. after a restart): replace it
+        shutil.rmtree(final)
+    os.replace(stage, final)
+    write_file_atomic(Path(root) / POINTER, f"{iteration}\n".encode())
+    if keep:
+        for old in list_iterations(root)[:-keep]:
+            shutil.rmtree(iteration_dir(root, old), ignore_errors=True)
+    return final
+
+
+def list_iterations(root: str | os.PathLike) -> list[int]:
+    """Iterations with a published directory under ``root``, ascending (complete or not)."""
+    p = Path(root)
+    if not p.is_dir():
+        return []
+    return sorted(int(m.group(1)) for d in p.iterdir() if d.is_dir() and (m := _ITER.match(d.name)))
+
+
+def latest_iteration(root: str | os.PathLike) -> int | None:
+    """The iteration the pointer names, or None when ``root`` has no published checkpoint."""
+    pointer = Path(root) / POINTER
+    if not pointer.is_file():
+        return None
+    text = pointer.read_text().strip()
+    if not text.isdigit():
+        raise IncompleteCheckpointError(f"{pointer} does not hold an iteration number: {text!r}")
+    return int(text)
+
+
+def read_metadata(root: str | os.PathLike, iteration: int) -> dict:
+    """``metadata.json`` of a published checkpoint, after checking every shard it lists exists.
+
+    Raises:
+        IncompleteCheckpointError: no metadata (the save never finished) or a missing shard;
+            the message says which and where.
+        FileNotFoundError: no such iteration directory.
+    """
+    d = iteration_dir(root, iteration)
+    if not d.is_dir():
+        raise FileNotFoundError(f"no checkpoint for iteration {iteration} in {root} "
+                                f"(available: {list_iterations(root)})")
+    meta_path = d / "metadata.json"
+    if not meta_path.is_file():
+        raise IncompleteCheckpointError(f"{d} has no metadata.json: the save did not finish; not loading it")
+    meta = json.loads(meta_path.read_text())
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise IncompleteCheckpointError(f"{meta_path}: format version {meta.get('format_version')}, "
+                                        f"this code reads {FORMAT_VERSION}")
+    missing = [s for s in meta["shards"] if not (d / s).is_file()]
+    if missing:
+        raise IncompleteCheckpointError(f"{d} is missing shards {missing}; not loading it")
+    return meta

@@ -1,0 +1,53 @@
+"""Graceful stops: SIGTERM (what SLURM sends before a kill) and a wall-clock limit.
+
+The signal handler only sets a flag; the training loop asks :meth:`StopSignal.should_stop`
+after each iteration, which all-reduces the flag (MAX) so that every rank stops after the same
+iteration, saves a checkpoint and exits 0.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+
+class StopSignal:
+    """Tracks SIGTERM and ``--exit-duration-in-mins``.
+
+    Args:
+        exit_duration_mins: stop once this many minutes have passed since construction
+            (None: no limit).
+        signals: which signals request a stop (default SIGTERM).
+    """
+
+    def __init__(self, exit_duration_mins: float | None = None, signals=(signal.SIGTERM,)):
+        self.start = time.monotonic()
+        self.limit_s = None if exit_duration_mins is None else 60.0 * exit_duration_mins
+        self.received: int | None = None
+        self._previous = {}
+        for s in signals:
+            self._previous[s] = signal.signal(s, self._handle)
+
+    def _handle(self, signum, frame):
+        self.received = signum
+
+    def reason(self) -> str:
+        if self.received is not None:
+            return f"received {signal.Signals(self.received).name}"
+        return f"reached --exit-duration-in-mins ({self.limit_s / 60:g})"
+
+    def should_stop(self, device: torch.device) -> bool:
+        """True on every rank when any rank got the signal or ran out of time (one all-reduce)."""
+        local = self.received is not None or (self.limit_s is not None and time.monotonic() - self.start >= self.limit_s)
+        flag = torch.tensor([1.0 if local else 0.0], device=device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def restore(self) -> None:
+        """Reinstall the previous handlers."""
+        for s, h in self._previous.items():
+            signal.signal(s, h)
