@@ -342,7 +342,34 @@ def noop_log(grid: ProcessGrid) -> dict:
     return dict(partitioned=handle.partitioned, messages=records)
 
 
-CHECKS = dict(parity=parity, collectives=collectives, saved_bytes=saved_bytes, arena=arena,
+def handle_api(grid: ProcessGrid) -> dict:
+    """remove() restores the plain forward; double application and a foreign tracker fail."""
+    model, tracker, handle = build(grid, 0.1, ON)
+    res = dict(wrapped=all("forward" in b.__dict__ for b in model.layers))
+    try:
+        apply_activation_checkpointing(model, grid, ActivationConfig(**ON), tracker)
+        res["double_apply"] = None
+    except RuntimeError as e:
+        res["double_apply"] = str(e)
+    handle.remove()
+    res["removed"] = all("forward" not in b.__dict__ for b in model.layers)
+    handle = apply_activation_checkpointing(model, grid, ActivationConfig(**ON, checkpoint_num_layers=1))
+    res["found_tracker"] = handle.store.tracker is tracker  # picked up from the TP dropout
+    handle.remove()
+    errors = {}
+    for key, cfg, trk in (("foreign_tracker", ON, RNGTracker(1, grid.tp_rank)),
+                          ("too_many_layers", dict(ON, checkpoint_num_layers=L_MAX + 1), None)):
+        try:
+            apply_activation_checkpointing(model, grid, ActivationConfig(**cfg), trk)
+        except ValueError as e:
+            errors[key] = str(e)
+    res["errors"] = errors
+    return res
+
+
+L_MAX = CFG["num_layers"]
+
+CHECKS = dict(handle_api=handle_api, parity=parity, collectives=collectives, saved_bytes=saved_bytes, arena=arena,
               evaluation=evaluation, two_forwards=two_forwards, fake_stage3=fake_stage3,
               partition_padding=partition_padding, noop_log=noop_log)
 

@@ -164,3 +164,12 @@ def test_partition_is_a_logged_noop_at_tp1(world):
     assert not got["partitioned"]
     assert any("no effect at tensor-model-parallel size 1" in m for m in got["messages"])
     assert world[0][2]["noop_log"]["partitioned"]
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_handle_remove_reapply_and_errors(world, tp):
+    got = world[0][tp]["handle_api"]
+    assert got["wrapped"] and got["removed"] and got["found_tracker"]
+    assert "already checkpointed" in got["double_apply"]
+    assert "different RNGTracker" in got["errors"]["foreign_tracker"]
+    assert "checkpoint_num_layers=4 exceeds the model's num_layers=3" in got["errors"]["too_many_layers"]
