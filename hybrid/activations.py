@@ -41,7 +41,14 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class ActivationConfig:
-    """Activation checkpointing and ZeRO-R activation options (Megatron-LM / DeepSpeed names)."""
+    """Activation checkpointing and ZeRO-R activation options (Megatron-LM / DeepSpeed names).
+
+    ``--checkpoint-num-layers N`` checkpoints the first N blocks and keeps every activation of
+    the others: Megatron-LM's ``--recompute-method block --recompute-num-layers N`` (the
+    memory/compute trade-off when a few blocks fit without recompute). Old Megatron used the
+    same flag name for the chunk size of uniform recompute; DeepSpeed's equivalent knob is
+    ``number_checkpoints``, which also sizes its contiguous buffers, as N sizes our arena.
+    """
 
     checkpoint_activations: bool = False
     """Checkpoint transformer-block inputs and recompute each block in backward (``--checkpoint-activations``)."""
