@@ -1,0 +1,63 @@
+"""ActivationConfig validation and its Megatron/DeepSpeed-style flags (no processes)."""
+
+import argparse
+
+import pytest
+
+from hybrid.activations import ActivationConfig, activation_config_from_args, add_activation_args
+from hybrid.recompute import partition_range
+
+
+def parse(*argv):
+    return activation_config_from_args(add_activation_args(argparse.ArgumentParser()).parse_args(argv))
+
+
+def test_defaults_are_off():
+    c = ActivationConfig()
+    assert not (c.checkpoint_activations or c.partition_activations or c.checkpoint_in_cpu
+                or c.contiguous_checkpointing)
+    assert c.checkpoint_num_layers is None and c.num_checkpointed(12) == 0
+
+
+@pytest.mark.parametrize("field", ["partition_activations", "checkpoint_in_cpu",
+                                   "contiguous_checkpointing"])
+def test_options_need_checkpointing(field):
+    with pytest.raises(ValueError, match=f"{field}=True needs checkpoint_activations=True"):
+        ActivationConfig(**{field: True})
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True, "3"])
+def test_bad_num_layers(bad):
+    with pytest.raises(ValueError, match="checkpoint_num_layers must be a positive integer"):
+        ActivationConfig(checkpoint_activations=True, checkpoint_num_layers=bad)
+
+
+def test_num_layers_needs_checkpointing_and_fits_model():
+    with pytest.raises(ValueError, match="checkpoint_num_layers=2 needs checkpoint_activations"):
+        ActivationConfig(checkpoint_num_layers=2)
+    c = ActivationConfig(checkpoint_activations=True, checkpoint_num_layers=2)
+    assert c.num_checkpointed(12) == 2
+    with pytest.raises(ValueError, match="exceeds the model's num_layers=1"):
+        c.validate(num_layers=1)
+    assert ActivationConfig(checkpoint_activations=True).num_checkpointed(12) == 12
+
+
+def test_flags():
+    c = parse("--checkpoint-activations", "--partition-activations", "--checkpoint-in-cpu",
+              "--contiguous-checkpointing", "--checkpoint-num-layers", "6")
+    assert c == ActivationConfig(True, True, True, True, 6)
+    assert parse() == ActivationConfig()
+    with pytest.raises(ValueError, match="needs --checkpoint-activations"):
+        parse("--partition-activations")
+    helptext = add_activation_args(argparse.ArgumentParser()).format_help()
+    assert "P_a: each TP rank keeps 1/tp" in helptext and "first N blocks" in helptext
+
+
+@pytest.mark.parametrize("numel, parts", [(2048, 4), (7, 4), (7, 2), (3, 4), (5, 1)])
+def test_partition_range_covers_every_element_once(numel, parts):
+    covered = []
+    for r in range(parts):
+        chunk, start, real = partition_range(numel, parts, r)
+        assert chunk * parts >= numel and 0 <= real <= chunk
+        covered += range(start, start + real)
+    assert covered == list(range(numel))
