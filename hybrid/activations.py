@@ -23,10 +23,6 @@ short-lived tensors of the first micro-batch, and written by copy; a memory plan
 
 from __future__ import annotations
 
-import argparse
-import ast
-import dataclasses
-import inspect
 import logging
 from dataclasses import dataclass
 
@@ -88,38 +84,6 @@ class ActivationConfig:
         if not self.checkpoint_activations:
             return 0
         return num_layers if self.checkpoint_num_layers is None else self.checkpoint_num_layers
-
-
-def _field_docs(cls) -> dict[str, str]:
-    """The attribute docstrings of a dataclass, by field name (used as CLI help)."""
-    docs, prev = {}, None
-    for node in ast.parse(inspect.getsource(cls)).body[0].body:
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            prev = node.target.id
-        elif (prev and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
-              and isinstance(node.value.value, str)):
-            docs[prev], prev = node.value.value, None
-    return docs
-
-
-def add_activation_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add ``--checkpoint-activations``, ``--partition-activations``, ``--checkpoint-in-cpu``,
-    ``--contiguous-checkpointing`` and ``--checkpoint-num-layers N``, generated from
-    :class:`ActivationConfig`."""
-    group = parser.add_argument_group("activation checkpointing (ZeRO-R)")
-    docs = _field_docs(ActivationConfig)
-    for f in dataclasses.fields(ActivationConfig):
-        flag = "--" + f.name.replace("_", "-")
-        if f.type in (bool, "bool"):
-            group.add_argument(flag, action="store_true", default=f.default, help=docs.get(f.name))
-        else:
-            group.add_argument(flag, type=int, default=f.default, metavar="N", help=docs.get(f.name))
-    return parser
-
-
-def activation_config_from_args(args: argparse.Namespace) -> ActivationConfig:
-    """Build (and validate) the config from parsed :func:`add_activation_args` flags."""
-    return ActivationConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ActivationConfig)})
 
 
 class ActivationCheckpointing:

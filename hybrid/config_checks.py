@@ -177,7 +177,10 @@ def validate(cfg: PretrainConfig, world_size: int | None = None,
         raise ConfigError(f"--hysteresis {o.hysteresis} and --loss-scale-window {o.loss_scale_window} must be >= 1")
     if o.clip_grad < 0:
         raise ConfigError(f"--clip-grad {o.clip_grad} must be >= 0")
-    _check_activation_flags(cfg, gpt)
+    try:
+        activation_config(cfg).validate(num_layers=gpt.num_layers)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     _check_data(cfg)
     if cfg.eval.eval_interval < 1 or cfg.eval.eval_iters < 0 or cfg.logging.log_interval < 1:
         raise ConfigError(f"--eval-interval {cfg.eval.eval_interval} and --log-interval "
@@ -190,16 +193,25 @@ def validate(cfg: PretrainConfig, world_size: int | None = None,
     )
 
 
-def _check_activation_flags(cfg: PretrainConfig, gpt: GPTConfig) -> None:
+def activation_config(cfg: PretrainConfig):
+    """The :class:`hybrid.activations.ActivationConfig` of ``cfg`` (ZeRO-R flags).
+
+    Raises:
+        ConfigError: an option without ``--checkpoint-activations``, CPU offload without
+            ``--partition-activations``, or a bad ``--checkpoint-num-layers``.
+    """
+    from hybrid.activations import ActivationConfig
+
     p = cfg.parallel
-    if (p.partition_activations or p.checkpoint_in_cpu or p.contiguous_checkpointing) and not p.checkpoint_activations:
-        raise ConfigError("--partition-activations, --checkpoint-in-cpu and --contiguous-checkpointing "
-                          "need --checkpoint-activations")
     if p.checkpoint_in_cpu and not p.partition_activations:
         raise ConfigError("--checkpoint-in-cpu offloads the partitioned checkpoints: add --partition-activations")
-    n = p.checkpoint_num_layers
-    if n is not None and not 0 < n <= gpt.num_layers:
-        raise ConfigError(f"--checkpoint-num-layers {n} must be in [1, --num-layers {gpt.num_layers}]")
+    try:
+        return ActivationConfig(
+            checkpoint_activations=p.checkpoint_activations, partition_activations=p.partition_activations,
+            checkpoint_in_cpu=p.checkpoint_in_cpu, contiguous_checkpointing=p.contiguous_checkpointing,
+            checkpoint_num_layers=p.checkpoint_num_layers)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _check_data(cfg: PretrainConfig) -> None:

@@ -13,7 +13,7 @@ import torch
 
 from hybrid.cli import config_json, parse_config
 from hybrid.config import PretrainConfig
-from hybrid.config_checks import ConfigError, Derived, validate
+from hybrid.config_checks import ConfigError, Derived, activation_config, validate
 
 
 def build_model(cfg: PretrainConfig, derived: Derived, grid, tracker):
@@ -58,7 +58,7 @@ def _batches(dataset, consumed: int, cfg: PretrainConfig, grid):
 
 def run(cfg: PretrainConfig, derived: Derived) -> dict:
     """Train with an already validated config; returns the final state's history (rank 0)."""
-    from hybrid.activations import ActivationConfig, apply_activation_checkpointing
+    from hybrid.activations import apply_activation_checkpointing
     from hybrid.flops import device_peak_tflops, flops_per_iteration
     from hybrid.grid import ProcessGrid, init_distributed
     from hybrid.metrics import MetricsWriter
@@ -77,10 +77,7 @@ def run(cfg: PretrainConfig, derived: Derived) -> dict:
         print(config_json(cfg), flush=True)
 
     model = build_model(cfg, derived, grid, tracker)
-    act = ActivationConfig(
-        checkpoint_activations=p.checkpoint_activations, partition_activations=p.partition_activations,
-        checkpoint_in_cpu=p.checkpoint_in_cpu, contiguous_checkpointing=p.contiguous_checkpointing,
-        checkpoint_num_layers=p.checkpoint_num_layers)
+    act = activation_config(cfg)
     if act.checkpoint_activations:
         apply_activation_checkpointing(model, grid, act, tracker)
     precision = "bf16" if o.bf16 else "fp16" if o.fp16 else "fp32"

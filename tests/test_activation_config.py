@@ -1,15 +1,15 @@
 """ActivationConfig validation and its Megatron/DeepSpeed-style flags (no processes)."""
 
-import argparse
-
 import pytest
 
-from hybrid.activations import ActivationConfig, activation_config_from_args, add_activation_args
+from hybrid.activations import ActivationConfig
+from hybrid.cli import build_parser, parse_config
+from hybrid.config_checks import ConfigError, activation_config
 from hybrid.recompute import partition_range
 
 
 def parse(*argv):
-    return activation_config_from_args(add_activation_args(argparse.ArgumentParser()).parse_args(argv))
+    return activation_config(parse_config(list(argv)))
 
 
 def test_defaults_are_off():
@@ -47,10 +47,12 @@ def test_flags():
               "--contiguous-checkpointing", "--checkpoint-num-layers", "6")
     assert c == ActivationConfig(True, True, True, True, 6)
     assert parse() == ActivationConfig()
-    with pytest.raises(ValueError, match="needs --checkpoint-activations"):
+    with pytest.raises(ConfigError, match="needs --checkpoint-activations"):
         parse("--partition-activations")
-    helptext = add_activation_args(argparse.ArgumentParser()).format_help()
-    assert "P_a: each TP rank keeps 1/tp" in helptext and "first N blocks" in helptext
+    with pytest.raises(ConfigError, match="add --partition-activations"):
+        parse("--checkpoint-activations", "--checkpoint-in-cpu")
+    helptext = build_parser().format_help()
+    assert "1/tp slice of each checkpoint" in helptext and "first N blocks" in helptext
 
 
 @pytest.mark.parametrize("numel, parts", [(2048, 4), (7, 4), (7, 2), (3, 4), (5, 1)])

@@ -48,7 +48,7 @@ def test_preset_with_overrides():
     (["--lr", "1e-4", "--min-lr", "1e-3"], 4, "--min-lr"),
     (["--lr-warmup-iters", "500", "--train-iters", "100"], 4, "--lr-warmup-iters 500"),
     (["--split", "90,abc,5"], 4, "'abc' is not a non-negative number"),
-    (["--partition-activations"], 4, "need --checkpoint-activations"),
+    (["--partition-activations"], 4, "needs --checkpoint-activations"),
     (["--preset", "gpt-5"], 4, "unknown GPT preset"),
     (["--fp16", "--initial-loss-scale", "1000"], 4, "power of two"),
 ])
