@@ -231,7 +231,19 @@ def _check_data(cfg: PretrainConfig) -> None:
         _, prefixes = parse_data_path(d.data_path)
     except ValueError as e:
         raise ConfigError(f"--data-path {' '.join(map(str, d.data_path))}: {e}") from None
+    from data.indexed_dataset import IndexedDataset
+    from data.split import SPLIT_NAMES, split_ranges
+
+    fractions = parse_split(d.split)
     for prefix in prefixes:
         missing = [s for s in (".bin", ".idx") if not Path(prefix + s).is_file()]
         if missing:
             raise ConfigError(f"--data-path {prefix}: missing {', '.join(prefix + s for s in missing)}")
+        docs = len(IndexedDataset(prefix).document_indices) - 1
+        for name, frac, (lo, hi) in zip(SPLIT_NAMES, fractions, split_ranges(fractions, docs), strict=True):
+            needed = name == "train" or cfg.eval.eval_iters > 0
+            if frac > 0 and needed and hi == lo:
+                raise ConfigError(
+                    f"--split {d.split} leaves the {name} split of {prefix} ({docs} documents) empty; "
+                    f"give it a larger share (e.g. --split 90,8,2)"
+                    + ("" if name == "train" else " or set --eval-iters 0"))

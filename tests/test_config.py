@@ -72,6 +72,7 @@ def test_missing_data_files_and_tokenizer(tmp_path):
     with pytest.raises(ConfigError, match="file not found"):
         check(base + ["--data-path", str(tmp_path / "x"), "--tokenizer-model", str(tmp_path / "nope.model")])
     prefix = write_token_dataset(tmp_path / "ds", [[1, 2, 3]] * 5)
+    base = base + ["--split", "1"]
     with pytest.raises(ConfigError, match="--vocab-size 500 does not match the tokenizer's vocabulary of 600"):
         check(base + ["--data-path", str(prefix), "--tokenizer-model", str(tok), "--vocab-size", "500"])
     d = check(base + ["--data-path", "1.0", str(prefix), "--tokenizer-model", str(tok)])
@@ -108,9 +109,19 @@ def test_torchrun_workers_exit_nonzero_before_any_collective():
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=str(root))
     out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "0",
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          "-m", "hybrid.pretrain", *BASE, "--num-attention-heads", "3", "--hidden-size", "66",
          "--tensor-model-parallel-size", "2"],
         capture_output=True, text=True, timeout=110, env=env, cwd=root)
     assert out.returncode != 0
     assert "--num-attention-heads 3 is not divisible by --tensor-model-parallel-size 2" in out.stderr
+
+
+def test_split_that_leaves_a_split_empty(tmp_path):
+    tok = tiny_tokenizer(tmp_path)
+    prefix = write_token_dataset(tmp_path / "ds", [[1, 2, 3]] * 20)
+    argv = BASE[:-3] + ["--data-path", str(prefix), "--tokenizer-model", str(tok)]
+    with pytest.raises(ConfigError, match=r"--split 949,50,1 leaves the test split .* \(20 documents\) empty"):
+        check(argv + ["--split", "949,50,1"])
+    check(argv + ["--split", "949,50,1", "--eval-iters", "0"])
+    check(argv + ["--split", "80,10,10"])

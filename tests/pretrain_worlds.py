@@ -1,0 +1,34 @@
+"""World functions and fixtures for the end-to-end pretraining tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from data.preprocess import preprocess
+from tests.data_helpers import tiny_corpus, tiny_tokenizer
+
+MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+         "--hidden-dropout", "0", "--attention-dropout", "0"]
+
+
+def prepare_data(directory: Path) -> tuple[str, str]:
+    """The embedded corpus (first ~150 kB), a 600-id tokenizer and its indexed dataset."""
+    tok = tiny_tokenizer(directory)
+    corpus = tiny_corpus(directory)
+    prefix = directory / "stdlib"
+    preprocess([str(corpus)], str(prefix), str(tok), json_keys=("text",), workers=1, append_eod=True,
+               progress=False)
+    return str(prefix) + "_text_document", str(tok)
+
+
+def run_configs(rank: int, world: int, argvs: list[list[str]]) -> list[list[dict]]:
+    """Run ``hybrid.pretrain`` in this spawned world once per argv; return each history."""
+    from hybrid.cli import parse_config
+    from hybrid.config_checks import validate
+    from hybrid.pretrain import run
+
+    out = []
+    for argv in argvs:
+        cfg = parse_config(argv)
+        out.append(run(cfg, validate(cfg))["history"])
+    return out
