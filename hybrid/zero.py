@@ -302,7 +302,8 @@ class ZeroEngine:
         out = torch.empty(self.layout.total_numel, dtype=domain.dtype, device=domain.device)
         for u in self.layout.units:
             self.comm.all_gather(out[u.offset:u.offset + u.padded],
-                                 domain[u.part_offset:u.part_offset + u.shard].contiguous()).wait()
+                                 domain[u.part_offset:u.part_offset + u.shard].contiguous(),
+                                 kind="state_all_gather").wait()
         return out
 
     def optimizer_state_by_name(self) -> dict[str, dict[str, torch.Tensor]]:

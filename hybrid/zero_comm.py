@@ -9,7 +9,8 @@ ZeRO paper counts (§7, with the (n-1)/n factor kept; reference/paper.md §5 ite
 
 with n the group size (nothing is moved when n = 1). The ZeRO engine's data-parallel traffic is
 recorded under these three names; the world-wide all-reduce of the grad norm and overflow flag
-(16 bytes) under ``norm_all_reduce``.
+(16 bytes) under ``norm_all_reduce``, and state export / consolidation gathers under
+``state_all_gather`` (not training traffic).
 """
 
 from __future__ import annotations
@@ -59,9 +60,10 @@ class DPComm:
             return _Done()
         return _reduce_scatter_single(out, inp, group=self.group, async_op=async_op) or _Done()
 
-    def all_gather(self, out, inp: torch.Tensor, async_op: bool = False):
-        """``out``: one tensor of n x ``inp`` elements (rank-major) or a list of n tensors."""
-        self._count("all_gather", inp.numel() * inp.element_size() * self.size)
+    def all_gather(self, out, inp: torch.Tensor, async_op: bool = False, kind: str = "all_gather"):
+        """``out``: one tensor of n x ``inp`` elements (rank-major) or a list of n tensors;
+        ``kind`` names the ledger entry."""
+        self._count(kind, inp.numel() * inp.element_size() * self.size)
         if self.size == 1:
             (out[0] if isinstance(out, list) else out).copy_(inp)
             return _Done()
