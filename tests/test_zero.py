@@ -155,6 +155,8 @@ def test_optimizer_state_by_name(w4, ref):
         e = r[2]["export"]
         assert e["roundtrip"], "export -> import (stage 3 -> stage 1) -> export changed values"
         assert e["continue_diff"] < 1e-6
+        assert e["eval"][0] == pytest.approx(e["eval"][1], abs=1e-6)  # stage 3 vs stage 1 eval
+        assert e["released"] and e["train_after_eval"]
     for r in w4[:2]:  # tp ranks 0 and 1 of dp group 0
         e = r[2]["export"]
         state = e["state"]

@@ -256,9 +256,20 @@ def _export(grid, rank0: bool) -> dict:
     ra = train(a, grid, steps=1)
     rb = train(b, grid, steps=1)
     diff = max((ra["final"][k] - rb["final"][k]).abs().max().item() for k in ra["final"])
+    x, y = micro_batch(7, grid.dp_rank, grid.dp_size, 0)
+    with torch.no_grad():  # evaluation forward at stage 3 (gathers, then releases every block)
+        eval_a = a.eval().model(x, y).mean().item()
+        eval_b = b.eval().model(x, y).mean().item()
+    released = all(buf.untyped_storage().nbytes() == 0
+                   for u, buf in zip(a.layout.units, a.unit_bufs, strict=True) if not u.persistent)
+    a.train()
+    x2, y2 = micro_batch(8, grid.dp_rank, grid.dp_size, 0)
+    a.backward(a.model(x2, y2).mean(), is_last_micro_batch=True)  # training resumes after eval
+    train_after_eval = not a.step(OPT["lr"]).skipped
     local_shapes = {n: tuple(p.shape) for n, p in a.model.named_parameters()}
     return dict(state=state if rank0 or grid.tp_rank == 1 else None, roundtrip=roundtrip,
-                continue_diff=diff, shapes=local_shapes, tp_rank=grid.tp_rank, dp_rank=grid.dp_rank)
+                continue_diff=diff, shapes=local_shapes, eval=(eval_a, eval_b), released=released,
+                train_after_eval=train_after_eval, tp_rank=grid.tp_rank, dp_rank=grid.dp_rank)
 
 
 def world4(rank: int, world: int) -> dict:
