@@ -110,7 +110,7 @@ def train(engine: ZeroEngine, grid: ProcessGrid, steps: int = STEPS, inject=None
     for step in range(steps):
         total = 0.0
         for m in range(micro):
-            x, y = micro_batch(step, grid.dp_rank, dp, m, micro)
+            x, y = (t.to(grid.device) for t in micro_batch(step, grid.dp_rank, dp, m, micro))
             loss = engine.model(x, y).mean() / micro
             handle = inject(step, m) if inject else None
             engine.backward(loss, is_last_micro_batch=(m == micro - 1))
@@ -292,3 +292,19 @@ def world4(rank: int, world: int) -> dict:
 def world2(rank: int, world: int) -> dict:
     grid = ProcessGrid(tp=1)
     return dict(parity=_parity(grid, grid.rank == 0))
+
+
+def world_gpu(rank: int, world: int) -> dict:
+    """Every stage on one CUDA device (dp = 1): fp32 parity, bf16 runs, stage-3 storage release."""
+    grid = ProcessGrid(tp=1)
+    out = {}
+    for stage in range(4):
+        kw = dict(stage=stage, param_persistence_threshold=100, reduce_bucket_size=20_000,
+                  allgather_bucket_size=20_000)
+        e = build(grid, ZeroConfig(**kw))
+        r = train(e, grid)
+        out[stage] = dict(losses=r["losses"], final={k: v.cpu() for k, v in r["final"].items()},
+                          device=str(e.master.device))
+        b = build(grid, ZeroConfig(precision="bf16", **kw))
+        out[(stage, "bf16")] = train(b, grid, steps=3)["losses"]
+    return out
