@@ -284,6 +284,13 @@ class ZeroEngine:
                     buffers=self.reducer.staging_bytes() + nb(self._ag_staging),
                     gathered_peak=self.gatherer.peak_bytes if self.gatherer else 0)
 
+    def summary(self) -> str:
+        """A printable account: layout, bytes held per kind, last iteration's traffic."""
+        mib = {k: f"{v / 2**20:.2f} MiB" for k, v in self.memory_bytes().items()}
+        traffic = {k: f"{v / 2**20:.2f} MiB" for k, v in self.last_comm_bytes.items()}
+        return (f"ZeRO stage {self.stage} {self.config.precision} dp={self.dp} rank={self.dp_rank}: "
+                f"{self.layout}\n  held: {mib}\n  moved last step: {traffic}")
+
     def comm_bytes(self) -> dict[str, float]:
         """Bytes this rank has moved per collective kind since the last ``step()`` returned
         (ring volume, see :mod:`hybrid.zero_comm`); ``step()`` hands the finished iteration's

@@ -154,6 +154,12 @@ class PartitionLayout:
         """Length of every rank's partition buffer (``total_numel // dp``)."""
         self.numel = sum(s.numel for s in self.slots)
         """Real (unpadded) local parameter elements: Psi of this TP rank."""
+        self._frozen = True
+
+    def __setattr__(self, name, value):
+        if getattr(self, "_frozen", False):
+            raise AttributeError(f"PartitionLayout is immutable (tried to set {name!r})")
+        super().__setattr__(name, value)
 
     @classmethod
     def from_model(cls, model: nn.Module, dp: int, persistence_threshold: int = 0,

@@ -113,6 +113,7 @@ def test_model_state_bytes_dp4_bf16(w4, stage):
         ours = sum(mem[k] for k in terms)
         grad_extra = (2 if stage < 2 else 2 / n) * psi  # fp32 instead of 16-bit gradients
         assert ours == pytest.approx(paper[stage] + grad_extra, rel=(padded - psi) / psi + 1e-9)
+        assert f"ZeRO stage {stage} bf16 dp=4" in m["summary"] and "held:" in m["summary"]
 
 
 # ---- mixed precision ------------------------------------------------------------------------------
@@ -202,6 +203,8 @@ def test_layout_covers_every_element_once_with_padding():
                 assert a <= f.flat_offset and f.flat_offset + f.length <= b
             assert parts.max() <= 1
         assert all(bool((v == 1).all()) for v in seen.values()), dp
+        with pytest.raises(AttributeError):
+            L.total_numel = 0
         for chunk in (1, 5, 1000):
             covered = sorted(L.reduce_buckets(chunk))
             assert covered[0][0] == 0 and covered[-1][1] == L.partition_numel

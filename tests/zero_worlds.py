@@ -180,7 +180,7 @@ def _memory(grid) -> dict:
         e = build(grid, ZeroConfig(stage=stage, precision="bf16", param_persistence_threshold=0))
         train(e, grid, steps=1)
         out[stage] = dict(mem=e.memory_bytes(), psi=e.layout.numel, padded=e.layout.total_numel,
-                          dp=grid.dp_size)
+                          dp=grid.dp_size, summary=e.summary())
     return out
 
 
