@@ -1,0 +1,60 @@
+"""The one global gradient-norm routine (every precision, every stage, every grid).
+
+Each rank adds ``||g||^2`` of the gradient elements it *owns* (its ZeRO partition), counting a
+TP-replicated parameter on TP rank 0 only (it is identical on every TP rank) and a tied
+parameter once (it is one parameter). One all-reduce over the whole world then sums over data
+and tensor parallelism at once, so every distinct element of the single-process model is
+counted exactly once (reference/deepspeed.md §0 item 2 and §3 rows 9-11).
+
+The same all-reduce carries the overflow flag: a rank that sees a non-finite value in *any*
+gradient element it holds (counted or not, so an inf on TP rank 1 is not missed) raises it, and
+every rank of the world agrees on skipping the step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+
+def global_grad_norm(counted: list[torch.Tensor], held: list[torch.Tensor], group=None,
+                     ledger=None) -> tuple[float, bool]:
+    """L2 norm of the global gradient and whether any rank overflowed.
+
+    Args:
+        counted: this rank's gradient tensors whose elements it alone counts (see module doc).
+        held: every gradient tensor this rank holds, checked for inf / NaN.
+        group: the group to sum over (default: the world).
+        ledger: optional ``DPComm`` whose ``bytes["norm_all_reduce"]`` records the traffic.
+
+    Returns:
+        ``(norm, overflow)``; ``norm`` is ``inf`` / ``nan`` when ``overflow``.
+    """
+    device = (counted or held)[0].device if (counted or held) else torch.device("cpu")
+    sq = torch.zeros((), dtype=torch.float64, device=device)
+    for g in counted:
+        if g.numel():
+            sq += torch.linalg.vector_norm(g, dtype=torch.float64) ** 2
+    bad = torch.zeros((), dtype=torch.float64, device=device)
+    for g in held:
+        if g.numel() and not bool(torch.isfinite(g).all()):
+            bad += 1
+    t = torch.stack([sq, bad])
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, group=group)
+        if ledger is not None:
+            n = dist.get_world_size(group)
+            ledger.bytes["norm_all_reduce"] += 2 * (n - 1) / n * t.numel() * t.element_size()
+    sq_total, overflow = t.tolist()
+    overflow = overflow > 0 or not math.isfinite(sq_total)
+    return (float("inf") if overflow else math.sqrt(sq_total)), overflow
+
+
+def clip_coefficient(norm: float, max_norm: float) -> float:
+    """``min(1, max_norm / (norm + 1e-6))`` as ``torch.nn.utils.clip_grad_norm_``; 1 when
+    ``max_norm`` is 0 (clipping off)."""
+    if max_norm <= 0:
+        return 1.0
+    return min(1.0, max_norm / (norm + 1e-6))

@@ -1,0 +1,78 @@
+"""Data-parallel collectives of the ZeRO engine, with a byte ledger.
+
+"Bytes moved" per collective is what one rank sends under the ring algorithm, the volume the
+ZeRO paper counts (§7, with the (n-1)/n factor kept; reference/paper.md §5 item 6):
+
+- ``all_reduce`` of N bytes: ``2 (n-1)/n N``;
+- ``reduce_scatter`` of an N-byte input: ``(n-1)/n N``;
+- ``all_gather`` into an N-byte output: ``(n-1)/n N``;
+
+with n the group size (nothing is moved when n = 1). The ZeRO engine's data-parallel traffic is
+recorded under these three names; the world-wide all-reduce of the grad norm and overflow flag
+(16 bytes) under ``norm_all_reduce``, and state export / consolidation gathers under
+``state_all_gather`` (not training traffic).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class _Done:
+    """Stands in for a work handle when nothing was communicated."""
+
+    def wait(self):
+        return True
+
+
+class DPComm:
+    """Collectives over one group that count their bytes (see the module docstring)."""
+
+    def __init__(self, group):
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.bytes: dict[str, float] = defaultdict(float)
+
+    def _count(self, kind: str, nbytes: int, factor: float = 1.0, size: int | None = None):
+        n = self.size if size is None else size
+        if n > 1:
+            self.bytes[kind] += factor * (n - 1) / n * nbytes
+
+    def all_reduce(self, t: torch.Tensor, async_op: bool = False):
+        """Sum ``t`` in place over the group."""
+        self._count("all_reduce", t.numel() * t.element_size(), 2.0)
+        if self.size == 1:
+            return _Done()
+        return dist.all_reduce(t, group=self.group, async_op=async_op) or _Done()
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
+        """``out`` (n times smaller) = this rank's chunk of the sum of ``inp`` over the group."""
+        self._count("reduce_scatter", inp.numel() * inp.element_size())
+        if self.size == 1:
+            out.copy_(inp)
+            return _Done()
+        return _reduce_scatter_single(out, inp, group=self.group, async_op=async_op) or _Done()
+
+    def all_gather(self, out, inp: torch.Tensor, async_op: bool = False, kind: str = "all_gather"):
+        """``out``: one tensor of n x ``inp`` elements (rank-major) or a list of n tensors;
+        ``kind`` names the ledger entry."""
+        self._count(kind, inp.numel() * inp.element_size() * self.size)
+        if self.size == 1:
+            (out[0] if isinstance(out, list) else out).copy_(inp)
+            return _Done()
+        if isinstance(out, list):
+            return dist.all_gather(out, inp, group=self.group, async_op=async_op) or _Done()
+        return _all_gather_single(out, inp, group=self.group, async_op=async_op) or _Done()
+
+    def snapshot(self) -> dict[str, float]:
+        return dict(self.bytes)
+
+    def reset(self) -> None:
+        self.bytes.clear()

@@ -1,0 +1,212 @@
+"""Gradient accumulation (fp32) and bucketed data-parallel reduction of the ZeRO engine.
+
+Every parameter has a post-accumulate-grad hook. What it does depends on the stage:
+
+- stage 0/1: the 16/32-bit ``p.grad`` is added into one fp32 *full flat* gradient buffer
+  (Megatron's ``main_grad``) and dropped; micro-batches accumulate there, and only the last
+  micro-batch's backward reduces (stage 0: all-reduce of flat ranges in place; stage 1:
+  reduce-scatter, each rank keeping the sum of the slices it owns in the same buffer);
+- stage 2/3: ``p.grad`` stays until every bucket covering its unit has been reduce-scattered,
+  then it is freed; each rank adds the reduced sum of its shard into an fp32 *partition*
+  buffer, so gradients of every micro-batch are reduced in their own backward and non-owned
+  gradient memory is not kept.
+
+Buckets are fixed ranges of the layout (``PartitionLayout.reduce_buckets``), launched strictly
+in plan order (last block first) as soon as every unit they touch has all its gradients, so
+every rank issues the same collectives in the same order whatever order hooks fire in. With
+``overlap`` the reductions are asynchronous and two staging buffers alternate (the older one is
+waited for before reuse); without it everything is reduced synchronously after backward.
+Reductions run in fp32 and are pre-divided by the data-parallel size (a mean over ranks).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from hybrid.zero_comm import DPComm
+from hybrid.zero_layout import PartitionLayout
+
+
+class GradReducer:
+    """Args:
+        params: the model's parameters in layout order (``layout.slots[i]`` is ``params[i]``).
+        layout: the partition layout.
+        stage: ZeRO stage (0-3).
+        comm: data-parallel collectives with a byte ledger.
+        bucket_size: elements per reduction bucket, all ranks' chunks together.
+        overlap: reduce during backward (True) or after it.
+        on_unit_ready: called with a unit index once all its gradients have accumulated in
+            this backward (stage 3 releases the unit's gathered parameters there).
+    """
+
+    def __init__(self, params, layout: PartitionLayout, stage: int, comm: DPComm,
+                 bucket_size: int, overlap: bool, on_unit_ready=None):
+        self.params, self.layout, self.stage, self.comm = params, layout, stage, comm
+        self.overlap, self.on_unit_ready = overlap, on_unit_ready
+        dp, rank, L = comm.size, comm.rank, layout
+        dev = params[0].device
+        if stage < 2:
+            self.grad_flat = torch.zeros(L.total_numel, dtype=torch.float32, device=dev)
+        else:
+            self.grad_part = torch.zeros(L.partition_numel, dtype=torch.float32, device=dev)
+        # Static bucket plan: (a, b) range, units touched, copy-in ops, copy-out ops.
+        self.buckets = []
+        if stage == 0:
+            for a, b in L.flat_buckets(bucket_size):
+                self.buckets.append((a, b, L.units_of_flat(a, b), (), ()))
+            chunk = 0
+        else:
+            chunk = min(max(1, bucket_size // dp), L.partition_numel)
+            for a, b in L.reduce_buckets(chunk):
+                n, ins, outs, units = b - a, [], [], []
+                q = 0
+                for pc in L.pieces(a, b):
+                    u = L.units[pc.unit]
+                    units.append(pc.unit)
+                    length = pc.hi - pc.lo
+                    for r in range(dp):
+                        src = u.offset + r * u.shard + pc.lo
+                        if stage == 1:
+                            ins.append((src, length, r * n + q))
+                        else:
+                            ins.extend((s, ps, ln, r * n + q + rel)
+                                       for s, ps, ln, rel in L.segments(src, length))
+                    outs.append((u.offset + rank * u.shard + pc.lo, length, q))
+                    q += length
+                self.buckets.append((a, b, tuple(units), tuple(ins), tuple(outs)))
+        nstage = 2 if overlap else 1
+        self.staging = [] if stage == 0 else [
+            (torch.zeros(dp * chunk, dtype=torch.float32, device=dev),
+             torch.zeros(chunk, dtype=torch.float32, device=dev)) for _ in range(nstage)]
+        self.unit_buckets = [0] * len(L.units)
+        for bucket in self.buckets:
+            for u in bucket[2]:
+                self.unit_buckets[u] += 1
+        self.inflight: deque = deque()
+        self.reduce_now = False
+        self._reset()
+        self.hooks = [p.register_post_accumulate_grad_hook(self._hook(i))
+                      for i, p in enumerate(params)]
+
+    # ---- state of one backward ---------------------------------------------------------------
+    def _reset(self) -> None:
+        self.pending = [len(u.slots) for u in self.layout.units]
+        self.ready = [False] * len(self.layout.units)
+        self.left = list(self.unit_buckets)
+        self.next_bucket = 0
+        self.launched = 0
+
+    def begin_backward(self, reduce_now: bool) -> None:
+        """Call before each micro-batch's backward; ``reduce_now`` reduces in this one."""
+        if self.inflight:
+            raise RuntimeError("a gradient reduction is still in flight from the last backward")
+        self.reduce_now = reduce_now
+        self._reset()
+
+    def end_backward(self) -> None:
+        """After backward: treat units without gradients as ready, reduce what is left, wait."""
+        for u in range(len(self.layout.units)):
+            if not self.ready[u]:
+                self._unit_ready(u, launch=False)
+        if self.reduce_now:
+            self._launch_ready()
+            while self.inflight:
+                self._finish()
+        self._reset()
+
+    # ---- hooks -------------------------------------------------------------------------------
+    def _hook(self, i: int):
+        slot = self.layout.slots[i]
+
+        def hook(p: torch.Tensor) -> None:
+            if self.stage < 2:
+                self.grad_flat[slot.offset:slot.offset + slot.numel].add_(p.grad.reshape(-1))
+                p.grad = None
+            elif self.ready[slot.unit]:
+                raise RuntimeError(f"gradient of {slot.name} arrived twice in one backward; "
+                                   "ZeRO stage 2/3 reduces a unit once its gradients are complete")
+            self.pending[slot.unit] -= 1
+            if self.pending[slot.unit] == 0:
+                self._unit_ready(slot.unit, launch=self.overlap)
+
+        return hook
+
+    def _unit_ready(self, u: int, launch: bool) -> None:
+        self.ready[u] = True
+        if self.on_unit_ready is not None:
+            self.on_unit_ready(u)
+        if launch and self.reduce_now:
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self.next_bucket < len(self.buckets) and all(
+                self.ready[u] for u in self.buckets[self.next_bucket][2]):
+            self._launch(self.buckets[self.next_bucket])
+            self.next_bucket += 1
+
+    # ---- one bucket --------------------------------------------------------------------------
+    def _launch(self, bucket) -> None:
+        a, b, _, ins, _ = bucket
+        inv = 1.0 / self.comm.size
+        if self.stage == 0:
+            view = self.grad_flat[a:b]
+            if inv != 1.0:
+                view.mul_(inv)
+            work = self.comm.all_reduce(view, async_op=self.overlap)
+            self.inflight.append((work, bucket, None))
+        else:
+            if len(self.inflight) >= len(self.staging):
+                self._finish()
+            k = self.launched % len(self.staging)
+            n = b - a
+            inp, out = self.staging[k][0][:self.comm.size * n], self.staging[k][1][:n]
+            if self.stage == 1:
+                for src, ln, o in ins:
+                    inp[o:o + ln].copy_(self.grad_flat[src:src + ln])
+            else:
+                inp.zero_()
+                for s, ps, ln, o in ins:
+                    g = self.params[s].grad
+                    if g is not None:
+                        inp[o:o + ln].copy_(g.reshape(-1)[ps:ps + ln])
+            if inv != 1.0:
+                inp.mul_(inv)
+            work = self.comm.reduce_scatter(out, inp, async_op=self.overlap)
+            self.inflight.append((work, bucket, out))
+        self.launched += 1
+        if not self.overlap:
+            self._finish()
+
+    def _finish(self) -> None:
+        work, (a, b, units, _, outs), out = self.inflight.popleft()
+        work.wait()
+        if self.stage == 1:
+            for dst, ln, q in outs:
+                self.grad_flat[dst:dst + ln].copy_(out[q:q + ln])
+        elif self.stage >= 2:
+            self.grad_part[a:b].add_(out)
+        for u in units:
+            self.left[u] -= 1
+            if self.left[u] == 0 and self.stage >= 2:
+                for s in self.layout.units[u].slots:
+                    self.params[s].grad = None
+
+    # ---- views for the optimizer and the norm ---------------------------------------------
+    def grad_view(self, frag) -> torch.Tensor:
+        """fp32 gradient of a fragment (stage 0/1: in the full flat; 2/3: in the partition)."""
+        if self.stage < 2:
+            return self.grad_flat[frag.flat_offset:frag.flat_offset + frag.length]
+        return self.grad_part[frag.part_offset:frag.part_offset + frag.length]
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The whole fp32 gradient buffer this rank holds."""
+        return self.grad_flat if self.stage < 2 else self.grad_part
+
+    def staging_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for pair in self.staging for t in pair)
+
+    def zero(self) -> None:
+        self.buffer.zero_()

@@ -1,0 +1,175 @@
+"""Throughput and memory of our ZeRO stages beside torch DDP, FSDP2 and DeepSpeed, in one run.
+
+Not a test. Every configuration is one ``torchrun --standalone`` launch, in sequence, on the
+peers' workload (``shared/peers/common.py``: same model dimensions, seeded synthetic data,
+AdamW lr 1e-3 betas (0.9, 0.95) wd 0.1, no clipping, fp32, gloo, OMP_NUM_THREADS=1), and every
+launch prints the peers' ``RESULT {json}`` line, so the figures are measured the same way:
+ms/step = median of rank 0's timed steps (forward through optimizer step), tokens/s = global
+tokens per step / that, RSS = max over ranks of peak RSS, state = max over ranks of bytes in
+params + grads + master + optimizer states.
+
+    python scripts/bench_zero.py                       # tiny GPT, world 4
+    python scripts/bench_zero.py --size medium --world 2 --peers "ddp fsdp2 deepspeed_z3"
+
+Env: PEERS_DIR (default ../shared/peers next to this repository), PEERS_VENV (default
+${TMPDIR:-/tmp}/hybrid-peers-venv, built by the peers' setup.sh; needed for DeepSpeed).
+Differences from the peers: our GPT fuses q/k/v into one Linear (same parameter count) and,
+following Megatron, does not decay biases and LayerNorm weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PEERS = Path(os.environ.get("PEERS_DIR", REPO.parent / "shared" / "peers")).resolve()
+
+
+def worker(stage: int, tp: int) -> None:
+    """One of our configurations, under torchrun (reports like the peers)."""
+    sys.path[:0] = [str(REPO), str(PEERS)]
+    import common as C  # the peers' workload and reporting
+    import torch
+
+    from hybrid.grid import ProcessGrid
+    from hybrid.tp_plan import parallelize_gpt
+    from hybrid.zero import OptimizerConfig, ZeroConfig, ZeroEngine
+    from models.gpt import GPT, GPTConfig
+
+    rank, world = C.init_dist()
+    size, c = C.cfg_from_env()
+    steps = int(os.environ.get("PEER_STEPS", "23"))
+    warmup = int(os.environ.get("PEER_WARMUP", "3"))
+    grid = ProcessGrid(tp=tp)
+    torch.manual_seed(1234)
+    model = GPT(GPTConfig(num_layers=c.layers, hidden_size=c.hidden, num_attention_heads=c.heads,
+                          vocab_size=c.vocab, max_position_embeddings=c.seq, hidden_dropout=0.0,
+                          attention_dropout=0.0, untie_embeddings_and_output_weights=True))
+    parallelize_gpt(model, grid.tp_group)
+    engine = ZeroEngine(model, grid, ZeroConfig(stage=stage, precision="fp32"),
+                        OptimizerConfig(lr=1e-3, weight_decay=0.1, adam_beta1=0.9,
+                                        adam_beta2=0.95, adam_eps=1e-8, clip_grad=0.0))
+    torch.distributed.barrier()
+    t_init = time.time() - C.T_PROC_START
+    times, losses, state = [], [], None
+    for step in range(steps):
+        x, y = C.batch(c, step, grid.dp_rank)
+        t0 = time.perf_counter()
+        loss = engine.model(x, y).mean()
+        engine.backward(loss, is_last_micro_batch=True)
+        if step == steps - 1:
+            m = engine.memory_bytes()
+            state = m["params"] + m["grads"] + m["master"] + m["optimizer"]
+        engine.step(1e-3)
+        times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+    lt = torch.tensor(losses, dtype=torch.float64)
+    torch.distributed.all_reduce(lt)
+    name = f"hybrid_z{stage}" + (f"_tp{tp}" if tp > 1 else "")
+    C.report(name, rank, world, grid.dp_size, c, times, warmup, (lt / world).tolist(), t_init, state,
+             extra={"memory_bytes_rank0": engine.memory_bytes()})
+    torch.distributed.destroy_process_group()
+
+
+def launch(name: str, cmd: list[str], cwd: Path, env: dict, logdir: Path) -> dict | None:
+    env = dict(env, PEER_T0=f"{time.time():.6f}")
+    t0 = time.time()
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+    (logdir / f"{name}.log").write_text(proc.stdout + proc.stderr)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            res = json.loads(line[7:])
+            res["wall_s"] = round(time.time() - t0, 1)
+            return res
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+    print(f"# {name}: FAILED ({tail[0][:160]})", flush=True)
+    return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size", default="tiny", choices=["tiny", "medium"])
+    ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=None, help="default: 23 tiny, 6 medium")
+    ap.add_argument("--warmup", type=int, default=None, help="default: 3 tiny, 1 medium")
+    ap.add_argument("--stages", default="1 2 3", help="our ZeRO stages")
+    ap.add_argument("--tp", default="1 2", help="our tensor-parallel sizes (dp = world / tp)")
+    ap.add_argument("--peers", default="ddp fsdp2 fsdp2_noreshard tp2d deepspeed_z1 deepspeed_z2 deepspeed_z3")
+    ap.add_argument("--venv", default=os.environ.get("PEERS_VENV", f"{os.environ.get('TMPDIR', '/tmp')}/hybrid-peers-venv"))
+    ap.add_argument("--logdir", default=f"{os.environ.get('TMPDIR', '/tmp')}/hybrid-bench-zero")
+    ap.add_argument("--worker", nargs=2, type=int, metavar=("STAGE", "TP"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(*args.worker)
+
+    steps = args.steps or (6 if args.size == "medium" else 23)
+    warmup = args.warmup if args.warmup is not None else (1 if args.size == "medium" else 3)
+    env = dict(os.environ, PEER_SIZE=args.size, PEER_STEPS=str(steps), PEER_WARMUP=str(warmup),
+               OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1",
+               GLOO_SOCKET_IFNAME="lo", PEER_TP="2")
+    logdir = Path(args.logdir) / args.size
+    logdir.mkdir(parents=True, exist_ok=True)
+    n = str(args.world)
+    torchrun = [f"{args.venv}/bin/torchrun", "--standalone", "--nproc-per-node", n]
+    runs: list[tuple[str, list[str], Path]] = []
+    for p in args.peers.split():
+        if p.startswith("deepspeed_z"):
+            runs.append((p, torchrun + ["peer_deepspeed.py", p[-1]], PEERS))
+        else:
+            runs.append((p, torchrun + ["peer_torch.py", p], PEERS))
+    ours = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", n]
+    for tp in map(int, args.tp.split()):
+        if args.world % tp:
+            continue
+        for s in map(int, args.stages.split()):
+            name = f"hybrid_z{s}" + (f"_tp{tp}" if tp > 1 else "")
+            runs.append((name, ours + [str(Path(__file__).resolve()), "--worker", str(s), str(tp)], REPO))
+
+    print(f"# size={args.size} world={n} steps={steps} warmup={warmup} logs={logdir}", flush=True)
+    results = {}
+    for name, cmd, cwd in runs:
+        res = launch(name, cmd, cwd, env, logdir)
+        if res is not None:
+            results[name] = res
+            print(f"# {name}: {res['ms_step_median']} ms/step", flush=True)
+    with open(logdir / "results.jsonl", "w") as f:
+        for r in results.values():
+            f.write(json.dumps(r) + "\n")
+    print_table(results)
+
+
+def print_table(results: dict) -> None:
+    head = (f"{'config':<18} {'dp':>3} {'ms/step':>8} {'tok/s':>8} {'RSS MiB':>8} {'state MiB':>9} "
+            f"{'loss_end':>8} | {'t/ddp':>6} {'t/fsdp2':>7} {'t/ds':>6} {'RSS/ds':>6} {'state/ds':>8}")
+    print(head)
+    print("-" * len(head))
+    for name, r in results.items():
+        rss, state = max(r["peak_rss_mib_per_rank"]), max(r["state_mib_per_rank"] or [0])
+        row = (f"{name:<18} {r['dp']:>3} {r['ms_step_median']:>8.1f} {r['tokens_per_s']:>8.0f} "
+               f"{rss:>8.0f} {state:>9.1f} {r['loss_final']:>8.4f}")
+        if name.startswith("hybrid_z"):
+            def ratio(peer, key="ms_step_median", r=r):
+                p = results.get(peer)
+                if p is None:
+                    return "-"
+                if key == "rss":
+                    return f"{max(r['peak_rss_mib_per_rank']) / max(p['peak_rss_mib_per_rank']):.2f}"
+                if key == "state":
+                    return f"{max(r['state_mib_per_rank']) / max(p['state_mib_per_rank']):.2f}"
+                return f"{r[key] / p[key]:.2f}"
+            ds = f"deepspeed_z{name[8]}"
+            row += (f" | {ratio('ddp'):>6} {ratio('fsdp2'):>7} {ratio(ds):>6} {ratio(ds, 'rss'):>6} "
+                    f"{ratio(ds, 'state'):>8}")
+        print(row)
+    print("t/X = our ms/step / X's ms/step (below 1: we are faster); ds = DeepSpeed ZeRO of the same "
+          "stage; RSS and state are per-rank maxima.")
+
+
+if __name__ == "__main__":
+    main()

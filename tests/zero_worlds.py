@@ -1,0 +1,310 @@
+"""World functions and the single-process reference for the ZeRO engine tests (importable).
+
+Model: a 2-block GPT whose MLP width 126 gives a 63-element ``fc1.bias`` shard at tp=2 (and
+units whose sizes are no multiple of dp), so partitions need padding. One optimizer step uses a
+global batch of 8 sequences split over dp ranks x 2 micro-batches; the reference runs the plain
+GPT on all 8 at once with torch.optim.AdamW (same two groups) and clip_grad_norm_.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from hybrid.grid import ProcessGrid
+from hybrid.tp_plan import parallelize_gpt
+from hybrid.zero import OptimizerConfig, ZeroConfig, ZeroEngine
+from hybrid.zero_layout import no_weight_decay
+from models.gpt import GPT, GPTConfig
+
+CFG = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=126,
+           vocab_size=1001, max_position_embeddings=32, hidden_dropout=0.0,
+           attention_dropout=0.0)
+GLOBAL_BATCH, SEQ, MICRO, STEPS, SEED = 8, 16, 2, 5, 1234
+# adam_eps 1e-6: the attention key bias has an exactly-zero true gradient (softmax is invariant
+# to it), so its computed gradient is rounding noise (~1e-10) that Adam would blow up to
+# lr * noise / (sqrt(v) + eps); a larger eps keeps that below the 1e-5 parity tolerance.
+OPT = dict(lr=3e-3, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-6, clip_grad=1.0)
+
+
+def global_batch(step: int):
+    """Learnable tokens (so losses fall smoothly and runs in two precisions stay comparable):
+    each sequence repeats an 8-token motif drawn from 64 ids, with 10% of tokens replaced."""
+    g = torch.Generator().manual_seed(1000 + step)
+    motif = torch.randint(0, 64, (GLOBAL_BATCH, 8), generator=g)
+    t = motif.repeat(1, (SEQ + 1 + 7) // 8)[:, :SEQ + 1]
+    noise = torch.randint(0, CFG["vocab_size"], t.shape, generator=g)
+    t = torch.where(torch.rand(t.shape, generator=g) < 0.1, noise, t)
+    return t[:, :-1], t[:, 1:]
+
+
+def micro_batch(step: int, dp_rank: int, dp: int, m: int, micro: int = MICRO):
+    """Sequences of data-parallel rank ``dp_rank``'s micro-batch ``m`` (a slice of the global batch)."""
+    x, y = global_batch(step)
+    per = GLOBAL_BATCH // (dp * micro)
+    lo = (m * dp + dp_rank) * per
+    return x[lo:lo + per], y[lo:lo + per]
+
+
+def reference(steps: int = STEPS, clip: float = OPT["clip_grad"]):
+    """Single-process GPT + AdamW: per-step losses, pre-clip norms, params after step 1 and at end."""
+    torch.manual_seed(SEED)
+    model = GPT(GPTConfig(**CFG))
+    decay = [p for n, p in model.named_parameters() if not no_weight_decay(n, p)]
+    nodecay = [p for n, p in model.named_parameters() if no_weight_decay(n, p)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": OPT["weight_decay"]},
+                             {"params": nodecay, "weight_decay": 0.0}], lr=OPT["lr"],
+                            betas=(OPT["adam_beta1"], OPT["adam_beta2"]), eps=OPT["adam_eps"])
+    losses, norms, first = [], [], None
+    for step in range(steps):
+        x, y = global_batch(step)
+        loss = model(x, y).mean()
+        loss.backward()
+        # The norm itself in float64: clip_grad_norm_'s fp32 norm-of-norms is off by ~1e-6 here.
+        norms.append(math.sqrt(sum(torch.linalg.vector_norm(p.grad, dtype=torch.float64).item() ** 2
+                                   for p in model.parameters())))
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else 1e30)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        if step == 0:
+            first = {k: v.clone() for k, v in model.state_dict().items()}
+    return dict(losses=losses, norms=norms, first=first,
+                final={k: v.clone() for k, v in model.state_dict().items()})
+
+
+class CheckpointBlock(nn.Module):
+    """Activation checkpointing of a whole block, as a wrapper (recompute in backward)."""
+
+    def __init__(self, block, reentrant: bool):
+        super().__init__()
+        self._checkpoint_wrapped_module = block
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        return checkpoint(self._checkpoint_wrapped_module, x, use_reentrant=self.reentrant)
+
+
+def build(grid: ProcessGrid, zc: ZeroConfig, opt: dict | None = None, ckpt: str | None = None):
+    torch.manual_seed(SEED)
+    model = GPT(GPTConfig(**CFG))
+    parallelize_gpt(model, grid.tp_group)
+    if ckpt is not None:
+        for i in range(len(model.layers)):
+            model.layers[i] = CheckpointBlock(model.layers[i], reentrant=ckpt == "reentrant")
+    return ZeroEngine(model, grid, zc, OptimizerConfig(**(opt or OPT)))
+
+
+def train(engine: ZeroEngine, grid: ProcessGrid, steps: int = STEPS, inject=None,
+          micro: int = MICRO) -> dict:
+    """Run ``steps`` optimizer steps; returns losses, infos, and full params after step 1 / end.
+
+    ``inject(step, m)`` may return a tensor hook to register for that micro-batch's backward.
+    """
+    losses, infos, first = [], [], None
+    dp = grid.dp_size
+    for step in range(steps):
+        total = 0.0
+        for m in range(micro):
+            x, y = (t.to(grid.device) for t in micro_batch(step, grid.dp_rank, dp, m, micro))
+            loss = engine.model(x, y).mean() / micro
+            handle = inject(step, m) if inject else None
+            engine.backward(loss, is_last_micro_batch=(m == micro - 1))
+            if handle is not None:
+                handle.remove()
+            total += loss.item()
+        t = torch.tensor([total], dtype=torch.float64)
+        dist.all_reduce(t, group=grid.dp_group)
+        losses.append(t.item() / dp)
+        info = engine.step(OPT["lr"])
+        infos.append(dict(skipped=info.skipped, grad_norm=info.grad_norm,
+                          loss_scale=info.loss_scale, comm=info.comm_bytes))
+        if step == 0:
+            first = engine.model_state_dict_full()
+    return dict(losses=losses, infos=infos, first=first, final=engine.model_state_dict_full())
+
+
+# ---- checks run inside the spawned worlds -----------------------------------------------------
+LAYER_NUMEL = 33_000  # elements of one block at tp=1 (about 16.6k at tp=2)
+VARIANTS = {
+    "default": dict(reduce_bucket_size=20_000, allgather_bucket_size=20_000,
+                    param_persistence_threshold=100),
+    "no_overlap": dict(reduce_bucket_size=20_000, allgather_bucket_size=20_000,
+                       param_persistence_threshold=100, overlap_comm=False),
+    "small_buckets": dict(reduce_bucket_size=3_000, allgather_bucket_size=3_000,
+                          param_persistence_threshold=0),
+    "huge_buckets": dict(reduce_bucket_size=10**9, allgather_bucket_size=10**9,
+                         param_persistence_threshold=0),
+}
+
+
+def _parity(grid, rank0: bool) -> dict:
+    out = {}
+    for stage in range(4):
+        for name, kw in VARIANTS.items():
+            r = train(build(grid, ZeroConfig(stage=stage, **kw)), grid)
+            out[(stage, name)] = r if rank0 else None
+    return out
+
+
+def _checkpointed(grid, rank0: bool) -> dict:
+    out = {}
+    for mode in ("non_reentrant", "reentrant"):
+        zc = ZeroConfig(stage=3, param_persistence_threshold=0, reduce_bucket_size=20_000,
+                        allgather_bucket_size=20_000)
+        e = build(grid, zc, ckpt=mode)
+        r = train(e, grid)
+        r["gathered_peak"] = e.memory_bytes()["gathered_peak"]
+        out[mode] = r if rank0 else None
+    return out
+
+
+def _comm(grid) -> dict:
+    out = {}
+    for stage in range(4):
+        e = build(grid, ZeroConfig(stage=stage, param_persistence_threshold=0,
+                                   reduce_bucket_size=20_000, allgather_bucket_size=20_000))
+        r = train(e, grid, steps=2, micro=1)
+        out[stage] = dict(comm=r["infos"][1]["comm"], psi=e.layout.numel,
+                          padded=e.layout.total_numel, dp=grid.dp_size)
+    return out
+
+
+def _memory(grid) -> dict:
+    out = {}
+    for stage in range(4):
+        e = build(grid, ZeroConfig(stage=stage, precision="bf16", param_persistence_threshold=0))
+        train(e, grid, steps=1)
+        out[stage] = dict(mem=e.memory_bytes(), psi=e.layout.numel, padded=e.layout.total_numel,
+                          dp=grid.dp_size, summary=e.summary())
+    return out
+
+
+def _snapshot(engine) -> list[torch.Tensor]:
+    """Master weights, Adam moments and every parameter storage the rank holds (stage 3: its
+    shard and the persistent parameters; released units have no storage to compare)."""
+    held = [p.detach().clone() for p in engine.params if p.untyped_storage().nbytes() > 0]
+    extra = [] if engine.param_shard is None else [engine.param_shard.clone()]
+    return held + extra + [engine.master.clone(), engine.exp_avg.clone(), engine.exp_avg_sq.clone()]
+
+
+def _fp16(grid) -> dict:
+    """Inject an inf into one rank's gradient at step 3 (index 2); record what every rank saw."""
+    cases = {"tp_rank_1_only": (1, "ln_f.weight"), "dp_rank_1_only": (2, "layers.0.mlp.fc1.weight")}
+    out = {}
+    for case, (target, pname) in cases.items():
+        for stage in range(4):
+            e = build(grid, ZeroConfig(stage=stage, precision="fp16", hysteresis=1,
+                                       initial_loss_scale_power=12, param_persistence_threshold=100,
+                                       reduce_bucket_size=20_000, allgather_bucket_size=20_000))
+            param = dict(e.model.named_parameters())[pname]
+            steps, unchanged, changed4 = [], None, None
+            for step in range(4):
+                for m in range(MICRO):
+                    x, y = micro_batch(step, grid.dp_rank, grid.dp_size, m)
+                    loss = e.model(x, y).mean() / MICRO
+                    h = None
+                    if step == 2 and m == MICRO - 1 and grid.rank == target:
+                        h = param.register_hook(lambda g: g.clone().view(-1).index_fill_(
+                            0, torch.tensor([3]), float("inf")).view_as(g))
+                    e.backward(loss, is_last_micro_batch=(m == MICRO - 1))
+                    if h is not None:
+                        h.remove()
+                before = _snapshot(e)
+                info = e.step(OPT["lr"])
+                after = _snapshot(e)
+                same = all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+                if step == 2:
+                    unchanged = same
+                if step == 3:
+                    changed4 = not same
+                steps.append(dict(skipped=info.skipped, scale=info.loss_scale,
+                                  norm=info.grad_norm, loss=loss.item()))
+            out[(case, stage)] = dict(steps=steps, unchanged=unchanged, changed4=changed4,
+                                      skipped_steps=e.skipped_steps, injected=grid.rank == target)
+    return out
+
+
+def _bf16(grid) -> dict:
+    out = {}
+    for stage in (1, 3):
+        res = {}
+        for prec in ("fp32", "bf16"):
+            e = build(grid, ZeroConfig(stage=stage, precision=prec, param_persistence_threshold=100,
+                                       reduce_bucket_size=20_000, allgather_bucket_size=20_000))
+            r = train(e, grid, steps=20)
+            res[prec] = dict(losses=r["losses"], grad_dtype=e.reducer.buffer.dtype,
+                             master_dtype=e.master.dtype, param_dtype=e.params[0].dtype)
+        out[stage] = res
+    return out
+
+
+def _export(grid, rank0: bool) -> dict:
+    """Stage-3 engine trains 5 steps, exports; a stage-1 engine imports and both step once more."""
+    kw = dict(reduce_bucket_size=20_000, allgather_bucket_size=20_000, param_persistence_threshold=100)
+    a = build(grid, ZeroConfig(stage=3, **kw))
+    train(a, grid)
+    state = a.optimizer_state_by_name()
+    b = build(grid, ZeroConfig(stage=1, **kw))
+    b.load_optimizer_state_by_name(state)
+    state_b = b.optimizer_state_by_name()
+    roundtrip = all(torch.equal(state[n][k], state_b[n][k]) for n in state for k in state[n])
+    ra = train(a, grid, steps=1)
+    rb = train(b, grid, steps=1)
+    diff = max((ra["final"][k] - rb["final"][k]).abs().max().item() for k in ra["final"])
+    x, y = micro_batch(7, grid.dp_rank, grid.dp_size, 0)
+    with torch.no_grad():  # evaluation forward at stage 3 (gathers, then releases every block)
+        eval_a = a.eval().model(x, y).mean().item()
+        eval_b = b.eval().model(x, y).mean().item()
+    released = all(buf.untyped_storage().nbytes() == 0
+                   for u, buf in zip(a.layout.units, a.unit_bufs, strict=True) if not u.persistent)
+    a.train()
+    x2, y2 = micro_batch(8, grid.dp_rank, grid.dp_size, 0)
+    a.backward(a.model(x2, y2).mean(), is_last_micro_batch=True)  # training resumes after eval
+    train_after_eval = not a.step(OPT["lr"]).skipped
+    local_shapes = {n: tuple(p.shape) for n, p in a.model.named_parameters()}
+    return dict(state=state if rank0 or grid.tp_rank == 1 else None, roundtrip=roundtrip,
+                continue_diff=diff, shapes=local_shapes, eval=(eval_a, eval_b), released=released,
+                train_after_eval=train_after_eval, tp_rank=grid.tp_rank, dp_rank=grid.dp_rank)
+
+
+def world4(rank: int, world: int) -> dict:
+    """Every check that needs 4 ranks: grids tp1 x dp4 and tp2 x dp2."""
+    out = {}
+    for tp in (1, 2):
+        grid = ProcessGrid(tp=tp)
+        r0 = grid.rank == 0
+        res = dict(parity=_parity(grid, r0), ckpt=_checkpointed(grid, r0), comm=_comm(grid))
+        if tp == 1:
+            res["memory"] = _memory(grid)
+        else:
+            res["fp16"] = _fp16(grid)
+            res["bf16"] = _bf16(grid)
+            res["export"] = _export(grid, r0)
+        out[tp] = res
+    return out
+
+
+def world2(rank: int, world: int) -> dict:
+    grid = ProcessGrid(tp=1)
+    return dict(parity=_parity(grid, grid.rank == 0))
+
+
+def world_gpu(rank: int, world: int) -> dict:
+    """Every stage on one CUDA device (dp = 1): fp32 parity, bf16 runs, stage-3 storage release."""
+    grid = ProcessGrid(tp=1)
+    out = {}
+    for stage in range(4):
+        kw = dict(stage=stage, param_persistence_threshold=100, reduce_bucket_size=20_000,
+                  allgather_bucket_size=20_000)
+        e = build(grid, ZeroConfig(**kw))
+        r = train(e, grid)
+        out[stage] = dict(losses=r["losses"], final={k: v.cpu() for k, v in r["final"].items()},
+                          device=str(e.master.device))
+        b = build(grid, ZeroConfig(precision="bf16", **kw))
+        out[(stage, "bf16")] = train(b, grid, steps=3)["losses"]
+    return out
