@@ -237,6 +237,16 @@ class ZeroEngine:
         self.optimizer_steps += 1
         return StepInfo(False, norm, self.scaler.scale, self._close_comm())
 
+    def zero_grad(self) -> None:
+        """Discard the accumulated gradients without stepping (after a NaN/inf loss)."""
+        self.reducer.zero()
+        self._grads_ready = False
+
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (1.0 unless fp16)."""
+        return self.scaler.scale if self._scale_loss else 1.0
+
     def _close_comm(self) -> dict:
         self.last_comm_bytes = self.comm.snapshot()
         self.comm.reset()
@@ -313,6 +323,11 @@ class ZeroEngine:
                                  kind="state_all_gather").wait()
         return out
 
+    def _by_name(self, flats: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+        """Cut full flat buffers into ``{param name: {kind: TP-local tensor}}`` via the layout."""
+        return {s.name: {k: v[s.offset:s.offset + s.numel].view(s.shape).clone() for k, v in flats.items()}
+                for s in self.layout.slots}
+
     def optimizer_state_by_name(self) -> dict[str, dict[str, torch.Tensor]]:
         """``{name: {"master", "exp_avg", "exp_avg_sq", "step"}}``: fp32 tensors with the shape of
         this TP rank's local parameter (TP-local, *not* partitioned over dp, no ZeRO padding; the
@@ -323,12 +338,26 @@ class ZeroEngine:
         steps = self.optimizer_steps
         if self._opt_params:
             steps = int(self.optimizer.state[self._opt_params[0][0]]["step"].item())
-        out = {}
-        for s in self.layout.slots:
-            out[s.name] = {k: v[s.offset:s.offset + s.numel].view(s.shape).clone()
-                           for k, v in flats.items()}
-            out[s.name]["step"] = torch.tensor(float(steps))
+        out = self._by_name(flats)
+        for entry in out.values():
+            entry["step"] = torch.tensor(float(steps))
         return out
+
+    def gradients_by_name(self) -> dict[str, torch.Tensor]:
+        """The reduced fp32 gradients of the finished micro-batches (call after the last
+        micro-batch's backward, before :meth:`step`): ``{name: TP-local tensor}``, averaged over
+        dp, loss scale still applied for fp16. Collective over dp (every rank calls)."""
+        if not self._grads_ready:
+            raise RuntimeError("gradients_by_name() needs a backward(..., is_last_micro_batch=True) first")
+        grads = self.reducer.buffer
+        if self.stage == 1:  # full-size buffer, but only this rank's shards hold the dp sum
+            owned = grads.new_empty(self.layout.partition_numel)
+            for u in self.layout.units:
+                start = u.offset + self.grid.dp_rank * u.shard
+                owned[u.part_offset:u.part_offset + u.shard] = grads[start:start + u.shard]
+            grads = owned
+        full = grads if self.stage == 0 else self._full_flat(grads)
+        return {k: v["grad"] for k, v in self._by_name({"grad": full}).items()}
 
     @torch.no_grad()
     def load_optimizer_state_by_name(self, state: dict[str, dict[str, torch.Tensor]]) -> None:

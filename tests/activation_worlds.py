@@ -43,13 +43,8 @@ DROPOUTS = (0.0, 0.1)
 
 
 def zero_stages() -> list[int]:
-    """ZeRO stages the parity checks run under. Stage 0 here is plain TP (no data-parallel
-    gradient reduction): gradients with vs without checkpointing on the same ranks.
-    TODO(merge with branch `zero`): add 3 once ``hybrid.zero`` exists (see :func:`_run`)."""
-    try:
-        import hybrid.zero  # noqa: F401
-    except ImportError:
-        return [0]
+    """ZeRO stages the parity checks run under: 0 (plain TP, ``p.grad`` on each rank) and 3
+    (the ZeroEngine, parameters gathered per block, gradients reduce-scattered over dp)."""
     return [0, 3]
 
 
@@ -73,14 +68,22 @@ def build(grid: ProcessGrid, dropout: float, ac: dict | None, dtype=torch.float3
     return model, tracker, handle
 
 
-def _run(model, stage: int, batches) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _run(model, stage: int, batches, grid=None) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Forward + backward over ``batches`` (gradient accumulation); losses and local grads."""
     torch.manual_seed(99)  # the default generator: identical on all TP ranks
     if stage == 3:
-        # TODO(merge with branch `zero`): wrap with ZeroEngine(model, grid, ZeroConfig(stage=3),
-        # OptimizerConfig(...)), run engine.model(x, y) / engine.backward(loss, last) and compare
-        # the engine's gathered full gradients instead of p.grad.
-        raise NotImplementedError("ZeRO stage 3 parity: fill in once hybrid.zero is merged")
+        from hybrid.zero import OptimizerConfig, ZeroConfig, ZeroEngine
+
+        # small buckets and no persistence, so every block really is gathered and released
+        engine = ZeroEngine(model, grid, ZeroConfig(stage=3, reduce_bucket_size=4096, allgather_bucket_size=4096,
+                                                    param_persistence_threshold=0), OptimizerConfig(lr=1e-3))
+        losses = []
+        for i, (x, y) in enumerate(batches):
+            loss = engine.model(x, y).mean()
+            engine.backward(loss / len(batches), is_last_micro_batch=i == len(batches) - 1)
+            losses.append(loss.item())
+        grads = {n: g * len(batches) for n, g in engine.gradients_by_name().items()}
+        return losses, grads
     losses = []
     for x, y in batches:
         loss = model(x, y).mean()
@@ -101,10 +104,10 @@ def parity(grid: ProcessGrid) -> dict:
         for p in DROPOUTS:
             model, _, _ = build(grid, p, None)
             names = [n for n, _ in model.named_parameters()]
-            ref_losses, ref = _run(model, stage, batches)
+            ref_losses, ref = _run(model, stage, batches, grid)
             for name, ac in VARIANTS.items():
                 model, _, handle = build(grid, p, ac)
-                losses, grads = _run(model, stage, batches)
+                losses, grads = _run(model, stage, batches, grid)
                 out[(stage, p, name)] = dict(
                     grad_diff=_max_diff(grads, ref),
                     loss_diff=max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)),

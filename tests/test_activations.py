@@ -16,7 +16,7 @@ import math
 import pytest
 
 from hybrid.spawn import spawn_world
-from tests.activation_worlds import CFG, DROPOUTS, VARIANTS, B, S, activation_world, zero_stages
+from tests.activation_worlds import CFG, DROPOUTS, VARIANTS, B, S, activation_world
 
 TPS = [4, 2, 1]
 L, H, A = CFG["num_layers"], CFG["hidden_size"], CFG["num_attention_heads"]
@@ -45,8 +45,6 @@ def test_paper_formula_reproduces_table2():
 @pytest.mark.parametrize("dropout", DROPOUTS)
 @pytest.mark.parametrize("tp", TPS)
 def test_gradients_equal_without_checkpointing(world, tp, dropout, stage):
-    if stage not in zero_stages():
-        pytest.skip("ZeRO stage 3: hybrid.zero is not on this branch yet (TODO at merge)")
     for rank, r in enumerate(world):
         for name in VARIANTS:
             got = r[tp]["parity"][(stage, dropout, name)]
