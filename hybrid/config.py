@@ -117,6 +117,20 @@ class LoggingArgs:
 
 
 @dataclass
+class CheckpointArgs:
+    """Checkpoints and graceful stops."""
+
+    save: str | None = arg(None, "directory to save checkpoints to (also where SIGTERM saves)")
+    load: str | None = arg(None, "directory to resume from (its latest complete checkpoint; none there: start fresh)")
+    save_interval: int | None = arg(None, "save every N iterations (default: only at the end and on a stop)")
+    save_keep_last: int | None = arg(None, "keep only the newest K checkpoints (default: all)")
+    no_load_optim: bool = arg(False, "load weights but not the optimizer state / loss scaler")
+    no_load_rng: bool = arg(False, "do not restore the RNG states")
+    finetune: bool = arg(False, "load weights only and start from iteration 0 (new optimizer, schedule, data order)")
+    exit_duration_in_mins: float | None = arg(None, "save and exit cleanly after this many minutes")
+
+
+@dataclass
 class PretrainConfig:
     """Everything one pretraining job needs."""
 
@@ -126,8 +140,9 @@ class PretrainConfig:
     data: DataArgs = field(default_factory=DataArgs)
     eval: EvalArgs = field(default_factory=EvalArgs)
     logging: LoggingArgs = field(default_factory=LoggingArgs)
+    checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
 
-    SECTIONS = ("model", "parallel", "optim", "data", "eval", "logging")
+    SECTIONS = ("model", "parallel", "optim", "data", "eval", "logging", "checkpoint")
 
     def to_dict(self) -> dict:
         """Nested plain dict (for printing, wandb and checkpoints)."""

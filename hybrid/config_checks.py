@@ -185,6 +185,17 @@ def validate(cfg: PretrainConfig, world_size: int | None = None,
     if cfg.eval.eval_interval < 1 or cfg.eval.eval_iters < 0 or cfg.logging.log_interval < 1:
         raise ConfigError(f"--eval-interval {cfg.eval.eval_interval} and --log-interval "
                           f"{cfg.logging.log_interval} must be >= 1, --eval-iters {cfg.eval.eval_iters} >= 0")
+    c = cfg.checkpoint
+    if c.save_interval is not None and (c.save_interval < 1 or not c.save):
+        raise ConfigError(f"--save-interval {c.save_interval} needs --save DIR and a value >= 1")
+    if c.save_keep_last is not None and c.save_keep_last < 1:
+        raise ConfigError(f"--save-keep-last {c.save_keep_last} must be >= 1")
+    if c.finetune and not c.load:
+        raise ConfigError("--finetune needs --load DIR (the checkpoint to start from)")
+    if c.exit_duration_in_mins is not None and c.exit_duration_in_mins <= 0:
+        raise ConfigError(f"--exit-duration-in-mins {c.exit_duration_in_mins} must be > 0")
+    if c.load and Path(c.load).exists() and not Path(c.load).is_dir():
+        raise ConfigError(f"--load {c.load} is not a directory")
     return Derived(
         gpt=gpt, world_size=world, tp=tp, dp=shape.dp, global_batch_size=gbs,
         grad_accum_steps=gbs // (o.micro_batch_size * shape.dp), tokens_per_step=gbs * m.seq_length,

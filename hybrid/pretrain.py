@@ -59,9 +59,11 @@ def _batches(dataset, consumed: int, cfg: PretrainConfig, grid):
 def run(cfg: PretrainConfig, derived: Derived) -> dict:
     """Train with an already validated config; returns the final state's history (rank 0)."""
     from hybrid.activations import apply_activation_checkpointing
+    from hybrid.checkpointing import save_checkpoint
     from hybrid.flops import device_peak_tflops, flops_per_iteration
     from hybrid.grid import ProcessGrid, init_distributed
     from hybrid.metrics import MetricsWriter
+    from hybrid.preemption import StopSignal
     from hybrid.rng import RNGTracker, seed_everything
     from hybrid.schedule import LRSchedule
     from hybrid.training import LoopSettings, TrainState, run_eval, train
@@ -92,8 +94,11 @@ def run(cfg: PretrainConfig, derived: Derived) -> dict:
                         adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad),
     )
 
-    train_ds, valid_ds, test_ds = build_datasets(cfg, derived)
     state = TrainState()
+    ck = cfg.checkpoint
+    if ck.load:
+        _resume(cfg, engine, grid, tracker, state)
+    train_ds, valid_ds, test_ds = build_datasets(cfg, derived)
     eval_sets = {"valid": valid_ds, "test": test_ds}
 
     def eval_batches(split):
@@ -117,17 +122,71 @@ def run(cfg: PretrainConfig, derived: Derived) -> dict:
         progress = tqdm(total=o.train_iters, desc="train", unit="it", dynamic_ncols=True)
     writer = MetricsWriter(grid.rank, lg.metrics_file, cfg.to_dict(), lg.wandb_project, lg.wandb_exp_name,
                            lg.wandb_save_dir, print_fn=progress.write if progress else print)
+    stop = StopSignal(ck.exit_duration_in_mins) if ck.save else None
+    saved_at = [None]
+
+    def save():
+        if saved_at[0] != state.iteration:
+            save_checkpoint(ck.save, state.iteration, engine, grid, state.counters(), _metadata(cfg, derived),
+                            tracker, ck.save_keep_last)
+            saved_at[0] = state.iteration
+            if grid.rank == 0:
+                writer.print(f" saved checkpoint at iteration {state.iteration} to {ck.save}")
+
+    def on_iteration(state) -> bool:
+        if ck.save and ck.save_interval and state.iteration % ck.save_interval == 0:
+            save()
+        if stop is not None and stop.should_stop(grid.device):
+            save()
+            if grid.rank == 0:
+                writer.print(f" exiting at iteration {state.iteration}: {stop.reason()}")
+            return True
+        return False
+
     try:
         train(engine, grid, state, settings, schedule, _batches(train_ds, state.consumed_samples, cfg, grid),
-              eval_batches, writer, progress)
-        if settings.eval_iters:
+              eval_batches, writer, progress, on_iteration)
+        if ck.save:
+            save()
+        if settings.eval_iters and state.iteration >= o.train_iters:
             run_eval(engine, grid, state, settings, eval_batches, writer, "valid")
             run_eval(engine, grid, state, settings, eval_batches, writer, "test")
     finally:
         if progress is not None:
             progress.close()
         writer.close()
+        if stop is not None:
+            stop.restore()
     return {"history": state.history, "engine": engine}
+
+
+def _metadata(cfg: PretrainConfig, derived: Derived) -> dict:
+    import dataclasses
+
+    return dict(config=cfg.to_dict(), model=dataclasses.asdict(derived.gpt), tokenizer=cfg.data.tokenizer_model,
+                padded_vocab_size=derived.padded_vocab_size)
+
+
+def _resume(cfg: PretrainConfig, engine, grid, tracker, state) -> None:
+    """Load ``--load``'s latest complete checkpoint (if any) into the engine and the loop state."""
+    from hybrid.checkpoint_dir import latest_iteration
+    from hybrid.checkpointing import load_checkpoint
+
+    ck = cfg.checkpoint
+    if latest_iteration(ck.load) is None:
+        if grid.rank == 0:
+            print(f" no checkpoint under --load {ck.load}: starting from scratch", flush=True)
+        return
+    meta = load_checkpoint(ck.load, engine, grid, tracker, load_optim=not (ck.no_load_optim or ck.finetune),
+                           load_rng=not (ck.no_load_rng or ck.finetune))
+    if not ck.finetune:
+        state.restore(meta["train_state"])
+    if grid.rank == 0:
+        saved = meta["grid"]
+        print(f" loaded checkpoint {ck.load} iteration {meta['iteration']} (saved at tp={saved['tp']} x "
+              f"dp={saved['dp']}, ZeRO stage {meta['zero_stage']}); "
+              f"{'fine-tuning from iteration 0' if ck.finetune else f'resuming at consumed samples {state.consumed_samples}'}",
+              flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,6 +40,16 @@ class TrainState:
     consecutive_nan: int = 0
     history: list = field(default_factory=list)
 
+    COUNTERS = ("iteration", "consumed_samples", "successful_steps", "skipped_iterations", "nan_iterations")
+
+    def counters(self) -> dict:
+        """The counters a checkpoint stores (JSON-able)."""
+        return {k: getattr(self, k) for k in self.COUNTERS}
+
+    def restore(self, counters: dict) -> None:
+        for k in self.COUNTERS:
+            setattr(self, k, int(counters[k]))
+
 
 @dataclass(frozen=True)
 class StepResult:
@@ -117,8 +127,12 @@ class LoopSettings:
 
 def train(engine, grid, state: TrainState, settings: LoopSettings, lr_at: Callable[[int], float],
           train_batches: Iterator[torch.Tensor], eval_batches: Callable[[str], Iterator[torch.Tensor] | None],
-          writer: MetricsWriter, progress=None) -> TrainState:
+          writer: MetricsWriter, progress=None,
+          on_iteration: Callable[[TrainState], bool] | None = None) -> TrainState:
     """Run until ``settings.train_iters`` steps; returns the final :class:`TrainState`.
+
+    ``on_iteration(state)`` runs after every iteration (after logging and evaluation); when it
+    returns True training stops there (checkpoint saves and preemption use it).
 
     Raises:
         TooManyNaNIterations: ``max_nan_iterations`` consecutive NaN/inf losses.
@@ -169,6 +183,8 @@ def train(engine, grid, state: TrainState, settings: LoopSettings, lr_at: Callab
         if s.eval_iters and state.iteration % s.eval_interval == 0 and state.iteration < s.train_iters:
             run_eval(engine, grid, state, settings, eval_batches, writer, "valid")
             window_t0 = time.perf_counter()
+        if on_iteration is not None and on_iteration(state):
+            break
     return state
 
 

@@ -6,6 +6,8 @@
 #   NNODES          nodes (default 1)             NODE_RANK  this node's index (default 0)
 #   MASTER_ADDR     rendezvous host (default 127.0.0.1)  MASTER_PORT (default 29500)
 #   PYTHON          interpreter (default .venv/bin/python, else python3)
+#   SAVE_DIR        checkpoint directory: adds --save and --load, so a restarted job resumes
+#                   from the latest complete checkpoint (SIGTERM saves before exiting)
 #
 # Example, 2 nodes x 8 GPUs, tp=8 inside each node, ZeRO-2 across them:
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 bash scripts/pretrain_gpt.sh \
@@ -20,7 +22,9 @@ if [ -z "${GPUS_PER_NODE:-}" ]; then
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 cd "$ROOT"
+CKPT=()
+if [ -n "${SAVE_DIR:-}" ]; then CKPT=(--save "$SAVE_DIR" --load "$SAVE_DIR"); fi
 exec "$PYTHON" -m torch.distributed.run \
   --nnodes "${NNODES:-1}" --node-rank "${NODE_RANK:-0}" --nproc-per-node "$GPUS_PER_NODE" \
   --master-addr "${MASTER_ADDR:-127.0.0.1}" --master-port "${MASTER_PORT:-29500}" \
-  -m hybrid.pretrain "$@"
+  -m hybrid.pretrain "${CKPT[@]}" "$@"

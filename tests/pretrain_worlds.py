@@ -32,3 +32,19 @@ def run_configs(rank: int, world: int, argvs: list[list[str]]) -> list[list[dict
         cfg = parse_config(argv)
         out.append(run(cfg, validate(cfg))["history"])
     return out
+
+
+def crash_while_saving(rank: int, world: int, argv_ok: list[str], argv_crash: list[str]) -> None:
+    """Run ``argv_ok``, then ``argv_crash`` with the process killed (``os._exit``) after every
+    shard of its final checkpoint is written but before the checkpoint is published."""
+    import os
+
+    import hybrid.checkpointing as checkpointing
+
+    run_configs(rank, world, [argv_ok])
+
+    def killed(*args, **kwargs):
+        os._exit(137)
+
+    checkpointing.publish = killed
+    run_configs(rank, world, [argv_crash])
