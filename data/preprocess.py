@@ -43,7 +43,7 @@ import pyarrow.compute as pc
 from tqdm import tqdm
 
 from data.indexed_dataset import IndexedDatasetWriter, dtype_for_vocab
-from data.text_source import check_columns, load_text_dataset
+from data.text_source import add_input_args, check_columns, load_text_dataset
 from data.tokenizer import Tokenizer
 
 
@@ -222,14 +222,7 @@ def _write_column(col, writer: IndexedDatasetWriter, ks: KeyStats) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--input", nargs="+", required=True, help="files/globs, a saved dataset dir, or a hub name"
-    )
-    p.add_argument("--dataset-config", default=None, help="hub dataset configuration")
-    p.add_argument("--split", default="train", help="dataset split to read")
-    p.add_argument(
-        "--json-keys", nargs="+", default=["text"], help="text column(s), one output each"
-    )
+    add_input_args(p, "text column(s), one output each")
     p.add_argument("--tokenizer-model", required=True, help="sentencepiece .model file")
     p.add_argument("--output-prefix", required=True, help="writes <prefix>_<key>_document.bin/.idx")
     p.add_argument("--workers", type=int, default=1, help="tokenizer processes")

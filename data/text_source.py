@@ -15,6 +15,7 @@ corpus in memory.
 
 from __future__ import annotations
 
+import argparse
 import glob
 import os
 import re
@@ -142,3 +143,14 @@ def iter_texts(ds: datasets.Dataset, keys: list[str], batch_size: int = 1000) ->
             for text in batch[key]:
                 if isinstance(text, str):
                     yield text
+
+
+def add_input_args(parser: argparse.ArgumentParser, json_keys_help: str) -> None:
+    """The input flags shared by the tokenizer trainer and the preprocessor: ``--input``,
+    ``--dataset-config``, ``--split``, ``--json-keys``."""
+    parser.add_argument(
+        "--input", nargs="+", required=True, help="files/globs, a saved dataset dir, or a hub name"
+    )
+    parser.add_argument("--dataset-config", default=None, help="hub dataset configuration")
+    parser.add_argument("--split", default="train", help="dataset split to read")
+    parser.add_argument("--json-keys", nargs="+", default=["text"], help=json_keys_help)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import sentencepiece as spm
 
-from data.text_source import iter_texts, load_text_dataset
+from data.text_source import add_input_args, iter_texts, load_text_dataset
 
 CONTROL_PIECES = ("<unk>", "<s>", "</s>", "<pad>")
 MAX_SENTENCE_BYTES = 4192  # sentencepiece's default max_sentence_length
@@ -223,12 +223,7 @@ def train_tokenizer(
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--input", nargs="+", required=True, help="files/globs, a saved dataset dir, or a hub name"
-    )
-    p.add_argument("--dataset-config", default=None, help="hub dataset configuration")
-    p.add_argument("--split", default="train", help="dataset split to read")
-    p.add_argument("--json-keys", nargs="+", default=["text"], help="text column(s)")
+    add_input_args(p, "text column(s)")
     p.add_argument("--vocab-size", type=int, default=32000)
     p.add_argument("--model-type", choices=("bpe", "unigram"), default="bpe")
     p.add_argument("--model-prefix", required=True, help="writes <prefix>.model and <prefix>.vocab")
