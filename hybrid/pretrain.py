@@ -56,47 +56,104 @@ def _batches(dataset, consumed: int, cfg: PretrainConfig, grid):
     return iter(build_data_loader(dataset, consumed, cfg.optim.micro_batch_size, grid.dp_rank, grid.dp_size))
 
 
-def run(cfg: PretrainConfig, derived: Derived) -> dict:
-    """Train with an already validated config; returns the final state's history (rank 0)."""
+def build_engine(cfg: PretrainConfig, derived: Derived, grid, tracker):
+    """Model -> TP plan -> activation checkpointing -> ZeRO, in that order (STYLE.md rule 2)."""
     from hybrid.activations import apply_activation_checkpointing
-    from hybrid.checkpointing import save_checkpoint
-    from hybrid.flops import device_peak_tflops, flops_per_iteration
-    from hybrid.grid import ProcessGrid, init_distributed
-    from hybrid.metrics import MetricsWriter
-    from hybrid.preemption import StopSignal
-    from hybrid.rng import RNGTracker, seed_everything
-    from hybrid.schedule import LRSchedule
-    from hybrid.training import LoopSettings, TrainState, run_eval, train
     from hybrid.zero import OptimizerConfig, ZeroConfig, ZeroEngine
 
     p, o = cfg.parallel, cfg.optim
-    init_distributed(timeout_s=60 * p.distributed_timeout_minutes)
-    grid = ProcessGrid(tp=p.tensor_model_parallel_size)
-    seed_everything(cfg.data.seed, grid.device)
-    tracker = RNGTracker(cfg.data.seed, grid.tp_rank, grid.device)
-    if grid.rank == 0:
-        print(f"hybrid-zero pretraining | {derived.summary()}", flush=True)
-        print(config_json(cfg), flush=True)
-
     model = build_model(cfg, derived, grid, tracker)
     act = activation_config(cfg)
     if act.checkpoint_activations:
         apply_activation_checkpointing(model, grid, act, tracker)
-    precision = "bf16" if o.bf16 else "fp16" if o.fp16 else "fp32"
-    engine = ZeroEngine(
+    return ZeroEngine(
         model, grid,
         ZeroConfig(stage=p.zero_stage, reduce_bucket_size=p.reduce_bucket_size,
                    allgather_bucket_size=p.allgather_bucket_size, overlap_comm=p.overlap_comm,
-                   param_persistence_threshold=p.param_persistence_threshold, precision=precision,
+                   param_persistence_threshold=p.param_persistence_threshold,
+                   precision="bf16" if o.bf16 else "fp16" if o.fp16 else "fp32",
                    loss_scale=o.loss_scale, initial_loss_scale_power=int(o.initial_loss_scale).bit_length() - 1,
                    loss_scale_window=o.loss_scale_window, hysteresis=o.hysteresis, min_loss_scale=o.min_loss_scale),
         OptimizerConfig(lr=o.lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
                         adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad),
     )
 
+
+def loop_settings(cfg: PretrainConfig, derived: Derived, grid):
+    """The loop's counts and the FLOPs per step for TFLOP/s and MFU (2205.05198 Eq. 7)."""
+    from hybrid.flops import device_peak_tflops, flops_per_iteration
+    from hybrid.training import LoopSettings
+
+    o = cfg.optim
+    return LoopSettings(
+        train_iters=o.train_iters, grad_accum_steps=derived.grad_accum_steps,
+        global_batch_size=derived.global_batch_size, tokens_per_step=derived.tokens_per_step,
+        log_interval=cfg.logging.log_interval, eval_interval=cfg.eval.eval_interval,
+        eval_iters=cfg.eval.eval_iters, max_nan_iterations=o.max_nan_iterations,
+        flops_per_step=flops_per_iteration(derived.gpt, derived.global_batch_size, cfg.model.seq_length),
+        peak_tflops=device_peak_tflops() if grid.device.type == "cuda" else None,
+    )
+
+
+class Checkpointer:
+    """Saves at ``--save-interval``, at the end, and when SIGTERM / the time limit asks to stop."""
+
+    def __init__(self, cfg: PretrainConfig, derived: Derived, engine, grid, tracker, writer):
+        from hybrid.preemption import StopSignal
+
+        self.ck, self.engine, self.grid, self.tracker, self.writer = cfg.checkpoint, engine, grid, tracker, writer
+        self.metadata = _metadata(cfg, derived)
+        self.stop = StopSignal(self.ck.exit_duration_in_mins) if self.ck.save else None
+        self.saved_at = None
+
+    def save(self, state) -> None:
+        from hybrid.checkpointing import save_checkpoint
+
+        if not self.ck.save or self.saved_at == state.iteration:
+            return
+        save_checkpoint(self.ck.save, state.iteration, self.engine, self.grid, state.counters(), self.metadata,
+                        self.tracker, self.ck.save_keep_last)
+        self.saved_at = state.iteration
+        if self.grid.rank == 0:
+            self.writer.print(f" saved checkpoint at iteration {state.iteration} to {self.ck.save}")
+
+    def after_iteration(self, state) -> bool:
+        """Save when due; True (on every rank) when the run must stop now."""
+        if self.ck.save_interval and state.iteration % self.ck.save_interval == 0:
+            self.save(state)
+        if self.stop is not None and self.stop.should_stop(self.grid.device):
+            self.save(state)
+            if self.grid.rank == 0:
+                self.writer.print(f" exiting at iteration {state.iteration}: {self.stop.reason()}")
+            return True
+        return False
+
+    def close(self) -> None:
+        if self.stop is not None:
+            self.stop.restore()
+
+
+def run(cfg: PretrainConfig, derived: Derived) -> dict:
+    """Train with an already validated config; returns ``{"history": records, "engine": engine}``."""
+    from hybrid.grid import ProcessGrid, init_distributed
+    from hybrid.metrics import MetricsWriter
+    from hybrid.rng import RNGTracker, seed_everything
+    from hybrid.schedule import LRSchedule
+    from hybrid.training import TrainState, run_eval, train
+
+    o, lg = cfg.optim, cfg.logging
+    init_distributed(timeout_s=60 * cfg.parallel.distributed_timeout_minutes)
+    grid = ProcessGrid(tp=cfg.parallel.tensor_model_parallel_size)
+    seed_everything(cfg.data.seed, grid.device)
+    tracker = RNGTracker(cfg.data.seed, grid.tp_rank, grid.device)
+    if grid.rank == 0:
+        print(f"hybrid-zero pretraining | {derived.summary()}", flush=True)
+        print(config_json(cfg), flush=True)
+    engine = build_engine(cfg, derived, grid, tracker)
+    if grid.rank == 0:
+        print(engine.summary(), flush=True)
     state = TrainState()
-    ck = cfg.checkpoint
-    if ck.load:
+    if cfg.checkpoint.load:
         _resume(cfg, engine, grid, tracker, state)
     train_ds, valid_ds, test_ds = build_datasets(cfg, derived)
     eval_sets = {"valid": valid_ds, "test": test_ds}
@@ -105,49 +162,20 @@ def run(cfg: PretrainConfig, derived: Derived) -> dict:
         ds = eval_sets[split]
         return None if ds is None else _batches(ds, 0, cfg, grid)
 
-    settings = LoopSettings(
-        train_iters=o.train_iters, grad_accum_steps=derived.grad_accum_steps,
-        global_batch_size=derived.global_batch_size, tokens_per_step=derived.tokens_per_step,
-        log_interval=cfg.logging.log_interval, eval_interval=cfg.eval.eval_interval,
-        eval_iters=cfg.eval.eval_iters, max_nan_iterations=o.max_nan_iterations,
-        flops_per_step=flops_per_iteration(derived.gpt, derived.global_batch_size, cfg.model.seq_length),
-        peak_tflops=device_peak_tflops() if grid.device.type == "cuda" else None,
-    )
+    settings = loop_settings(cfg, derived, grid)
     schedule = LRSchedule(o.lr, o.min_lr, derived.warmup_iters, derived.decay_iters, o.lr_decay_style)
-    lg = cfg.logging
     progress = None
     if grid.rank == 0 and sys.stderr.isatty():
         from tqdm import tqdm
 
-        progress = tqdm(total=o.train_iters, desc="train", unit="it", dynamic_ncols=True)
+        progress = tqdm(total=o.train_iters, initial=state.iteration, desc="train", unit="it", dynamic_ncols=True)
     writer = MetricsWriter(grid.rank, lg.metrics_file, cfg.to_dict(), lg.wandb_project, lg.wandb_exp_name,
                            lg.wandb_save_dir, print_fn=progress.write if progress else print)
-    stop = StopSignal(ck.exit_duration_in_mins) if ck.save else None
-    saved_at = [None]
-
-    def save():
-        if saved_at[0] != state.iteration:
-            save_checkpoint(ck.save, state.iteration, engine, grid, state.counters(), _metadata(cfg, derived),
-                            tracker, ck.save_keep_last)
-            saved_at[0] = state.iteration
-            if grid.rank == 0:
-                writer.print(f" saved checkpoint at iteration {state.iteration} to {ck.save}")
-
-    def on_iteration(state) -> bool:
-        if ck.save and ck.save_interval and state.iteration % ck.save_interval == 0:
-            save()
-        if stop is not None and stop.should_stop(grid.device):
-            save()
-            if grid.rank == 0:
-                writer.print(f" exiting at iteration {state.iteration}: {stop.reason()}")
-            return True
-        return False
-
+    checkpointer = Checkpointer(cfg, derived, engine, grid, tracker, writer)
     try:
         train(engine, grid, state, settings, schedule, _batches(train_ds, state.consumed_samples, cfg, grid),
-              eval_batches, writer, progress, on_iteration)
-        if ck.save:
-            save()
+              eval_batches, writer, progress, checkpointer.after_iteration)
+        checkpointer.save(state)
         if settings.eval_iters and state.iteration >= o.train_iters:
             run_eval(engine, grid, state, settings, eval_batches, writer, "valid")
             run_eval(engine, grid, state, settings, eval_batches, writer, "test")
@@ -155,8 +183,7 @@ def run(cfg: PretrainConfig, derived: Derived) -> dict:
         if progress is not None:
             progress.close()
         writer.close()
-        if stop is not None:
-            stop.restore()
+        checkpointer.close()
     return {"history": state.history, "engine": engine}
 
 
