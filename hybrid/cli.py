@@ -45,7 +45,6 @@ def build_parser() -> argparse.ArgumentParser:
         prog="hybrid-pretrain",
         description="GPT pretraining with tensor parallelism x ZeRO data parallelism.",
         argument_default=argparse.SUPPRESS,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--config", help="YAML or TOML file with the same fields as the flags")
     cfg = PretrainConfig()
@@ -54,7 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
         flag = "--" + f.name.replace("_", "-")
         kind = _base_type(_annotation(f))
         meta = dict(f.metadata)
-        help_ = f"{meta.pop('help')} (default: {_default(f)!r})"
+        help_ = meta.pop("help")
+        if "default" not in help_:
+            help_ += f" (default: {_default(f)!r})"
         if kind is bool:
             groups[section].add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, help=help_)
         else:

@@ -222,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = parse_config(argv)
         derived = validate(cfg)
     except ConfigError as e:
-        print(f"hybrid-pretrain: error: {e}", file=sys.stderr)
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # once per node, not once per rank
+            print(f"hybrid-pretrain: error: {e}", file=sys.stderr)
         return 2
     import torch.distributed as dist
 

@@ -180,10 +180,12 @@ def train(engine, grid, state: TrainState, settings: LoopSettings, lr_at: Callab
             writer.train(record, s.train_iters)
             state.history.append(record)
             window_t0, window_steps, window_losses = time.perf_counter(), 0, []
+        paused = time.perf_counter()  # evaluation and checkpoints are not training time
         if s.eval_iters and state.iteration % s.eval_interval == 0 and state.iteration < s.train_iters:
             run_eval(engine, grid, state, settings, eval_batches, writer, "valid")
-            window_t0 = time.perf_counter()
-        if on_iteration is not None and on_iteration(state):
+        stop = on_iteration is not None and on_iteration(state)
+        window_t0 += time.perf_counter() - paused
+        if stop:
             break
     return state
 

@@ -14,7 +14,8 @@ if [ ! -x "$V/bin/python" ]; then
 fi
 "$V/bin/python" -m pip install -q --upgrade pip
 if ! "$V/bin/python" -c 'import torch' 2>/dev/null; then
-  "$V/bin/python" -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
+  # shellcheck disable=SC2086  # TORCH_SPEC may carry pip options such as --index-url
+  "$V/bin/python" -m pip install -q ${TORCH_SPEC:-torch==2.13.0} numpy
 fi
 C=$(mktemp)
 "$V/bin/python" -c 'import torch; print("torch==" + torch.__version__.split("+")[0])' > "$C"

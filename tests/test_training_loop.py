@@ -1,0 +1,85 @@
+"""The training loop's bookkeeping, with a fake engine and a fake clock (no processes)."""
+
+from types import SimpleNamespace
+
+import torch
+
+import hybrid.training as training
+from hybrid.metrics import MetricsWriter
+from hybrid.schedule import LRSchedule
+from hybrid.training import LoopSettings, TrainState, train
+
+
+class FakeEngine:
+    """Each micro-batch costs 1 s of the fake clock; evaluation costs 100 s."""
+
+    def __init__(self, clock, losses):
+        self.clock, self.losses, self.loss_scale, self.evaluating = clock, iter(losses), 1.0, False
+        self.steps, self.zeroed = 0, 0
+
+    def model(self, x, y):
+        self.clock[0] += 100.0 if self.evaluating else 1.0
+        return torch.full(y.shape, 3.0 if self.evaluating else next(self.losses))
+
+    def backward(self, loss, is_last_micro_batch):
+        pass
+
+    def step(self, lr):
+        self.steps += 1
+        return SimpleNamespace(skipped=False, grad_norm=1.0, loss_scale=1.0)
+
+    def zero_grad(self):
+        self.zeroed += 1
+
+    def train(self):
+        self.evaluating = False
+
+    def eval(self):
+        self.evaluating = True
+
+
+def run(losses, **kw):
+    clock = [0.0]
+    training.time = SimpleNamespace(perf_counter=lambda: clock[0])
+    engine = FakeEngine(clock, losses)
+    grid = SimpleNamespace(device=torch.device("cpu"), dp_group=None, dp_size=1, world_size=1)
+    settings = LoopSettings(train_iters=kw.get("iters", 6), grad_accum_steps=1, global_batch_size=2,
+                            tokens_per_step=8, log_interval=kw.get("log", 3), eval_interval=kw.get("eval", 2),
+                            eval_iters=1, max_nan_iterations=kw.get("max_nan", 10), flops_per_step=1e12,
+                            peak_tflops=None)
+    batches = iter([torch.zeros(2, 5, dtype=torch.long)] * 100)
+    writer = MetricsWriter(0, None, {}, print_fn=lambda *_: None)
+    state = TrainState()
+    try:
+        train(engine, grid, state, settings, LRSchedule(1.0, 0.1, 0, 6), batches, lambda split: iter(
+            [torch.zeros(2, 5, dtype=torch.long)]), writer)
+    finally:
+        import time
+
+        training.time = time
+    return state, engine
+
+
+def test_evaluation_time_is_not_counted_as_iteration_time():
+    # regression: an evaluation inside a log window once halved the logged ms per iteration
+    state, _ = run([5.0] * 6, log=3, eval=2)
+    records = [r for r in state.history if "split" not in r]
+    assert [r["elapsed_ms"] for r in records] == [1000.0, 1000.0]
+    assert [r["tokens_per_sec"] for r in records] == [8.0, 8.0]
+
+
+def test_nan_loss_skips_the_step_and_does_not_advance_the_schedule():
+    nan = float("nan")
+    state, engine = run([5.0, nan, 4.0, 3.0, 2.0, 1.0], log=1, eval=100)
+    assert engine.zeroed == 1 and engine.steps == 5
+    assert (state.nan_iterations, state.skipped_iterations, state.successful_steps) == (1, 1, 5)
+    lrs = [r["lr"] for r in state.history]
+    assert lrs[1] == lrs[2]  # the skipped iteration did not move the LR schedule
+
+
+def test_too_many_nan_iterations_stop_with_a_clear_error():
+    import pytest
+
+    nan = float("nan")
+    with pytest.raises(training.TooManyNaNIterations, match="3 consecutive iterations had a NaN/inf loss"):
+        run([1.0, nan, nan, nan, 1.0, 1.0], max_nan=3, eval=100)
