@@ -19,6 +19,7 @@ from hybrid.config_checks import ConfigError, Derived, activation_config, valida
 def build_model(cfg: PretrainConfig, derived: Derived, grid, tracker):
     """The tensor-parallel GPT on ``grid.device``, initialised from the seed exactly as the
     single-process ``GPT.init_weights(seed)`` would be, whatever the tp."""
+    from hybrid.kernels import use_fused_kernels
     from hybrid.tp_plan import parallelize_gpt
     from models.gpt import GPT
 
@@ -26,7 +27,9 @@ def build_model(cfg: PretrainConfig, derived: Derived, grid, tracker):
         model = GPT(derived.gpt)
     parallelize_gpt(model, grid.tp_group, tracker=tracker, seed=cfg.data.seed,
                     make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
-    return model.to(grid.device)
+    model = model.to(grid.device)
+    use_fused_kernels(model, grid.device)
+    return model
 
 
 def build_datasets(cfg: PretrainConfig, derived: Derived):

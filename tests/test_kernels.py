@@ -1,0 +1,41 @@
+"""apex is optional: without it nothing changes; with it LayerNorms become fused, names kept."""
+
+import sys
+import types
+
+import torch
+import torch.nn as nn
+
+from hybrid.kernels import fused_layer_norm_class, use_fused_kernels
+from hybrid.tp_layers import TPSpec
+from models.gpt import GPT, GPTConfig
+
+CFG = GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=50, max_position_embeddings=8)
+
+
+def test_without_apex_or_cuda_nothing_changes(monkeypatch):
+    monkeypatch.setitem(sys.modules, "apex", None)
+    assert fused_layer_norm_class() is None
+    model = GPT(CFG)
+    assert use_fused_kernels(model, torch.device("cpu")) == 0
+    assert use_fused_kernels(model, torch.device("cuda")) == 0
+
+
+def test_with_apex_layernorms_are_swapped_and_names_kept(monkeypatch):
+    class FakeFused(nn.LayerNorm):  # stands in for apex.normalization.FusedLayerNorm
+        pass
+
+    apex = types.ModuleType("apex")
+    apex.normalization = types.SimpleNamespace(FusedLayerNorm=FakeFused)
+    monkeypatch.setitem(sys.modules, "apex", apex)
+    monkeypatch.setitem(sys.modules, "apex.normalization", apex.normalization)
+    model = GPT(CFG)
+    model.ln_f.weight.tp_spec = TPSpec(None, (16,), 0, 0, 1)
+    names = [n for n, _ in model.named_parameters()]
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    monkeypatch.setattr(nn.Module, "to", lambda self, *a, **k: self)  # no CUDA here
+    assert use_fused_kernels(model, torch.device("cuda")) == 3  # ln1, ln2, ln_f
+    assert isinstance(model.ln_f, FakeFused) and isinstance(model.layers[0].ln1, FakeFused)
+    assert [n for n, _ in model.named_parameters()] == names
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert model.ln_f.weight.tp_spec.replicated
