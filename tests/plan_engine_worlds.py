@@ -5,8 +5,9 @@ from __future__ import annotations
 from hybrid.grid import ProcessGrid
 from hybrid.plan_check import measure
 
-# A small GPT: 2 blocks, h = 64, f = 128; vocabulary 1000 (padded to 1024 by the TP plan).
-MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
+# A small GPT: 2 blocks, h = 64, f = 126 (units are no multiple of dp * 8, so the layout pads);
+# vocabulary 1000 (padded to 1024 by the TP plan).
+MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=126,
              vocab_size=1000, max_position_embeddings=32)
 
 
