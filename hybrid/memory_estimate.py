@@ -7,6 +7,23 @@ N_d x N_m; paper.md §5 item 3).
 
 Sources (see /work/shared/reference/paper.md):
 - Model states: ZeRO §3.1 (2 + 2 + K bytes/param, K = 12) and §5.1-5.3 (P_os, P_os+g, P_os+g+p).
+
+Two accountings of the model states (``get_precision(name, accounting)``), same sharding rules
+(stage >= 1 shards master + Adam, >= 2 also gradients, 3 also parameters):
+
+    =========  ===================  =================================  ==========================
+    accounting precision            params  grads  master  Adam (B/param, unsharded)   sum
+    =========  ===================  =================================  ==========================
+    paper      bf16 / fp16          2       2      4       8                            16
+    paper      fp32                 4       4      0       8                            16
+    engine     bf16 / fp16          2       4      4       8                            18
+    engine     fp32                 4       4      4       8                            20
+    =========  ===================  =================================  ==========================
+
+``paper`` is ZeRO §3.1 and reproduces the paper's tables. ``engine`` is what
+``hybrid.zero.ZeroEngine`` holds (its ``memory_bytes()``): gradients accumulate and are reduced
+in fp32 (4 B), and the fp32 master is a separate copy even in fp32 training. In both, gradients
+travel at ``grad_bytes`` and gathered parameters at ``param_bytes`` (``hybrid.traffic``).
 - Activations: Korthikanti et al. 2022 (2205.05198) §4.1 and Table 2; checkpoints and P_a:
   ZeRO §4.2, §6.1, §8; the 12hbsL rule of thumb: ZeRO §3.2 footnote.
 - Constant-size buffers C_B: ZeRO §6.2 (no size given; our defaults are in ``hybrid.plan``).
@@ -43,6 +60,8 @@ class Precision:
     """Adam momentum + variance (2 x fp32)."""
     activation_bytes: int
     """Bytes per stored activation element (dropout masks are always 1 byte)."""
+    accounting: str = "paper"
+    """'paper' (ZeRO §3.1) or 'engine' (what ``hybrid.zero.ZeroEngine`` allocates)."""
 
     @property
     def k(self) -> int:
@@ -66,15 +85,34 @@ PRECISIONS = MappingProxyType(
 )
 
 
-def get_precision(precision: str | Precision) -> Precision:
-    """Look up a precision by name ('bf16', 'fp16', 'fp32'); raises ValueError if unknown."""
+ENGINE_PRECISIONS = MappingProxyType(
+    {
+        # ZeroEngine: 16-bit params 2 + fp32 accumulated grads 4 + fp32 master 4 + Adam 8.
+        "bf16": Precision("bf16", 2, 4, 4, 8, 2, "engine"),
+        "fp16": Precision("fp16", 2, 4, 4, 8, 2, "engine"),
+        # fp32 params are a copy of the fp32 master (the optimizer updates the master only).
+        "fp32": Precision("fp32", 4, 4, 4, 8, 4, "engine"),
+    }
+)
+ACCOUNTINGS = ("paper", "engine")
+"""Model-state bookkeeping: ZeRO §3.1 (``PRECISIONS``) or our engine's (``ENGINE_PRECISIONS``)."""
+
+
+def get_precision(precision: str | Precision, accounting: str = "paper") -> Precision:
+    """Look up a precision by name ('bf16', 'fp16', 'fp32') in one of ``ACCOUNTINGS``.
+
+    A ``Precision`` passes through unchanged. Raises ValueError for an unknown name or accounting.
+    """
     if isinstance(precision, Precision):
         return precision
+    if accounting not in ACCOUNTINGS:
+        raise ValueError(f"accounting must be one of {ACCOUNTINGS}, got {accounting!r}")
+    table = PRECISIONS if accounting == "paper" else ENGINE_PRECISIONS
     try:
-        return PRECISIONS[precision]
+        return table[precision]
     except KeyError:
         raise ValueError(
-            f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}"
+            f"precision must be one of {sorted(table)}, got {precision!r}"
         ) from None
 
 
@@ -103,12 +141,36 @@ def params_per_tp_rank(model_or_params: object, tp: int) -> int:
     return parameters_per_tp_rank(model_or_params, tp)
 
 
+def persistent_parameters(model: object, tp: int, threshold: int) -> int:
+    """Elements of one TP rank's parameters that ZeRO stage 3 keeps whole (never partitioned).
+
+    ``ZeroConfig.param_persistence_threshold``: every local parameter tensor with fewer than
+    ``threshold`` elements (LayerNorms and biases at real sizes; everything in a toy model).
+    Local sizes per layer: qkv [3h/t, h] + [3h/t], proj [h, h/t] + [h], fc1 [f/t, h] + [f/t],
+    fc2 [h, f/t] + [h], two LayerNorms 4 x [h]; outside: wte [V/t, h], wpe [s, h], ln_f 2 x [h],
+    untied head [V/t, h]. ``model`` must have a TP-padded vocabulary (``flops.pad_vocab_size``).
+    """
+    m = ModelShape.of(model)
+    if threshold <= 0:
+        return 0
+    _check_positive(tp=tp)
+    h, f, v = m.hidden_size, m.ffn, m.vocab_size
+    layer = [3 * h * h // tp, 3 * h // tp, h * h // tp, h, f * h // tp, f // tp, h * f // tp, h]
+    layer += [h] * 4
+    outside = [v * h // tp, m.max_position_embeddings * h]
+    outside += [h, h] if m.final_layernorm else []
+    outside += [v * h // tp] if m.untie_embeddings_and_output_weights else []
+    small = m.num_layers * sum(n for n in layer if n < threshold)
+    return small + sum(n for n in outside if n < threshold)
+
+
 def model_state_bytes(
     model_or_params: object,
     tp: int = 1,
     dp: int = 1,
     stage: int = 0,
     precision: str | Precision = "bf16",
+    persistent_params: int = 0,
 ) -> dict[str, int]:
     """Per-rank bytes of parameters, gradients, master weights and optimizer states.
 
@@ -116,6 +178,10 @@ def model_state_bytes(
     rank holds Ψ_t = Ψ / tp; ZeRO then shards over ``dp`` ranks (ceil(Ψ_t / dp) elements each):
     stage 1 the optimizer states and master copy, stage 2 also gradients, stage 3 also parameters
     (ZeRO §5.1-5.3: 4Ψ + KΨ/N_d, 2Ψ + (2+K)Ψ/N_d, (4+K)Ψ/N_d with mixed precision, K = 12).
+    ``precision`` is a name (paper accounting) or a ``Precision`` from ``get_precision`` (pass
+    ``get_precision(name, "engine")`` to predict ``ZeroEngine.memory_bytes()``).
+    ``persistent_params``: stage-3 elements kept whole (``persistent_parameters``); the engine
+    also keeps their shard, so they cost Ψ_p/N_d + Ψ_p parameter elements.
     Returns {'params', 'grads', 'master', 'optimizer', 'total'} in bytes.
     """
     _check_stage(stage)
@@ -123,8 +189,9 @@ def model_state_bytes(
     p = get_precision(precision)
     full = params_per_tp_rank(model_or_params, tp)
     shard = math.ceil(full / dp)
+    whole = persistent_params if stage >= 3 else 0
     out = {
-        "params": (shard if stage >= 3 else full) * p.param_bytes,
+        "params": ((shard + whole) if stage >= 3 else full) * p.param_bytes,
         "grads": (shard if stage >= 2 else full) * p.grad_bytes,
         "master": (shard if stage >= 1 else full) * p.master_bytes,
         "optimizer": (shard if stage >= 1 else full) * p.optimizer_bytes,

@@ -19,6 +19,11 @@ Cost model (deliberately simple; every term is printed so it can be argued with)
 Bandwidths are achieved per-GPU bus bandwidths in GB/s (1e9 B/s). Defaults describe a DGX A100:
 NVLink ~200 GB/s achievable all-reduce bus bandwidth, one 200 Gb/s HDR NIC per GPU = 25 GB/s,
 PCIe 4 x16 ~20 GB/s, 45% of peak on the GEMMs (2104.04473 Table 1 reaches 44-52%).
+Model states follow ``Training.accounting``: 'paper' (ZeRO §3.1, 16 B/param mixed precision,
+the default, which reproduces the paper's tables) or 'engine' (``hybrid.zero.ZeroEngine``'s own
+allocations: fp32 gradient accumulation, separate fp32 master; 18 B/param in bf16, 20 in fp32),
+see ``hybrid.memory_estimate``. Data-parallel traffic follows the engine's schedule
+(``hybrid.traffic.dp_traffic_by_kind``), in both accountings.
 The fastest fitting candidate wins; ties go to the lower ZeRO stage, then the smaller footprint.
 "Fits" means model states + activations + buffers + ``reserved_bytes`` (default 1 GB for the CUDA
 context and fragmentation; pass 0 to reproduce the ZeRO tables) <= GPU memory.
@@ -37,6 +42,7 @@ from dataclasses import dataclass, field
 
 from hybrid.flops import flops_per_iteration, layer_parameter_split, pad_vocab_size
 from hybrid.memory_estimate import (
+    ACCOUNTINGS,
     ACTIVATION_OPTIONS,
     ZERO_STAGES,
     activation_bytes,
@@ -44,12 +50,14 @@ from hybrid.memory_estimate import (
     get_precision,
     model_state_bytes,
     params_per_tp_rank,
+    persistent_parameters,
     state_bytes_per_param,
 )
 from hybrid.model_shape import ModelShape
 from hybrid.traffic import dp_traffic_bytes, tp_traffic_elements
 
 __all__ = [
+    "ACCOUNTINGS",
     "Cluster",
     "Training",
     "Candidate",
@@ -116,6 +124,13 @@ class Training:
     """Sequences per optimizer step; None = micro_batch_size * num_gpus."""
     precision: str = "bf16"
     """'bf16' / 'fp16' (mixed, 16 B/param) or 'fp32' (4 param + 4 grad + 8 Adam)."""
+    accounting: str = "paper"
+    """'paper': ZeRO §3.1 bytes per parameter (2 + 2 + 12; the paper's tables); 'engine': what
+    ``hybrid.zero.ZeroEngine`` holds and sends (fp32 gradients, separate fp32 master: 18 B/param
+    in 16-bit, 20 in fp32). See ``hybrid.memory_estimate``."""
+    param_persistence_threshold: int = 0
+    """Stage 3 keeps local parameters with fewer elements than this whole (ZeroConfig's field of
+    the same name, default 100,000 there); 0 partitions everything, as the paper counts."""
     reduce_bucket_elements: int = DEFAULT_BUCKET_ELEMENTS
     """Gradient reduce bucket, elements."""
     allgather_bucket_elements: int = DEFAULT_BUCKET_ELEMENTS
@@ -124,7 +139,11 @@ class Training:
     """Vocabulary padded to a multiple of this * tp (Megatron §5.1)."""
 
     def __post_init__(self) -> None:
-        get_precision(self.precision)
+        get_precision(self.precision, self.accounting)
+        if self.param_persistence_threshold < 0:
+            raise ValueError(
+                f"param_persistence_threshold must be >= 0, got {self.param_persistence_threshold}"
+            )
         for name in (
             "seq_length",
             "micro_batch_size",
@@ -169,6 +188,10 @@ class Candidate:
     """{'compute_s', 'tp_s', 'dp_s', 'cpu_s', 'step_s'}."""
     tokens_per_s: float = 0.0
     mfu: float = 0.0
+    dp_bytes_by_kind: dict = field(default_factory=dict)
+    """``dp_bytes`` split into {'all_reduce', 'reduce_scatter', 'all_gather'} (``zero_comm`` names)."""
+    persistent_params: int = 0
+    """Stage 3: elements of the TP shard kept whole (``Training.param_persistence_threshold``)."""
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -223,10 +246,13 @@ def evaluate(
             f"global_batch_size={gbs} is not a multiple of micro_batch_size * dp = {b} * {dp}"
         )
     micro_batches = gbs // (b * dp)
-    prec = get_precision(training.precision)
+    prec = get_precision(training.precision, training.accounting)
 
     psi_t = params_per_tp_rank(m, tp)
-    states = model_state_bytes(m, tp, dp, stage, prec)
+    persistent = (
+        persistent_parameters(m, tp, training.param_persistence_threshold) if stage == 3 else 0
+    )
+    states = model_state_bytes(m, tp, dp, stage, prec, persistent)
     acts = activation_bytes(m, s, b, tp, activation, prec)
     layer_sharded, layer_replicated = layer_parameter_split(m)
     largest = max(layer_sharded // tp + layer_replicated, m.vocab_size * m.hidden_size // tp)
@@ -241,7 +267,10 @@ def evaluate(
     total = states["total"] + acts["gpu"] + buffers + int(cluster.reserved_bytes)
 
     recompute = activation != "none"
-    dp_bytes = dp_traffic_bytes(m, dp, stage, tp, prec, micro_batches)
+    dp_kinds = dp_traffic_bytes(
+        m, dp, stage, tp, prec, micro_batches, persistent_params=persistent, by_kind=True
+    )
+    dp_bytes = sum(dp_kinds.values())
     tp_elems = tp_traffic_elements(
         b,
         s,
@@ -288,6 +317,8 @@ def evaluate(
         times=times,
         tokens_per_s=gbs * s / times["step_s"],
         mfu=model_flops / (times["step_s"] * peak),
+        dp_bytes_by_kind=dp_kinds,
+        persistent_params=persistent,
     )
 
 
@@ -332,7 +363,14 @@ def best(candidates: list[Candidate]) -> Candidate | None:
     return min(fitting, key=lambda c: (round(c.times["step_s"], 9), c.stage, c.total_bytes))
 
 
-def max_params(memory_bytes: float, tp: int, dp: int, stage: int, precision: str = "bf16") -> int:
+def max_params(
+    memory_bytes: float,
+    tp: int,
+    dp: int,
+    stage: int,
+    precision: str = "bf16",
+    accounting: str = "paper",
+) -> int:
     """Largest parameter count whose model states fit ``memory_bytes`` per GPU (elements).
 
     ZeRO Table 2 inversion: Ψ_max = memory * tp / bytes-per-param(stage, dp), activations and
@@ -340,7 +378,8 @@ def max_params(memory_bytes: float, tp: int, dp: int, stage: int, precision: str
     """
     if memory_bytes <= 0 or tp <= 0:
         raise ValueError(f"memory_bytes and tp must be positive, got {memory_bytes}, {tp}")
-    return math.floor(memory_bytes * tp / state_bytes_per_param(stage, dp, precision))
+    prec = get_precision(precision, accounting)
+    return math.floor(memory_bytes * tp / state_bytes_per_param(stage, dp, prec))
 
 
 def max_layers(

@@ -13,7 +13,7 @@ import json
 import sys
 
 from hybrid.flops import device_peak_tflops, num_parameters
-from hybrid.memory_estimate import ACTIVATION_OPTIONS, PRECISIONS, ZERO_STAGES
+from hybrid.memory_estimate import ACCOUNTINGS, ACTIVATION_OPTIONS, PRECISIONS, ZERO_STAGES
 from hybrid.model_shape import ModelShape
 from hybrid.plan import (
     DEFAULT_BUCKET_ELEMENTS,
@@ -51,6 +51,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--micro-batch-size", type=int, default=1)
     g.add_argument("--global-batch-size", type=int, help="default micro-batch * num-gpus")
     g.add_argument("--precision", choices=sorted(PRECISIONS), default="bf16")
+    g.add_argument(
+        "--accounting",
+        choices=ACCOUNTINGS,
+        default="paper",
+        help="model-state bytes per param: ZeRO paper (16 mixed) or our engine (18 bf16, 20 fp32)",
+    )
+    g.add_argument(
+        "--param-persistence-threshold",
+        type=int,
+        default=0,
+        help="stage 3 keeps local params with fewer elements whole (the engine's default: 100000)",
+    )
     g.add_argument(
         "--reduce-bucket-size", type=int, default=DEFAULT_BUCKET_ELEMENTS, help="elements"
     )
@@ -154,6 +166,8 @@ def _training(args: argparse.Namespace) -> Training:
         micro_batch_size=args.micro_batch_size,
         global_batch_size=args.global_batch_size,
         precision=args.precision,
+        accounting=args.accounting,
+        param_persistence_threshold=args.param_persistence_threshold,
         reduce_bucket_elements=args.reduce_bucket_size,
         allgather_bucket_elements=args.allgather_bucket_size,
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
@@ -171,7 +185,7 @@ def _plan_text(model, cluster, training, cands, skipped, chosen, fitting_only) -
         f"cluster: {cluster.num_gpus} GPUs ({cluster.gpus_per_node}/node) x "
         f"{cluster.gpu_memory_bytes / GB:g} GB, peak {cluster.peak_tflops:g} TFLOP/s x "
         f"{cluster.efficiency:g}; s={training.seq_length}, b={training.micro_batch_size}, "
-        f"{training.precision}",
+        f"{training.precision} ({training.accounting} accounting)",
         "per-rank GB (1e9 B); dp/tp = GB sent per step; times in s",
         f"{'tp':>3} {'dp':>4} {'z':>1} {'activation':<11} {'m':>3} {'params':>8} {'grads':>8} "
         f"{'master':>8} {'optim':>8} {'activ':>8} {'buffers':>8} {'total':>8} fit "
@@ -219,7 +233,9 @@ def _max_model(args, model, cluster, training) -> list[dict]:
                 "tp": tp,
                 "dp": dp,
                 "stage": stage,
-                "max_params_model_states": max_params(budget, tp, dp, stage, training.precision),
+                "max_params_model_states": max_params(
+                    budget, tp, dp, stage, training.precision, training.accounting
+                ),
             }
             if model is not None:
                 layers = {

@@ -6,7 +6,8 @@ reduce-scatter and 2M (n-1)/n for all-reduce. ZeRO §7 drops the (n-1)/n factor;
 ``ring_factor=False`` reproduces the paper's numbers.
 
 Sources (see /work/shared/reference/paper.md):
-- Data parallel: ZeRO (1910.02054) §7.1-7.2: 2Ψ for DDP, ZeRO-1 and ZeRO-2, 3Ψ for ZeRO-3.
+- Data parallel: ZeRO (1910.02054) §7.1-7.2: 2Ψ for DDP, ZeRO-1 and ZeRO-2, 3Ψ for ZeRO-3;
+  with gradient accumulation, the schedule of ``hybrid.zero.ZeroEngine`` (``dp_traffic_by_kind``).
 - Tensor parallel: Megatron-LM (1909.08053) §3 / Fig. 4 (4 all-reduces per layer), Narayanan et al.
   (2104.04473) §3.2 (8bsh(t-1)/t per layer per micro-batch), ZeRO §8 (6 all-reduces with
   recompute, plus one P_a all-gather of the block input).
@@ -23,6 +24,53 @@ def _ring(n: int, ring_factor: bool) -> float:
     return (n - 1) / n if ring_factor else 1.0
 
 
+def dp_traffic_by_kind(
+    model_or_params: object,
+    dp: int,
+    stage: int,
+    tp: int = 1,
+    micro_batches_per_step: int = 1,
+    ring_factor: bool = True,
+    persistent_params: int = 0,
+) -> dict[str, float]:
+    """Elements one rank sends over its data-parallel group per optimizer step, per collective.
+
+    Returns {'all_reduce', 'reduce_scatter', 'all_gather'} (the ``hybrid.zero_comm`` ledger
+    names). Ψ_t = the rank's TP shard (``memory_estimate.params_per_tp_rank``), m micro-batches:
+
+    - stage 0: all-reduce of the gradients once per step (the last micro-batch): 2Ψ_t;
+    - stage 1: reduce-scatter once per step (the last micro-batch) + all-gather of the updated
+      parameters: Ψ_t + Ψ_t;
+    - stage 2: the gradient is partitioned, so every micro-batch reduce-scatters: mΨ_t + Ψ_t;
+    - stage 3: every micro-batch reduce-scatters and gathers the parameters in forward and again
+      in backward: mΨ_t + 2mΨ_t (ZeRO §7.2.2: 3Ψ at m = 1). ``persistent_params`` Ψ_p
+      (``memory_estimate.persistent_parameters``) are never released, so they are gathered once
+      after the step instead: mΨ_t + 2m(Ψ_t - Ψ_p) + Ψ_p.
+
+    This is what ``hybrid.zero.ZeroEngine`` issues (its ledger equals it up to the layout's
+    padding). Times (dp-1)/dp when ``ring_factor`` (an all-reduce counts 2 (dp-1)/dp); all 0 when
+    dp == 1.
+    """
+    if stage not in ZERO_STAGES:
+        raise ValueError(f"ZeRO stage must be one of {ZERO_STAGES}, got {stage!r}")
+    if micro_batches_per_step <= 0:
+        raise ValueError(f"micro_batches_per_step must be positive, got {micro_batches_per_step}")
+    psi = params_per_tp_rank(model_or_params, tp)
+    if not 0 <= persistent_params <= psi:
+        raise ValueError(f"persistent_params must be in [0, {psi}], got {persistent_params}")
+    m, ring = micro_batches_per_step, _ring(dp, ring_factor)
+    out = {"all_reduce": 0.0, "reduce_scatter": 0.0, "all_gather": 0.0}
+    if stage == 0:
+        out["all_reduce"] = 2 * psi
+    elif stage < 3:
+        out["reduce_scatter"] = (1 if stage == 1 else m) * psi
+        out["all_gather"] = psi
+    else:
+        out["reduce_scatter"] = m * psi
+        out["all_gather"] = 2 * m * (psi - persistent_params) + persistent_params
+    return {k: v * ring for k, v in out.items()}
+
+
 def dp_traffic_elements(
     model_or_params: object,
     dp: int,
@@ -30,25 +78,15 @@ def dp_traffic_elements(
     tp: int = 1,
     micro_batches_per_step: int = 1,
     ring_factor: bool = True,
+    persistent_params: int = 0,
 ) -> float:
-    """Elements one rank sends over its data-parallel group per optimizer step.
-
-    Ψ_t = the rank's TP shard (``memory_estimate.params_per_tp_rank``). With one micro-batch per
-    step (ZeRO §7): stages 0-2 move 2Ψ_t (all-reduce, or reduce-scatter + all-gather of the updated
-    parameters), stage 3 3Ψ_t (parameter all-gather in forward and again in backward + gradient
-    reduce-scatter). With m micro-batches of gradient accumulation, stages 0-1 still reduce once;
-    stage 2 must reduce-scatter every micro-batch (its gradient is partitioned), so (m + 1)Ψ_t;
-    stage 3 repeats all three every micro-batch, so 3mΨ_t. Times (dp-1)/dp when ``ring_factor``;
-    0 when dp == 1.
-    """
-    if stage not in ZERO_STAGES:
-        raise ValueError(f"ZeRO stage must be one of {ZERO_STAGES}, got {stage!r}")
-    if micro_batches_per_step <= 0:
-        raise ValueError(f"micro_batches_per_step must be positive, got {micro_batches_per_step}")
-    psi = params_per_tp_rank(model_or_params, tp)
-    m = micro_batches_per_step
-    passes = {0: 2, 1: 2, 2: m + 1, 3: 3 * m}[stage]
-    return passes * psi * _ring(dp, ring_factor)
+    """Total of ``dp_traffic_by_kind``: 2Ψ_t for stages 0-1, (m + 1)Ψ_t for stage 2 and 3mΨ_t
+    for stage 3 (no persistent parameters), ZeRO §7 at m = 1."""
+    return sum(
+        dp_traffic_by_kind(
+            model_or_params, dp, stage, tp, micro_batches_per_step, ring_factor, persistent_params
+        ).values()
+    )
 
 
 def dp_traffic_bytes(
@@ -59,12 +97,23 @@ def dp_traffic_bytes(
     precision: str | Precision = "bf16",
     micro_batches_per_step: int = 1,
     ring_factor: bool = True,
-) -> float:
-    """``dp_traffic_elements`` in bytes, at the gradient dtype's size (2 mixed, 4 fp32)."""
-    elements = dp_traffic_elements(
-        model_or_params, dp, stage, tp, micro_batches_per_step, ring_factor
+    persistent_params: int = 0,
+    by_kind: bool = False,
+) -> float | dict[str, float]:
+    """``dp_traffic_by_kind`` in bytes: gradients (all-reduce, reduce-scatter) at the precision's
+    ``grad_bytes``, parameter all-gathers at its ``param_bytes``. Paper accounting: 2 and 2 with
+    mixed precision, 4 and 4 in fp32; engine accounting (``get_precision(p, "engine")``): fp32
+    gradients (4) and parameters in the compute dtype. The total, or a dict when ``by_kind``."""
+    p = get_precision(precision)
+    elems = dp_traffic_by_kind(
+        model_or_params, dp, stage, tp, micro_batches_per_step, ring_factor, persistent_params
     )
-    return elements * get_precision(precision).grad_bytes
+    out = {
+        "all_reduce": elems["all_reduce"] * p.grad_bytes,
+        "reduce_scatter": elems["reduce_scatter"] * p.grad_bytes,
+        "all_gather": elems["all_gather"] * p.param_bytes,
+    }
+    return out if by_kind else sum(out.values())
 
 
 def tp_collectives_per_layer(

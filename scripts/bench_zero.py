@@ -11,6 +11,9 @@ params + grads + master + optimizer states.
     python scripts/bench_zero.py                       # tiny GPT, world 4
     python scripts/bench_zero.py --size medium --world 2 --peers "ddp fsdp2 deepspeed_z3"
 
+Writes ``throughput_<size>_w<world>.md`` (the table, with ratios) and ``..._ratios.png`` under
+``--out`` (default runs/bench).
+
 Env: PEERS_DIR (default ../shared/peers next to this repository), PEERS_VENV (default
 ${TMPDIR:-/tmp}/hybrid-peers-venv, built by the peers' setup.sh; needed for DeepSpeed).
 Differences from the peers: our GPT fuses q/k/v into one Linear (same parameter count) and,
@@ -103,6 +106,7 @@ def main() -> None:
     ap.add_argument("--peers", default="ddp fsdp2 fsdp2_noreshard tp2d deepspeed_z1 deepspeed_z2 deepspeed_z3")
     ap.add_argument("--venv", default=os.environ.get("PEERS_VENV", f"{os.environ.get('TMPDIR', '/tmp')}/hybrid-peers-venv"))
     ap.add_argument("--logdir", default=f"{os.environ.get('TMPDIR', '/tmp')}/hybrid-bench-zero")
+    ap.add_argument("--out", default=str(REPO / "runs" / "bench"), help="markdown + PNG report dir")
     ap.add_argument("--worker", nargs=2, type=int, metavar=("STAGE", "TP"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -142,6 +146,71 @@ def main() -> None:
         for r in results.values():
             f.write(json.dumps(r) + "\n")
     print_table(results)
+    write_report(results, Path(args.out), args, steps, warmup)
+
+
+def _peer_of_stage(name: str) -> str:
+    return f"deepspeed_z{name[8]}"
+
+
+def ratios(results: dict) -> dict:
+    """{our config: {peer: our ms/step / peer ms/step}} for DDP, FSDP2 and DeepSpeed of the
+    same stage (below 1: we are faster)."""
+    out = {}
+    for name, r in results.items():
+        if not name.startswith("hybrid_z"):
+            continue
+        out[name] = {}
+        for peer in ("ddp", "fsdp2", "fsdp2_noreshard", "tp2d", _peer_of_stage(name)):
+            p = results.get(peer)
+            if p is not None:
+                key = "deepspeed (same stage)" if peer.startswith("deepspeed") else peer
+                out[name][key] = r["ms_step_median"] / p["ms_step_median"]
+    return out
+
+
+def write_report(results: dict, out: Path, args, steps: int, warmup: int) -> None:
+    """Markdown table (every run, then our ms/step over each peer's) and a PNG of the ratios."""
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"throughput_{args.size}_w{args.world}"
+    lines = ["| config | dp | ms/step | tokens/s | peak RSS MiB | state MiB | loss end |",
+             "|---|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        lines.append(f"| {name} | {r['dp']} | {r['ms_step_median']:.1f} | {r['tokens_per_s']:.0f} | "
+                     f"{max(r['peak_rss_mib_per_rank']):.0f} | {max(r['state_mib_per_rank'] or [0]):.1f} | "
+                     f"{r['loss_final']:.4f} |")
+    rat = ratios(results)
+    peers = sorted({p for v in rat.values() for p in v})
+    lines += ["", "Our ms/step divided by the peer's (below 1: we are faster):", "",
+              "| ours | " + " | ".join(peers) + " |", "|---|" + "---|" * len(peers)]
+    for name, v in rat.items():
+        lines.append(f"| {name} | " + " | ".join(f"{v[p]:.2f}" if p in v else "-" for p in peers) + " |")
+    head = (f"# Throughput vs peers ({args.size}, world {args.world}, {steps} steps, {warmup} warm-up)"
+            f"\n\n`python scripts/bench_zero.py {' '.join(sys.argv[1:])}`\n\nfp32, gloo, "
+            "OMP_NUM_THREADS=1, one launch each in sequence; run-to-run noise on this VM is "
+            "about 15-25% (shared/peers/RESULTS.md).\n\n")
+    stem.with_suffix(".md").write_text(head + "\n".join(lines) + f"\n\n![ratios]({stem.name}_ratios.png)\n")
+    if rat:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(9, 4.5))
+        width = 0.8 / max(1, len(peers))
+        for j, p in enumerate(peers):
+            xs = [i + (j - (len(peers) - 1) / 2) * width for i in range(len(rat))]
+            ax.bar(xs, [v.get(p, 0) for v in rat.values()], width, label=p)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks(range(len(rat)))
+        ax.set_xticklabels(list(rat))
+        ax.set_ylabel("our ms/step / peer ms/step")
+        ax.set_title(f"throughput ratios, {args.size}, world {args.world} (below 1: faster)")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(f"{stem}_ratios.png", dpi=110)
+        plt.close(fig)
+    print(f"wrote {stem}.md")
 
 
 def print_table(results: dict) -> None:

@@ -1,0 +1,137 @@
+"""The planner's prediction next to what :class:`hybrid.zero.ZeroEngine` measures, for one run.
+
+``predict`` asks :func:`hybrid.plan.evaluate` (``accounting="engine"``) for one rank's model-state
+bytes and data-parallel bytes per optimizer step; ``measure`` builds the same GPT on a process
+grid, runs one optimizer step of ``micro_batches`` micro-batches and reads
+``engine.memory_bytes()`` and the step's ledger (``StepInfo.comm_bytes``); ``compare`` gives the
+relative errors. Used by ``tests/test_plan_vs_engine.py`` and ``scripts/bench_accounting.py``.
+
+The ledger's ``norm_all_reduce`` (16 bytes over the world for the grad norm and overflow flag)
+is not data-parallel traffic of the model states and is left out of ``dp_total``. The only
+expected differences are the layout's padding (each unit rounded up to ``dp * 8`` elements).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from hybrid.plan import Cluster, Training, evaluate
+
+STATE_KEYS = ("params", "grads", "master", "optimizer")
+DP_KINDS = ("all_reduce", "reduce_scatter", "all_gather")
+
+
+@dataclass(frozen=True)
+class CheckRun:
+    """One configuration: model, layout and the step it runs."""
+
+    model: dict
+    """``models.gpt.GPTConfig`` keyword arguments (unpadded vocabulary; dropout should be 0)."""
+    tp: int
+    dp: int
+    stage: int
+    precision: str = "bf16"
+    """ZeroConfig.precision: 'bf16', 'fp16' or 'fp32'."""
+    micro_batches: int = 1
+    """Gradient-accumulation steps in the one optimizer step."""
+    seq_length: int = 16
+    micro_batch_size: int = 1
+    param_persistence_threshold: int = 0
+    """ZeroConfig's stage-3 threshold (elements); the planner gets the same number."""
+    bucket_elements: int = 20_000
+    """ZeroConfig reduce / all-gather bucket sizes (elements); traffic does not depend on them."""
+
+    @property
+    def name(self) -> str:
+        return (f"tp{self.tp}xdp{self.dp} z{self.stage} {self.precision} m={self.micro_batches}"
+                + (f" persist<{self.param_persistence_threshold}"
+                   if self.stage == 3 and self.param_persistence_threshold else ""))
+
+
+def predict(run: CheckRun) -> dict:
+    """Planner figures for ``run``: ``{'states': {key: bytes, 'total'}, 'dp': {kind: bytes},
+    'dp_total': bytes}`` per rank (per optimizer step for traffic)."""
+    from models.gpt import GPTConfig
+
+    n = run.tp * run.dp
+    cluster = Cluster(num_gpus=n, gpus_per_node=n, reserved_bytes=0)
+    training = Training(
+        seq_length=run.seq_length,
+        micro_batch_size=run.micro_batch_size,
+        global_batch_size=run.micro_batch_size * run.dp * run.micro_batches,
+        precision=run.precision,
+        accounting="engine",
+        param_persistence_threshold=run.param_persistence_threshold,
+    )
+    c = evaluate(GPTConfig(**run.model), cluster, training, run.tp, run.stage, "none")
+    states = {k: c.model_states[k] for k in STATE_KEYS}
+    states["total"] = sum(states.values())
+    return dict(states=states, dp=dict(c.dp_bytes_by_kind), dp_total=c.dp_bytes)
+
+
+def measure(grid, run: CheckRun, seed: int = 1234) -> dict:
+    """Build ``run``'s GPT + ZeroEngine on ``grid`` (tp, dp must match), run one optimizer step
+    on random tokens, return the same dict as ``predict`` from the engine's own accounting.
+    Collective over the grid (every rank calls)."""
+    from hybrid.tp_plan import parallelize_gpt
+    from hybrid.zero import OptimizerConfig, ZeroConfig, ZeroEngine
+    from models.gpt import GPT, GPTConfig
+
+    if (grid.tp_size, grid.dp_size) != (run.tp, run.dp):
+        raise ValueError(f"grid is tp{grid.tp_size} x dp{grid.dp_size}, run wants "
+                         f"tp{run.tp} x dp{run.dp}")
+    torch.manual_seed(seed)
+    cfg = GPTConfig(**{**run.model, "hidden_dropout": 0.0, "attention_dropout": 0.0})
+    model = GPT(cfg)
+    parallelize_gpt(model, grid.tp_group)
+    zc = ZeroConfig(stage=run.stage, precision=run.precision,
+                    param_persistence_threshold=run.param_persistence_threshold,
+                    reduce_bucket_size=run.bucket_elements,
+                    allgather_bucket_size=run.bucket_elements)
+    engine = ZeroEngine(model, grid, zc, OptimizerConfig(lr=1e-3))
+    g = torch.Generator().manual_seed(seed + grid.dp_rank)
+    for m in range(run.micro_batches):
+        tokens = torch.randint(0, cfg.vocab_size, (run.micro_batch_size, run.seq_length + 1),
+                               generator=g).to(grid.device)
+        loss = engine.model(tokens[:, :-1], tokens[:, 1:]).mean() / run.micro_batches
+        engine.backward(loss, is_last_micro_batch=m == run.micro_batches - 1)
+    info = engine.step(1e-3)
+    held = engine.memory_bytes()
+    states = {k: held[k] for k in STATE_KEYS}
+    states["total"] = sum(states.values())
+    dp = {k: info.comm_bytes.get(k, 0.0) for k in DP_KINDS}
+    return dict(states=states, dp=dp, dp_total=sum(dp.values()),
+                other_comm={k: v for k, v in info.comm_bytes.items() if k not in DP_KINDS},
+                padded_numel=engine.layout.total_numel, numel=engine.layout.numel)
+
+
+def _rel(pred: float, meas: float) -> float:
+    if meas == 0:
+        return 0.0 if pred == 0 else float("inf")
+    return (pred - meas) / meas
+
+
+def compare(pred: dict, meas: dict) -> dict:
+    """Relative errors (predicted - measured) / measured of every state key, the state total,
+    every DP kind and the DP total (0 when both are 0)."""
+    out = {f"states.{k}": _rel(pred["states"][k], meas["states"][k]) for k in pred["states"]}
+    out.update({f"dp.{k}": _rel(pred["dp"][k], meas["dp"][k]) for k in DP_KINDS})
+    out["dp_total"] = _rel(pred["dp_total"], meas["dp_total"])
+    return out
+
+
+def default_runs(model: dict, world: int = 4) -> list[CheckRun]:
+    """The grid of checks: stages 0-3 x (tp, dp) in {(1, world), (2, world/2)} x bf16/fp32 x
+    1 and 2 micro-batches, plus stage 3 with a persistence threshold that keeps the biases and
+    LayerNorms whole."""
+    out = []
+    for tp in (1, 2):
+        for stage in range(4):
+            for precision in ("bf16", "fp32"):
+                for micro in (1, 2):
+                    out.append(CheckRun(model, tp, world // tp, stage, precision, micro))
+        base = CheckRun(model, tp, world // tp, 3, "bf16", 2, param_persistence_threshold=1000)
+        out += [base, replace(base, precision="fp32", micro_batches=1)]
+    return out

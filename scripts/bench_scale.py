@@ -1,0 +1,306 @@
+"""Largest GPT that completes one training step with 4 ranks, per mode, under a memory cap.
+
+Not a test. Modes: DDP (our ZeRO stage 0: every rank holds all model states, like torch DDP with
+an fp32 master), ZeRO-1, ZeRO-2, ZeRO-3, and ZeRO-3 with tp=2 (dp=2) and full activation
+checkpointing. All in bf16 with fp32 master and gradients (the engine's mixed precision: 18 bytes
+per parameter unpartitioned). Width, heads, vocabulary and sequence are fixed; the layer count
+grows by doubling, then bisection to within ``--resolution``.
+
+The cap (``--budget-mib``, per process) is enforced with ``RLIMIT_AS`` so that an attempt that
+does not fit fails fast with an allocation error instead of pushing the shared machine into
+swap. Every attempt is a fresh ``hybrid.spawn.spawn_world`` of 4 ranks; in each rank:
+
+1. baseline = the process's virtual size after ``import torch`` + gloo init (reported);
+2. build under a looser *construction* cap (``--construct-mib``): the model is created on
+   ``meta`` and materialised shard by shard by ``parallelize_gpt(seed=...)``, then wrapped in
+   ``ZeroEngine`` (whose constructor briefly holds a full fp32 flat copy of the TP shard);
+3. cap = baseline + budget, then one optimizer step (forward, backward, AdamW) on random tokens.
+
+So the answer is "the largest model whose training state and one step fit ``budget`` above
+the process baseline"; the construction peak is reported next to it (the engine's constructor,
+not the step, is what limits ZeRO-3 when one cap covers both: see the report).
+
+    python scripts/bench_scale.py                       # h=256, seq 64, 512 MiB per rank
+    python scripts/bench_scale.py --modes "ddp zero3" --budget-mib 384 --out runs/bench
+
+Env: MALLOC_MMAP_THRESHOLD_ / MALLOC_ARENA_MAX are set for the workers (every tensor its own
+mapping, so freed memory leaves the address space at once). Writes ``scale.md``, ``scale.json``
+and ``scale.png`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+MIB = 2**20
+MODES = {
+    # name: (ZeRO stage, tp, activation checkpointing)
+    "ddp": (0, 1, False),
+    "zero1": (1, 1, False),
+    "zero2": (2, 1, False),
+    "zero3": (3, 1, False),
+    "zero3_tp2_ckpt": (3, 2, True),
+}
+LABELS = {"ddp": "DDP (stage 0)", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3",
+          "zero3_tp2_ckpt": "ZeRO-3 + tp=2 + ckpt"}
+
+
+def _status(key: str) -> int:
+    """A /proc/self/status field in bytes (VmSize, VmPeak, VmRSS, VmHWM)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def _cap(nbytes: int | None) -> None:
+    soft = resource.RLIM_INFINITY if nbytes is None else int(nbytes)
+    resource.setrlimit(resource.RLIMIT_AS, (soft, resource.getrlimit(resource.RLIMIT_AS)[1]))
+
+
+def attempt(rank: int, world: int, mode: str, model_kw: dict, seq: int, budget: int,
+            construct: int, bucket: int) -> dict:
+    """One training step of ``mode`` at ``model_kw`` (see the module docstring); raises
+    RuntimeError('OOM ...') when an allocation fails under the cap."""
+    import torch
+
+    from hybrid.activations import ActivationConfig, apply_activation_checkpointing
+    from hybrid.grid import ProcessGrid
+    from hybrid.tp_plan import parallelize_gpt
+    from hybrid.zero import OptimizerConfig, ZeroConfig, ZeroEngine
+    from models.gpt import GPT, GPTConfig
+
+    stage, tp, ckpt = MODES[mode]
+    grid = ProcessGrid(tp=tp)
+    gc.collect()
+    base = _status("VmSize")
+    phase = "construction"
+    try:
+        _cap(base + construct)
+        cfg = GPTConfig(**model_kw, hidden_dropout=0.0, attention_dropout=0.0)
+        with torch.device("meta"):
+            model = GPT(cfg)
+        parallelize_gpt(model, grid.tp_group, seed=1234)
+        if ckpt:
+            apply_activation_checkpointing(model, grid, ActivationConfig(checkpoint_activations=True))
+        engine = ZeroEngine(model, grid, ZeroConfig(stage=stage, precision="bf16",
+                                                    reduce_bucket_size=bucket,
+                                                    allgather_bucket_size=bucket),
+                            OptimizerConfig(lr=1e-4))
+        gc.collect()
+        held, construct_peak = _status("VmSize") - base, _status("VmPeak") - base
+        phase = "step"
+        _cap(base + budget)
+        if held > budget:
+            raise MemoryError(f"held {held / MIB:.0f} MiB after construction > budget")
+        g = torch.Generator().manual_seed(grid.dp_rank)
+        tokens = torch.randint(0, cfg.vocab_size, (1, seq + 1), generator=g)
+        loss = engine.model(tokens[:, :-1], tokens[:, 1:]).mean()
+        engine.backward(loss, is_last_micro_batch=True)
+        engine.step(1e-4)
+        step_peak = _status("VmPeak") - base
+        mem = engine.memory_bytes()
+    except (MemoryError, RuntimeError) as err:
+        _cap(None)
+        text = str(err)
+        if isinstance(err, MemoryError) or "allocate" in text:
+            raise RuntimeError(f"OOM in {phase}: {text[:200]}") from None
+        raise
+    _cap(None)
+    return dict(base=base, held=held, construct_peak=construct_peak, step_peak=step_peak,
+                rss_peak=_status("VmHWM"), states=sum(mem[k] for k in
+                                                      ("params", "grads", "master", "optimizer")),
+                buffers=mem["buffers"], gathered_peak=mem["gathered_peak"],
+                local_params=engine.layout.numel, loss=loss.item())
+
+
+def try_layers(mode: str, layers: int, args, log: list) -> dict | None:
+    """Spawn 4 ranks for one attempt; the result of rank 0, or None when it did not fit."""
+    from hybrid.flops import num_parameters, pad_vocab_size
+    from hybrid.model_shape import ModelShape
+    from hybrid.spawn import spawn_world
+
+    kw = dict(num_layers=layers, hidden_size=args.hidden_size,
+              num_attention_heads=args.num_attention_heads, vocab_size=args.vocab_size,
+              max_position_embeddings=args.seq_length)
+    params = num_parameters(ModelShape(**{**kw, "vocab_size": pad_vocab_size(args.vocab_size)}))
+    t0 = time.time()
+    try:
+        res = spawn_world(4, attempt, mode, kw, args.seq_length, args.budget_mib * MIB,
+                          args.construct_mib * MIB, args.bucket, timeout_s=60)[0]
+        res.update(ok=True)
+    except RuntimeError as err:
+        text = str(err)
+        if not any(s in text for s in ("OOM", "allocate", "died without reporting",
+                                        "Connection closed", "did not finish")):
+            raise
+        why = next((ln.strip() for ln in text.splitlines() if ln.startswith("RuntimeError: OOM")),
+                   text.splitlines()[-1])
+        res = dict(ok=False, why=why[:160])
+    res.update(mode=mode, layers=layers, params=params, wall_s=round(time.time() - t0, 1))
+    log.append(res)
+    status = "fits" if res["ok"] else f"fails ({res['why'][:90]})"
+    print(f"  {mode:<15} L={layers:<4} {params / 1e6:8.1f}M params: {status} "
+          f"[{res['wall_s']:.0f} s]", flush=True)
+    return res if res["ok"] else None
+
+
+def search(mode: str, start: int, args, log: list) -> dict | None:
+    """Largest fitting layer count: double from ``start`` (halve if it fails), then bisect until
+    the gap is at most max(1, lo * resolution)."""
+    lo_res, hi = None, None
+    res = try_layers(mode, start, args, log)
+    if res:
+        lo_res = res
+        while hi is None and lo_res["layers"] * 2 <= args.max_layers:
+            nxt = try_layers(mode, lo_res["layers"] * 2, args, log)
+            if nxt:
+                lo_res = nxt
+            else:
+                hi = lo_res["layers"] * 2
+    else:
+        hi, n = start, start // 2
+        while n >= 1:
+            res = try_layers(mode, n, args, log)
+            if res:
+                lo_res = res
+                break
+            hi, n = n, n // 2
+        if lo_res is None:
+            return None
+    while hi is not None and hi - lo_res["layers"] > max(1, int(lo_res["layers"] * args.resolution)):
+        mid = (lo_res["layers"] + hi) // 2
+        res = try_layers(mode, mid, args, log)
+        if res:
+            lo_res = res
+        else:
+            hi = mid
+    lo_res["first_failing_layers"] = hi
+    return lo_res
+
+
+def baseline_overhead() -> dict:
+    """Virtual size and RSS of one rank after import torch + gloo init (4 ranks)."""
+    from hybrid.spawn import spawn_world
+
+    return max(spawn_world(4, _baseline, timeout_s=60), key=lambda d: d["vm"])
+
+
+def _baseline(rank: int, world: int) -> dict:
+    gc.collect()
+    return dict(vm=_status("VmSize"), rss=_status("VmRSS"))
+
+
+def report(results: dict, log: list, base: dict, args, wall: float) -> str:
+    ddp = results.get("ddp")
+    lines = [
+        "| mode | largest L | params (M) | x DDP | first failing L | state MiB/rank | "
+        "held MiB/rank | construction peak MiB | step peak MiB | bytes/param held |",
+        "|" + "---|" * 10,
+    ]
+    for mode, r in results.items():
+        if r is None:
+            lines.append(f"| {LABELS[mode]} | none fits | | | | | | | | |")
+            continue
+        ratio = f"{r['params'] / ddp['params']:.2f}" if ddp else "-"
+        lines.append(
+            f"| {LABELS[mode]} | {r['layers']} | {r['params'] / 1e6:.1f} | {ratio} | "
+            f"{r['first_failing_layers'] or '-'} | {r['states'] / MIB:.0f} | {r['held'] / MIB:.0f} | "
+            f"{r['construct_peak'] / MIB:.0f} | {r['step_peak'] / MIB:.0f} | "
+            f"{r['held'] / r['params']:.2f} |")
+    head = (f"h={args.hidden_size}, heads={args.num_attention_heads}, vocab={args.vocab_size}, "
+            f"seq={args.seq_length}, micro-batch 1, bf16 (fp32 master and grads), 4 ranks, "
+            f"budget {args.budget_mib} MiB per rank above a baseline of {base['vm'] / MIB:.0f} MiB "
+            f"virtual / {base['rss'] / MIB:.0f} MiB RSS (import torch + gloo), construction cap "
+            f"{args.construct_mib} MiB, buckets {args.bucket:,} elements; {len(log)} attempts, "
+            f"{wall / 60:.1f} min")
+    return head + "\n\n" + "\n".join(lines)
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = [m for m, r in results.items() if r]
+    vals = [results[m]["params"] / 1e6 for m in modes]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    bars = ax.bar([LABELS[m] for m in modes], vals, color="tab:blue")
+    ddp = results.get("ddp")
+    for b, m in zip(bars, modes, strict=True):
+        txt = f"{results[m]['layers']} L"
+        if ddp:
+            txt += f"\n{results[m]['params'] / ddp['params']:.2f}x"
+        ax.annotate(txt, (b.get_x() + b.get_width() / 2, b.get_height()), ha="center",
+                    va="bottom", fontsize=8)
+    ax.set_ylabel("parameters (M)")
+    ax.set_title("Largest GPT completing one training step, 4 ranks, fixed per-rank budget")
+    plt.setp(ax.get_xticklabels(), rotation=15, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--modes", default=" ".join(MODES))
+    ap.add_argument("--hidden-size", type=int, default=256)
+    ap.add_argument("--num-attention-heads", type=int, default=4)
+    ap.add_argument("--vocab-size", type=int, default=4096)
+    ap.add_argument("--seq-length", type=int, default=64)
+    ap.add_argument("--budget-mib", type=int, default=512, help="per-rank cap above the baseline")
+    ap.add_argument("--construct-mib", type=int, default=2048,
+                    help="per-rank safety cap while building the model and engine")
+    ap.add_argument("--bucket", type=int, default=1_000_000,
+                    help="reduce / all-gather bucket elements (constant-size buffers, ZeRO §6.2)")
+    ap.add_argument("--start", type=int, default=8, help="first layer count tried")
+    ap.add_argument("--max-layers", type=int, default=512)
+    ap.add_argument("--resolution", type=float, default=0.07,
+                    help="stop bisecting when the gap is at most this fraction of the result")
+    ap.add_argument("--out", default=str(REPO / "runs" / "bench"))
+    args = ap.parse_args()
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+    os.environ.setdefault("MALLOC_ARENA_MAX", "1")
+    t0 = time.time()
+    base = baseline_overhead()
+    print(f"# baseline per rank: {base['vm'] / MIB:.0f} MiB virtual, {base['rss'] / MIB:.0f} MiB "
+          f"RSS; budget {args.budget_mib} MiB above it", flush=True)
+    results, log, start = {}, [], args.start
+    for mode in args.modes.split():
+        if mode not in MODES:
+            raise SystemExit(f"unknown mode {mode!r}; choose from {list(MODES)}")
+        results[mode] = search(mode, start, args, log)
+        if results[mode]:
+            start = results[mode]["layers"]  # modes are ordered by capacity
+    wall = time.time() - t0
+    text = report(results, log, base, args, wall)
+    print(text)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "scale.json").write_text(json.dumps(dict(results=results, attempts=log, baseline=base,
+                                                    args=vars(args)), indent=1))
+    plot(results, out / "scale.png")
+    (out / "scale.md").write_text(
+        "# Largest model per mode (4 ranks)\n\n"
+        f"`python scripts/bench_scale.py {' '.join(sys.argv[1:])}`\n\n{text}\n\n"
+        "params = whole-model parameters (padded vocabulary); held = the process's virtual size "
+        "after construction minus the baseline; state = params + grads + master + Adam of the "
+        "engine; construction / step peak = peak virtual size minus the baseline (the step peak "
+        "includes the construction peak, which came first).\n\n![scale](scale.png)\n")
+    print(f"wrote {out / 'scale.md'}, {out / 'scale.png'}")
+
+
+if __name__ == "__main__":
+    main()
