@@ -107,6 +107,19 @@ def measure(grid, run: CheckRun, seed: int = 1234) -> dict:
                 padded_numel=engine.layout.total_numel, numel=engine.layout.numel)
 
 
+def measure_world(rank: int, world_size: int, runs: list[CheckRun]) -> dict:
+    """Run inside a spawned world: :func:`measure` every run, one grid per tp; rank r returns
+    ``{run.name: measured}``."""
+    from hybrid.grid import ProcessGrid
+
+    out = {}
+    for tp in sorted({r.tp for r in runs}):
+        grid = ProcessGrid(tp=tp)
+        for run in (r for r in runs if r.tp == tp):
+            out[run.name] = measure(grid, run)
+    return out
+
+
 def _rel(pred: float, meas: float) -> float:
     if meas == 0:
         return 0.0 if pred == 0 else float("inf")

@@ -24,20 +24,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from hybrid.grid import ProcessGrid  # noqa: E402
-from hybrid.plan_check import compare, default_runs, measure, predict  # noqa: E402
+from hybrid.plan_check import compare, default_runs, measure_world, predict  # noqa: E402
 from hybrid.spawn import spawn_world  # noqa: E402
 
 MIB = 2**20
-
-
-def world(rank: int, world_size: int, runs) -> dict:
-    out = {}
-    for tp in sorted({r.tp for r in runs}):
-        grid = ProcessGrid(tp=tp)
-        for run in (r for r in runs if r.tp == tp):
-            out[run.name] = measure(grid, run)
-    return out
 
 
 def rows_of(runs, measured: list[dict]) -> list[dict]:
@@ -116,7 +106,7 @@ def main() -> None:
     runs = default_runs(model, args.world)
     runs = [r.__class__(**{**r.__dict__, "seq_length": args.seq_length}) for r in runs]
     t0 = time.time()
-    measured = spawn_world(args.world, world, runs, timeout_s=300)
+    measured = spawn_world(args.world, measure_world, runs, timeout_s=300)
     wall = time.time() - t0
     rows = rows_of(runs, measured)
     text = table(rows)

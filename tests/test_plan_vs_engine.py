@@ -10,16 +10,19 @@ a multiple of dp * 8 elements: at most 4 units x 31 elements here, under 0.2%.
 
 import pytest
 
-from hybrid.plan_check import DP_KINDS, compare, default_runs, predict
+from hybrid.plan_check import DP_KINDS, compare, default_runs, measure_world, predict
 from hybrid.spawn import spawn_world
-from tests.plan_engine_worlds import MODEL, world_measure
 
+# A small GPT: 2 blocks, h = 64, f = 126 (units are no multiple of dp * 8, so the layout pads);
+# vocabulary 1000 (padded to 1024 by the TP plan).
+MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=126,
+             vocab_size=1000, max_position_embeddings=32)
 RUNS = default_runs(MODEL)
 
 
 @pytest.fixture(scope="module")
 def measured():
-    return spawn_world(4, world_measure, RUNS, timeout_s=120)
+    return spawn_world(4, measure_world, RUNS, timeout_s=120)
 
 
 @pytest.mark.parametrize("run", RUNS, ids=lambda r: r.name.replace(" ", "-"))
