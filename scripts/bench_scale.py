@@ -114,7 +114,8 @@ def attempt(rank: int, world: int, mode: str, model_kw: dict, seq: int, budget: 
     except (MemoryError, RuntimeError) as err:
         _cap(None)
         text = str(err)
-        if isinstance(err, MemoryError) or "allocate" in text:
+        # under the cap, oneDNN reports a failed allocation as "could not create a primitive"
+        if isinstance(err, MemoryError) or "allocate" in text or "could not create a primitive" in text:
             raise RuntimeError(f"OOM in {phase}: {text[:200]}") from None
         raise
     _cap(None)
