@@ -13,8 +13,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hybrid.config import PretrainConfig
+from hybrid.flops import pad_vocab_size
 from hybrid.grid import validate_grid
-from hybrid.tp_plan import padded_vocab_size
 from models.gpt import GPTConfig
 from models.presets import get_preset
 
@@ -199,7 +199,7 @@ def validate(cfg: PretrainConfig, world_size: int | None = None,
     return Derived(
         gpt=gpt, world_size=world, tp=tp, dp=shape.dp, global_batch_size=gbs,
         grad_accum_steps=gbs // (o.micro_batch_size * shape.dp), tokens_per_step=gbs * m.seq_length,
-        padded_vocab_size=padded_vocab_size(vocab, tp, m.make_vocab_size_divisible_by),
+        padded_vocab_size=pad_vocab_size(vocab, tp, m.make_vocab_size_divisible_by),
         warmup_iters=warmup, decay_iters=decay,
     )
 

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from hybrid.flops import pad_vocab_size
 from hybrid.rng import RNGTracker
 from hybrid.tp_cross_entropy import VocabParallelLoss
 from hybrid.tp_layers import (
@@ -50,13 +51,6 @@ GPT_TP_PLAN: dict[str, str] = {
     "output_layer": "parallel_output",
     "loss_fn": "vocab_parallel_loss",
 }
-
-
-def padded_vocab_size(vocab_size: int, tp: int, make_vocab_size_divisible_by: int = 128) -> int:
-    """Vocabulary padded to a multiple of ``make_vocab_size_divisible_by * tp`` (Megatron-LM §5.1:
-    50,257 -> 51,200 at 128 x 8)."""
-    multiple = make_vocab_size_divisible_by * tp
-    return -(-vocab_size // multiple) * multiple
 
 
 def _set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
@@ -107,7 +101,7 @@ def parallelize_gpt(
     device = torch.device("meta") if full is None and seed is None else (
         some.device if full is not None else torch.device("cpu"))
     dtype = some.dtype
-    vocab_pad = padded_vocab_size(cfg.vocab_size, tp, make_vocab_size_divisible_by)
+    vocab_pad = pad_vocab_size(cfg.vocab_size, tp, make_vocab_size_divisible_by)
     kw = dict(device=device, dtype=dtype)
 
     for name, module in list(model.named_modules()):

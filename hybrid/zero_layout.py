@@ -227,23 +227,11 @@ class PartitionLayout:
     def reduce_buckets(self, chunk: int) -> tuple[tuple[int, int], ...]:
         """Partition ranges of at most ``chunk`` elements per rank, from the end backwards
         (gradients become ready last block first)."""
-        chunk = max(1, chunk)
-        out, b = [], self.partition_numel
-        while b > 0:
-            a = max(0, b - chunk)
-            out.append((a, b))
-            b = a
-        return tuple(out)
+        return _backward_ranges(self.partition_numel, chunk)
 
     def flat_buckets(self, size: int) -> tuple[tuple[int, int], ...]:
         """Full-flat ranges of at most ``size`` elements from the end backwards (stage 0)."""
-        size = max(1, size)
-        out, b = [], self.total_numel
-        while b > 0:
-            a = max(0, b - size)
-            out.append((a, b))
-            b = a
-        return tuple(out)
+        return _backward_ranges(self.total_numel, size)
 
     def units_of_flat(self, a: int, b: int) -> tuple[int, ...]:
         """Units overlapping the full-flat range ``[a, b)``."""
@@ -257,3 +245,14 @@ class PartitionLayout:
     def __repr__(self) -> str:
         return (f"PartitionLayout(dp={self.dp}, units={len(self.units)}, params={len(self.slots)}, "
                 f"numel={self.numel}, padded={self.total_numel}, partition={self.partition_numel})")
+
+
+def _backward_ranges(total: int, size: int) -> tuple[tuple[int, int], ...]:
+    """``[a, b)`` ranges of at most ``size`` elements tiling ``[0, total)``, last range first."""
+    size = max(1, size)
+    out, b = [], total
+    while b > 0:
+        a = max(0, b - size)
+        out.append((a, b))
+        b = a
+    return tuple(out)

@@ -16,7 +16,6 @@ from hybrid.memory_estimate import (
     layer_activation_bytes,
     model_state_bytes,
 )
-from hybrid.model_shape import ModelShape
 from hybrid.traffic import (
     dp_traffic_bytes,
     dp_traffic_elements,
@@ -24,6 +23,7 @@ from hybrid.traffic import (
     tp_traffic_elements,
     vocab_parallel_cross_entropy_elements,
 )
+from tests.test_flops import gpt
 
 GB = 1e9
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,17 +67,6 @@ TABLE1_FIRST_FIT = {
     (1e12, 2): None,
     (1e12, 3): 1024,
 }
-
-
-def gpt(layers, h, a, v=51200, s=2048, **kw):
-    return ModelShape(
-        num_layers=layers,
-        hidden_size=h,
-        num_attention_heads=a,
-        vocab_size=v,
-        max_position_embeddings=s,
-        **kw,
-    )
 
 
 # ZeRO model states: items 1, 2, 3, 5 ---------------------------------------------------------

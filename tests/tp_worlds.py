@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from hybrid.flops import pad_vocab_size
 from hybrid.grid import ProcessGrid
 from hybrid.rng import RNGTracker
 from hybrid.tp_cross_entropy import vocab_parallel_cross_entropy
@@ -12,7 +13,6 @@ from hybrid.tp_layers import get_tp_spec
 from hybrid.tp_plan import (
     count_parameters,
     gather_full_state_dict,
-    padded_vocab_size,
     parallelize_gpt,
 )
 from models.gpt import GPT, GPTConfig
@@ -62,7 +62,7 @@ def _tp_parity(grid: ProcessGrid, config_kw: dict, divisible_by: int = 128) -> d
 def _huge_logits(grid: ProcessGrid) -> dict:
     """Vocab-parallel CE on logits x 1000 against torch's CE on the full logits."""
     v, tp = 1001, grid.tp_size
-    vp = padded_vocab_size(v, tp)
+    vp = pad_vocab_size(v, tp)
     g = torch.Generator().manual_seed(7)
     full = torch.randn(3, 5, v, generator=g) * 1000
     labels = torch.randint(0, v, (3, 5), generator=g)
