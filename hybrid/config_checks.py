@@ -13,8 +13,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hybrid.config import PretrainConfig
-from hybrid.flops import pad_vocab_size
-from hybrid.grid import validate_grid
+from hybrid.parallel.grid import validate_grid
+from hybrid.parallel.vocab import pad_vocab_size
 from models.gpt import GPTConfig
 from models.presets import get_preset
 
@@ -205,13 +205,13 @@ def validate(cfg: PretrainConfig, world_size: int | None = None,
 
 
 def activation_config(cfg: PretrainConfig):
-    """The :class:`hybrid.activations.ActivationConfig` of ``cfg`` (ZeRO-R flags).
+    """The :class:`hybrid.activation.apply.ActivationConfig` of ``cfg`` (ZeRO-R flags).
 
     Raises:
         ConfigError: an option without ``--checkpoint-activations``, CPU offload without
             ``--partition-activations``, or a bad ``--checkpoint-num-layers``.
     """
-    from hybrid.activations import ActivationConfig
+    from hybrid.activation.apply import ActivationConfig
 
     p = cfg.parallel
     if p.checkpoint_in_cpu and not p.partition_activations:

@@ -40,19 +40,6 @@ DEVICE_PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
 # ----------------------------------------------------------------------------- parameters
 
 
-def pad_vocab_size(vocab_size: int, tp: int = 1, divisible_by: int = 128) -> int:
-    """Round ``vocab_size`` up to a multiple of ``divisible_by * tp`` (rows of the embedding).
-
-    Megatron-LM (1909.08053) §5.1: each TP rank's vocabulary slice should be a multiple of 128,
-    so 50,257 becomes 51,200 for 8-way TP. Raises ValueError on a non-positive argument.
-    """
-    for name, value in (("vocab_size", vocab_size), ("tp", tp), ("divisible_by", divisible_by)):
-        if value <= 0:
-            raise ValueError(f"{name} must be positive, got {value}")
-    multiple = divisible_by * tp
-    return -(-vocab_size // multiple) * multiple
-
-
 def layer_parameter_split(model: object) -> tuple[int, int]:
     """(TP-sharded, replicated) parameters of one transformer layer, in elements.
 
@@ -110,7 +97,7 @@ def parameters_per_tp_rank(model: object, tp: int) -> int:
         ("vocab_size", m.vocab_size),
     ):
         if value % tp:
-            hint = " (pad it with flops.pad_vocab_size)" if name == "vocab_size" else ""
+            hint = " (pad it with hybrid.parallel.vocab.pad_vocab_size)" if name == "vocab_size" else ""
             raise ValueError(f"tp={tp} does not divide {name}={value}{hint}")
     sharded, replicated = parameter_split(m)
     return sharded // tp + replicated

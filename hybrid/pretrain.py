@@ -19,8 +19,8 @@ from hybrid.config_checks import ConfigError, Derived, activation_config, valida
 def build_model(cfg: PretrainConfig, derived: Derived, grid, tracker):
     """The tensor-parallel GPT on ``grid.device``, initialised from the seed exactly as the
     single-process ``GPT.init_weights(seed)`` would be, whatever the tp."""
-    from hybrid.kernels import use_fused_kernels
-    from hybrid.tp_plan import parallelize_gpt
+    from hybrid.parallel.kernels import use_fused_kernels
+    from hybrid.parallel.tp_plan import parallelize_gpt
     from models.gpt import GPT
 
     with torch.device("meta"):
@@ -61,8 +61,8 @@ def _batches(dataset, consumed: int, cfg: PretrainConfig, grid):
 
 def build_engine(cfg: PretrainConfig, derived: Derived, grid, tracker):
     """Model -> TP plan -> activation checkpointing -> ZeRO, in that order (STYLE.md rule 2)."""
-    from hybrid.activations import apply_activation_checkpointing
-    from hybrid.zero import OptimizerConfig, ZeroConfig, ZeroEngine
+    from hybrid.activation.apply import apply_activation_checkpointing
+    from hybrid.zero.engine import OptimizerConfig, ZeroConfig, ZeroEngine
 
     p, o = cfg.parallel, cfg.optim
     model = build_model(cfg, derived, grid, tracker)
@@ -98,49 +98,12 @@ def loop_settings(cfg: PretrainConfig, derived: Derived, grid):
     )
 
 
-class Checkpointer:
-    """Saves at ``--save-interval``, at the end, and when SIGTERM / the time limit asks to stop."""
-
-    def __init__(self, cfg: PretrainConfig, derived: Derived, engine, grid, tracker, writer):
-        from hybrid.preemption import StopSignal
-
-        self.ck, self.engine, self.grid, self.tracker, self.writer = cfg.checkpoint, engine, grid, tracker, writer
-        self.metadata = _metadata(cfg, derived)
-        self.stop = StopSignal(self.ck.exit_duration_in_mins) if self.ck.save else None
-        self.saved_at = None
-
-    def save(self, state) -> None:
-        from hybrid.checkpointing import save_checkpoint
-
-        if not self.ck.save or self.saved_at == state.iteration:
-            return
-        save_checkpoint(self.ck.save, state.iteration, self.engine, self.grid, state.counters(), self.metadata,
-                        self.tracker, self.ck.save_keep_last)
-        self.saved_at = state.iteration
-        if self.grid.rank == 0:
-            self.writer.print(f" saved checkpoint at iteration {state.iteration} to {self.ck.save}")
-
-    def after_iteration(self, state) -> bool:
-        """Save when due; True (on every rank) when the run must stop now."""
-        if self.ck.save_interval and state.iteration % self.ck.save_interval == 0:
-            self.save(state)
-        if self.stop is not None and self.stop.should_stop(self.grid.device):
-            self.save(state)
-            if self.grid.rank == 0:
-                self.writer.print(f" exiting at iteration {state.iteration}: {self.stop.reason()}")
-            return True
-        return False
-
-    def close(self) -> None:
-        if self.stop is not None:
-            self.stop.restore()
-
-
 def run(cfg: PretrainConfig, derived: Derived) -> dict:
     """Train with an already validated config; returns ``{"history": records, "engine": engine}``."""
-    from hybrid.grid import ProcessGrid, init_distributed
+    from hybrid.checkpoint.policy import Checkpointer, resume
     from hybrid.metrics import MetricsWriter
-    from hybrid.rng import RNGTracker, seed_everything
+    from hybrid.parallel.grid import ProcessGrid, init_distributed
+    from hybrid.parallel.rng import RNGTracker, seed_everything
     from hybrid.schedule import LRSchedule
     from hybrid.training import TrainState, run_eval, train
 
@@ -157,7 +120,7 @@ def run(cfg: PretrainConfig, derived: Derived) -> dict:
         print(engine.summary(), flush=True)
     state = TrainState()
     if cfg.checkpoint.load:
-        _resume(cfg, engine, grid, tracker, state)
+        resume(cfg, engine, grid, tracker, state)
     train_ds, valid_ds, test_ds = build_datasets(cfg, derived)
     eval_sets = {"valid": valid_ds, "test": test_ds}
 
@@ -188,35 +151,6 @@ def run(cfg: PretrainConfig, derived: Derived) -> dict:
         writer.close()
         checkpointer.close()
     return {"history": state.history, "engine": engine}
-
-
-def _metadata(cfg: PretrainConfig, derived: Derived) -> dict:
-    import dataclasses
-
-    return dict(config=cfg.to_dict(), model=dataclasses.asdict(derived.gpt), tokenizer=cfg.data.tokenizer_model,
-                padded_vocab_size=derived.padded_vocab_size)
-
-
-def _resume(cfg: PretrainConfig, engine, grid, tracker, state) -> None:
-    """Load ``--load``'s latest complete checkpoint (if any) into the engine and the loop state."""
-    from hybrid.checkpoint_dir import latest_iteration
-    from hybrid.checkpointing import load_checkpoint
-
-    ck = cfg.checkpoint
-    if latest_iteration(ck.load) is None:
-        if grid.rank == 0:
-            print(f" no checkpoint under --load {ck.load}: starting from scratch", flush=True)
-        return
-    meta = load_checkpoint(ck.load, engine, grid, tracker, load_optim=not (ck.no_load_optim or ck.finetune),
-                           load_rng=not (ck.no_load_rng or ck.finetune))
-    if not ck.finetune:
-        state.restore(meta["train_state"])
-    if grid.rank == 0:
-        saved = meta["grid"]
-        print(f" loaded checkpoint {ck.load} iteration {meta['iteration']} (saved at tp={saved['tp']} x "
-              f"dp={saved['dp']}, ZeRO stage {meta['zero_stage']}); "
-              f"{'fine-tuning from iteration 0' if ck.finetune else f'resuming at consumed samples {state.consumed_samples}'}",
-              flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

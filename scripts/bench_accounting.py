@@ -1,10 +1,10 @@
 """Measured model-state bytes and data-parallel bytes per step against the planner's prediction.
 
 Not a test (``tests/test_plan_vs_engine.py`` asserts the same on a smaller model). One world of
-``--world`` ranks (gloo on CPU) runs every configuration of ``hybrid.plan_check.default_runs``
+``--world`` ranks (gloo on CPU) runs every configuration of ``hybrid.planner.check.default_runs``
 for one optimizer step: ZeRO stages 0-3 x (tp, dp) in {(1, world), (2, world/2)} x bf16/fp32 x
 1 and 2 micro-batches, plus stage 3 with persistent biases / LayerNorms. The planner is
-``hybrid.plan.evaluate`` with ``accounting="engine"``. Prints a table, writes
+``hybrid.planner.plan.evaluate`` with ``accounting="engine"``. Prints a table, writes
 ``accounting.md``, ``accounting.json`` and ``accounting.png`` under ``--out``.
 
     python scripts/bench_accounting.py                            # h=256, 4 layers, world 4
@@ -24,8 +24,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from hybrid.plan_check import compare, default_runs, measure_world, predict  # noqa: E402
-from hybrid.spawn import spawn_world  # noqa: E402
+from hybrid.parallel.spawn import spawn_world  # noqa: E402
+from hybrid.planner.check import compare, default_runs, measure_world, predict  # noqa: E402
 
 MIB = 2**20
 
@@ -124,7 +124,7 @@ def main() -> None:
     (out / "accounting.md").write_text(
         "# Planner vs ZeroEngine: model-state bytes and DP bytes per step\n\n"
         f"`python scripts/bench_accounting.py {' '.join(sys.argv[1:])}`\n\n{summary}.\n\n"
-        "Planner: `hybrid.plan.evaluate(..., Training(accounting='engine'))`. Measured: "
+        "Planner: `hybrid.planner.plan.evaluate(..., Training(accounting='engine'))`. Measured: "
         "`engine.memory_bytes()` (params + grads + master + optimizer) and the step's ledger "
         "(all_reduce + reduce_scatter + all_gather; the 16-byte norm all-reduce excluded). "
         "Errors are (planner - measured) / measured, worst over ranks; the only difference is "

@@ -90,9 +90,9 @@ def run_ours(rank: int, world: int, a: dict) -> dict:
     """ZeRO stage 0, bf16, in this 1-rank world."""
     import torch
 
-    from hybrid.grid import ProcessGrid
-    from hybrid.tp_plan import parallelize_gpt
-    from hybrid.zero import OptimizerConfig, ZeroConfig, ZeroEngine
+    from hybrid.parallel.grid import ProcessGrid
+    from hybrid.parallel.tp_plan import parallelize_gpt
+    from hybrid.zero.engine import OptimizerConfig, ZeroConfig, ZeroEngine
     from models.gpt import GPT
 
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
@@ -180,7 +180,7 @@ def main(argv=None) -> int:
     a = dict(vars(args))
 
     from hybrid.flops import device_peak_tflops, num_parameters
-    from hybrid.spawn import spawn_world
+    from hybrid.parallel.spawn import spawn_world
 
     cfg = _config(a)
     peak = device_peak_tflops()

@@ -8,7 +8,7 @@ grows by doubling, then bisection to within ``--resolution``.
 
 The cap (``--budget-mib``, per process) is enforced with ``RLIMIT_AS`` so that an attempt that
 does not fit fails fast with an allocation error instead of pushing the shared machine into
-swap. Every attempt is a fresh ``hybrid.spawn.spawn_world`` of 4 ranks; in each rank:
+swap. Every attempt is a fresh ``hybrid.parallel.spawn.spawn_world`` of 4 ranks; in each rank:
 
 1. baseline = the process's virtual size after ``import torch`` + gloo init (reported);
 2. build under a looser *construction* cap (``--construct-mib``): the model is created on
@@ -75,10 +75,10 @@ def attempt(rank: int, world: int, mode: str, model_kw: dict, seq: int, budget: 
     RuntimeError('OOM ...') when an allocation fails under the cap."""
     import torch
 
-    from hybrid.activations import ActivationConfig, apply_activation_checkpointing
-    from hybrid.grid import ProcessGrid
-    from hybrid.tp_plan import parallelize_gpt
-    from hybrid.zero import OptimizerConfig, ZeroConfig, ZeroEngine
+    from hybrid.activation.apply import ActivationConfig, apply_activation_checkpointing
+    from hybrid.parallel.grid import ProcessGrid
+    from hybrid.parallel.tp_plan import parallelize_gpt
+    from hybrid.zero.engine import OptimizerConfig, ZeroConfig, ZeroEngine
     from models.gpt import GPT, GPTConfig
 
     stage, tp, ckpt = MODES[mode]
@@ -128,9 +128,10 @@ def attempt(rank: int, world: int, mode: str, model_kw: dict, seq: int, budget: 
 
 def try_layers(mode: str, layers: int, args, log: list) -> dict | None:
     """Spawn 4 ranks for one attempt; the result of rank 0, or None when it did not fit."""
-    from hybrid.flops import num_parameters, pad_vocab_size
+    from hybrid.flops import num_parameters
     from hybrid.model_shape import ModelShape
-    from hybrid.spawn import spawn_world
+    from hybrid.parallel.spawn import spawn_world
+    from hybrid.parallel.vocab import pad_vocab_size
 
     kw = dict(num_layers=layers, hidden_size=args.hidden_size,
               num_attention_heads=args.num_attention_heads, vocab_size=args.vocab_size,
@@ -193,7 +194,7 @@ def search(mode: str, start: int, args, log: list) -> dict | None:
 
 def baseline_overhead() -> dict:
     """Virtual size and RSS of one rank after import torch + gloo init (4 ranks)."""
-    from hybrid.spawn import spawn_world
+    from hybrid.parallel.spawn import spawn_world
 
     return max(spawn_world(4, _baseline, timeout_s=60), key=lambda d: d["vm"])
 

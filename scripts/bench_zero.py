@@ -40,9 +40,9 @@ def worker(stage: int, tp: int) -> None:
     import common as C  # the peers' workload and reporting
     import torch
 
-    from hybrid.grid import ProcessGrid
-    from hybrid.tp_plan import parallelize_gpt
-    from hybrid.zero import OptimizerConfig, ZeroConfig, ZeroEngine
+    from hybrid.parallel.grid import ProcessGrid
+    from hybrid.parallel.tp_plan import parallelize_gpt
+    from hybrid.zero.engine import OptimizerConfig, ZeroConfig, ZeroEngine
     from models.gpt import GPT, GPTConfig
 
     rank, world = C.init_dist()

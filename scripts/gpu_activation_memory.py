@@ -6,7 +6,7 @@ Prints, per option, on tensor-parallel rank 0 of a tp = 2 world:
   ``L * B * s*b*h * (1 - 1/t)`` bytes of checkpoints against plain checkpointing);
 - reserved minus allocated at the peak (``max_memory_reserved - max_memory_allocated``), the
   allocator's fragmentation that the contiguous arena (M_D) is meant to reduce;
-- the saved-for-backward split of one micro-batch (:func:`hybrid.activations.measure_saved_bytes`).
+- the saved-for-backward split of one micro-batch (:func:`hybrid.activation.apply.measure_saved_bytes`).
 
 World: with two or more GPUs, two ranks with NCCL (one GPU each). With one GPU, two ranks share
 it over gloo: NCCL refuses two ranks on one device, and gloo has no all-gather for CUDA tensors,
@@ -32,11 +32,11 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hybrid.activations import ActivationConfig, apply_activation_checkpointing  # noqa: E402
-from hybrid.grid import ProcessGrid  # noqa: E402
-from hybrid.rng import RNGTracker  # noqa: E402
-from hybrid.spawn import spawn_world  # noqa: E402
-from hybrid.tp_plan import parallelize_gpt  # noqa: E402
+from hybrid.activation.apply import ActivationConfig, apply_activation_checkpointing  # noqa: E402
+from hybrid.parallel.grid import ProcessGrid  # noqa: E402
+from hybrid.parallel.rng import RNGTracker  # noqa: E402
+from hybrid.parallel.spawn import spawn_world  # noqa: E402
+from hybrid.parallel.tp_plan import parallelize_gpt  # noqa: E402
 from models.gpt import GPT, GPTConfig  # noqa: E402
 
 ON = dict(checkpoint_activations=True)

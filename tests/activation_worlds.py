@@ -15,11 +15,11 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
-from hybrid.activations import ActivationConfig, apply_activation_checkpointing
-from hybrid.grid import ProcessGrid
-from hybrid.recompute import CHECKPOINT_TAG, ActivationStore
-from hybrid.rng import RNGTracker
-from hybrid.tp_plan import parallelize_gpt
+from hybrid.activation.apply import ActivationConfig, apply_activation_checkpointing
+from hybrid.activation.recompute import CHECKPOINT_TAG, ActivationStore
+from hybrid.parallel.grid import ProcessGrid
+from hybrid.parallel.rng import RNGTracker
+from hybrid.parallel.tp_plan import parallelize_gpt
 from models.gpt import GPT, GPTConfig
 
 CFG = dict(num_layers=3, hidden_size=64, num_attention_heads=4, vocab_size=1001,
@@ -72,7 +72,7 @@ def _run(model, stage: int, batches, grid=None) -> tuple[list[float], dict[str, 
     """Forward + backward over ``batches`` (gradient accumulation); losses and local grads."""
     torch.manual_seed(99)  # the default generator: identical on all TP ranks
     if stage == 3:
-        from hybrid.zero import OptimizerConfig, ZeroConfig, ZeroEngine
+        from hybrid.zero.engine import OptimizerConfig, ZeroConfig, ZeroEngine
 
         # small buckets and no persistence, so every block really is gathered and released
         engine = ZeroEngine(model, grid, ZeroConfig(stage=3, reduce_bucket_size=4096, allgather_bucket_size=4096,
@@ -178,7 +178,7 @@ def saved_bytes(grid: ProcessGrid) -> dict:
                 model(x, y).float().mean().backward()
 
             if handle is None:
-                from hybrid.saved_bytes import measure_saved_bytes
+                from hybrid.activation.saved_bytes import measure_saved_bytes
                 res = measure_saved_bytes(step, model)
             else:
                 res = handle.measure(step)
@@ -333,7 +333,7 @@ def noop_log(grid: ProcessGrid) -> dict:
         def emit(self, record):
             records.append(record.getMessage())
 
-    log = logging.getLogger("hybrid.activations")
+    log = logging.getLogger("hybrid.activation.apply")
     keep, level = Keep(), log.level
     log.addHandler(keep)
     log.setLevel(logging.INFO)

@@ -39,7 +39,7 @@ def crash_while_saving(rank: int, world: int, argv_ok: list[str], argv_crash: li
     shard of its final checkpoint is written but before the checkpoint is published."""
     import os
 
-    import hybrid.checkpointing as checkpointing
+    import hybrid.checkpoint.shards as checkpointing
 
     run_configs(rank, world, [argv_ok])
 

@@ -2,10 +2,10 @@
 
 import pytest
 
-from hybrid.activations import ActivationConfig
+from hybrid.activation.apply import ActivationConfig
+from hybrid.activation.recompute import partition_range
 from hybrid.cli import build_parser, parse_config
 from hybrid.config_checks import ConfigError, activation_config
-from hybrid.recompute import partition_range
 
 
 def parse(*argv):

@@ -15,7 +15,7 @@ import math
 
 import pytest
 
-from hybrid.spawn import spawn_world
+from hybrid.parallel.spawn import spawn_world
 from tests.activation_worlds import CFG, DROPOUTS, VARIANTS, B, S, activation_world
 
 TPS = [4, 2, 1]

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybrid.checkpoint_dir import IncompleteCheckpointError, latest_iteration, read_metadata
-from hybrid.checkpointing import KINDS, CheckpointReader
-from hybrid.consolidate import main as consolidate_main
-from hybrid.spawn import spawn_world
+from hybrid.checkpoint.consolidate import main as consolidate_main
+from hybrid.checkpoint.directory import IncompleteCheckpointError, latest_iteration, read_metadata
+from hybrid.checkpoint.shards import KINDS, CheckpointReader
+from hybrid.parallel.spawn import spawn_world
 from models.gpt import GPT, GPTConfig
 from tests.pretrain_worlds import MODEL, crash_while_saving, prepare_data, run_configs
 

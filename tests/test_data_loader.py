@@ -8,7 +8,7 @@ from data_helpers import world_build_and_load, write_token_dataset
 
 from data.gpt_dataset import build_gpt_datasets
 from data.loader import PretrainingSampler, build_data_loader
-from hybrid.spawn import spawn_world
+from hybrid.parallel.spawn import spawn_world
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ import pytest
 
 from hybrid import flops
 from hybrid.model_shape import ModelShape
+from hybrid.parallel.vocab import pad_vocab_size
 
 
 def gpt(layers, h, a, v=51200, s=2048, **kw):
@@ -55,7 +56,7 @@ def test_generalised_parameter_count():
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
 def test_tp_shards_sum_back_to_the_total(tp):
-    m = gpt(4, 256, 8, v=flops.pad_vocab_size(50257, tp))
+    m = gpt(4, 256, 8, v=pad_vocab_size(50257, tp))
     sharded, replicated = flops.parameter_split(m)
     assert sharded % tp == 0
     assert tp * (
@@ -149,8 +150,8 @@ def test_training_time_eq4(tokens, params, n, x, days):
 
 @pytest.mark.parametrize(("tp", "padded"), [(1, 50304), (2, 50432), (4, 50688), (8, 51200)])
 def test_vocab_padding(tp, padded):
-    assert flops.pad_vocab_size(50257, tp, 128) == padded
-    assert flops.pad_vocab_size(padded, tp, 128) == padded
+    assert pad_vocab_size(50257, tp, 128) == padded
+    assert pad_vocab_size(padded, tp, 128) == padded
 
 
 def test_device_peaks():
@@ -166,4 +167,4 @@ def test_bad_inputs_name_the_value():
     with pytest.raises(ValueError, match="recompute"):
         flops.flops_per_iteration(GPT2_SMALL, 1, 1024, "sometimes")
     with pytest.raises(ValueError, match="vocab_size must be positive, got -3"):
-        flops.pad_vocab_size(-3)
+        pad_vocab_size(-3)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from hybrid.spawn import spawn_world
+from hybrid.parallel.spawn import spawn_world
 from tests.pretrain_worlds import run_configs
 
 GOLDEN = Path(__file__).with_name("golden_losses.json")

@@ -2,7 +2,7 @@
 
 import pytest
 
-from hybrid.grid import GridShape, ProcessGrid, validate_grid
+from hybrid.parallel.grid import GridShape, ProcessGrid, validate_grid
 
 
 def test_shape_and_coords():

@@ -6,8 +6,8 @@ import types
 import torch
 import torch.nn as nn
 
-from hybrid.kernels import fused_layer_norm_class, use_fused_kernels
-from hybrid.tp_layers import TPSpec
+from hybrid.parallel.kernels import fused_layer_norm_class, use_fused_kernels
+from hybrid.parallel.layers import TPSpec
 from models.gpt import GPT, GPTConfig
 
 CFG = GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=50, max_position_embeddings=8)

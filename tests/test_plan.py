@@ -7,8 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from hybrid import flops, plan, plan_cli
-from hybrid.memory_estimate import (
+from hybrid import flops
+from hybrid.parallel.vocab import pad_vocab_size
+from hybrid.planner import cli as plan_cli
+from hybrid.planner import plan
+from hybrid.planner.memory import (
     activation_rule_of_thumb_bytes,
     checkpoint_bytes,
     comm_buffer_bytes,
@@ -16,7 +19,7 @@ from hybrid.memory_estimate import (
     layer_activation_bytes,
     model_state_bytes,
 )
-from hybrid.traffic import (
+from hybrid.planner.traffic import (
     dp_traffic_bytes,
     dp_traffic_elements,
     tp_collectives_per_layer,
@@ -106,7 +109,7 @@ def test_tp_shard_first_then_zero():
 
 
 def test_exact_config_counts_replicated_parameters():
-    m = gpt(32, 4096, 32, v=flops.pad_vocab_size(50257, 8))
+    m = gpt(32, 4096, 32, v=pad_vocab_size(50257, 8))
     exact = model_state_bytes(m, tp=8, dp=8, stage=1)["total"]
     ideal = model_state_bytes(flops.num_parameters(m), tp=8, dp=8, stage=1)["total"]
     assert ideal < exact < 1.01 * ideal
@@ -413,7 +416,7 @@ def test_python_dash_m_entry_point():
 
 
 def test_cli_takes_a_preset_and_names_an_unknown_one(capsys):
-    from hybrid.plan_cli import main
+    from hybrid.planner.cli import main
 
     assert main(["--model", "gpt2-124m", "--seq-length", "1024", "--micro-batch-size", "1",
                  "--num-gpus", "8", "--gpus-per-node", "8", "--gpu-memory-gb", "80", "--json"]) in (0, None)

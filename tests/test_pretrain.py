@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hybrid.spawn import spawn_world
+from hybrid.parallel.spawn import spawn_world
 from tests.pretrain_worlds import MODEL, prepare_data, run_configs
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,7 +7,7 @@ same arithmetic split across ranks, so only summation order differs (observed ~1
 import pytest
 import torch
 
-from hybrid.spawn import spawn_world
+from hybrid.parallel.spawn import spawn_world
 from tests.tp_worlds import SMALL, reference, tp_world
 
 TPS = [4, 2, 1]

@@ -10,10 +10,10 @@ import math
 import pytest
 import torch
 
-from hybrid.loss_scaler import LossScaler
-from hybrid.spawn import spawn_world
-from hybrid.zero import OptimizerConfig, ZeroConfig
-from hybrid.zero_layout import PartitionLayout
+from hybrid.parallel.spawn import spawn_world
+from hybrid.zero.engine import OptimizerConfig, ZeroConfig
+from hybrid.zero.layout import PartitionLayout
+from hybrid.zero.loss_scaler import LossScaler
 from tests.zero_worlds import VARIANTS, reference, world2, world4, world_gpu
 
 STAGES = [0, 1, 2, 3]
@@ -150,7 +150,7 @@ def test_bf16_accumulates_in_fp32_and_tracks_fp32(w4, stage):
 
 # ---- optimizer state export / import --------------------------------------------------------------
 def test_optimizer_state_by_name(w4, ref):
-    from hybrid.tp_layers import TPSpec
+    from hybrid.parallel.layers import TPSpec
 
     for r in w4:
         e = r[2]["export"]

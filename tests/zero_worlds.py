@@ -15,10 +15,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from hybrid.grid import ProcessGrid
-from hybrid.tp_plan import parallelize_gpt
-from hybrid.zero import OptimizerConfig, ZeroConfig, ZeroEngine
-from hybrid.zero_layout import no_weight_decay
+from hybrid.parallel.grid import ProcessGrid
+from hybrid.parallel.tp_plan import parallelize_gpt
+from hybrid.zero.engine import OptimizerConfig, ZeroConfig, ZeroEngine
+from hybrid.zero.layout import no_weight_decay
 from models.gpt import GPT, GPTConfig
 
 CFG = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=126,

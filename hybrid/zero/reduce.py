@@ -25,8 +25,8 @@ from collections import deque
 
 import torch
 
-from hybrid.zero_comm import DPComm
-from hybrid.zero_layout import PartitionLayout
+from hybrid.zero.comm import DPComm
+from hybrid.zero.layout import PartitionLayout
 
 
 class GradReducer:

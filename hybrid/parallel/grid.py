@@ -99,7 +99,7 @@ def init_distributed(timeout_s: float = 600.0, device: torch.device | None = Non
         torch.cuda.set_device(device)
     if "RANK" not in os.environ:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        from hybrid.spawn import free_port
+        from hybrid.parallel.spawn import free_port
 
         os.environ.setdefault("MASTER_PORT", str(free_port()))
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
@@ -114,7 +114,7 @@ class ProcessGrid:
     """Owns the tensor-parallel and data-parallel process groups of one job.
 
     Build it after the default process group exists (``torchrun`` + :func:`init_distributed`,
-    or ``hybrid.spawn.spawn_world`` in tests)::
+    or ``hybrid.parallel.spawn.spawn_world`` in tests)::
 
         grid = ProcessGrid(tp=2)          # dp = world // 2
         grid.tp_group, grid.dp_group      # torch.distributed ProcessGroups
@@ -131,7 +131,7 @@ class ProcessGrid:
     def __init__(self, tp: int = 1, pp: int = 1, device: torch.device | None = None):
         if not dist.is_initialized():
             raise RuntimeError("ProcessGrid needs an initialised default process group "
-                               "(call hybrid.grid.init_distributed() first)")
+                               "(call hybrid.parallel.grid.init_distributed() first)")
         world = dist.get_world_size()
         local = os.environ.get("LOCAL_WORLD_SIZE")
         self.shape = validate_grid(world, tp, pp, int(local) if local else None)

@@ -21,12 +21,12 @@ Two accountings of the model states (``get_precision(name, accounting)``), same 
     =========  ===================  =================================  ==========================
 
 ``paper`` is ZeRO §3.1 and reproduces the paper's tables. ``engine`` is what
-``hybrid.zero.ZeroEngine`` holds (its ``memory_bytes()``): gradients accumulate and are reduced
+``hybrid.zero.engine.ZeroEngine`` holds (its ``memory_bytes()``): gradients accumulate and are reduced
 in fp32 (4 B), and the fp32 master is a separate copy even in fp32 training. In both, gradients
-travel at ``grad_bytes`` and gathered parameters at ``param_bytes`` (``hybrid.traffic``).
+travel at ``grad_bytes`` and gathered parameters at ``param_bytes`` (``hybrid.planner.traffic``).
 - Activations: Korthikanti et al. 2022 (2205.05198) §4.1 and Table 2; checkpoints and P_a:
   ZeRO §4.2, §6.1, §8; the 12hbsL rule of thumb: ZeRO §3.2 footnote.
-- Constant-size buffers C_B: ZeRO §6.2 (no size given; our defaults are in ``hybrid.plan``).
+- Constant-size buffers C_B: ZeRO §6.2 (no size given; our defaults are in ``hybrid.planner.plan``).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class Precision:
     activation_bytes: int
     """Bytes per stored activation element (dropout masks are always 1 byte)."""
     accounting: str = "paper"
-    """'paper' (ZeRO §3.1) or 'engine' (what ``hybrid.zero.ZeroEngine`` allocates)."""
+    """'paper' (ZeRO §3.1) or 'engine' (what ``hybrid.zero.engine.ZeroEngine`` allocates)."""
 
     @property
     def k(self) -> int:
@@ -148,7 +148,7 @@ def persistent_parameters(model: object, tp: int, threshold: int) -> int:
     ``threshold`` elements (LayerNorms and biases at real sizes; everything in a toy model).
     Local sizes per layer: qkv [3h/t, h] + [3h/t], proj [h, h/t] + [h], fc1 [f/t, h] + [f/t],
     fc2 [h, f/t] + [h], two LayerNorms 4 x [h]; outside: wte [V/t, h], wpe [s, h], ln_f 2 x [h],
-    untied head [V/t, h]. ``model`` must have a TP-padded vocabulary (``flops.pad_vocab_size``).
+    untied head [V/t, h]. ``model`` must have a TP-padded vocabulary (``hybrid.parallel.vocab.pad_vocab_size``).
     """
     m = ModelShape.of(model)
     if threshold <= 0:

@@ -2,7 +2,7 @@
 
 Used by the tests (one spawn serves many checks, since a 4-rank spawn costs ~20 s on 2 cores)
 and by anyone who wants a quick parallel experiment without torchrun. Production jobs launch
-with ``torchrun`` instead and build the grid from its environment (``hybrid.grid``).
+with ``torchrun`` instead and build the grid from its environment (``hybrid.parallel.grid``).
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from hybrid.rng import RNGTracker
-from hybrid.tp_ops import copy_to_tp, reduce_from_tp
+from hybrid.parallel.ops import copy_to_tp, reduce_from_tp
+from hybrid.parallel.rng import RNGTracker
 
 
 @dataclass(frozen=True)
@@ -157,7 +157,7 @@ class VocabParallelEmbedding(nn.Module):
     """Embedding ``[V, h]`` split by vocabulary rows over the TP group (Megatron-LM §3).
 
     The vocabulary is padded to ``padded_vocab`` (a multiple of tp); padded rows are zero and,
-    with :class:`hybrid.tp_cross_entropy.VocabParallelLoss`, never receive gradient.
+    with :class:`hybrid.parallel.cross_entropy.VocabParallelLoss`, never receive gradient.
     Input ids ``[b, s]``; output ``[b, s, h]``, all-reduced so every TP rank holds all of it.
     """
 

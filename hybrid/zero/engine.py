@@ -1,5 +1,5 @@
 """The ZeRO engine: data parallelism with partitioned model states (ZeRO paper, §5) over the
-data-parallel group of a :class:`hybrid.grid.ProcessGrid`, on each TP rank's own shard.
+data-parallel group of a :class:`hybrid.parallel.grid.ProcessGrid`, on each TP rank's own shard.
 
 Usage (one optimizer step of ``m`` micro-batches)::
 
@@ -9,10 +9,10 @@ Usage (one optimizer step of ``m`` micro-batches)::
         engine.backward(loss, is_last_micro_batch=(i == m - 1))
     info = engine.step(lr)          # info.skipped, info.grad_norm, info.loss_scale
 
-Pieces (one concept per file): :mod:`hybrid.zero_layout` (the one partition layout),
-:mod:`hybrid.zero_reduce` (fp32 accumulation and bucketed gradient reduction),
-:mod:`hybrid.zero_stage3` (parameter gathering), :mod:`hybrid.grad_norm` (the one norm),
-:mod:`hybrid.loss_scaler`, :mod:`hybrid.zero_comm` (collectives with a byte ledger).
+Pieces (one concept per file): :mod:`hybrid.zero.layout` (the one partition layout),
+:mod:`hybrid.zero.reduce` (fp32 accumulation and bucketed gradient reduction),
+:mod:`hybrid.zero.stage3` (parameter gathering), :mod:`hybrid.zero.grad_norm` (the one norm),
+:mod:`hybrid.zero.loss_scaler`, :mod:`hybrid.zero.comm` (collectives with a byte ledger).
 
 What each stage keeps on a rank, with Psi this TP rank's parameter count (padded to the layout)
 and n the data-parallel size, in bytes for 16-bit training (``memory_bytes``):
@@ -39,15 +39,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from hybrid.grad_norm import clip_coefficient, global_grad_norm
-from hybrid.loss_scaler import LossScaler
-from hybrid.tp_layers import get_tp_spec
-from hybrid.tp_plan import gather_full_tensor
-from hybrid.zero_comm import DPComm
-from hybrid.zero_config import OptimizerConfig, ZeroConfig
-from hybrid.zero_layout import PartitionLayout
-from hybrid.zero_reduce import GradReducer
-from hybrid.zero_stage3 import ParamGatherer
+from hybrid.parallel.layers import get_tp_spec
+from hybrid.parallel.tp_plan import gather_full_tensor
+from hybrid.zero.comm import DPComm
+from hybrid.zero.config import OptimizerConfig, ZeroConfig
+from hybrid.zero.grad_norm import clip_coefficient, global_grad_norm
+from hybrid.zero.layout import PartitionLayout
+from hybrid.zero.loss_scaler import LossScaler
+from hybrid.zero.reduce import GradReducer
+from hybrid.zero.stage3 import ParamGatherer
 
 __all__ = ["OptimizerConfig", "StepInfo", "ZeroConfig", "ZeroEngine"]
 
@@ -303,7 +303,7 @@ class ZeroEngine:
 
     def comm_bytes(self) -> dict[str, float]:
         """Bytes this rank has moved per collective kind since the last ``step()`` returned
-        (ring volume, see :mod:`hybrid.zero_comm`); ``step()`` hands the finished iteration's
+        (ring volume, see :mod:`hybrid.zero.comm`); ``step()`` hands the finished iteration's
         figures back in ``StepInfo.comm_bytes`` / ``last_comm_bytes`` and restarts the count."""
         return self.comm.snapshot()
 

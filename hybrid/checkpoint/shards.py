@@ -1,6 +1,6 @@
 """Save and load training checkpoints that any grid can read (exact resume and resharding).
 
-Each rank writes one safetensors shard (``hybrid.checkpoint_dir`` handles directories,
+Each rank writes one safetensors shard (``hybrid.checkpoint.directory`` handles directories,
 atomicity and the "latest" pointer). A shard holds, per parameter name and kind (``master``,
 ``exp_avg``, ``exp_avg_sq``; fp32), one *fragment*: the tensor-parallel rank's local tensor
 without vocabulary padding, flattened, cut into ``dp`` equal ranges; data-parallel rank ``d``
@@ -25,15 +25,15 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from hybrid.checkpoint_dir import (
+from hybrid.checkpoint.directory import (
     latest_iteration,
     publish,
     read_metadata,
     shard_name,
     staging_dir,
 )
-from hybrid.rng import capture_rng_states, restore_rng_states
-from hybrid.tp_layers import TPSpec, get_tp_spec
+from hybrid.parallel.layers import TPSpec, get_tp_spec
+from hybrid.parallel.rng import capture_rng_states, restore_rng_states
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -58,7 +58,7 @@ def save_checkpoint(root: str | os.PathLike, iteration: int, engine, grid, train
     Args:
         root: ``--save`` directory.
         iteration: the completed iteration.
-        engine: the :class:`hybrid.zero.ZeroEngine`.
+        engine: the :class:`hybrid.zero.engine.ZeroEngine`.
         grid: the process grid.
         train_state: JSON-able counters (iteration, consumed samples, schedule index, ...).
         metadata: JSON-able extras (config, tokenizer, model dims) for ``metadata.json``.
@@ -110,7 +110,7 @@ class CheckpointReader:
 
     Raises:
         FileNotFoundError: no published checkpoint under ``root``.
-        hybrid.checkpoint_dir.IncompleteCheckpointError: metadata or a shard is missing.
+        hybrid.checkpoint.directory.IncompleteCheckpointError: metadata or a shard is missing.
     """
 
     def __init__(self, root: str | os.PathLike, iteration: int | None = None):

@@ -3,7 +3,7 @@
 Every tensor autograd saves during a forward passes through the pack hook; this meter sorts
 them into
 
-- ``checkpoints``: activation checkpoints kept on the device (tagged by ``hybrid.recompute``;
+- ``checkpoints``: activation checkpoints kept on the device (tagged by ``hybrid.activation.recompute``;
   their own bytes, also when they are slots of one arena);
 - ``checkpoints_host``: checkpoints kept in host memory (P_a+cpu);
 - ``other``: every other activation, counting the bytes of memory held, not of each saved
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from hybrid.recompute import CHECKPOINT_TAG
+from hybrid.activation.recompute import CHECKPOINT_TAG
 
 KEYS = ("checkpoints", "checkpoints_host", "other", "params", "total", "recompute_peak")
 
@@ -71,7 +71,7 @@ class SavedBytesMeter:
 
     Args:
         model: its parameters are recognised (and excluded) even when saved as views.
-        handle: the :class:`hybrid.activations.ActivationCheckpointing` of the model, so that
+        handle: the :class:`hybrid.activation.apply.ActivationCheckpointing` of the model, so that
             tensors saved during recompute are counted as ``recompute_peak``.
     """
 

@@ -32,8 +32,8 @@ import functools
 
 import torch
 
-from hybrid.zero_comm import DPComm
-from hybrid.zero_layout import ROOT, PartitionLayout
+from hybrid.zero.comm import DPComm
+from hybrid.zero.layout import ROOT, PartitionLayout
 
 RELEASED, GATHERING, GATHERED = "released", "gathering", "gathered"
 

@@ -13,9 +13,9 @@ import json
 import sys
 
 from hybrid.flops import device_peak_tflops, num_parameters
-from hybrid.memory_estimate import ACCOUNTINGS, ACTIVATION_OPTIONS, PRECISIONS, ZERO_STAGES
 from hybrid.model_shape import ModelShape
-from hybrid.plan import (
+from hybrid.planner.memory import ACCOUNTINGS, ACTIVATION_OPTIONS, PRECISIONS, ZERO_STAGES
+from hybrid.planner.plan import (
     DEFAULT_BUCKET_ELEMENTS,
     GB,
     Cluster,

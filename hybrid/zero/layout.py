@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from hybrid.tp_layers import get_tp_spec
+from hybrid.parallel.layers import get_tp_spec
 
 ROOT = "root"
 PERSISTENT = "persistent"

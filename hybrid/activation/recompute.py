@@ -13,10 +13,10 @@ back-propagated, and the RNG states of the moment are put back.
   rebuilds it just before recompute: exactly one extra all-gather per checkpointed block.
 - P_a+cpu: the kept piece is copied to host memory (page-locked on CUDA machines, copied
   asynchronously) and back to the device for recompute.
-- M_D: the kept pieces go into :class:`hybrid.checkpoint_arena.CheckpointArena` slots.
+- M_D: the kept pieces go into :class:`hybrid.activation.arena.CheckpointArena` slots.
 
 Why our own autograd Function rather than ``torch.utils.checkpoint``: the TP dropout stream
-lives in :class:`hybrid.rng.RNGTracker`, which ``preserve_rng_state`` does not know, and P_a,
+lives in :class:`hybrid.parallel.rng.RNGTracker`, which ``preserve_rng_state`` does not know, and P_a,
 the host copy and the arena need control over exactly which tensor is saved. It is re-entrant
 (Megatron's ``CheckpointFunction`` design): backward runs a nested ``torch.autograd.backward``
 on the recomputed block, so parameter gradients accumulate during the block's own backward, as
@@ -34,14 +34,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from hybrid.checkpoint_arena import CheckpointArena
-from hybrid.rng import RNGTracker
+from hybrid.activation.arena import CheckpointArena
+from hybrid.parallel.rng import RNGTracker
 
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_TAG = "_zeror_checkpoint"
 """Attribute set on every saved checkpoint tensor: ``"device"`` or ``"host"`` (where it lives);
-:mod:`hybrid.saved_bytes` uses it to tell checkpoints from other saved tensors."""
+:mod:`hybrid.activation.saved_bytes` uses it to tell checkpoints from other saved tensors."""
 
 
 @dataclass
@@ -141,7 +141,7 @@ class ActivationStore:
         self.num_slots = num_slots
         self.arena: CheckpointArena | None = None
         self.stats = CheckpointStats()
-        self.meter = None  # a hybrid.saved_bytes meter while one is measuring
+        self.meter = None  # a hybrid.activation.saved_bytes meter while one is measuring
 
     def _arena_for(self, device: torch.device) -> CheckpointArena:
         host = self.in_cpu

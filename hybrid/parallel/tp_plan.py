@@ -25,10 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from hybrid.flops import pad_vocab_size
-from hybrid.rng import RNGTracker
-from hybrid.tp_cross_entropy import VocabParallelLoss
-from hybrid.tp_layers import (
+from hybrid.parallel.cross_entropy import VocabParallelLoss
+from hybrid.parallel.layers import (
     ColumnParallelLinear,
     ParallelOutputLayer,
     RowParallelLinear,
@@ -38,6 +36,8 @@ from hybrid.tp_layers import (
     get_tp_spec,
     set_tp_spec,
 )
+from hybrid.parallel.rng import RNGTracker
+from hybrid.parallel.vocab import pad_vocab_size
 from models.gpt import GPT, init_parameter, parameter_generator
 
 GPT_TP_PLAN: dict[str, str] = {

@@ -1,6 +1,6 @@
-"""The planner's prediction next to what :class:`hybrid.zero.ZeroEngine` measures, for one run.
+"""The planner's prediction next to what :class:`hybrid.zero.engine.ZeroEngine` measures, for one run.
 
-``predict`` asks :func:`hybrid.plan.evaluate` (``accounting="engine"``) for one rank's model-state
+``predict`` asks :func:`hybrid.planner.plan.evaluate` (``accounting="engine"``) for one rank's model-state
 bytes and data-parallel bytes per optimizer step; ``measure`` builds the same GPT on a process
 grid, runs one optimizer step of ``micro_batches`` micro-batches and reads
 ``engine.memory_bytes()`` and the step's ledger (``StepInfo.comm_bytes``); ``compare`` gives the
@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from hybrid.plan import Cluster, Training, evaluate
+from hybrid.planner.plan import Cluster, Training, evaluate
 
 STATE_KEYS = ("params", "grads", "master", "optimizer")
 DP_KINDS = ("all_reduce", "reduce_scatter", "all_gather")
@@ -75,8 +75,8 @@ def measure(grid, run: CheckRun, seed: int = 1234) -> dict:
     """Build ``run``'s GPT + ZeroEngine on ``grid`` (tp, dp must match), run one optimizer step
     on random tokens, return the same dict as ``predict`` from the engine's own accounting.
     Collective over the grid (every rank calls)."""
-    from hybrid.tp_plan import parallelize_gpt
-    from hybrid.zero import OptimizerConfig, ZeroConfig, ZeroEngine
+    from hybrid.parallel.tp_plan import parallelize_gpt
+    from hybrid.zero.engine import OptimizerConfig, ZeroConfig, ZeroEngine
     from models.gpt import GPT, GPTConfig
 
     if (grid.tp_size, grid.dp_size) != (run.tp, run.dp):
@@ -110,7 +110,7 @@ def measure(grid, run: CheckRun, seed: int = 1234) -> dict:
 def measure_world(rank: int, world_size: int, runs: list[CheckRun]) -> dict:
     """Run inside a spawned world: :func:`measure` every run, one grid per tp; rank r returns
     ``{run.name: measured}``."""
-    from hybrid.grid import ProcessGrid
+    from hybrid.parallel.grid import ProcessGrid
 
     out = {}
     for tp in sorted({r.tp for r in runs}):

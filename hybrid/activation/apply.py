@@ -9,8 +9,8 @@ Applied by the parallelism plan after the tensor-parallel swap and before ZeRO w
     engine = ZeroEngine(model, grid, ...)
 
 Checkpoints sit at transformer-block inputs ``[b, s, h]`` (``model.layers[i]``), full
-recompute. Mechanics are in :mod:`hybrid.recompute` (checkpoint Function, RNG, P_a gather, host
-copy) and :mod:`hybrid.checkpoint_arena` (M_D); the measurement in :mod:`hybrid.saved_bytes`.
+recompute. Mechanics are in :mod:`hybrid.activation.recompute` (checkpoint Function, RNG, P_a gather, host
+copy) and :mod:`hybrid.activation.arena` (M_D); the measurement in :mod:`hybrid.activation.saved_bytes`.
 
 The arena and ZeRO's flat gradient buffers are the same M_D idea (ZeRO paper §6.3) applied to
 the two kinds of long-lived tensors: parameter gradients live for a whole step and their
@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from hybrid.recompute import ActivationStore, CheckpointedForward, CheckpointStats
-from hybrid.rng import RNGTracker
-from hybrid.saved_bytes import format_saved_bytes, measure_saved_bytes  # noqa: F401 (public API)
+from hybrid.activation.recompute import ActivationStore, CheckpointedForward, CheckpointStats
+from hybrid.activation.saved_bytes import format_saved_bytes, measure_saved_bytes  # noqa: F401 (public API)
+from hybrid.parallel.rng import RNGTracker
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class ActivationCheckpointing:
         config: the applied :class:`ActivationConfig`.
         blocks: indices of the checkpointed blocks in ``model.layers``.
         partitioned: whether P_a is in effect (False at tp = 1 even when asked for).
-        store: the :class:`hybrid.recompute.ActivationStore` (arena, host copies, gathers).
+        store: the :class:`hybrid.activation.recompute.ActivationStore` (arena, host copies, gathers).
     """
 
     def __init__(self, model: nn.Module, config: ActivationConfig, store: ActivationStore,
@@ -112,7 +112,7 @@ class ActivationCheckpointing:
 
     @property
     def arena(self):
-        """The :class:`hybrid.checkpoint_arena.CheckpointArena`, or None (no M_D, or no
+        """The :class:`hybrid.activation.arena.CheckpointArena`, or None (no M_D, or no
         checkpoint written yet)."""
         return self.store.arena
 
@@ -161,7 +161,7 @@ def apply_activation_checkpointing(model: nn.Module, grid, config: ActivationCon
 
     Args:
         model: a (tensor-parallel) GPT whose ``layers`` take and return one ``[b, s, h]`` tensor.
-        grid: the :class:`hybrid.grid.ProcessGrid` (P_a uses ``grid.tp_group``).
+        grid: the :class:`hybrid.parallel.grid.ProcessGrid` (P_a uses ``grid.tp_group``).
         config: the options; validated against ``len(model.layers)``.
         tracker: the TP dropout stream; None means the model's own (found on its modules).
 

@@ -7,7 +7,7 @@ reduce-scatter and 2M (n-1)/n for all-reduce. ZeRO §7 drops the (n-1)/n factor;
 
 Sources (see /work/shared/reference/paper.md):
 - Data parallel: ZeRO (1910.02054) §7.1-7.2: 2Ψ for DDP, ZeRO-1 and ZeRO-2, 3Ψ for ZeRO-3;
-  with gradient accumulation, the schedule of ``hybrid.zero.ZeroEngine`` (``dp_traffic_by_kind``).
+  with gradient accumulation, the schedule of ``hybrid.zero.engine.ZeroEngine`` (``dp_traffic_by_kind``).
 - Tensor parallel: Megatron-LM (1909.08053) §3 / Fig. 4 (4 all-reduces per layer), Narayanan et al.
   (2104.04473) §3.2 (8bsh(t-1)/t per layer per micro-batch), ZeRO §8 (6 all-reduces with
   recompute, plus one P_a all-gather of the block input).
@@ -15,7 +15,7 @@ Sources (see /work/shared/reference/paper.md):
 
 from __future__ import annotations
 
-from hybrid.memory_estimate import ZERO_STAGES, Precision, get_precision, params_per_tp_rank
+from hybrid.planner.memory import ZERO_STAGES, Precision, get_precision, params_per_tp_rank
 
 
 def _ring(n: int, ring_factor: bool) -> float:
@@ -35,7 +35,7 @@ def dp_traffic_by_kind(
 ) -> dict[str, float]:
     """Elements one rank sends over its data-parallel group per optimizer step, per collective.
 
-    Returns {'all_reduce', 'reduce_scatter', 'all_gather'} (the ``hybrid.zero_comm`` ledger
+    Returns {'all_reduce', 'reduce_scatter', 'all_gather'} (the ``hybrid.zero.comm`` ledger
     names). Ψ_t = the rank's TP shard (``memory_estimate.params_per_tp_rank``), m micro-batches:
 
     - stage 0: all-reduce of the gradients once per step (the last micro-batch): 2Ψ_t;
@@ -47,7 +47,7 @@ def dp_traffic_by_kind(
       (``memory_estimate.persistent_parameters``) are never released, so they are gathered once
       after the step instead: mΨ_t + 2m(Ψ_t - Ψ_p) + Ψ_p.
 
-    This is what ``hybrid.zero.ZeroEngine`` issues (its ledger equals it up to the layout's
+    This is what ``hybrid.zero.engine.ZeroEngine`` issues (its ledger equals it up to the layout's
     padding). Times (dp-1)/dp when ``ring_factor`` (an all-reduce counts 2 (dp-1)/dp); all 0 when
     dp == 1.
     """

@@ -1,0 +1,61 @@
+"""Write one fp32 state dict (safetensors) from a distributed checkpoint, for the plain GPT.
+
+``python -m hybrid.consolidate --load DIR [--iteration N] --output model.safetensors``
+
+The result loads with ``strict=True`` into ``models.gpt.GPT`` built from the checkpoint's model
+dimensions (``metadata.json``), the tied embedding included (stored once as ``wte.weight``).
+Runs in one process, one parameter at a time, whatever grid saved the checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+from hybrid.checkpoint.directory import IncompleteCheckpointError
+from hybrid.checkpoint.shards import CheckpointReader
+
+
+def consolidate(load: str, output: str, iteration: int | None = None) -> dict:
+    """Assemble every parameter's full fp32 master weight and write them to ``output``.
+
+    Returns:
+        The checkpoint's ``metadata.json`` (its ``model`` entry gives the GPTConfig fields).
+
+    Raises:
+        FileNotFoundError / IncompleteCheckpointError: no complete checkpoint to read.
+    """
+    reader = CheckpointReader(load, iteration)
+    tensors = {name: reader.full_tensor(name, "master").contiguous() for name in reader.param_names()}
+    out = Path(output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".partial")
+    save_file(tensors, str(tmp), metadata={"iteration": str(reader.iteration),
+                                          "model": json.dumps(reader.meta.get("model", {}))})
+    os.replace(tmp, out)
+    return reader.meta
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m hybrid.checkpoint.consolidate", description=__doc__.split("\n")[0])
+    p.add_argument("--load", required=True, help="checkpoint directory (the --save of the run)")
+    p.add_argument("--iteration", type=int, help="which iteration (default: the latest complete one)")
+    p.add_argument("--output", required=True, help="output .safetensors file")
+    args = p.parse_args(argv)
+    try:
+        meta = consolidate(args.load, args.output, args.iteration)
+    except (FileNotFoundError, IncompleteCheckpointError) as e:
+        print(f"consolidate: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.output}: {len(meta['params'])} tensors from iteration {meta['iteration']} "
+          f"(saved at tp={meta['grid']['tp']} x dp={meta['grid']['dp']}, ZeRO stage {meta['zero_stage']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,416 @@
+"""Memory planner: which (TP degree, ZeRO stage, activation option) fits a cluster, and which is fastest.
+
+For every candidate tensor-parallel degree t (a power of two dividing the heads, the GPU count and
+<= GPUs per node; dp = GPUs / t), ZeRO stage 0-3 and activation option
+(none / full checkpointing / + P_a / + P_a+cpu) it computes per-rank bytes (model states, one
+micro-batch of activations, constant-size communication buffers), whether that fits, the DP and
+TP traffic per step and an estimated step time. ``python -m hybrid.planner.plan --help`` for the CLI.
+
+Cost model (deliberately simple; every term is printed so it can be argued with):
+    step_s = compute_s + tp_s + dp_s + cpu_s, with no overlap between them (pessimistic).
+    compute_s = hardware FLOPs per step / (GPUs * peak * efficiency); hardware FLOPs are
+        2205.05198 Eq. 7 without checkpointing and 2104.04473 Eq. 3 (one extra forward) with it,
+        so the recompute penalty is the 4/3 factor on the layers.
+    tp_s = TP bytes per rank per step / intra-node bandwidth (TP groups never leave a node).
+    dp_s = DP bytes per rank per step / inter-node bandwidth per GPU when the job spans nodes,
+        else / intra-node bandwidth.
+    cpu_s = 2 * partitioned checkpoint bytes per micro-batch * micro-batches / host-link bandwidth
+        (P_a+cpu: out in forward, back in backward, ZeRO §8).
+Bandwidths are achieved per-GPU bus bandwidths in GB/s (1e9 B/s). Defaults describe a DGX A100:
+NVLink ~200 GB/s achievable all-reduce bus bandwidth, one 200 Gb/s HDR NIC per GPU = 25 GB/s,
+PCIe 4 x16 ~20 GB/s, 45% of peak on the GEMMs (2104.04473 Table 1 reaches 44-52%).
+Model states follow ``Training.accounting``: 'paper' (ZeRO §3.1, 16 B/param mixed precision,
+the default, which reproduces the paper's tables) or 'engine' (``hybrid.zero.engine.ZeroEngine``'s own
+allocations: fp32 gradient accumulation, separate fp32 master; 18 B/param in bf16, 20 in fp32),
+see ``hybrid.planner.memory``. Data-parallel traffic follows the engine's schedule
+(``hybrid.planner.traffic.dp_traffic_by_kind``), in both accountings.
+The fastest fitting candidate wins; ties go to the lower ZeRO stage, then the smaller footprint.
+"Fits" means model states + activations + buffers + ``reserved_bytes`` (default 1 GB for the CUDA
+context and fragmentation; pass 0 to reproduce the ZeRO tables) <= GPU memory.
+
+Constant-size buffers (ZeRO §6.2, C_B): gradients are reduced in buckets of 5e7 elements and
+stage 3 gathers parameters in buckets of 5e7 elements (100 MB each in bf16, two of each in flight).
+DeepSpeed's 5e8 defaults cost 2 GB per bucket pair; 5e7 keeps collectives large enough to reach
+bus bandwidth (>= 100 MB messages) at a twentieth of the memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from hybrid.flops import flops_per_iteration, layer_parameter_split
+from hybrid.model_shape import ModelShape
+from hybrid.parallel.vocab import pad_vocab_size
+from hybrid.planner.memory import (
+    ACCOUNTINGS,
+    ACTIVATION_OPTIONS,
+    ZERO_STAGES,
+    activation_bytes,
+    comm_buffer_bytes,
+    get_precision,
+    model_state_bytes,
+    params_per_tp_rank,
+    persistent_parameters,
+    state_bytes_per_param,
+)
+from hybrid.planner.traffic import dp_traffic_bytes, tp_traffic_elements
+
+__all__ = [
+    "ACCOUNTINGS",
+    "Cluster",
+    "Training",
+    "Candidate",
+    "tp_candidates",
+    "evaluate",
+    "plan",
+    "best",
+    "max_params",
+    "max_layers",
+    "model_state_bytes",
+    "dp_traffic_bytes",
+    "activation_bytes",
+]
+
+GB = 1e9
+DEFAULT_BUCKET_ELEMENTS = 50_000_000
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The machines: GPU count and memory, speeds the cost model uses."""
+
+    num_gpus: int
+    """GPUs in the job (tp * dp)."""
+    gpus_per_node: int = 8
+    """GPUs sharing one NVLink domain; TP never crosses it."""
+    gpu_memory_bytes: float = 80 * GB
+    """Usable memory per GPU in bytes (GB = 1e9, as the ZeRO paper)."""
+    reserved_bytes: float = 1 * GB
+    """Held back per GPU for the CUDA context, allocator fragmentation, temporaries (bytes)."""
+    peak_tflops: float = 312.0
+    """Dense bf16/fp16 peak per GPU in TFLOP/s (``flops.device_peak_tflops``)."""
+    efficiency: float = 0.45
+    """Fraction of peak the GEMMs achieve."""
+    intra_node_gbs: float = 200.0
+    """Achieved per-GPU collective bandwidth inside a node, GB/s."""
+    inter_node_gbs: float = 25.0
+    """Achieved per-GPU collective bandwidth across nodes, GB/s."""
+    cpu_gbs: float = 20.0
+    """Per-GPU host link bandwidth for P_a+cpu, GB/s."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value < 0 or (value == 0 and f.name != "reserved_bytes"):
+                raise ValueError(f"{f.name} must be positive, got {value}")
+        if self.num_gpus % self.gpus_per_node:
+            raise ValueError(
+                f"num_gpus={self.num_gpus} is not divisible by gpus_per_node={self.gpus_per_node}"
+            )
+        if self.efficiency > 1:
+            raise ValueError(f"efficiency is a fraction of peak, got {self.efficiency}")
+
+
+@dataclass(frozen=True)
+class Training:
+    """What one step does."""
+
+    seq_length: int
+    """Tokens per sequence s."""
+    micro_batch_size: int = 1
+    """Sequences per rank per forward/backward b."""
+    global_batch_size: int | None = None
+    """Sequences per optimizer step; None = micro_batch_size * num_gpus."""
+    precision: str = "bf16"
+    """'bf16' / 'fp16' (mixed, 16 B/param) or 'fp32' (4 param + 4 grad + 8 Adam)."""
+    accounting: str = "paper"
+    """'paper': ZeRO §3.1 bytes per parameter (2 + 2 + 12; the paper's tables); 'engine': what
+    ``hybrid.zero.engine.ZeroEngine`` holds and sends (fp32 gradients, separate fp32 master: 18 B/param
+    in 16-bit, 20 in fp32). See ``hybrid.planner.memory``."""
+    param_persistence_threshold: int = 0
+    """Stage 3 keeps local parameters with fewer elements than this whole (ZeroConfig's field of
+    the same name, default 100,000 there); 0 partitions everything, as the paper counts."""
+    reduce_bucket_elements: int = DEFAULT_BUCKET_ELEMENTS
+    """Gradient reduce bucket, elements."""
+    allgather_bucket_elements: int = DEFAULT_BUCKET_ELEMENTS
+    """Stage-3 parameter gather bucket, elements."""
+    make_vocab_size_divisible_by: int = 128
+    """Vocabulary padded to a multiple of this * tp (Megatron §5.1)."""
+
+    def __post_init__(self) -> None:
+        get_precision(self.precision, self.accounting)
+        if self.param_persistence_threshold < 0:
+            raise ValueError(
+                f"param_persistence_threshold must be >= 0, got {self.param_persistence_threshold}"
+            )
+        for name in (
+            "seq_length",
+            "micro_batch_size",
+            "reduce_bucket_elements",
+            "allgather_bucket_elements",
+            "make_vocab_size_divisible_by",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.global_batch_size is not None and self.global_batch_size <= 0:
+            raise ValueError(f"global_batch_size must be positive, got {self.global_batch_size}")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One evaluated layout; all byte counts are per rank, times per optimizer step."""
+
+    tp: int
+    dp: int
+    stage: int
+    activation: str
+    micro_batches: int
+    """Gradient-accumulation steps: global batch / (micro batch * dp)."""
+    params_per_rank: int
+    """Parameters of this rank's TP shard (elements), before ZeRO."""
+    model_states: dict
+    """{'params', 'grads', 'master', 'optimizer', 'total'} bytes."""
+    activations: dict
+    """``memory_estimate.activation_bytes`` of one micro-batch."""
+    buffers: int
+    """Constant-size communication buffers, bytes."""
+    total_bytes: int
+    """model states + GPU activations + buffers + reserved, bytes."""
+    fits: bool
+    dp_bytes: float
+    """Data-parallel bytes sent per step by this rank."""
+    tp_bytes: float
+    """Tensor-parallel bytes sent per step by this rank."""
+    cpu_bytes: float
+    """Bytes moved to and from the host per step (P_a+cpu)."""
+    times: dict = field(default_factory=dict)
+    """{'compute_s', 'tp_s', 'dp_s', 'cpu_s', 'step_s'}."""
+    tokens_per_s: float = 0.0
+    mfu: float = 0.0
+    dp_bytes_by_kind: dict = field(default_factory=dict)
+    """``dp_bytes`` split into {'all_reduce', 'reduce_scatter', 'all_gather'} (``zero_comm`` names)."""
+    persistent_params: int = 0
+    """Stage 3: elements of the TP shard kept whole (``Training.param_persistence_threshold``)."""
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def tp_candidates(model: object, cluster: Cluster) -> list[int]:
+    """Powers of two t <= gpus_per_node dividing the heads, the MLP width and the GPU count."""
+    m = ModelShape.of(model)
+    out, t = [], 1
+    while t <= cluster.gpus_per_node:
+        if m.num_attention_heads % t == 0 and m.ffn % t == 0 and cluster.num_gpus % t == 0:
+            out.append(t)
+        t *= 2
+    return out
+
+
+def _padded(model: object, tp: int, training: Training) -> ModelShape:
+    m = ModelShape.of(model)
+    vocab = pad_vocab_size(m.vocab_size, tp, training.make_vocab_size_divisible_by)
+    return dataclasses.replace(m, vocab_size=vocab)
+
+
+def _check_tp(m: ModelShape, tp: int, cluster: Cluster) -> None:
+    if tp <= 0 or m.num_attention_heads % tp or m.ffn % tp:
+        raise ValueError(
+            f"tp={tp} must divide num_attention_heads={m.num_attention_heads} "
+            f"and ffn_hidden_size={m.ffn}"
+        )
+    if tp > cluster.gpus_per_node or cluster.num_gpus % tp:
+        raise ValueError(
+            f"tp={tp} must divide num_gpus={cluster.num_gpus} and be <= "
+            f"gpus_per_node={cluster.gpus_per_node}"
+        )
+
+
+def evaluate(
+    model: object, cluster: Cluster, training: Training, tp: int, stage: int, activation: str
+) -> Candidate:
+    """Memory, traffic and estimated step time of one layout (see the module docstring).
+
+    Raises ValueError for an impossible layout (tp not dividing heads or GPUs, a global batch
+    that is not a multiple of micro batch * dp).
+    """
+    m0 = ModelShape.of(model)
+    _check_tp(m0, tp, cluster)
+    m = _padded(m0, tp, training)
+    dp = cluster.num_gpus // tp
+    s, b = training.seq_length, training.micro_batch_size
+    gbs = training.global_batch_size or b * cluster.num_gpus
+    if gbs % (b * dp):
+        raise ValueError(
+            f"global_batch_size={gbs} is not a multiple of micro_batch_size * dp = {b} * {dp}"
+        )
+    micro_batches = gbs // (b * dp)
+    prec = get_precision(training.precision, training.accounting)
+
+    psi_t = params_per_tp_rank(m, tp)
+    persistent = (
+        persistent_parameters(m, tp, training.param_persistence_threshold) if stage == 3 else 0
+    )
+    states = model_state_bytes(m, tp, dp, stage, prec, persistent)
+    acts = activation_bytes(m, s, b, tp, activation, prec)
+    layer_sharded, layer_replicated = layer_parameter_split(m)
+    largest = max(layer_sharded // tp + layer_replicated, m.vocab_size * m.hidden_size // tp)
+    buffers = comm_buffer_bytes(
+        psi_t,
+        stage,
+        training.reduce_bucket_elements,
+        training.allgather_bucket_elements,
+        prec,
+        largest,
+    )
+    total = states["total"] + acts["gpu"] + buffers + int(cluster.reserved_bytes)
+
+    recompute = activation != "none"
+    dp_kinds = dp_traffic_bytes(
+        m, dp, stage, tp, prec, micro_batches, persistent_params=persistent, by_kind=True
+    )
+    dp_bytes = sum(dp_kinds.values())
+    tp_elems = tp_traffic_elements(
+        b,
+        s,
+        m.hidden_size,
+        tp,
+        m.num_layers,
+        recompute,
+        activation in ("full+pa", "full+pa+cpu"),
+        m.vocab_size,
+    )
+    tp_bytes = tp_elems * prec.activation_bytes * micro_batches
+    cpu_bytes = 2 * acts["cpu"] * micro_batches
+
+    hw_flops = flops_per_iteration(m, gbs, s, "full" if recompute else "none")
+    model_flops = flops_per_iteration(m, gbs, s, "none")
+    peak = cluster.num_gpus * cluster.peak_tflops * 1e12
+    dp_bw = (
+        cluster.inter_node_gbs
+        if cluster.num_gpus > cluster.gpus_per_node
+        else cluster.intra_node_gbs
+    )
+    times = {
+        "compute_s": hw_flops / (peak * cluster.efficiency),
+        "tp_s": tp_bytes / (cluster.intra_node_gbs * GB),
+        "dp_s": dp_bytes / (dp_bw * GB),
+        "cpu_s": cpu_bytes / (cluster.cpu_gbs * GB),
+    }
+    times["step_s"] = sum(times.values())
+    return Candidate(
+        tp=tp,
+        dp=dp,
+        stage=stage,
+        activation=activation,
+        micro_batches=micro_batches,
+        params_per_rank=psi_t,
+        model_states=states,
+        activations=acts,
+        buffers=buffers,
+        total_bytes=total,
+        fits=total <= cluster.gpu_memory_bytes,
+        dp_bytes=dp_bytes,
+        tp_bytes=tp_bytes,
+        cpu_bytes=cpu_bytes,
+        times=times,
+        tokens_per_s=gbs * s / times["step_s"],
+        mfu=model_flops / (times["step_s"] * peak),
+        dp_bytes_by_kind=dp_kinds,
+        persistent_params=persistent,
+    )
+
+
+def plan(
+    model: object,
+    cluster: Cluster,
+    training: Training,
+    tps: list[int] | None = None,
+    stages: tuple[int, ...] = ZERO_STAGES,
+    activations: tuple[str, ...] = ACTIVATION_OPTIONS,
+) -> tuple[list[Candidate], list[str]]:
+    """Evaluate every layout; returns (candidates, reasons for the layouts that were skipped).
+
+    ``tps`` None means ``tp_candidates``. "full+pa" is skipped at tp = 1, where partitioning over
+    one rank is plain checkpointing.
+    """
+    m = ModelShape.of(model)
+    if tps is None:
+        tps = tp_candidates(m, cluster)
+    for tp in tps:
+        _check_tp(m, tp, cluster)
+    out, skipped = [], []
+    for tp in tps:
+        for stage in stages:
+            for act in activations:
+                if tp == 1 and act == "full+pa":
+                    continue
+                try:
+                    out.append(evaluate(m, cluster, training, tp, stage, act))
+                except ValueError as err:
+                    reason = f"tp={tp}: {err}"
+                    if reason not in skipped:
+                        skipped.append(reason)
+    return out, skipped
+
+
+def best(candidates: list[Candidate]) -> Candidate | None:
+    """The fitting candidate with the smallest step time (ties: lower stage, smaller total)."""
+    fitting = [c for c in candidates if c.fits]
+    if not fitting:
+        return None
+    return min(fitting, key=lambda c: (round(c.times["step_s"], 9), c.stage, c.total_bytes))
+
+
+def max_params(
+    memory_bytes: float,
+    tp: int,
+    dp: int,
+    stage: int,
+    precision: str = "bf16",
+    accounting: str = "paper",
+) -> int:
+    """Largest parameter count whose model states fit ``memory_bytes`` per GPU (elements).
+
+    ZeRO Table 2 inversion: Ψ_max = memory * tp / bytes-per-param(stage, dp), activations and
+    buffers ignored as in the paper (32 GB, N_d = 64, tp = 1: 2.0B / 7.64B / 14.4B / 128B).
+    """
+    if memory_bytes <= 0 or tp <= 0:
+        raise ValueError(f"memory_bytes and tp must be positive, got {memory_bytes}, {tp}")
+    prec = get_precision(precision, accounting)
+    return math.floor(memory_bytes * tp / state_bytes_per_param(stage, dp, prec))
+
+
+def max_layers(
+    model: object,
+    cluster: Cluster,
+    training: Training,
+    tp: int,
+    stage: int,
+    activation: str,
+    limit: int = 100_000,
+) -> int:
+    """Largest num_layers (other dimensions from ``model``) that fits, counting everything.
+
+    Memory grows monotonically with the layer count, so this bisects; 0 if even one layer does not
+    fit. Use it for the activation-aware version of the max-model question (ZeRO §10.5, Fig. 6).
+    """
+    m = ModelShape.of(model)
+
+    def fits(layers: int) -> bool:
+        return evaluate(
+            dataclasses.replace(m, num_layers=layers), cluster, training, tp, stage, activation
+        ).fits
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
