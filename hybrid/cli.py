@@ -1,9 +1,12 @@
 """Command line of the pretraining job, generated from :class:`hybrid.config.PretrainConfig`.
 
-Each leaf field ``name`` becomes ``--name-with-dashes`` (Megatron-LM's flag names); booleans
-get ``--flag`` / ``--no-flag``. ``--config FILE`` (YAML or TOML) supplies the same fields,
-either flat (``num_layers: 12`` or ``num-layers: 12``) or by section (``model: {num_layers: 12}``);
-flags on the command line win over the file, the file over the defaults.
+Each leaf field becomes its flag (``--name-with-dashes``, or the Megatron-LM name the field
+declares, e.g. ``zero.stage`` is ``--zero-stage``); booleans get ``--flag`` / ``--no-flag``;
+alias flags set a field to a constant (``--bf16`` / ``--fp16`` set ``zero.precision``).
+``--config FILE`` (YAML or TOML) supplies the same fields, either flat by flag name
+(``num_layers: 12``, ``num-layers: 12``, ``zero_stage: 3``, ``bf16: true``) or by section
+(``model: {num_layers: 12}``, ``zero: {stage: 3}``); flags on the command line win over the file,
+the file over the defaults.
 """
 
 from __future__ import annotations
@@ -18,7 +21,11 @@ from pathlib import Path
 import tomllib
 
 from hybrid.config import PretrainConfig
-from hybrid.config_checks import ConfigError
+from hybrid.config_fields import ConfigError, flag_of
+
+LEGACY_SECTIONS = ("parallel", "optim")
+"""Section names of config files written before the tree had one section per component; their
+fields are read by flag name."""
 
 
 def _annotation(f: dataclasses.Field):
@@ -39,6 +46,30 @@ def _base_type(annotation) -> type:
     return annotation
 
 
+def _key(f: dataclasses.Field) -> str:
+    """The flat name of a field: its flag without dashes (``zero_stage`` for ``zero.stage``)."""
+    return flag_of(f)[2:].replace("-", "_")
+
+
+def _default(f: dataclasses.Field):
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+class _Alias(argparse.Action):
+    """``--bf16``-style flag: sets the field to a constant; two different ones conflict."""
+
+    def __init__(self, option_strings, dest, const, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, const=const, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        set_by = namespace.__dict__.setdefault("_set_by", {})
+        previous = set_by.get(self.dest)
+        if previous is not None and getattr(namespace, self.dest) != self.const:
+            raise ConfigError(f"{previous} and {option_string} are mutually exclusive")
+        set_by[self.dest] = option_string
+        setattr(namespace, self.dest, self.const)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``hybrid.pretrain`` argument parser (all defaults suppressed; see :func:`parse_config`)."""
     parser = argparse.ArgumentParser(
@@ -47,28 +78,31 @@ def build_parser() -> argparse.ArgumentParser:
         argument_default=argparse.SUPPRESS,
     )
     parser.add_argument("--config", help="YAML or TOML file with the same fields as the flags")
-    cfg = PretrainConfig()
-    groups = {s: parser.add_argument_group(s) for s in cfg.SECTIONS}
-    for section, f in cfg.flat_fields():
-        flag = "--" + f.name.replace("_", "-")
+    groups = {s: parser.add_argument_group(s, kind.__doc__.splitlines()[0])
+              for s, kind in PretrainConfig.sections().items()}
+    for section, f in PretrainConfig.flat_fields():
         kind = _base_type(_annotation(f))
-        meta = dict(f.metadata)
-        help_ = meta.pop("help")
+        meta = {k: v for k, v in f.metadata.items() if k not in ("help", "flag", "aliases")}
+        help_ = f.metadata["help"]
         if "default" not in help_:
             help_ += f" (default: {_default(f)!r})"
+        key, g = _key(f), groups[section]
         if kind is bool:
-            groups[section].add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, help=help_)
+            g.add_argument(flag_of(f), dest=key, action=argparse.BooleanOptionalAction, help=help_)
         else:
-            groups[section].add_argument(flag, dest=f.name, type=kind, help=help_, **meta)
+            g.add_argument(flag_of(f), dest=key, type=kind, help=help_, **meta)
+        for alias, const in f.metadata.get("aliases", {}).items():
+            g.add_argument(alias, dest=key, action=_Alias, const=const,
+                           help=f"same as {flag_of(f)} {const}")
     return parser
 
 
-def _default(f: dataclasses.Field):
-    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+def _file_keys() -> dict[str, tuple[str, dataclasses.Field]]:
+    return {_key(f): (s, f) for s, f in PretrainConfig.flat_fields()}
 
 
 def load_config_file(path: str) -> dict:
-    """Flat ``{field_name: value}`` from a YAML (.yaml/.yml) or TOML (.toml) file.
+    """Flat ``{flat field name: value}`` from a YAML (.yaml/.yml) or TOML (.toml) file.
 
     Raises:
         ConfigError: missing file, unknown suffix, unparsable content, or an unknown field
@@ -87,41 +121,62 @@ def load_config_file(path: str) -> dict:
         else:
             raise ConfigError(f"--config {path}: use a .yaml, .yml or .toml file")
     except (tomllib.TOMLDecodeError, ValueError) as e:
+        if isinstance(e, ConfigError):
+            raise
         raise ConfigError(f"--config {path}: {e}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"--config {path}: expected a mapping of field names to values")
-    cfg = PretrainConfig()
-    valid = {f.name: s for s, f in cfg.flat_fields()}
+    sections = PretrainConfig.sections()
+    keys = _file_keys()
+    aliases = {a[2:].replace("-", "_"): (_key(f), c) for _, f in PretrainConfig.flat_fields()
+               for a, c in f.metadata.get("aliases", {}).items()}
     flat: dict = {}
-    for key, value in raw.items():
+    unknown = []
+
+    def put(key, value, section=None):
         key = key.replace("-", "_")
-        if key in cfg.SECTIONS and isinstance(value, dict):
-            for k, v in value.items():
-                flat[k.replace("-", "_")] = v
-        else:
+        if section is not None:  # a field name inside its section
+            by_name = {f.name: _key(f) for f in dataclasses.fields(sections[section])}
+            key = by_name.get(key, key)
+        if key in aliases:
+            target, const = aliases[key]
+            if value:
+                flat[target] = const
+        elif key in keys:
             flat[key] = value
-    unknown = sorted(set(flat) - set(valid))
+        else:
+            unknown.append(key)
+
+    for key, value in raw.items():
+        name = key.replace("-", "_")
+        if (name in sections or name in LEGACY_SECTIONS) and isinstance(value, dict):
+            for k, v in value.items():
+                put(k, v, name if name in sections else None)
+        else:
+            put(key, value)
     if unknown:
-        raise ConfigError(f"--config {path}: unknown fields {unknown}; valid fields: {sorted(valid)}")
+        raise ConfigError(f"--config {path}: unknown fields {sorted(unknown)}; valid fields: {sorted(keys)}")
     return flat
 
 
 def parse_config(argv: list[str] | None = None) -> PretrainConfig:
     """Parse ``argv`` (and its ``--config`` file) into a :class:`PretrainConfig`.
 
+    Every section validates its own fields as it is built.
+
     Raises:
-        ConfigError: a bad config file. argparse exits with status 2 on a malformed flag.
+        ConfigError: a bad config file, two conflicting alias flags, or a bad field value.
+            argparse exits with status 2 on a malformed flag.
     """
-    parser = build_parser()
-    ns = vars(parser.parse_args(argv))
+    ns = vars(build_parser().parse_args(argv))
+    ns.pop("_set_by", None)
     values = load_config_file(ns.pop("config")) if "config" in ns else {}
     values.update(ns)
-    cfg = PretrainConfig()
-    for section, f in cfg.flat_fields():
-        if f.name in values:
-            value = _coerce(f, values[f.name])
-            setattr(getattr(cfg, section), f.name, value)
-    return cfg
+    sections = {}
+    for name, kind in PretrainConfig.sections().items():
+        kwargs = {f.name: _coerce(f, values[_key(f)]) for f in dataclasses.fields(kind) if _key(f) in values}
+        sections[name] = kind(**kwargs)
+    return PretrainConfig(**sections)
 
 
 def _coerce(f: dataclasses.Field, value):
@@ -129,17 +184,17 @@ def _coerce(f: dataclasses.Field, value):
     if _is_list(f):
         items = value.split() if isinstance(value, str) else value
         if not isinstance(items, list):
-            raise ConfigError(f"{f.name}: expected a list, got {value!r}")
+            raise ConfigError(f"{flag_of(f)}: expected a list, got {value!r}")
         return [str(v) for v in items]
     if value is None or isinstance(value, bool):
         return value
     kind = _base_type(_annotation(f))
     if isinstance(value, list | dict):
-        raise ConfigError(f"{f.name}: expected one {kind.__name__}, got {value!r}")
+        raise ConfigError(f"{flag_of(f)}: expected one {kind.__name__}, got {value!r}")
     try:
         return kind(value)
     except (TypeError, ValueError):
-        raise ConfigError(f"{f.name}: {value!r} is not a valid {kind.__name__}") from None
+        raise ConfigError(f"{flag_of(f)}: {value!r} is not a valid {kind.__name__}") from None
 
 
 def config_json(cfg: PretrainConfig) -> str:

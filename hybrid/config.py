@@ -1,9 +1,14 @@
-"""The pretraining job's configuration: one typed dataclass tree (STYLE.md rule 6).
+"""The pretraining job's configuration: one typed dataclass tree.
 
-Each field's ``help`` is its one-line docstring; the CLI (``hybrid.cli``) is generated from
-these dataclasses with Megatron-LM's flag names (``num_layers`` -> ``--num-layers``), and a
-YAML/TOML ``--config`` file can supply the same fields. :func:`validate` does every
-cross-field check before any process group starts.
+:class:`PretrainConfig` has one section per component; the component configs *are* the
+sections (``cfg.zero`` is the :class:`hybrid.zero.config.ZeroConfig` the engine receives,
+``cfg.optimizer`` its :class:`OptimizerConfig`, ``cfg.activation`` the
+:class:`ActivationConfig` of activation checkpointing). Every field is declared once with
+:func:`hybrid.config_fields.arg` (default, one-line help, Megatron-LM flag name, aliases); the
+CLI (``hybrid.cli``) and ``--help`` are generated from them, and a YAML/TOML ``--config`` file
+can supply the same fields. Each section validates its own fields when built; the checks that
+involve two sections, the files the config names or the world size live only in
+``hybrid.config_checks``.
 """
 
 from __future__ import annotations
@@ -11,16 +16,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-
-def arg(default, help: str, **extra):
-    """A config field: ``default`` value and its one-line ``help`` (also the CLI help)."""
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=dict(help=help, **extra))
-    return field(default=default, metadata=dict(help=help, **extra))
+from hybrid.activation.config import ActivationConfig
+from hybrid.config_fields import arg, check_choice, check_int, check_number, fail
+from hybrid.schedule import DECAY_STYLES
+from hybrid.zero.config import OptimizerConfig, ZeroConfig
 
 
 @dataclass
-class ModelArgs:
+class ModelConfig:
     """Model shape (``models.gpt.GPTConfig``) or a preset name."""
 
     preset: str | None = arg(None, "model preset (models.presets), e.g. gpt2-124m; explicit flags override it")
@@ -31,62 +34,67 @@ class ModelArgs:
     seq_length: int = arg(1024, "tokens per training sample")
     max_position_embeddings: int | None = arg(None, "position table size (default: seq length, or the preset's)")
     make_vocab_size_divisible_by: int = arg(128, "pad the vocabulary to a multiple of this times the TP size")
-    vocab_size: int | None = arg(None, "vocabulary size (default: the tokenizer's; required with --mock-data without a tokenizer)")
+    vocab_size: int | None = arg(None, "vocabulary size (default: the tokenizer's; required with --mock-data "
+                                       "without a tokenizer)")
     hidden_dropout: float = arg(0.1, "dropout on embeddings and residual branches")
     attention_dropout: float = arg(0.1, "dropout on attention probabilities")
     init_method_std: float = arg(0.02, "std of the normal weight init")
     layernorm_epsilon: float = arg(1e-5, "LayerNorm epsilon")
     untie_embeddings_and_output_weights: bool = arg(False, "give the output layer its own weight")
 
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
+                     "vocab_size"):
+            check_int(self, name, 1, optional=True)
+        check_int(self, "seq_length", 1)
+        check_int(self, "make_vocab_size_divisible_by", 1)
+        for name in ("hidden_dropout", "attention_dropout"):
+            check_number(self, name, 0.0, high=1.0)
+
 
 @dataclass
-class ParallelArgs:
-    """Process grid, ZeRO and activation memory (ZeRO-R)."""
+class GridConfig:
+    """The process grid: tensor parallel inside a node, data parallel across (the rest of the world)."""
 
     tensor_model_parallel_size: int = arg(1, "tensor-model-parallel size (consecutive ranks, inside one node)")
-    zero_stage: int = arg(1, "ZeRO stage over the data-parallel group: 0, 1, 2 or 3")
-    reduce_bucket_size: int = arg(50_000_000, "gradient reduce bucket size, in elements")
-    allgather_bucket_size: int = arg(50_000_000, "parameter all-gather bucket size, in elements")
-    overlap_comm: bool = arg(True, "overlap gradient communication with backward")
-    param_persistence_threshold: int = arg(100_000, "ZeRO-3 keeps parameters smaller than this (elements) unpartitioned")
-    checkpoint_activations: bool = arg(False, "recompute each transformer block in backward (full activation checkpointing)")
-    checkpoint_num_layers: int | None = arg(None, "checkpoint only the first N blocks (default: all)")
-    partition_activations: bool = arg(False, "keep only this TP rank's 1/tp slice of each checkpoint (ZeRO-R Pa)")
-    checkpoint_in_cpu: bool = arg(False, "keep the checkpoint slices in host memory (ZeRO-R Pa+cpu)")
-    contiguous_checkpointing: bool = arg(False, "write checkpoints into one preallocated arena (ZeRO-R MD)")
     distributed_timeout_minutes: float = arg(10.0, "collective timeout, in minutes")
+
+    def __post_init__(self) -> None:
+        check_int(self, "tensor_model_parallel_size", 1)
+        check_number(self, "distributed_timeout_minutes", 0.0, strict=True)
 
 
 @dataclass
-class OptimArgs:
-    """Batch, optimiser, schedule and precision."""
+class TrainingConfig:
+    """Batch, number of steps and the learning-rate schedule (its peak is ``optimizer.lr``)."""
 
     micro_batch_size: int = arg(1, "samples per rank per forward/backward")
     global_batch_size: int | None = arg(None, "samples per optimizer step (default: micro batch x data-parallel size)")
     train_iters: int = arg(100, "optimizer steps to run")
-    lr: float = arg(3e-4, "peak learning rate")
     min_lr: float = arg(0.0, "learning rate at the end of the decay")
-    lr_decay_style: str = arg("cosine", "learning-rate decay after warmup", choices=("constant", "linear", "cosine"))
+    lr_decay_style: str = arg("cosine", "learning-rate decay after warmup", choices=DECAY_STYLES)
     lr_warmup_iters: int = arg(0, "linear warmup steps")
-    lr_warmup_fraction: float | None = arg(None, "warmup as a fraction of the decay steps (overrides --lr-warmup-iters)")
+    lr_warmup_fraction: float | None = arg(None, "warmup as a fraction of the decay steps (overrides "
+                                                 "--lr-warmup-iters)")
     lr_decay_iters: int | None = arg(None, "steps over which the LR decays (default: --train-iters)")
-    weight_decay: float = arg(0.01, "AdamW weight decay (not applied to biases and norms)")
-    adam_beta1: float = arg(0.9, "AdamW beta1")
-    adam_beta2: float = arg(0.999, "AdamW beta2")
-    adam_eps: float = arg(1e-8, "AdamW epsilon")
-    clip_grad: float = arg(1.0, "global gradient-norm clip (0 disables)")
-    bf16: bool = arg(False, "bf16 mixed precision (fp32 master weights)")
-    fp16: bool = arg(False, "fp16 mixed precision with dynamic loss scaling")
-    loss_scale: float | None = arg(None, "static loss scale for fp16 (default: dynamic)")
-    initial_loss_scale: float = arg(2.0**32, "initial dynamic loss scale (a power of two)")
-    loss_scale_window: int = arg(1000, "steps without overflow before the scale doubles")
-    hysteresis: int = arg(2, "overflows tolerated before the scale halves")
-    min_loss_scale: float = arg(1.0, "smallest dynamic loss scale")
     max_nan_iterations: int = arg(10, "stop after this many consecutive iterations with a NaN/inf loss")
+
+    def __post_init__(self) -> None:
+        check_int(self, "micro_batch_size", 1)
+        check_int(self, "global_batch_size", 1, optional=True)
+        check_int(self, "train_iters", 1)
+        check_number(self, "min_lr", 0.0)
+        check_choice(self, "lr_decay_style", DECAY_STYLES)
+        check_int(self, "lr_warmup_iters", 0)
+        f = self.lr_warmup_fraction
+        if f is not None and not (isinstance(f, int | float) and 0 <= f <= 1):
+            fail(self, "lr_warmup_fraction", "must be in [0, 1] or unset")
+        check_int(self, "lr_decay_iters", 1, optional=True)
+        check_int(self, "max_nan_iterations", 1)
 
 
 @dataclass
-class DataArgs:
+class DataConfig:
     """Training data."""
 
     data_path: list[str] = arg([], "dataset prefixes, optionally weighted: 'A' or '0.3 A 0.7 B'", nargs="*")
@@ -98,15 +106,19 @@ class DataArgs:
 
 
 @dataclass
-class EvalArgs:
+class EvalConfig:
     """Evaluation."""
 
     eval_interval: int = arg(1000, "evaluate on the validation split every N steps")
     eval_iters: int = arg(10, "global batches per evaluation")
 
+    def __post_init__(self) -> None:
+        check_int(self, "eval_interval", 1)
+        check_int(self, "eval_iters", 0)
+
 
 @dataclass
-class LoggingArgs:
+class LoggingConfig:
     """Metrics and tracking."""
 
     log_interval: int = arg(10, "steps between log lines / metrics records")
@@ -115,9 +127,12 @@ class LoggingArgs:
     wandb_exp_name: str | None = arg(None, "wandb run name")
     wandb_save_dir: str | None = arg(None, "directory for wandb files (default: ./wandb)")
 
+    def __post_init__(self) -> None:
+        check_int(self, "log_interval", 1)
+
 
 @dataclass
-class CheckpointArgs:
+class CheckpointConfig:
     """Checkpoints and graceful stops."""
 
     save: str | None = arg(None, "directory to save checkpoints to (also where SIGTERM saves)")
@@ -129,27 +144,39 @@ class CheckpointArgs:
     finetune: bool = arg(False, "load weights only and start from iteration 0 (new optimizer, schedule, data order)")
     exit_duration_in_mins: float | None = arg(None, "save and exit cleanly after this many minutes")
 
+    def __post_init__(self) -> None:
+        check_int(self, "save_interval", 1, optional=True)
+        check_int(self, "save_keep_last", 1, optional=True)
+        check_number(self, "exit_duration_in_mins", 0.0, strict=True, optional=True)
+
 
 @dataclass
 class PretrainConfig:
-    """Everything one pretraining job needs."""
+    """Everything one pretraining job needs, one section per component."""
 
-    model: ModelArgs = field(default_factory=ModelArgs)
-    parallel: ParallelArgs = field(default_factory=ParallelArgs)
-    optim: OptimArgs = field(default_factory=OptimArgs)
-    data: DataArgs = field(default_factory=DataArgs)
-    eval: EvalArgs = field(default_factory=EvalArgs)
-    logging: LoggingArgs = field(default_factory=LoggingArgs)
-    checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
-
-    SECTIONS = ("model", "parallel", "optim", "data", "eval", "logging", "checkpoint")
+    model: ModelConfig = field(default_factory=ModelConfig)
+    grid: GridConfig = field(default_factory=GridConfig)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    activation: ActivationConfig = field(default_factory=ActivationConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def to_dict(self) -> dict:
         """Nested plain dict (for printing, wandb and checkpoints)."""
         return dataclasses.asdict(self)
 
-    def flat_fields(self):
+    @classmethod
+    def sections(cls) -> dict[str, type]:
+        """``{section name: section dataclass}`` in declaration order."""
+        return {f.name: f.default_factory for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def flat_fields(cls):
         """``(section, field)`` for every leaf field."""
-        for s in self.SECTIONS:
-            for f in dataclasses.fields(getattr(self, s)):
+        for s, kind in cls.sections().items():
+            for f in dataclasses.fields(kind):
                 yield s, f

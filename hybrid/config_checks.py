@@ -7,20 +7,16 @@ rank with the same message and no worker waits in a collective.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hybrid.config import PretrainConfig
+from hybrid.config_fields import ConfigError
 from hybrid.parallel.grid import validate_grid
 from hybrid.parallel.vocab import pad_vocab_size
 from models.gpt import GPTConfig
 from models.presets import get_preset
-
-
-class ConfigError(ValueError):
-    """An inconsistent or impossible setting; the message names the values."""
 
 
 @dataclass(frozen=True)
@@ -32,7 +28,7 @@ class Derived:
         world_size, tp, dp: grid sizes.
         global_batch_size: samples per optimizer step.
         grad_accum_steps: micro-batches per rank per step
-            (``global = micro x accumulation x dp``, STYLE.md rule 7).
+            (``global = micro x accumulation x dp``).
         tokens_per_step: ``global_batch_size * seq_length``.
         padded_vocab_size: embedding rows after padding for this tp.
         warmup_iters, decay_iters: resolved LR schedule lengths (steps).
@@ -116,7 +112,8 @@ def _model_config(cfg: PretrainConfig, vocab: int) -> GPTConfig:
 
 def validate(cfg: PretrainConfig, world_size: int | None = None,
              local_world_size: int | None = None) -> Derived:
-    """Check ``cfg`` against itself, the files it names and the world; return derived values.
+    """Check ``cfg``'s sections against each other, the files they name and the world; return
+    the derived values. (Each section already checked its own fields when it was built.)
 
     Args:
         cfg: the parsed configuration.
@@ -128,16 +125,12 @@ def validate(cfg: PretrainConfig, world_size: int | None = None,
     env_world, env_local = _world_from_env()
     world = world_size or env_world
     local = local_world_size if local_world_size is not None else env_local
-    p, o, m = cfg.parallel, cfg.optim, cfg.model
-    tp = p.tensor_model_parallel_size
+    t, m = cfg.training, cfg.model
+    tp = cfg.grid.tensor_model_parallel_size
     try:
         shape = validate_grid(world, tp, 1, local)
     except (ValueError, NotImplementedError) as e:
         raise ConfigError(str(e)) from None
-    if p.zero_stage not in (0, 1, 2, 3):
-        raise ConfigError(f"--zero-stage {p.zero_stage}: valid stages are 0, 1, 2, 3")
-    if o.bf16 and o.fp16:
-        raise ConfigError("--bf16 and --fp16 are mutually exclusive")
     vocab = _vocab_size(cfg)
     gpt = _model_config(cfg, vocab)
     if gpt.num_attention_heads % tp:
@@ -146,83 +139,37 @@ def validate(cfg: PretrainConfig, world_size: int | None = None,
     if gpt.ffn_hidden_size % tp:
         raise ConfigError(f"--ffn-hidden-size {gpt.ffn_hidden_size} is not divisible by "
                           f"--tensor-model-parallel-size {tp}")
-    if m.seq_length < 1 or m.seq_length > gpt.max_position_embeddings:
+    if m.seq_length > gpt.max_position_embeddings:
         raise ConfigError(f"--seq-length {m.seq_length} must be in [1, --max-position-embeddings "
                           f"{gpt.max_position_embeddings}]")
-    if o.micro_batch_size < 1:
-        raise ConfigError(f"--micro-batch-size {o.micro_batch_size} must be >= 1")
-    gbs = o.global_batch_size or o.micro_batch_size * shape.dp
-    if gbs % (o.micro_batch_size * shape.dp):
+    gbs = t.global_batch_size or t.micro_batch_size * shape.dp
+    if gbs % (t.micro_batch_size * shape.dp):
         raise ConfigError(f"--global-batch-size {gbs} is not divisible by --micro-batch-size "
-                          f"{o.micro_batch_size} x data-parallel size {shape.dp} = {o.micro_batch_size * shape.dp}")
-    if o.train_iters < 1:
-        raise ConfigError(f"--train-iters {o.train_iters} must be >= 1")
-    if o.lr < 0 or o.min_lr < 0 or o.min_lr > o.lr:
-        raise ConfigError(f"need 0 <= --min-lr ({o.min_lr}) <= --lr ({o.lr})")
-    decay = o.lr_decay_iters if o.lr_decay_iters is not None else o.train_iters
-    if decay < 1:
-        raise ConfigError(f"--lr-decay-iters {decay} must be >= 1")
-    if o.lr_warmup_fraction is not None:
-        if not 0 <= o.lr_warmup_fraction <= 1:
-            raise ConfigError(f"--lr-warmup-fraction {o.lr_warmup_fraction} must be in [0, 1]")
-        warmup = int(o.lr_warmup_fraction * decay)
-    else:
-        warmup = o.lr_warmup_iters
-    if not 0 <= warmup <= decay:
+                          f"{t.micro_batch_size} x data-parallel size {shape.dp} = {t.micro_batch_size * shape.dp}")
+    lr = cfg.optimizer.lr
+    if t.min_lr > lr:
+        raise ConfigError(f"need 0 <= --min-lr ({t.min_lr}) <= --lr ({lr})")
+    decay = t.lr_decay_iters if t.lr_decay_iters is not None else t.train_iters
+    warmup = int(t.lr_warmup_fraction * decay) if t.lr_warmup_fraction is not None else t.lr_warmup_iters
+    if warmup > decay:
         raise ConfigError(f"--lr-warmup-iters {warmup} must be in [0, --lr-decay-iters {decay}]")
-    if o.fp16 and o.loss_scale is None and (
-            o.initial_loss_scale < 1 or 2 ** round(math.log2(o.initial_loss_scale)) != o.initial_loss_scale):
-        raise ConfigError(f"--initial-loss-scale {o.initial_loss_scale} must be a power of two >= 1")
-    if o.hysteresis < 1 or o.loss_scale_window < 1:
-        raise ConfigError(f"--hysteresis {o.hysteresis} and --loss-scale-window {o.loss_scale_window} must be >= 1")
-    if o.clip_grad < 0:
-        raise ConfigError(f"--clip-grad {o.clip_grad} must be >= 0")
-    try:
-        activation_config(cfg).validate(num_layers=gpt.num_layers)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    if cfg.activation.checkpoint_num_layers is not None and cfg.activation.checkpoint_num_layers > gpt.num_layers:
+        raise ConfigError(f"--checkpoint-num-layers {cfg.activation.checkpoint_num_layers} exceeds "
+                          f"--num-layers {gpt.num_layers}")
     _check_data(cfg)
-    if cfg.eval.eval_interval < 1 or cfg.eval.eval_iters < 0 or cfg.logging.log_interval < 1:
-        raise ConfigError(f"--eval-interval {cfg.eval.eval_interval} and --log-interval "
-                          f"{cfg.logging.log_interval} must be >= 1, --eval-iters {cfg.eval.eval_iters} >= 0")
     c = cfg.checkpoint
-    if c.save_interval is not None and (c.save_interval < 1 or not c.save):
-        raise ConfigError(f"--save-interval {c.save_interval} needs --save DIR and a value >= 1")
-    if c.save_keep_last is not None and c.save_keep_last < 1:
-        raise ConfigError(f"--save-keep-last {c.save_keep_last} must be >= 1")
+    if c.save_interval is not None and not c.save:
+        raise ConfigError(f"--save-interval {c.save_interval} needs --save DIR")
     if c.finetune and not c.load:
         raise ConfigError("--finetune needs --load DIR (the checkpoint to start from)")
-    if c.exit_duration_in_mins is not None and c.exit_duration_in_mins <= 0:
-        raise ConfigError(f"--exit-duration-in-mins {c.exit_duration_in_mins} must be > 0")
     if c.load and Path(c.load).exists() and not Path(c.load).is_dir():
         raise ConfigError(f"--load {c.load} is not a directory")
     return Derived(
         gpt=gpt, world_size=world, tp=tp, dp=shape.dp, global_batch_size=gbs,
-        grad_accum_steps=gbs // (o.micro_batch_size * shape.dp), tokens_per_step=gbs * m.seq_length,
+        grad_accum_steps=gbs // (t.micro_batch_size * shape.dp), tokens_per_step=gbs * m.seq_length,
         padded_vocab_size=pad_vocab_size(vocab, tp, m.make_vocab_size_divisible_by),
         warmup_iters=warmup, decay_iters=decay,
     )
-
-
-def activation_config(cfg: PretrainConfig):
-    """The :class:`hybrid.activation.apply.ActivationConfig` of ``cfg`` (ZeRO-R flags).
-
-    Raises:
-        ConfigError: an option without ``--checkpoint-activations``, CPU offload without
-            ``--partition-activations``, or a bad ``--checkpoint-num-layers``.
-    """
-    from hybrid.activation.apply import ActivationConfig
-
-    p = cfg.parallel
-    if p.checkpoint_in_cpu and not p.partition_activations:
-        raise ConfigError("--checkpoint-in-cpu offloads the partitioned checkpoints: add --partition-activations")
-    try:
-        return ActivationConfig(
-            checkpoint_activations=p.checkpoint_activations, partition_activations=p.partition_activations,
-            checkpoint_in_cpu=p.checkpoint_in_cpu, contiguous_checkpointing=p.contiguous_checkpointing,
-            checkpoint_num_layers=p.checkpoint_num_layers)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
 
 
 def _check_data(cfg: PretrainConfig) -> None:

@@ -1,7 +1,8 @@
 """The training loop: micro-batch accumulation, the optimizer step, evaluation and metrics.
 
-``train_step`` runs one optimizer step over ``grad_accum_steps`` micro-batches; ``train``
-repeats it with the LR schedule, logs every ``log_interval`` steps, evaluates on the validation
+A :class:`Trainer` carries what every step needs (engine, grid, loop settings, LR schedule,
+metrics writer, checkpointer). ``train_step`` runs one optimizer step over ``grad_accum_steps``
+micro-batches; :meth:`Trainer.train` repeats it with the LR schedule, logs every ``log_interval`` steps, evaluates on the validation
 split every ``eval_interval`` steps, and stops with a clear error after too many consecutive
 NaN/inf losses. Losses are the data-parallel mean (identical on every rank).
 """
@@ -12,11 +13,17 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from hybrid.metrics import MetricsWriter, memory_mb
+
+if TYPE_CHECKING:
+    from hybrid.checkpoint.policy import Checkpointer
+    from hybrid.parallel.grid import ProcessGrid
+    from hybrid.zero.engine import ZeroEngine
 
 
 class TooManyNaNIterations(RuntimeError):
@@ -66,7 +73,7 @@ def _dp_mean(values: torch.Tensor, group, dp: int) -> torch.Tensor:
     return values / dp
 
 
-def train_step(engine, micro_batches: list[torch.Tensor], lr: float, grid) -> StepResult:
+def train_step(engine: ZeroEngine, micro_batches: list[torch.Tensor], lr: float, grid: ProcessGrid) -> StepResult:
     """One optimizer step over this rank's micro-batches ``[b, s+1]`` (int64 token ids).
 
     The loss of each micro-batch (mean over its tokens) is divided by the number of
@@ -89,7 +96,7 @@ def train_step(engine, micro_batches: list[torch.Tensor], lr: float, grid) -> St
 
 
 @torch.no_grad()
-def evaluate(engine, batches: Iterator[torch.Tensor], num_micro_batches: int, grid) -> float:
+def evaluate(engine: ZeroEngine, batches: Iterator[torch.Tensor], num_micro_batches: int, grid: ProcessGrid) -> float:
     """Mean loss over ``num_micro_batches`` micro-batches of this rank, averaged over dp."""
     engine.eval()
     total = torch.zeros(1, dtype=torch.float64)
@@ -125,78 +132,109 @@ class LoopSettings:
     """Device peak for MFU, None when unknown (CPU)."""
 
 
-def train(engine, grid, state: TrainState, settings: LoopSettings, lr_at: Callable[[int], float],
-          train_batches: Iterator[torch.Tensor], eval_batches: Callable[[str], Iterator[torch.Tensor] | None],
-          writer: MetricsWriter, progress=None,
-          on_iteration: Callable[[TrainState], bool] | None = None) -> TrainState:
-    """Run until ``settings.train_iters`` steps; returns the final :class:`TrainState`.
+EvalBatches = Callable[[str], "Iterator[torch.Tensor] | None"]
+"""``eval_batches(split)``: a fresh iterator over the ``"valid"`` or ``"test"`` split, None if empty."""
 
-    ``on_iteration(state)`` runs after every iteration (after logging and evaluation); when it
-    returns True training stops there (checkpoint saves and preemption use it).
 
-    Raises:
-        TooManyNaNIterations: ``max_nan_iterations`` consecutive NaN/inf losses.
+@dataclass
+class Trainer:
+    """What the loop needs, in one object, so its methods take only what changes per call.
+
+    Attributes:
+        engine: the ZeRO engine (``engine.model`` is the parallel model).
+        grid: the process grid.
+        settings: counts of the loop (in optimizer steps).
+        schedule: ``lr = schedule(successful_steps)``.
+        writer: the metrics path (log line, JSONL, wandb).
+        eval_batches: iterators over the evaluation splits.
+        checkpointer: saves when due and says when to stop (None: never saves).
+        progress: a tqdm-like bar with ``update(n)``, or None.
+        state: the progress counters (restored on resume).
     """
-    engine.train()
-    s = settings
-    window_t0, window_steps, window_losses = time.perf_counter(), 0, []
-    last = None
-    while state.iteration < s.train_iters:
-        lr = lr_at(state.successful_steps)
-        batches = [next(train_batches) for _ in range(s.grad_accum_steps)]
-        last = train_step(engine, batches, lr, grid)
-        state.iteration += 1
-        state.consumed_samples += s.global_batch_size
-        if last.nan_loss:
-            state.nan_iterations += 1
-            state.consecutive_nan += 1
-            if state.consecutive_nan >= s.max_nan_iterations:
-                raise TooManyNaNIterations(
-                    f"{state.consecutive_nan} consecutive iterations had a NaN/inf loss (last at iteration "
-                    f"{state.iteration}); lower --lr, enable --clip-grad or check the data")
-        else:
-            state.consecutive_nan = 0
-            window_losses.append(last.loss)
-        if last.skipped:
-            state.skipped_iterations += 1
-        else:
-            state.successful_steps += 1
-        window_steps += 1
-        if progress is not None:
-            progress.update(1)
-        if state.iteration % s.log_interval == 0 or state.iteration == s.train_iters:
-            elapsed = (time.perf_counter() - window_t0) / window_steps
-            tokens_per_sec = s.tokens_per_step / elapsed
-            tflops = s.flops_per_step / elapsed / grid.world_size / 1e12
-            record = dict(
-                iteration=state.iteration, consumed_samples=state.consumed_samples,
-                lm_loss=sum(window_losses) / len(window_losses) if window_losses else float("nan"),
-                lr=lr, global_batch_size=s.global_batch_size, grad_norm=last.grad_norm,
-                loss_scale=last.loss_scale, skipped_iterations=state.skipped_iterations,
-                nan_iterations=state.nan_iterations, elapsed_ms=1000 * elapsed,
-                tokens_per_sec=tokens_per_sec, tflops_per_device=tflops,
-                mfu=tflops / s.peak_tflops if s.peak_tflops else None, memory_mb=memory_mb(grid.device),
-            )
-            writer.train(record, s.train_iters)
-            state.history.append(record)
-            window_t0, window_steps, window_losses = time.perf_counter(), 0, []
-        paused = time.perf_counter()  # evaluation and checkpoints are not training time
-        if s.eval_iters and state.iteration % s.eval_interval == 0 and state.iteration < s.train_iters:
-            run_eval(engine, grid, state, settings, eval_batches, writer, "valid")
-        stop = on_iteration is not None and on_iteration(state)
-        window_t0 += time.perf_counter() - paused
-        if stop:
-            break
-    return state
 
+    engine: ZeroEngine
+    grid: ProcessGrid
+    settings: LoopSettings
+    schedule: Callable[[int], float]
+    writer: MetricsWriter
+    eval_batches: EvalBatches = lambda split: None
+    checkpointer: Checkpointer | None = None
+    progress: Any = None
+    state: TrainState = field(default_factory=TrainState)
 
-def run_eval(engine, grid, state, settings, eval_batches, writer, split: str) -> float | None:
-    """Evaluate on ``split`` ("valid" or "test") and log one record; None if the split is empty."""
-    batches = eval_batches(split)
-    if batches is None:
-        return None
-    loss = evaluate(engine, batches, settings.eval_iters * settings.grad_accum_steps, grid)
-    record = dict(split=split, iteration=state.iteration, consumed_samples=state.consumed_samples, lm_loss=loss)
-    writer.eval(record)
-    state.history.append(record)
-    return loss
+    def step(self, micro_batches: list[torch.Tensor], lr: float) -> StepResult:
+        """One optimizer step (:func:`train_step`)."""
+        return train_step(self.engine, micro_batches, lr, self.grid)
+
+    def train(self, train_batches: Iterator[torch.Tensor]) -> TrainState:
+        """Run until ``settings.train_iters`` steps; returns the final :class:`TrainState`.
+
+        After every iteration (after logging and evaluation) the checkpointer saves when due;
+        when it says stop (SIGTERM, time limit) training stops there.
+
+        Raises:
+            TooManyNaNIterations: ``max_nan_iterations`` consecutive NaN/inf losses.
+        """
+        self.engine.train()
+        s, state, grid = self.settings, self.state, self.grid
+        window_t0, window_steps, window_losses = time.perf_counter(), 0, []
+        last = None
+        while state.iteration < s.train_iters:
+            lr = self.schedule(state.successful_steps)
+            batches = [next(train_batches) for _ in range(s.grad_accum_steps)]
+            last = self.step(batches, lr)
+            state.iteration += 1
+            state.consumed_samples += s.global_batch_size
+            if last.nan_loss:
+                state.nan_iterations += 1
+                state.consecutive_nan += 1
+                if state.consecutive_nan >= s.max_nan_iterations:
+                    raise TooManyNaNIterations(
+                        f"{state.consecutive_nan} consecutive iterations had a NaN/inf loss (last at iteration "
+                        f"{state.iteration}); lower --lr, enable --clip-grad or check the data")
+            else:
+                state.consecutive_nan = 0
+                window_losses.append(last.loss)
+            if last.skipped:
+                state.skipped_iterations += 1
+            else:
+                state.successful_steps += 1
+            window_steps += 1
+            if self.progress is not None:
+                self.progress.update(1)
+            if state.iteration % s.log_interval == 0 or state.iteration == s.train_iters:
+                elapsed = (time.perf_counter() - window_t0) / window_steps
+                tokens_per_sec = s.tokens_per_step / elapsed
+                tflops = s.flops_per_step / elapsed / grid.world_size / 1e12
+                record = dict(
+                    iteration=state.iteration, consumed_samples=state.consumed_samples,
+                    lm_loss=sum(window_losses) / len(window_losses) if window_losses else float("nan"),
+                    lr=lr, global_batch_size=s.global_batch_size, grad_norm=last.grad_norm,
+                    loss_scale=last.loss_scale, skipped_iterations=state.skipped_iterations,
+                    nan_iterations=state.nan_iterations, elapsed_ms=1000 * elapsed,
+                    tokens_per_sec=tokens_per_sec, tflops_per_device=tflops,
+                    mfu=tflops / s.peak_tflops if s.peak_tflops else None, memory_mb=memory_mb(grid.device),
+                )
+                self.writer.train(record, s.train_iters)
+                state.history.append(record)
+                window_t0, window_steps, window_losses = time.perf_counter(), 0, []
+            paused = time.perf_counter()  # evaluation and checkpoints are not training time
+            if s.eval_iters and state.iteration % s.eval_interval == 0 and state.iteration < s.train_iters:
+                self.evaluate("valid")
+            stop = self.checkpointer is not None and self.checkpointer.after_iteration(state)
+            window_t0 += time.perf_counter() - paused
+            if stop:
+                break
+        return state
+
+    def evaluate(self, split: str) -> float | None:
+        """Evaluate on ``split`` ("valid" or "test") and log one record; None if the split is empty."""
+        batches = self.eval_batches(split)
+        if batches is None:
+            return None
+        loss = evaluate(self.engine, batches, self.settings.eval_iters * self.settings.grad_accum_steps, self.grid)
+        record = dict(split=split, iteration=self.state.iteration, consumed_samples=self.state.consumed_samples,
+                      lm_loss=loss)
+        self.writer.eval(record)
+        self.state.history.append(record)
+        return loss

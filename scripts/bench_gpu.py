@@ -10,7 +10,7 @@ Without a CUDA device and without ``--smoke`` it exits with status 2 and says so
 
 What runs, each in its own process (so each peak is its own):
 
-1. **ours**: a 1-rank world (NCCL), ``GPT`` made tensor-parallel-ready by ``parallelize_gpt``
+1. **ours**: a 1-rank world (NCCL), ``GPT`` built by ``hybrid.parallelize.parallelize``
    (tp = 1), ``ZeroEngine(stage=0, precision="bf16")``: bf16 parameters and compute, fp32
    gradient accumulation, fp32 master and AdamW (torch.optim.AdamW on the fp32 master
    fragments), clipping at 1.0: 18 bytes of state per parameter.
@@ -90,20 +90,17 @@ def run_ours(rank: int, world: int, a: dict) -> dict:
     """ZeRO stage 0, bf16, in this 1-rank world."""
     import torch
 
+    from hybrid.config import DataConfig, PretrainConfig
     from hybrid.parallel.grid import ProcessGrid
-    from hybrid.parallel.tp_plan import parallelize_gpt
-    from hybrid.zero.engine import OptimizerConfig, ZeroConfig, ZeroEngine
-    from models.gpt import GPT
+    from hybrid.parallelize import meta_gpt, parallelize
+    from hybrid.zero.config import OptimizerConfig, ZeroConfig
 
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     grid = ProcessGrid(tp=1, device=device)
     cfg = _config(a)
-    with torch.device("meta"):
-        model = GPT(cfg)
-    parallelize_gpt(model, grid.tp_group, seed=1234)
-    model.to(device)
-    engine = ZeroEngine(model, grid, ZeroConfig(stage=0, precision="bf16"),
-                        OptimizerConfig(lr=1e-4, clip_grad=1.0))
+    engine = parallelize(meta_gpt(cfg), grid, PretrainConfig(
+        zero=ZeroConfig(stage=0, precision="bf16"), optimizer=OptimizerConfig(lr=1e-4, clip_grad=1.0),
+        data=DataConfig(seed=1234)))
     state = engine.memory_bytes()
 
     def step(i):

@@ -12,8 +12,8 @@ swap. Every attempt is a fresh ``hybrid.parallel.spawn.spawn_world`` of 4 ranks;
 
 1. baseline = the process's virtual size after ``import torch`` + gloo init (reported);
 2. build under a looser *construction* cap (``--construct-mib``): the model is created on
-   ``meta`` and materialised shard by shard by ``parallelize_gpt(seed=...)``, then wrapped in
-   ``ZeroEngine`` (whose constructor briefly holds a full fp32 flat copy of the TP shard);
+   ``meta`` and built by ``hybrid.parallelize.parallelize`` (materialised shard by shard, then wrapped in
+   ``ZeroEngine``, whose constructor briefly holds a full fp32 flat copy of the TP shard);
 3. cap = baseline + budget, then one optimizer step (forward, backward, AdamW) on random tokens.
 
 So the answer is "the largest model whose training state and one step fit ``budget`` above
@@ -75,11 +75,12 @@ def attempt(rank: int, world: int, mode: str, model_kw: dict, seq: int, budget: 
     RuntimeError('OOM ...') when an allocation fails under the cap."""
     import torch
 
-    from hybrid.activation.apply import ActivationConfig, apply_activation_checkpointing
+    from hybrid.activation.config import ActivationConfig
+    from hybrid.config import DataConfig, PretrainConfig
     from hybrid.parallel.grid import ProcessGrid
-    from hybrid.parallel.tp_plan import parallelize_gpt
-    from hybrid.zero.engine import OptimizerConfig, ZeroConfig, ZeroEngine
-    from models.gpt import GPT, GPTConfig
+    from hybrid.parallelize import meta_gpt, parallelize
+    from hybrid.zero.config import OptimizerConfig, ZeroConfig
+    from models.gpt import GPTConfig
 
     stage, tp, ckpt = MODES[mode]
     grid = ProcessGrid(tp=tp)
@@ -89,15 +90,10 @@ def attempt(rank: int, world: int, mode: str, model_kw: dict, seq: int, budget: 
     try:
         _cap(base + construct)
         cfg = GPTConfig(**model_kw, hidden_dropout=0.0, attention_dropout=0.0)
-        with torch.device("meta"):
-            model = GPT(cfg)
-        parallelize_gpt(model, grid.tp_group, seed=1234)
-        if ckpt:
-            apply_activation_checkpointing(model, grid, ActivationConfig(checkpoint_activations=True))
-        engine = ZeroEngine(model, grid, ZeroConfig(stage=stage, precision="bf16",
-                                                    reduce_bucket_size=bucket,
-                                                    allgather_bucket_size=bucket),
-                            OptimizerConfig(lr=1e-4))
+        engine = parallelize(meta_gpt(cfg), grid, PretrainConfig(
+            zero=ZeroConfig(stage=stage, precision="bf16", reduce_bucket_size=bucket, allgather_bucket_size=bucket),
+            optimizer=OptimizerConfig(lr=1e-4), activation=ActivationConfig(checkpoint_activations=ckpt),
+            data=DataConfig(seed=1234)))
         gc.collect()
         held, construct_peak = _status("VmSize") - base, _status("VmPeak") - base
         phase = "step"

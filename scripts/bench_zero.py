@@ -40,9 +40,10 @@ def worker(stage: int, tp: int) -> None:
     import common as C  # the peers' workload and reporting
     import torch
 
+    from hybrid.config import PretrainConfig
     from hybrid.parallel.grid import ProcessGrid
-    from hybrid.parallel.tp_plan import parallelize_gpt
-    from hybrid.zero.engine import OptimizerConfig, ZeroConfig, ZeroEngine
+    from hybrid.parallelize import parallelize
+    from hybrid.zero.config import OptimizerConfig, ZeroConfig
     from models.gpt import GPT, GPTConfig
 
     rank, world = C.init_dist()
@@ -54,10 +55,10 @@ def worker(stage: int, tp: int) -> None:
     model = GPT(GPTConfig(num_layers=c.layers, hidden_size=c.hidden, num_attention_heads=c.heads,
                           vocab_size=c.vocab, max_position_embeddings=c.seq, hidden_dropout=0.0,
                           attention_dropout=0.0, untie_embeddings_and_output_weights=True))
-    parallelize_gpt(model, grid.tp_group)
-    engine = ZeroEngine(model, grid, ZeroConfig(stage=stage, precision="fp32"),
-                        OptimizerConfig(lr=1e-3, weight_decay=0.1, adam_beta1=0.9,
-                                        adam_beta2=0.95, adam_eps=1e-8, clip_grad=0.0))
+    engine = parallelize(model, grid, PretrainConfig(
+        zero=ZeroConfig(stage=stage, precision="fp32"),
+        optimizer=OptimizerConfig(lr=1e-3, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
+                                  clip_grad=0.0)))
     torch.distributed.barrier()
     t_init = time.time() - C.T_PROC_START
     times, losses, state = [], [], None

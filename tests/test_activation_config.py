@@ -5,11 +5,11 @@ import pytest
 from hybrid.activation.apply import ActivationConfig
 from hybrid.activation.recompute import partition_range
 from hybrid.cli import build_parser, parse_config
-from hybrid.config_checks import ConfigError, activation_config
+from hybrid.config_fields import ConfigError
 
 
 def parse(*argv):
-    return activation_config(parse_config(list(argv)))
+    return parse_config(list(argv)).activation
 
 
 def test_defaults_are_off():
@@ -28,7 +28,7 @@ def test_options_need_checkpointing(field):
 
 @pytest.mark.parametrize("bad", [0, -1, 2.5, True, "3"])
 def test_bad_num_layers(bad):
-    with pytest.raises(ValueError, match="checkpoint_num_layers must be a positive integer"):
+    with pytest.raises(ValueError, match=r"ActivationConfig.checkpoint_num_layers\): must be an integer >= 1"):
         ActivationConfig(checkpoint_activations=True, checkpoint_num_layers=bad)
 
 

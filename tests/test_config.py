@@ -84,13 +84,13 @@ def test_config_file_yaml_and_toml(tmp_path):
     y.write_text("model:\n  num_layers: 3\nlr: 3e-4\nnum-attention-heads: 4\ndata_path: 0.5 A 0.5 B\n")
     cfg = parse_config(["--config", str(y), "--num-layers", "5"])
     assert cfg.model.num_layers == 5  # the command line wins
-    assert cfg.optim.lr == 3e-4 and isinstance(cfg.optim.lr, float)
+    assert cfg.optimizer.lr == 3e-4 and isinstance(cfg.optimizer.lr, float)
     assert cfg.model.num_attention_heads == 4
     assert cfg.data.data_path == ["0.5", "A", "0.5", "B"]
     t = tmp_path / "c.toml"
     t.write_text('[parallel]\nzero_stage = 3\ntensor_model_parallel_size = 2\n[optim]\nbf16 = true\n')
     cfg = parse_config(["--config", str(t)])
-    assert (cfg.parallel.zero_stage, cfg.parallel.tensor_model_parallel_size, cfg.optim.bf16) == (3, 2, True)
+    assert (cfg.zero.stage, cfg.grid.tensor_model_parallel_size, cfg.zero.precision) == (3, 2, "bf16")
     bad = tmp_path / "bad.yaml"
     bad.write_text("num_layer: 3\n")
     with pytest.raises(ConfigError, match=r"unknown fields \['num_layer'\]"):

@@ -7,7 +7,7 @@ import torch
 import hybrid.training as training
 from hybrid.metrics import MetricsWriter
 from hybrid.schedule import LRSchedule
-from hybrid.training import LoopSettings, TrainState, train
+from hybrid.training import LoopSettings, Trainer
 
 
 class FakeEngine:
@@ -49,10 +49,11 @@ def run(losses, **kw):
                             peak_tflops=None)
     batches = iter([torch.zeros(2, 5, dtype=torch.long)] * 100)
     writer = MetricsWriter(0, None, {}, print_fn=lambda *_: None)
-    state = TrainState()
+    trainer = Trainer(engine, grid, settings, LRSchedule(1.0, 0.1, 0, 6), writer,
+                      lambda split: iter([torch.zeros(2, 5, dtype=torch.long)]))
+    state = trainer.state
     try:
-        train(engine, grid, state, settings, LRSchedule(1.0, 0.1, 0, 6), batches, lambda split: iter(
-            [torch.zeros(2, 5, dtype=torch.long)]), writer)
+        trainer.train(batches)
     finally:
         import time
 

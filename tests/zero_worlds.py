@@ -199,7 +199,7 @@ def _fp16(grid) -> dict:
     for case, (target, pname) in cases.items():
         for stage in range(4):
             e = build(grid, ZeroConfig(stage=stage, precision="fp16", hysteresis=1,
-                                       initial_loss_scale_power=12, param_persistence_threshold=100,
+                                       initial_loss_scale=2.0**12, param_persistence_threshold=100,
                                        reduce_bucket_size=20_000, allgather_bucket_size=20_000))
             param = dict(e.model.named_parameters())[pname]
             steps, unchanged, changed4 = [], None, None

@@ -1,12 +1,10 @@
 """ZeRO-R on the activation side: checkpointing, P_a, P_a+cpu and the contiguous arena (M_D).
 
-Applied by the parallelism plan after the tensor-parallel swap and before ZeRO wrapping
-(STYLE.md rule 2)::
+Applied by ``hybrid.parallelize.parallelize`` after the tensor-parallel swap and before ZeRO
+wrapping (the handle is ``engine.activation_checkpointing``)::
 
-    parallelize_gpt(model, grid.tp_group, tracker)
-    handle = apply_activation_checkpointing(model, grid, ActivationConfig(
-        checkpoint_activations=True, partition_activations=True), tracker)
-    engine = ZeroEngine(model, grid, ...)
+    engine = parallelize(model, grid, PretrainConfig(activation=ActivationConfig(
+        checkpoint_activations=True, partition_activations=True)))
 
 Checkpoints sit at transformer-block inputs ``[b, s, h]`` (``model.layers[i]``), full
 recompute. Mechanics are in :mod:`hybrid.activation.recompute` (checkpoint Function, RNG, P_a gather, host
@@ -24,66 +22,15 @@ short-lived tensors of the first micro-batch, and written by copy; a memory plan
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch.nn as nn
 
+from hybrid.activation.config import ActivationConfig
 from hybrid.activation.recompute import ActivationStore, CheckpointedForward, CheckpointStats
 from hybrid.activation.saved_bytes import format_saved_bytes, measure_saved_bytes  # noqa: F401 (public API)
 from hybrid.parallel.rng import RNGTracker
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class ActivationConfig:
-    """Activation checkpointing and ZeRO-R activation options (Megatron-LM / DeepSpeed names).
-
-    ``--checkpoint-num-layers N`` checkpoints the first N blocks and keeps every activation of
-    the others: Megatron-LM's ``--recompute-method block --recompute-num-layers N`` (the
-    memory/compute trade-off when a few blocks fit without recompute). Old Megatron used the
-    same flag name for the chunk size of uniform recompute; DeepSpeed's equivalent knob is
-    ``number_checkpoints``, which also sizes its contiguous buffers, as N sizes our arena.
-    """
-
-    checkpoint_activations: bool = False
-    """Checkpoint transformer-block inputs and recompute each block in backward (``--checkpoint-activations``)."""
-    partition_activations: bool = False
-    """P_a: each TP rank keeps 1/tp of each checkpoint, all-gathered before recompute (``--partition-activations``)."""
-    checkpoint_in_cpu: bool = False
-    """P_a+cpu: keep the (partitioned) checkpoints in host memory (``--checkpoint-in-cpu``)."""
-    contiguous_checkpointing: bool = False
-    """M_D: copy a micro-batch's checkpoints into one preallocated arena (``--contiguous-checkpointing``)."""
-    checkpoint_num_layers: int | None = None
-    """Checkpoint only the first N blocks, the rest keep all activations; None = every block (``--checkpoint-num-layers``)."""
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self, num_layers: int | None = None) -> None:
-        """Check field combinations (and ``checkpoint_num_layers`` against ``num_layers``).
-
-        Raises:
-            ValueError: naming the offending field and value.
-        """
-        n = self.checkpoint_num_layers
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-            raise ValueError(f"checkpoint_num_layers must be a positive integer or None, got {n!r}")
-        if not self.checkpoint_activations:
-            for name in ("partition_activations", "checkpoint_in_cpu", "contiguous_checkpointing"):
-                if getattr(self, name):
-                    raise ValueError(f"{name}=True needs checkpoint_activations=True "
-                                     f"(--{name.replace('_', '-')} needs --checkpoint-activations)")
-            if n is not None:
-                raise ValueError(f"checkpoint_num_layers={n} needs checkpoint_activations=True")
-        if num_layers is not None and n is not None and n > num_layers:
-            raise ValueError(f"checkpoint_num_layers={n} exceeds the model's num_layers={num_layers}")
-
-    def num_checkpointed(self, num_layers: int) -> int:
-        """How many of ``num_layers`` blocks are checkpointed."""
-        if not self.checkpoint_activations:
-            return 0
-        return num_layers if self.checkpoint_num_layers is None else self.checkpoint_num_layers
 
 
 class ActivationCheckpointing:

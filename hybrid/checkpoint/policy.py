@@ -3,14 +3,24 @@ SIGTERM / ``--exit-duration-in-mins``, and ``--load`` / ``--finetune`` / ``--no-
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from hybrid.config import PretrainConfig
 from hybrid.config_checks import Derived
+
+if TYPE_CHECKING:
+    from hybrid.metrics import MetricsWriter
+    from hybrid.parallel.grid import ProcessGrid
+    from hybrid.parallel.rng import RNGTracker
+    from hybrid.training import TrainState
+    from hybrid.zero.engine import ZeroEngine
 
 
 class Checkpointer:
     """Saves at ``--save-interval``, at the end, and when SIGTERM / the time limit asks to stop."""
 
-    def __init__(self, cfg: PretrainConfig, derived: Derived, engine, grid, tracker, writer):
+    def __init__(self, cfg: PretrainConfig, derived: Derived, engine: ZeroEngine, grid: ProcessGrid,
+                 tracker: RNGTracker | None, writer: MetricsWriter):
         from hybrid.checkpoint.preemption import StopSignal
 
         self.ck, self.engine, self.grid, self.tracker, self.writer = cfg.checkpoint, engine, grid, tracker, writer
@@ -18,7 +28,7 @@ class Checkpointer:
         self.stop = StopSignal(self.ck.exit_duration_in_mins) if self.ck.save else None
         self.saved_at = None
 
-    def save(self, state) -> None:
+    def save(self, state: TrainState) -> None:
         from hybrid.checkpoint.shards import save_checkpoint
 
         if not self.ck.save or self.saved_at == state.iteration:
@@ -29,7 +39,7 @@ class Checkpointer:
         if self.grid.rank == 0:
             self.writer.print(f" saved checkpoint at iteration {state.iteration} to {self.ck.save}")
 
-    def after_iteration(self, state) -> bool:
+    def after_iteration(self, state: TrainState) -> bool:
         """Save when due; True (on every rank) when the run must stop now."""
         if self.ck.save_interval and state.iteration % self.ck.save_interval == 0:
             self.save(state)
@@ -52,7 +62,8 @@ def _metadata(cfg: PretrainConfig, derived: Derived) -> dict:
                 padded_vocab_size=derived.padded_vocab_size)
 
 
-def resume(cfg: PretrainConfig, engine, grid, tracker, state) -> None:
+def resume(cfg: PretrainConfig, engine: ZeroEngine, grid: ProcessGrid, tracker: RNGTracker | None,
+           state: TrainState) -> None:
     """Load ``--load``'s latest complete checkpoint (if any) into the engine and the loop state."""
     from hybrid.checkpoint.directory import latest_iteration
     from hybrid.checkpoint.shards import load_checkpoint

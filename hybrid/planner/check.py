@@ -14,10 +14,14 @@ expected differences are the layout's padding (each unit rounded up to ``dp * 8`
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from hybrid.planner.plan import Cluster, Training, evaluate
+
+if TYPE_CHECKING:
+    from hybrid.parallel.grid import ProcessGrid
 
 STATE_KEYS = ("params", "grads", "master", "optimizer")
 DP_KINDS = ("all_reduce", "reduce_scatter", "all_gather")
@@ -71,12 +75,13 @@ def predict(run: CheckRun) -> dict:
     return dict(states=states, dp=dict(c.dp_bytes_by_kind), dp_total=c.dp_bytes)
 
 
-def measure(grid, run: CheckRun, seed: int = 1234) -> dict:
+def measure(grid: ProcessGrid, run: CheckRun, seed: int = 1234) -> dict:
     """Build ``run``'s GPT + ZeroEngine on ``grid`` (tp, dp must match), run one optimizer step
     on random tokens, return the same dict as ``predict`` from the engine's own accounting.
     Collective over the grid (every rank calls)."""
-    from hybrid.parallel.tp_plan import parallelize_gpt
-    from hybrid.zero.engine import OptimizerConfig, ZeroConfig, ZeroEngine
+    from hybrid.config import PretrainConfig
+    from hybrid.parallelize import parallelize
+    from hybrid.zero.config import OptimizerConfig, ZeroConfig
     from models.gpt import GPT, GPTConfig
 
     if (grid.tp_size, grid.dp_size) != (run.tp, run.dp):
@@ -84,13 +89,11 @@ def measure(grid, run: CheckRun, seed: int = 1234) -> dict:
                          f"tp{run.tp} x dp{run.dp}")
     torch.manual_seed(seed)
     cfg = GPTConfig(**{**run.model, "hidden_dropout": 0.0, "attention_dropout": 0.0})
-    model = GPT(cfg)
-    parallelize_gpt(model, grid.tp_group)
     zc = ZeroConfig(stage=run.stage, precision=run.precision,
                     param_persistence_threshold=run.param_persistence_threshold,
                     reduce_bucket_size=run.bucket_elements,
                     allgather_bucket_size=run.bucket_elements)
-    engine = ZeroEngine(model, grid, zc, OptimizerConfig(lr=1e-3))
+    engine = parallelize(GPT(cfg), grid, PretrainConfig(zero=zc, optimizer=OptimizerConfig(lr=1e-3)))
     g = torch.Generator().manual_seed(seed + grid.dp_rank)
     for m in range(run.micro_batches):
         tokens = torch.randint(0, cfg.vocab_size, (run.micro_batch_size, run.seq_length + 1),

@@ -1,8 +1,10 @@
-"""Configuration of the ZeRO engine and of its AdamW optimizer (one typed dataclass each).
+"""Configuration of the ZeRO engine and of its AdamW optimizer: two sections of the config tree.
 
-Units: bucket sizes and thresholds are counts of *elements*, never bytes (as in DeepSpeed's
-``reduce_bucket_size`` and friends). Validation runs in ``__post_init__`` and raises
-``ValueError`` naming the bad field and value, before any process group is touched.
+``PretrainConfig.zero`` and ``PretrainConfig.optimizer`` are these classes; their fields are
+also the command-line flags (``hybrid.cli``). Units: bucket sizes and thresholds are counts of
+*elements*, never bytes (as in DeepSpeed's ``reduce_bucket_size``). Validation runs in
+``__post_init__`` and raises :class:`hybrid.config_fields.ConfigError` (a ``ValueError``)
+naming the flag, the field and the bad value, before any process group is touched.
 """
 
 from __future__ import annotations
@@ -12,38 +14,34 @@ from dataclasses import dataclass
 
 import torch
 
+from hybrid.config_fields import arg, check_choice, check_int, check_number, fail
+
+ZERO_STAGES = (0, 1, 2, 3)
+"""ZeRO stages (arXiv 1910.02054 §5.1-5.3): 0 plain data parallel, 1 P_os, 2 P_os+g, 3 P_os+g+p."""
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""Training precision name -> parameter/compute dtype (master weights and gradients stay fp32)."""
 
 
 @dataclass
 class ZeroConfig:
-    """ZeRO data parallelism over the grid's data-parallel group (ZeRO paper, §5)."""
+    """ZeRO data parallelism over the grid's data-parallel group (arXiv 1910.02054 §5)."""
 
-    stage: int = 1
-    """0: plain data parallel; 1: + fp32 master and Adam moments partitioned; 2: + gradients
-    reduce-scattered to their owner during backward; 3: + parameters partitioned and gathered
-    per transformer block."""
-    reduce_bucket_size: int = 50_000_000
-    """Elements per gradient-reduction bucket (all ranks' chunks together)."""
-    allgather_bucket_size: int = 50_000_000
-    """Elements per parameter all-gather (all ranks' chunks together)."""
-    overlap_comm: bool = True
-    """Launch gradient reductions during backward as buckets fill; False reduces after it."""
-    param_persistence_threshold: int = 100_000
-    """Stage 3: parameters with fewer local elements than this stay unpartitioned (0: none)."""
-    precision: str = "fp32"
-    """Parameter / compute dtype: "fp32", "bf16" or "fp16". Master weights, gradient
-    accumulation and gradient reduction are always fp32."""
-    loss_scale: float | None = None
-    """fp16 only: a static loss scale; None means the dynamic scaler below."""
-    initial_loss_scale_power: int = 32
-    """fp16 dynamic scaler: the first scale is 2**power."""
-    loss_scale_window: int = 1000
-    """fp16 dynamic scaler: clean steps after the last overflow before the scale doubles."""
-    hysteresis: int = 2
-    """fp16 dynamic scaler: overflows tolerated (each still skips its step) before halving."""
-    min_loss_scale: float = 1.0
-    """fp16 dynamic scaler: the scale never goes below this."""
+    stage: int = arg(1, "ZeRO stage over the data-parallel group: 0 (plain data parallel), 1 (+ fp32 master and "
+                        "Adam moments partitioned), 2 (+ gradients reduce-scattered during backward), "
+                        "3 (+ parameters partitioned, gathered per transformer block)", flag="--zero-stage")
+    reduce_bucket_size: int = arg(50_000_000, "gradient reduce bucket size, in elements (all ranks' chunks together)")
+    allgather_bucket_size: int = arg(50_000_000, "parameter all-gather bucket size, in elements (all ranks' chunks)")
+    overlap_comm: bool = arg(True, "overlap gradient communication with backward (off: reduce after backward)")
+    param_persistence_threshold: int = arg(
+        100_000, "ZeRO-3 keeps parameters with fewer local elements than this unpartitioned (0: none)")
+    precision: str = arg("fp32", "parameter/compute dtype; master weights, gradient accumulation and reduction "
+                                 "stay fp32 (--bf16 / --fp16 set it)", choices=tuple(PRECISIONS),
+                         aliases={"--bf16": "bf16", "--fp16": "fp16"})
+    loss_scale: float | None = arg(None, "static loss scale for fp16 (default: dynamic)")
+    initial_loss_scale: float = arg(2.0**32, "initial dynamic fp16 loss scale (a power of two)")
+    loss_scale_window: int = arg(1000, "fp16: clean steps after the last overflow before the scale doubles")
+    hysteresis: int = arg(2, "fp16: overflows tolerated (each still skips its step) before the scale halves")
+    min_loss_scale: float = arg(1.0, "fp16: the dynamic loss scale never goes below this")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -53,56 +51,60 @@ class ZeroConfig:
         """The torch dtype of ``precision``."""
         return PRECISIONS[self.precision]
 
+    @property
+    def shards_optimizer_states(self) -> bool:
+        """Stage >= 1: the fp32 master and Adam moments are partitioned over dp (P_os, §5.1)."""
+        return self.stage >= 1
+
+    @property
+    def shards_gradients(self) -> bool:
+        """Stage >= 2: gradients are reduce-scattered to their owner during every backward (P_g, §5.2)."""
+        return self.stage >= 2
+
+    @property
+    def shards_parameters(self) -> bool:
+        """Stage 3: parameters are partitioned and gathered per unit when used (P_p, §5.3)."""
+        return self.stage >= 3
+
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the first bad field."""
-        if self.stage not in (0, 1, 2, 3):
-            raise ValueError(f"ZeroConfig.stage must be 0, 1, 2 or 3, got {self.stage!r}")
-        for name in ("reduce_bucket_size", "allgather_bucket_size", "loss_scale_window",
-                     "hysteresis"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"ZeroConfig.{name} must be a positive integer, got {v!r}")
-        v = self.param_persistence_threshold
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise ValueError(f"ZeroConfig.param_persistence_threshold must be an integer >= 0, got {v!r}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"ZeroConfig.precision must be one of {sorted(PRECISIONS)}, got {self.precision!r}")
-        if self.loss_scale is not None and not (math.isfinite(self.loss_scale) and self.loss_scale > 0):
-            raise ValueError(f"ZeroConfig.loss_scale must be a positive finite number or None, got {self.loss_scale!r}")
-        if not isinstance(self.initial_loss_scale_power, int) or not 0 <= self.initial_loss_scale_power <= 64:
-            raise ValueError("ZeroConfig.initial_loss_scale_power must be an integer in [0, 64], "
-                             f"got {self.initial_loss_scale_power!r}")
-        if not (self.min_loss_scale > 0 and math.isfinite(self.min_loss_scale)):
-            raise ValueError(f"ZeroConfig.min_loss_scale must be positive, got {self.min_loss_scale!r}")
+        """Check every field.
+
+        Raises:
+            ConfigError: naming the first bad field, its flag and its value.
+        """
+        check_choice(self, "stage", ZERO_STAGES)
+        for name in ("reduce_bucket_size", "allgather_bucket_size", "loss_scale_window", "hysteresis"):
+            check_int(self, name, 1)
+        check_int(self, "param_persistence_threshold", 0)
+        check_choice(self, "precision", tuple(PRECISIONS))
+        check_number(self, "loss_scale", 0.0, strict=True, optional=True)
+        s = self.initial_loss_scale
+        if not (isinstance(s, int | float) and math.isfinite(s) and s >= 1 and 2 ** round(math.log2(s)) == s):
+            fail(self, "initial_loss_scale", "must be a power of two >= 1")
+        check_number(self, "min_loss_scale", 0.0, strict=True)
 
 
 @dataclass
 class OptimizerConfig:
-    """AdamW (torch.optim.AdamW) with global gradient-norm clipping."""
+    """AdamW (torch.optim.AdamW, arXiv 1711.05101) with global gradient-norm clipping."""
 
-    lr: float = 1e-4
-    """Initial learning rate; ``ZeroEngine.step(lr)`` overrides it every step."""
-    weight_decay: float = 0.01
-    """Decoupled weight decay; never applied to biases and LayerNorm weights."""
-    adam_beta1: float = 0.9
-    """Adam first-moment decay."""
-    adam_beta2: float = 0.999
-    """Adam second-moment decay."""
-    adam_eps: float = 1e-8
-    """Adam denominator epsilon."""
-    clip_grad: float = 1.0
-    """Clip the global gradient norm to this value (L2 over every distinct element); 0 disables."""
+    lr: float = arg(3e-4, "peak learning rate (the schedule's; ZeroEngine.step(lr) sets it every step)")
+    weight_decay: float = arg(0.01, "AdamW decoupled weight decay (not applied to biases and norms)")
+    adam_beta1: float = arg(0.9, "AdamW beta1 (first-moment decay)")
+    adam_beta2: float = arg(0.999, "AdamW beta2 (second-moment decay)")
+    adam_eps: float = arg(1e-8, "AdamW epsilon")
+    clip_grad: float = arg(1.0, "global gradient-norm clip, L2 over every distinct element (0 disables)")
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the first bad field."""
+        """Check every field.
+
+        Raises:
+            ConfigError: naming the first bad field, its flag and its value.
+        """
         for name in ("lr", "weight_decay", "adam_eps", "clip_grad"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
-                raise ValueError(f"OptimizerConfig.{name} must be a finite number >= 0, got {v!r}")
+            check_number(self, name, 0.0)
         for name in ("adam_beta1", "adam_beta2"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and 0.0 <= v < 1.0):
-                raise ValueError(f"OptimizerConfig.{name} must be in [0, 1), got {v!r}")
+            check_number(self, name, 0.0, high=1.0)

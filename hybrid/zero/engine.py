@@ -66,7 +66,8 @@ class StepInfo:
     loss_scale: float
     """The loss scale to use for the next step (1.0 unless fp16)."""
     comm_bytes: dict = field(default_factory=dict)
-    """Bytes this rank moved per collective kind during this iteration (see ``comm_bytes``)."""
+    """Bytes this rank moved per collective kind during this iteration (from the ledger of
+    :class:`hybrid.zero.comm.DPComm`)."""
 
 
 class ZeroEngine:
@@ -91,21 +92,23 @@ class ZeroEngine:
         self.comm = DPComm(grid.dp_group)
         self.dp, self.dp_rank = self.comm.size, self.comm.rank
         self.params = [p for _, p in model.named_parameters()]
-        threshold = zero_config.param_persistence_threshold if self.stage == 3 else 0
+        threshold = zero_config.param_persistence_threshold if zero_config.shards_parameters else 0
         self.layout = L = PartitionLayout.from_model(model, self.dp, threshold, ALIGN)
         self.own = L.fragments(self.dp_rank)
-        self.opt_frags = L.whole_fragments() if self.stage == 0 else self.own
+        self.opt_frags = self.own if zero_config.shards_optimizer_states else L.whole_fragments()
         self._in_backward = False
         self._grads_ready = False
         self.skipped_steps = 0
         self.optimizer_steps = 0
         self.last_comm_bytes: dict = {}
+        self.activation_checkpointing = None
+        """Set by ``hybrid.parallelize.parallelize``: the checkpointing handle, or None."""
         self._build_buffers()
         self.reducer = GradReducer(
-            self.params, L, self.stage, self.comm, zero_config.reduce_bucket_size,
+            self.params, L, zero_config, self.comm, zero_config.reduce_bucket_size,
             zero_config.overlap_comm, on_unit_ready=self._on_unit_ready)
         self.gatherer = None
-        if self.stage == 3:
+        if zero_config.shards_parameters:
             self.gatherer = ParamGatherer(model, L, self.unit_bufs, self.param_shard, self.comm,
                                           self.ag_chunk, lambda: self._in_backward)
         self._build_optimizer()
@@ -115,7 +118,7 @@ class ZeroEngine:
         fp16 = zero_config.precision == "fp16"
         self.scaler = LossScaler(
             zero_config.loss_scale if zero_config.loss_scale is not None
-            else (2.0 ** zero_config.initial_loss_scale_power if fp16 else 1.0),
+            else (zero_config.initial_loss_scale if fp16 else 1.0),
             dynamic=fp16 and zero_config.loss_scale is None, window=zero_config.loss_scale_window,
             hysteresis=zero_config.hysteresis, min_scale=zero_config.min_loss_scale)
         self._scale_loss = fp16
@@ -123,11 +126,11 @@ class ZeroEngine:
     # ---- construction ------------------------------------------------------------------------
     @torch.no_grad()
     def _build_buffers(self) -> None:
-        L, dev = self.layout, self.grid.device
+        L, dev, zc = self.layout, self.grid.device, self.config
         full = torch.zeros(L.total_numel, dtype=torch.float32, device=dev)
         for s in L.slots:
             full[s.offset:s.offset + s.numel].copy_(self.params[s.index].detach().reshape(-1))
-        if self.stage == 0:
+        if not zc.shards_optimizer_states:
             self.master = full
         else:
             self.master = torch.empty(L.partition_numel, dtype=torch.float32, device=dev)
@@ -140,7 +143,7 @@ class ZeroEngine:
         self.ag_chunk = max(1, self.config.allgather_bucket_size // self.dp)
         self.unit_bufs: list[torch.Tensor] = []
         self.param_shard = None
-        if self.stage < 3:
+        if not zc.shards_parameters:
             self.param_flat = full.to(self.dtype, copy=True)
             self.unit_bufs = [self.param_flat[u.offset:u.offset + u.padded] for u in L.units]
         else:
@@ -153,7 +156,7 @@ class ZeroEngine:
             view = self.unit_bufs[s.unit][s.offset - u.offset:s.offset - u.offset + s.numel]
             self.params[s.index].data = view.view(s.shape)
         self._ag_staging = (torch.empty(min(self.ag_chunk, L.partition_numel), dtype=self.dtype,
-                                        device=dev) if self.stage in (1, 2, 3) else None)
+                                        device=dev) if zc.shards_optimizer_states else None)
 
     def _build_optimizer(self) -> None:
         L, oc = self.layout, self.opt_config
@@ -195,7 +198,7 @@ class ZeroEngine:
         fp16 multiplies it by the loss scale. Stage 0/1 accumulate locally and reduce during the
         last micro-batch's backward; stage 2/3 reduce-scatter during every backward.
         """
-        self.reducer.begin_backward(self.stage >= 2 or is_last_micro_batch)
+        self.reducer.begin_backward(self.config.shards_gradients or is_last_micro_batch)
         if self._scale_loss:
             loss = loss.float() * self.scaler.scale
         self._in_backward = True
@@ -256,14 +259,14 @@ class ZeroEngine:
     def _push_params(self) -> None:
         """Copy the updated fp32 master into the compute-dtype parameters (stage 1/2 and stage-3
         persistent units: all-gather of every rank's shard)."""
-        L = self.layout
-        if self.stage == 0:
+        L, zc = self.layout, self.config
+        if not zc.shards_optimizer_states:
             self.param_flat.copy_(self.master)
             return
-        if self.stage == 3:
+        if zc.shards_parameters:
             self.param_shard.copy_(self.master)
         for u in L.units:
-            if self.stage == 3 and not u.persistent:
+            if zc.shards_parameters and not u.persistent:
                 continue
             buf = self.unit_bufs[u.index]
             for lo, hi in L.unit_chunks(u.index, self.ag_chunk):
@@ -284,7 +287,7 @@ class ZeroEngine:
         def nb(t):
             return 0 if t is None else t.numel() * t.element_size()
 
-        if self.stage < 3:
+        if not self.config.shards_parameters:
             params = nb(self.param_flat)
         else:
             params = nb(self.param_shard) + sum(
@@ -301,20 +304,11 @@ class ZeroEngine:
         return (f"ZeRO stage {self.stage} {self.config.precision} dp={self.dp} rank={self.dp_rank}: "
                 f"{self.layout}\n  held: {mib}\n  moved last step: {traffic}")
 
-    def comm_bytes(self) -> dict[str, float]:
-        """Bytes this rank has moved per collective kind since the last ``step()`` returned
-        (ring volume, see :mod:`hybrid.zero.comm`); ``step()`` hands the finished iteration's
-        figures back in ``StepInfo.comm_bytes`` / ``last_comm_bytes`` and restarts the count."""
-        return self.comm.snapshot()
-
-    def reset_comm_counters(self) -> None:
-        self.comm.reset()
-
     # ---- state export ------------------------------------------------------------------------
     @torch.no_grad()
     def _full_flat(self, domain: torch.Tensor) -> torch.Tensor:
         """All-gather a partition-shaped fp32 buffer into full flat order (collective over dp)."""
-        if self.stage == 0:
+        if not self.config.shards_optimizer_states:
             return domain
         out = torch.empty(self.layout.total_numel, dtype=domain.dtype, device=domain.device)
         for u in self.layout.units:
@@ -350,13 +344,13 @@ class ZeroEngine:
         if not self._grads_ready:
             raise RuntimeError("gradients_by_name() needs a backward(..., is_last_micro_batch=True) first")
         grads = self.reducer.buffer
-        if self.stage == 1:  # full-size buffer, but only this rank's shards hold the dp sum
+        if self.config.shards_optimizer_states and not self.config.shards_gradients:  # full-size buffer, but only this rank's shards hold the dp sum
             owned = grads.new_empty(self.layout.partition_numel)
             for u in self.layout.units:
                 start = u.offset + self.grid.dp_rank * u.shard
                 owned[u.part_offset:u.part_offset + u.shard] = grads[start:start + u.shard]
             grads = owned
-        full = grads if self.stage == 0 else self._full_flat(grads)
+        full = self._full_flat(grads)
         return {k: v["grad"] for k, v in self._by_name({"grad": full}).items()}
 
     @torch.no_grad()

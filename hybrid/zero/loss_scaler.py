@@ -17,7 +17,7 @@ from __future__ import annotations
 
 class LossScaler:
     """Args:
-        scale: initial scale (``2 ** initial_loss_scale_power``) or the static scale.
+        scale: initial scale (``ZeroConfig.initial_loss_scale``) or the static scale.
         dynamic: update the scale from overflows; a static scaler still reports them.
         window, hysteresis, min_scale: see the module docstring.
     """

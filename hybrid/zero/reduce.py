@@ -22,18 +22,60 @@ Reductions run in fp32 and are pre-divided by the data-parallel size (a mean ove
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 import torch
 
 from hybrid.zero.comm import DPComm
+from hybrid.zero.config import ZeroConfig
 from hybrid.zero.layout import PartitionLayout
+
+
+@dataclass(frozen=True)
+class FlatCopy:
+    """Copy ``length`` elements from offset ``src`` of one flat buffer to offset ``dst`` of another
+    (stage 1: full-flat gradient <-> reduce-scatter staging)."""
+
+    src: int
+    dst: int
+    length: int
+
+
+@dataclass(frozen=True)
+class GradCopy:
+    """Copy ``length`` elements of ``params[param].grad`` (flattened, from ``param_start``) to
+    offset ``dst`` of the reduce-scatter input (stage 2/3)."""
+
+    param: int
+    param_start: int
+    dst: int
+    length: int
+
+
+@dataclass(frozen=True)
+class ReduceBucket:
+    """One collective of the static reduction plan.
+
+    Attributes:
+        start, end: the bucket's range, in the full flat buffer (stage 0) or in the partition
+            (stages 1-3: every rank's chunk is ``end - start`` elements).
+        units: layout units the bucket touches (it launches once they are all ready).
+        copy_in: what fills the reduce-scatter input (``FlatCopy`` at stage 1, ``GradCopy`` at 2/3).
+        copy_out: stage 1: where the reduced chunk goes back in the full flat gradient.
+    """
+
+    start: int
+    end: int
+    units: tuple[int, ...]
+    copy_in: tuple[FlatCopy | GradCopy, ...] = ()
+    copy_out: tuple[FlatCopy, ...] = ()
 
 
 class GradReducer:
     """Args:
         params: the model's parameters in layout order (``layout.slots[i]`` is ``params[i]``).
         layout: the partition layout.
-        stage: ZeRO stage (0-3).
+        config: the engine's ZeRO config (which states are sharded).
         comm: data-parallel collectives with a byte ledger.
         bucket_size: elements per reduction bucket, all ranks' chunks together.
         overlap: reduce during backward (True) or after it.
@@ -41,21 +83,23 @@ class GradReducer:
             this backward (stage 3 releases the unit's gathered parameters there).
     """
 
-    def __init__(self, params, layout: PartitionLayout, stage: int, comm: DPComm,
+    def __init__(self, params, layout: PartitionLayout, config: ZeroConfig, comm: DPComm,
                  bucket_size: int, overlap: bool, on_unit_ready=None):
-        self.params, self.layout, self.stage, self.comm = params, layout, stage, comm
+        self.params, self.layout, self.comm = params, layout, comm
+        self.scatter = config.shards_optimizer_states
+        """Reduce-scatter to owners (stages 1-3) instead of all-reduce (stage 0)."""
+        self.partitioned = config.shards_gradients
+        """Each rank keeps only its partition of the gradient (stages 2-3), reduced every backward."""
         self.overlap, self.on_unit_ready = overlap, on_unit_ready
         dp, rank, L = comm.size, comm.rank, layout
         dev = params[0].device
-        if stage < 2:
+        if not self.partitioned:
             self.grad_flat = torch.zeros(L.total_numel, dtype=torch.float32, device=dev)
         else:
             self.grad_part = torch.zeros(L.partition_numel, dtype=torch.float32, device=dev)
-        # Static bucket plan: (a, b) range, units touched, copy-in ops, copy-out ops.
-        self.buckets = []
-        if stage == 0:
-            for a, b in L.flat_buckets(bucket_size):
-                self.buckets.append((a, b, L.units_of_flat(a, b), (), ()))
+        self.buckets: list[ReduceBucket] = []
+        if not self.scatter:
+            self.buckets = [ReduceBucket(a, b, tuple(L.units_of_flat(a, b))) for a, b in L.flat_buckets(bucket_size)]
             chunk = 0
         else:
             chunk = min(max(1, bucket_size // dp), L.partition_numel)
@@ -68,21 +112,21 @@ class GradReducer:
                     length = pc.hi - pc.lo
                     for r in range(dp):
                         src = u.offset + r * u.shard + pc.lo
-                        if stage == 1:
-                            ins.append((src, length, r * n + q))
+                        if not self.partitioned:
+                            ins.append(FlatCopy(src, r * n + q, length))
                         else:
-                            ins.extend((s, ps, ln, r * n + q + rel)
+                            ins.extend(GradCopy(s, ps, r * n + q + rel, ln)
                                        for s, ps, ln, rel in L.segments(src, length))
-                    outs.append((u.offset + rank * u.shard + pc.lo, length, q))
+                    outs.append(FlatCopy(q, u.offset + rank * u.shard + pc.lo, length))
                     q += length
-                self.buckets.append((a, b, tuple(units), tuple(ins), tuple(outs)))
+                self.buckets.append(ReduceBucket(a, b, tuple(units), tuple(ins), tuple(outs)))
         nstage = 2 if overlap else 1
-        self.staging = [] if stage == 0 else [
+        self.staging = [] if not self.scatter else [
             (torch.zeros(dp * chunk, dtype=torch.float32, device=dev),
              torch.zeros(chunk, dtype=torch.float32, device=dev)) for _ in range(nstage)]
         self.unit_buckets = [0] * len(L.units)
         for bucket in self.buckets:
-            for u in bucket[2]:
+            for u in bucket.units:
                 self.unit_buckets[u] += 1
         self.inflight: deque = deque()
         self.reduce_now = False
@@ -121,7 +165,7 @@ class GradReducer:
         slot = self.layout.slots[i]
 
         def hook(p: torch.Tensor) -> None:
-            if self.stage < 2:
+            if not self.partitioned:
                 self.grad_flat[slot.offset:slot.offset + slot.numel].add_(p.grad.reshape(-1))
                 p.grad = None
             elif self.ready[slot.unit]:
@@ -142,15 +186,15 @@ class GradReducer:
 
     def _launch_ready(self) -> None:
         while self.next_bucket < len(self.buckets) and all(
-                self.ready[u] for u in self.buckets[self.next_bucket][2]):
+                self.ready[u] for u in self.buckets[self.next_bucket].units):
             self._launch(self.buckets[self.next_bucket])
             self.next_bucket += 1
 
     # ---- one bucket --------------------------------------------------------------------------
-    def _launch(self, bucket) -> None:
-        a, b, _, ins, _ = bucket
+    def _launch(self, bucket: ReduceBucket) -> None:
+        a, b = bucket.start, bucket.end
         inv = 1.0 / self.comm.size
-        if self.stage == 0:
+        if not self.scatter:
             view = self.grad_flat[a:b]
             if inv != 1.0:
                 view.mul_(inv)
@@ -162,15 +206,15 @@ class GradReducer:
             k = self.launched % len(self.staging)
             n = b - a
             inp, out = self.staging[k][0][:self.comm.size * n], self.staging[k][1][:n]
-            if self.stage == 1:
-                for src, ln, o in ins:
-                    inp[o:o + ln].copy_(self.grad_flat[src:src + ln])
+            if not self.partitioned:
+                for c in bucket.copy_in:
+                    inp[c.dst:c.dst + c.length].copy_(self.grad_flat[c.src:c.src + c.length])
             else:
                 inp.zero_()
-                for s, ps, ln, o in ins:
-                    g = self.params[s].grad
+                for c in bucket.copy_in:
+                    g = self.params[c.param].grad
                     if g is not None:
-                        inp[o:o + ln].copy_(g.reshape(-1)[ps:ps + ln])
+                        inp[c.dst:c.dst + c.length].copy_(g.reshape(-1)[c.param_start:c.param_start + c.length])
             if inv != 1.0:
                 inp.mul_(inv)
             work = self.comm.reduce_scatter(out, inp, async_op=self.overlap)
@@ -180,30 +224,30 @@ class GradReducer:
             self._finish()
 
     def _finish(self) -> None:
-        work, (a, b, units, _, outs), out = self.inflight.popleft()
+        work, bucket, out = self.inflight.popleft()
         work.wait()
-        if self.stage == 1:
-            for dst, ln, q in outs:
-                self.grad_flat[dst:dst + ln].copy_(out[q:q + ln])
-        elif self.stage >= 2:
-            self.grad_part[a:b].add_(out)
-        for u in units:
+        if self.partitioned:
+            self.grad_part[bucket.start:bucket.end].add_(out)
+        elif self.scatter:
+            for c in bucket.copy_out:
+                self.grad_flat[c.dst:c.dst + c.length].copy_(out[c.src:c.src + c.length])
+        for u in bucket.units:
             self.left[u] -= 1
-            if self.left[u] == 0 and self.stage >= 2:
+            if self.left[u] == 0 and self.partitioned:
                 for s in self.layout.units[u].slots:
                     self.params[s].grad = None
 
     # ---- views for the optimizer and the norm ---------------------------------------------
     def grad_view(self, frag) -> torch.Tensor:
         """fp32 gradient of a fragment (stage 0/1: in the full flat; 2/3: in the partition)."""
-        if self.stage < 2:
+        if not self.partitioned:
             return self.grad_flat[frag.flat_offset:frag.flat_offset + frag.length]
         return self.grad_part[frag.part_offset:frag.part_offset + frag.length]
 
     @property
     def buffer(self) -> torch.Tensor:
         """The whole fp32 gradient buffer this rank holds."""
-        return self.grad_flat if self.stage < 2 else self.grad_part
+        return self.grad_part if self.partitioned else self.grad_flat
 
     def staging_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for pair in self.staging for t in pair)

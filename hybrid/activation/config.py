@@ -1,0 +1,56 @@
+"""Activation checkpointing and ZeRO-R activation options: the ``activation`` section of the
+config tree (Megatron-LM / DeepSpeed flag names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybrid.config_fields import ConfigError, arg, check_int
+
+
+@dataclass
+class ActivationConfig:
+    """Activation checkpointing and ZeRO-R P_a / P_a+cpu / M_D (arXiv 1910.02054 §6.1, §6.3).
+
+    ``--checkpoint-num-layers N`` checkpoints the first N blocks and keeps every activation of
+    the others: Megatron-LM's ``--recompute-method block --recompute-num-layers N`` (the
+    memory/compute trade-off when a few blocks fit without recompute). Old Megatron used the
+    same flag name for the chunk size of uniform recompute; DeepSpeed's equivalent knob is
+    ``number_checkpoints``, which also sizes its contiguous buffers, as N sizes our arena.
+    """
+
+    checkpoint_activations: bool = arg(False, "recompute each transformer block in backward (full activation "
+                                              "checkpointing)")
+    partition_activations: bool = arg(False, "keep only this TP rank's 1/tp slice of each checkpoint (ZeRO-R Pa)")
+    checkpoint_in_cpu: bool = arg(False, "keep the partitioned checkpoint slices in host memory (ZeRO-R Pa+cpu)")
+    contiguous_checkpointing: bool = arg(False, "write checkpoints into one preallocated arena (ZeRO-R MD)")
+    checkpoint_num_layers: int | None = arg(None, "checkpoint only the first N blocks (default: all)")
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self, num_layers: int | None = None) -> None:
+        """Check field combinations (and ``checkpoint_num_layers`` against ``num_layers``).
+
+        Raises:
+            ConfigError: naming the offending field and value.
+        """
+        check_int(self, "checkpoint_num_layers", 1, optional=True)
+        n = self.checkpoint_num_layers
+        if not self.checkpoint_activations:
+            for name in ("partition_activations", "checkpoint_in_cpu", "contiguous_checkpointing"):
+                if getattr(self, name):
+                    raise ConfigError(f"{name}=True needs checkpoint_activations=True "
+                                      f"(--{name.replace('_', '-')} needs --checkpoint-activations)")
+            if n is not None:
+                raise ConfigError(f"checkpoint_num_layers={n} needs checkpoint_activations=True")
+        if self.checkpoint_in_cpu and not self.partition_activations:
+            raise ConfigError("--checkpoint-in-cpu offloads the partitioned checkpoints: add --partition-activations")
+        if num_layers is not None and n is not None and n > num_layers:
+            raise ConfigError(f"checkpoint_num_layers={n} exceeds the model's num_layers={num_layers}")
+
+    def num_checkpointed(self, num_layers: int) -> int:
+        """How many of ``num_layers`` blocks are checkpointed."""
+        if not self.checkpoint_activations:
+            return 0
+        return num_layers if self.checkpoint_num_layers is None else self.checkpoint_num_layers

@@ -1,0 +1,76 @@
+"""The one composition of the parallelisms: plain GPT -> TP plan -> activation checkpointing -> ZeRO.
+
+Every place that trains a parallel model (the pretraining job, the planner-vs-engine check,
+the benchmark scripts, the test worlds) builds it with :func:`parallelize`, so the order of
+the three steps (tensor-parallel module swap, then checkpoint wrapping of the TP blocks, then
+ZeRO's flat buffers over the final parameters) is written down exactly once.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from hybrid.config import PretrainConfig
+    from hybrid.parallel.grid import ProcessGrid
+    from hybrid.parallel.rng import RNGTracker
+    from hybrid.zero.engine import ZeroEngine
+    from models.gpt import GPT
+
+
+def parallelize(model: GPT, grid: ProcessGrid, config: PretrainConfig,
+                tracker: RNGTracker | None = None) -> ZeroEngine:
+    """Make ``model`` tensor-parallel over ``grid.tp_group``, checkpoint its blocks as
+    ``config.activation`` asks, and wrap it in a ZeRO engine over ``grid.dp_group``.
+
+    Weights: a ``model`` on the ``meta`` device is materialised shard by shard on ``grid.device``
+    and initialised from ``config.data.seed`` exactly as ``GPT.init_weights(seed)`` would
+    initialise the full model (any tp gives the same weights); a model with real weights is
+    sharded as it is, so the result computes what it computed.
+
+    Args:
+        model: a plain ``models.gpt.GPT`` (on ``meta`` or with real fp32 weights).
+        grid: the process grid.
+        config: uses the ``zero``, ``optimizer`` and ``activation`` sections,
+            ``model.make_vocab_size_divisible_by`` and ``data.seed``.
+        tracker: the TP-region dropout stream; None creates one from ``config.data.seed`` and
+            ``grid.tp_rank`` when the model has attention dropout.
+
+    Returns:
+        The :class:`hybrid.zero.engine.ZeroEngine`; ``engine.model`` is the parallel model and
+        ``engine.activation_checkpointing`` the
+        :class:`hybrid.activation.apply.ActivationCheckpointing` handle (None when off).
+
+    Raises:
+        ValueError: tp does not divide the heads or the MLP width, or the activation options do
+            not fit the model (e.g. ``checkpoint_num_layers`` > layers).
+    """
+    from hybrid.activation.apply import apply_activation_checkpointing
+    from hybrid.parallel.kernels import use_fused_kernels
+    from hybrid.parallel.rng import RNGTracker
+    from hybrid.parallel.tp_plan import parallelize_gpt
+    from hybrid.zero.engine import ZeroEngine
+
+    if tracker is None and model.config.attention_dropout > 0:
+        tracker = RNGTracker(config.data.seed, grid.tp_rank, grid.device)
+    on_meta = any(p.is_meta for p in model.parameters())
+    parallelize_gpt(model, grid.tp_group, tracker=tracker, seed=config.data.seed if on_meta else None,
+                    make_vocab_size_divisible_by=config.model.make_vocab_size_divisible_by)
+    model.to(grid.device)
+    use_fused_kernels(model, grid.device)
+    handle = None
+    if config.activation.checkpoint_activations:
+        handle = apply_activation_checkpointing(model, grid, config.activation, tracker)
+    engine = ZeroEngine(model, grid, config.zero, config.optimizer)
+    engine.activation_checkpointing = handle
+    return engine
+
+
+def meta_gpt(gpt_config) -> GPT:
+    """A ``models.gpt.GPT`` of ``gpt_config`` on the ``meta`` device (no memory; for :func:`parallelize`)."""
+    from models.gpt import GPT
+
+    with torch.device("meta"):
+        return GPT(gpt_config)
