@@ -4,7 +4,7 @@ Everything here is pure integer/float arithmetic (no torch import except in ``de
 when it is asked to look at the current device). Units are in every name or docstring:
 FLOPs are floating-point operations (a multiply-add is 2), TFLOP/s is 1e12 FLOP/s.
 
-Sources (see /work/shared/reference/paper.md):
+Sources:
 - Parameters: Narayanan et al. 2021 (arXiv 2104.04473) §5.1 Eq. 2, P = 12lh^2 + 13lh + (V+s)h,
   generalised here to an MLP of width f and an optional untied output matrix, plus the final
   LayerNorm (2h) that the paper leaves out.

@@ -1,4 +1,4 @@
-"""One metrics path (STYLE.md rule 12): a human log line, a JSONL record and wandb, same numbers.
+"""One metrics path: a human log line, a JSONL record and wandb, same numbers.
 
 Only global rank 0 writes anything. The log line follows Megatron-LM's field order; the JSON
 record keeps full float precision. wandb is optional: without the package, or when it fails

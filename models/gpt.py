@@ -2,7 +2,7 @@
 
 Learned absolute positions, pre-LayerNorm blocks, GeLU MLP of ``ffn_hidden_size``, output
 layer tied to the input embedding by default. This file never imports ``torch.distributed``:
-``hybrid.parallel.tp_plan`` swaps modules to make it tensor-parallel (STYLE.md rule 1 and 2).
+``hybrid.parallel.tp_plan`` swaps modules to make it tensor-parallel.
 
 Tensor layout is ``[b, s, h]`` (micro-batch, sequence, hidden) throughout.
 

@@ -3,12 +3,12 @@
 ``get_preset(name)`` returns a fresh :class:`models.gpt.GPTConfig`; keyword overrides replace
 fields (``get_preset("gpt2-124m", hidden_dropout=0.0)``).
 
-Notes on the sources (``../shared/reference/paper.md``):
+Notes on the sources:
 - GPT-3 (Brown et al. 2020, Table 2.1) lists 24 heads for the 1.3B model and d_model 5140 for
   13B; neither divides evenly, so we use 16 heads (head dim 128) and 5120 (40 heads of 128), as
   Megatron-LM's and NeMo's GPT-3 recipes do.
 - Megatron-LM 8.3B: 72 layers, h 3072, 24 heads (Megatron-LM Table 2), GPT-2 vocab, seq 1024.
-- ZeRO (Rajbhandari et al. 2020, Table 4, via paper.md §1.7): GPT-2 vocabulary and sequence 1024,
+- ZeRO (Rajbhandari et al. 2020, arXiv 1910.02054 Table 4): GPT-2 vocabulary and sequence 1024,
   head dim 128. The 40B row is printed with h = 4096, which gives only 17.7B parameters at 88
   layers; h = 6144 gives 39.9B, so that is what ``zero-40b`` uses. 100/125/150 layers at 8192
   are the 80B/100B/120B sizes; 175 and 212 layers are 140B and 170B.

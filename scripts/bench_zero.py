@@ -1,7 +1,7 @@
 """Throughput and memory of our ZeRO stages beside torch DDP, FSDP2 and DeepSpeed, in one run.
 
 Not a test. Every configuration is one ``torchrun --standalone`` launch, in sequence, on the
-peers' workload (``shared/peers/common.py``: same model dimensions, seeded synthetic data,
+peers' workload (their ``common.py`` in ``PEERS_DIR``: same model dimensions, seeded synthetic data,
 AdamW lr 1e-3 betas (0.9, 0.95) wd 0.1, no clipping, fp32, gloo, OMP_NUM_THREADS=1), and every
 launch prints the peers' ``RESULT {json}`` line, so the figures are measured the same way:
 ms/step = median of rank 0's timed steps (forward through optimizer step), tokens/s = global
@@ -189,7 +189,7 @@ def write_report(results: dict, out: Path, args, steps: int, warmup: int) -> Non
     head = (f"# Throughput vs peers ({args.size}, world {args.world}, {steps} steps, {warmup} warm-up)"
             f"\n\n`python scripts/bench_zero.py {' '.join(sys.argv[1:])}`\n\nfp32, gloo, "
             "OMP_NUM_THREADS=1, one launch each in sequence; run-to-run noise on this VM is "
-            "about 15-25% (shared/peers/RESULTS.md).\n\n")
+            "about 15-25% (the peers' own repeated runs).\n\n")
     stem.with_suffix(".md").write_text(head + "\n".join(lines) + f"\n\n![ratios]({stem.name}_ratios.png)\n")
     if rat:
         import matplotlib

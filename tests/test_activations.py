@@ -4,7 +4,7 @@ One 4-rank world runs every check at tp = 4, 2 and 1 (dp = 1, 2, 4). Gradients a
 with the run without checkpointing on the same ranks at 1e-6 (fp32); recompute repeats the
 same arithmetic with the same dropout masks, so they come out bit-identical in practice.
 
-Saved-for-backward bytes follow Korthikanti et al. 2022, Table 2 (paper.md §4.2), generalised
+Saved-for-backward bytes follow Korthikanti et al. 2022 (arXiv 2205.05198), Table 2, generalised
 to B bytes per activation element and M per dropout-mask element (paper: B = 2, M = 1). Per
 layer without recompute: ``sbh (4B + 2M + 12B/t + (2B + M) as/(ht))`` (= ``sbh(10 + 24/t +
 5as/(ht))`` for B = 2, M = 1); with full recompute ``B sbh`` per layer, ``B sbh / t`` with P_a.
@@ -34,7 +34,7 @@ def per_layer_bytes(t: int, act: int, mask: int) -> float:
 
 
 def test_paper_formula_reproduces_table2():
-    # paper.md §5 item 11, small case: s=1024, b=8, h=768, a=12, 16-bit activations, 1-byte masks.
+    # arXiv 2205.05198 Table 2, small case: s=1024, b=8, h=768, a=12, 16-bit activations, 1-byte masks.
     s, b, h, a = 1024, 8, 768, 12
     for t, want in ((1, 717_225_984), (2, 390_070_272), (4, 226_492_416)):
         got = s * b * h * (4 * 2 + 2 * 1 + 12 * 2 / t + (2 * 2 + 1) * a * s / (h * t))
@@ -68,7 +68,7 @@ def test_one_extra_all_gather_per_checkpointed_block(world, tp):
             assert got["bwd"].get("all_gather", 0) == (blocks if partitioned else 0), name
             assert got["stats"]["allgathers"] == (blocks if partitioned else 0)
             # Recompute repeats the block's 2 forward all-reduces: 6 per layer instead of 4
-            # (paper.md §5 item 7).
+            # (arXiv 1910.02054 §8).
             extra = got["bwd"].get("all_reduce", 0) - none["bwd"].get("all_reduce", 0)
             assert extra == (2 * blocks if tp > 1 else 0), name
         if tp > 1:

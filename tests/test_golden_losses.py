@@ -1,4 +1,4 @@
-"""Pinned end-to-end numerics (STYLE rule 10): the first 20 training losses of the CLI's
+"""Pinned end-to-end numerics : the first 20 training losses of the CLI's
 mock-data run at tp1 x dp1 ZeRO-0 and tp2 x dp2 ZeRO-3 (fp32, dropout 0.1), bit for bit.
 
 The golden file was recorded before the subpackage restructure, so it proves that moving code

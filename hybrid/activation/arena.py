@@ -1,4 +1,4 @@
-"""The contiguous activation-checkpoint arena (ZeRO-R M_D, ZeRO paper §6.3 / paper.md §1.6).
+"""The contiguous activation-checkpoint arena (ZeRO-R M_D, arXiv 1910.02054 §6.3).
 
 Checkpoints are long-lived (a block's forward to its backward) while the activations around
 them are short-lived; allocating each checkpoint separately interleaves the two and fragments

@@ -7,7 +7,7 @@ block's forward are restored, the block is run again with grad (by *calling the 
 its forward hooks run again: a ZeRO-3 engine re-gathers its parameters there), its graph is
 back-propagated, and the RNG states of the moment are put back.
 
-- P_a (ZeRO paper §6.1, paper.md §1.6): the block input is replicated on the ``t`` ranks of a
+- P_a (ZeRO paper, arXiv 1910.02054 §6.1): the block input is replicated on the ``t`` ranks of a
   tensor-parallel group, so each rank keeps only its ``1/t`` of the flattened input
   (``ceil(n / t)`` elements, zero-padded on the last rank) and one all-gather over the TP group
   rebuilds it just before recompute: exactly one extra all-gather per checkpointed block.
@@ -35,7 +35,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from hybrid.activation.arena import CheckpointArena
-from hybrid.parallel.rng import RNGTracker
+from hybrid.parallel.ops import all_gather_flat
+from hybrid.parallel.rng import RNGTracker, capture_torch_rng, restore_torch_rng
 
 logger = logging.getLogger(__name__)
 
@@ -64,33 +65,6 @@ class CheckpointStats:
             setattr(self, name, 0)
 
 
-@dataclass
-class RNGSnapshot:
-    """Every generator a block may draw from: CPU default, CUDA default of the activations'
-    device, and the tensor-parallel stream of the tracker."""
-
-    cpu: torch.Tensor
-    cuda: torch.Tensor | None
-    device: torch.device
-    tracker: torch.Tensor | None
-
-
-def capture_rng(device: torch.device, tracker: RNGTracker | None) -> RNGSnapshot:
-    """Snapshot the generators that a block running on ``device`` can use."""
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return RNGSnapshot(torch.get_rng_state(), cuda, device,
-                       None if tracker is None else tracker.get_state())
-
-
-def restore_rng(snap: RNGSnapshot, tracker: RNGTracker | None) -> None:
-    """Put the generators back to ``snap``."""
-    torch.set_rng_state(snap.cpu)
-    if snap.cuda is not None:
-        torch.cuda.set_rng_state(snap.cuda, snap.device)
-    if tracker is not None and snap.tracker is not None:
-        tracker.set_state(snap.tracker)
-
-
 def partition_range(numel: int, parts: int, rank: int) -> tuple[int, int, int]:
     """``(chunk, start, real)``: each of ``parts`` ranks keeps ``chunk = ceil(numel / parts)``
     elements; rank ``rank``'s piece starts at ``start`` and its first ``real`` elements are real
@@ -98,13 +72,6 @@ def partition_range(numel: int, parts: int, rank: int) -> tuple[int, int, int]:
     chunk = math.ceil(numel / parts)
     start = min(rank * chunk, numel)
     return chunk, start, min(chunk, numel - start)
-
-
-def _all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group) -> None:
-    # all_gather_single replaces all_gather_into_tensor in recent torch; resolved at call time
-    # so that tests can count calls by patching torch.distributed.
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, inp, group=group)
 
 
 @dataclass
@@ -188,7 +155,7 @@ class ActivationStore:
         src = stored.to(meta.device, non_blocking=True)
         if meta.partitioned:
             full = torch.empty(src.numel() * self.tp_size, dtype=src.dtype, device=meta.device)
-            _all_gather_flat(full, src, self.tp_group)
+            all_gather_flat(full, src, self.tp_group)
             self.stats.allgathers += 1
             src = full
         return src[:meta.numel].view(meta.shape)
@@ -210,7 +177,7 @@ class _CheckpointFunction(torch.autograd.Function):
     def forward(ctx, wrapper: CheckpointedForward, x: torch.Tensor) -> torch.Tensor:
         store = wrapper.store
         ctx.wrapper = wrapper
-        ctx.rng = capture_rng(x.device, store.tracker)
+        ctx.rng, ctx.device = capture_torch_rng(store.tracker, x.device), x.device
         ctx.autocast = _autocast_state(x.device)
         with torch.no_grad():
             out = wrapper.original(x)  # the module's hooks already ran around this call
@@ -224,8 +191,8 @@ class _CheckpointFunction(torch.autograd.Function):
         store = wrapper.store
         (stored,) = ctx.saved_tensors
         x = store.load(stored, ctx.meta).detach().requires_grad_(True)
-        now = capture_rng(x.device, store.tracker)
-        restore_rng(ctx.rng, store.tracker)
+        now = capture_torch_rng(store.tracker, ctx.device)
+        restore_torch_rng(ctx.rng, store.tracker, ctx.device)
         kind, enabled, dtype = ctx.autocast
         meter = store.meter
         if meter is not None:
@@ -234,7 +201,7 @@ class _CheckpointFunction(torch.autograd.Function):
             with torch.enable_grad(), torch.autocast(kind, dtype=dtype, enabled=enabled):
                 out = wrapper.recompute(x)
         finally:
-            restore_rng(now, store.tracker)
+            restore_torch_rng(now, store.tracker, ctx.device)
             if meter is not None:
                 meter.end_recompute()
         store.stats.recomputes += 1

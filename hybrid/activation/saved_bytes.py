@@ -15,7 +15,7 @@ them into
   the one block's worth of activations that full recompute still holds at a time (only when a
   backward runs inside the measurement and the handle is given).
 
-These are the quantities of Korthikanti et al. 2022, Table 2 (paper.md §4.2): with full
+These are the quantities of Korthikanti et al. 2022 (arXiv 2205.05198), Table 2: with full
 recompute, ``2sbh`` bytes per layer in 16-bit (``4sbh`` in fp32), ``/t`` with P_a.
 """
 

@@ -7,7 +7,7 @@ Layout under ``--save DIR``::
     DIR/iter_0000500/rank_00003.safetensors   one shard per rank
     DIR/iter_0000600.tmp/...                  a save in progress (never loaded)
 
-Protocol (STYLE.md rule 13): every rank writes its shard into ``iter_N.tmp`` under a temporary
+Protocol: every rank writes its shard into ``iter_N.tmp`` under a temporary
 file name and renames it; after a barrier, rank 0 checks every shard is there, writes
 ``metadata.json`` (listing the shards), renames the directory to ``iter_N``, then replaces the
 pointer file atomically and only then deletes checkpoints beyond the newest ``keep``. A

@@ -1,6 +1,6 @@
 """The 2D process grid: tensor parallel (fastest, inside a node) x data parallel (across nodes).
 
-Rank layout (DESIGN.md "The grid"), with a pipeline axis reserved for later::
+Rank layout (as Megatron-LM, arXiv 2104.04473 §3: tensor parallel inside a node), with a pipeline axis reserved for later::
 
     rank = tp_rank + tp * (dp_rank + dp * pp_rank)
 

@@ -4,11 +4,10 @@
   column-parallel region.
 - :func:`reduce_from_tp` ("g"): all-reduce forward, identity backward. Leaves a row-parallel
   region.
-- :func:`gather_from_tp` / :func:`scatter_to_tp`: all-gather / split along the last dimension
-  and their conjugates.
+- :func:`all_gather_flat`: the one flat all-gather (no autograd) that ZeRO's ledger and the
+  partitioned activation checkpoints both use.
 
-All ops are no-ops when the group has one rank. Tensors may have any shape; the last
-dimension is the one split or gathered.
+The autograd ops are no-ops when the group has one rank. Tensors may have any shape.
 """
 
 from __future__ import annotations
@@ -23,24 +22,6 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     x = x.contiguous()
     dist.all_reduce(x, group=group)
     return x
-
-
-def _split_last(x: torch.Tensor, group) -> torch.Tensor:
-    n = dist.get_world_size(group)
-    if n == 1:
-        return x
-    if x.shape[-1] % n:
-        raise ValueError(f"last dimension {x.shape[-1]} is not divisible by the TP size {n}")
-    return x.chunk(n, dim=-1)[dist.get_rank(group)].contiguous()
-
-
-def _gather_last(x: torch.Tensor, group) -> torch.Tensor:
-    n = dist.get_world_size(group)
-    if n == 1:
-        return x
-    parts = [torch.empty_like(x) for _ in range(n)]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=-1)
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -64,28 +45,6 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
-class _ScatterToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split_last(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_last(grad, ctx.group), None
-
-
-class _GatherFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_last(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _split_last(grad, ctx.group), None
-
-
 def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
     """Identity forward; all-reduce of the gradient over ``group`` backward ("f")."""
     return _CopyToTP.apply(x, group)
@@ -96,11 +55,12 @@ def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
     return _ReduceFromTP.apply(x, group)
 
 
-def scatter_to_tp(x: torch.Tensor, group) -> torch.Tensor:
-    """Keep this rank's slice of the last dimension; all-gather the gradient backward."""
-    return _ScatterToTP.apply(x, group)
+def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False):
+    """All-gather ``inp`` (``[n]``) from every rank of ``group`` into ``out`` (``[world * n]``, rank order).
 
-
-def gather_from_tp(x: torch.Tensor, group) -> torch.Tensor:
-    """All-gather along the last dimension; keep this rank's slice of the gradient backward."""
-    return _GatherFromTP.apply(x, group)
+    ``torch.distributed.all_gather_single`` replaces ``all_gather_into_tensor`` in recent torch;
+    it is looked up at call time so that tests can count calls by patching ``torch.distributed``.
+    Returns the work handle with ``async_op``, else None.
+    """
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, inp, group=group, async_op=async_op)

@@ -81,6 +81,27 @@ def seed_everything(seed: int, device: torch.device | str = "cpu") -> None:
         torch.cuda.manual_seed_all(seed)
 
 
+def capture_torch_rng(tracker: RNGTracker | None, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """The generators a forward on ``device`` can draw from: torch CPU, CUDA of ``device`` (on
+    GPU) and the TP tracker's stream (activation recompute replays them)."""
+    out = {"torch_cpu": torch.get_rng_state()}
+    if torch.device(device).type == "cuda":
+        out["torch_cuda"] = torch.cuda.get_rng_state(device)
+    if tracker is not None:
+        out["tp_tracker"] = tracker.get_state()
+    return out
+
+
+def restore_torch_rng(states: dict[str, torch.Tensor], tracker: RNGTracker | None,
+                      device: torch.device | str = "cpu") -> None:
+    """Inverse of :func:`capture_torch_rng`."""
+    torch.set_rng_state(states["torch_cpu"])
+    if "torch_cuda" in states and torch.device(device).type == "cuda":
+        torch.cuda.set_rng_state(states["torch_cuda"], device)
+    if tracker is not None and "tp_tracker" in states:
+        tracker.set_state(states["tp_tracker"])
+
+
 def capture_rng_states(tracker: RNGTracker | None, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
     """Every RNG state of this rank as tensors (for a checkpoint shard): Python, numpy,
     torch CPU, CUDA (on GPU) and the TP tracker's stream."""
@@ -91,14 +112,10 @@ def capture_rng_states(tracker: RNGTracker | None, device: torch.device | str = 
         "numpy_keys": torch.from_numpy(np.asarray(np_keys, dtype=np.int64)),
         "numpy_extra": torch.tensor([np_pos, np_has_gauss], dtype=torch.int64),
         "numpy_gauss": torch.tensor([np_gauss], dtype=torch.float64),
-        "torch_cpu": torch.get_rng_state(),
+        **capture_torch_rng(tracker, device),
     }
     if py_gauss is not None:
         out["python_gauss"] = torch.tensor([py_gauss], dtype=torch.float64)
-    if torch.device(device).type == "cuda":
-        out["torch_cuda"] = torch.cuda.get_rng_state(device)
-    if tracker is not None:
-        out["tp_tracker"] = tracker.get_state()
     return out
 
 
@@ -111,8 +128,4 @@ def restore_rng_states(states: dict[str, torch.Tensor], tracker: RNGTracker | No
     pos, has_gauss = states["numpy_extra"].tolist()
     np.random.set_state(("MT19937", states["numpy_keys"].numpy().astype(np.uint32), pos, has_gauss,
                          states["numpy_gauss"].item()))
-    torch.set_rng_state(states["torch_cpu"])
-    if "torch_cuda" in states and torch.device(device).type == "cuda":
-        torch.cuda.set_rng_state(states["torch_cuda"], device)
-    if tracker is not None and "tp_tracker" in states:
-        tracker.set_state(states["tp_tracker"])
+    restore_torch_rng(states, tracker, device)

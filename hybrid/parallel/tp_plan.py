@@ -1,6 +1,6 @@
 """The tensor-parallel plan: turns a plain ``models.gpt.GPT`` into its TP form, in place.
 
-The plan maps module-name patterns to parallel styles (STYLE.md rule 2)::
+The plan maps module-name patterns to parallel styles (arXiv 1909.08053 §3)::
 
     wte                      -> VocabParallelEmbedding (vocabulary padded, rows split)
     lm_head (untied only)    -> vocabulary-split output weight

@@ -1,7 +1,7 @@
 """Data-parallel collectives of the ZeRO engine, with a byte ledger.
 
 "Bytes moved" per collective is what one rank sends under the ring algorithm, the volume the
-ZeRO paper counts (§7, with the (n-1)/n factor kept; reference/paper.md §5 item 6):
+ZeRO paper counts (arXiv 1910.02054 §7, with the (n-1)/n factor kept):
 
 - ``all_reduce`` of N bytes: ``2 (n-1)/n N``;
 - ``reduce_scatter`` of an N-byte input: ``(n-1)/n N``;
@@ -20,7 +20,8 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+from hybrid.parallel.ops import all_gather_flat
+
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
@@ -69,7 +70,7 @@ class DPComm:
             return _Done()
         if isinstance(out, list):
             return dist.all_gather(out, inp, group=self.group, async_op=async_op) or _Done()
-        return _all_gather_single(out, inp, group=self.group, async_op=async_op) or _Done()
+        return all_gather_flat(out, inp, self.group, async_op=async_op) or _Done()
 
     def snapshot(self) -> dict[str, float]:
         return dict(self.bytes)

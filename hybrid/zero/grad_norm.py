@@ -4,7 +4,8 @@ Each rank adds ``||g||^2`` of the gradient elements it *owns* (its ZeRO partitio
 TP-replicated parameter on TP rank 0 only (it is identical on every TP rank) and a tied
 parameter once (it is one parameter). One all-reduce over the whole world then sums over data
 and tensor parallelism at once, so every distinct element of the single-process model is
-counted exactly once (reference/deepspeed.md §0 item 2 and §3 rows 9-11).
+counted exactly once (otherwise a TP-replicated parameter would count tp times and a tied
+one twice).
 
 The same all-reduce carries the overflow flag: a rank that sees a non-finite value in *any*
 gradient element it holds (counted or not, so an inf on TP rank 1 is not missed) raises it, and

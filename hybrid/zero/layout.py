@@ -15,7 +15,7 @@ Rank ``r`` owns shard ``r`` of every unit: its fp32 master weights, Adam moments
 may straddle two shards; the parts a rank owns are its :class:`Fragment` s. Because every rank
 owns a slice of every unit, a unit can be gathered or reduce-scattered on its own.
 
-Everything here is an immutable value; nothing else re-derives offsets (STYLE.md rule 4).
+Everything here is an immutable value; nothing else re-derives offsets.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Loss scaling for fp16 training: a static scale or the dynamic state machine.
 
-Dynamic rules (the semantics DeepSpeed users know, see reference/deepspeed.md §1.3):
+Dynamic rules (loss scaling: Micikevicius et al. 2018, arXiv 1710.03740 §3.2; the dynamic rules
+are the ones DeepSpeed users know):
 
 - every step the caller reports whether the (world-reduced) gradients overflowed;
 - overflow: the step is skipped. If ``hysteresis`` overflows have now been seen since the last

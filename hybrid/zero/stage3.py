@@ -7,7 +7,8 @@ bytes); *gathering* re-allocates it and all-gathers every rank's shard into it. 
 references to the parameters (e.g. a Linear's weight) point at the same storage, so they are
 valid again once the unit is re-gathered before its backward.
 
-Schedule (static, by unit, never by data; reference/deepspeed.md §3 rows 1, 2, 19):
+Schedule (static, by unit, never by data, so every rank issues the same collectives in the same
+order; arXiv 1910.02054 §5.3 and §7.2.2):
 
 - forward: the model's pre-hook gathers ``root`` and prefetches block 0; block i's pre-hook
   waits for block i, prefetches block i+1; its post-hook releases block i and registers a hook
