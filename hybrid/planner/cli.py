@@ -14,6 +14,7 @@ import sys
 
 from hybrid.flops import device_peak_tflops, num_parameters
 from hybrid.model_shape import ModelShape
+from hybrid.planner.max_model import max_layers, max_params
 from hybrid.planner.memory import ACCOUNTINGS, ACTIVATION_OPTIONS, PRECISIONS, ZERO_STAGES
 from hybrid.planner.plan import (
     DEFAULT_BUCKET_ELEMENTS,
@@ -21,8 +22,6 @@ from hybrid.planner.plan import (
     Cluster,
     Training,
     best,
-    max_layers,
-    max_params,
     plan,
     tp_candidates,
 )

@@ -3,9 +3,9 @@
 All results are bytes per rank (one GPU), with GB = 1e9 bytes as in the ZeRO paper.
 Layout assumed everywhere: the tensor-parallel shard is taken first, then ZeRO shards each TP
 rank's parameters within its data-parallel group (ZeRO 1910.02054 §1 "ZeRO and MP": reduction
-N_d x N_m; paper.md §5 item 3).
+N_d x N_m).
 
-Sources (see /work/shared/reference/paper.md):
+Sources:
 - Model states: ZeRO §3.1 (2 + 2 + K bytes/param, K = 12) and §5.1-5.3 (P_os, P_os+g, P_os+g+p).
 
 Two accountings of the model states (``get_precision(name, accounting)``), same sharding rules
@@ -35,14 +35,13 @@ import math
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from hybrid.flops import parameters_per_tp_rank
+from hybrid.flops import RECOMPUTE_MODES, parameters_per_tp_rank
 from hybrid.model_shape import ModelShape
+from hybrid.zero.config import ZERO_STAGES
 
-ZERO_STAGES = (0, 1, 2, 3)
 ACTIVATION_OPTIONS = ("none", "full", "full+pa", "full+pa+cpu")
 """No checkpointing; one checkpoint per layer; checkpoints partitioned over TP (P_a);
 partitioned checkpoints offloaded to CPU (P_a+cpu)."""
-LAYER_RECOMPUTE = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)
@@ -244,8 +243,8 @@ def layer_activation_bytes(
         num_attention_heads=num_attention_heads,
         tp=tp,
     )
-    if recompute not in LAYER_RECOMPUTE:
-        raise ValueError(f"recompute must be one of {LAYER_RECOMPUTE}, got {recompute!r}")
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
     s, b, h, a, e = (
         seq_length,
         micro_batch_size,

@@ -37,7 +37,6 @@ bus bandwidth (>= 100 MB messages) at a twentieth of the memory.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 
 from hybrid.flops import flops_per_iteration, layer_parameter_split
@@ -53,7 +52,6 @@ from hybrid.planner.memory import (
     model_state_bytes,
     params_per_tp_rank,
     persistent_parameters,
-    state_bytes_per_param,
 )
 from hybrid.planner.traffic import dp_traffic_bytes, tp_traffic_elements
 
@@ -66,8 +64,6 @@ __all__ = [
     "evaluate",
     "plan",
     "best",
-    "max_params",
-    "max_layers",
     "model_state_bytes",
     "dp_traffic_bytes",
     "activation_bytes",
@@ -362,55 +358,3 @@ def best(candidates: list[Candidate]) -> Candidate | None:
     if not fitting:
         return None
     return min(fitting, key=lambda c: (round(c.times["step_s"], 9), c.stage, c.total_bytes))
-
-
-def max_params(
-    memory_bytes: float,
-    tp: int,
-    dp: int,
-    stage: int,
-    precision: str = "bf16",
-    accounting: str = "paper",
-) -> int:
-    """Largest parameter count whose model states fit ``memory_bytes`` per GPU (elements).
-
-    ZeRO Table 2 inversion: Ψ_max = memory * tp / bytes-per-param(stage, dp), activations and
-    buffers ignored as in the paper (32 GB, N_d = 64, tp = 1: 2.0B / 7.64B / 14.4B / 128B).
-    """
-    if memory_bytes <= 0 or tp <= 0:
-        raise ValueError(f"memory_bytes and tp must be positive, got {memory_bytes}, {tp}")
-    prec = get_precision(precision, accounting)
-    return math.floor(memory_bytes * tp / state_bytes_per_param(stage, dp, prec))
-
-
-def max_layers(
-    model: object,
-    cluster: Cluster,
-    training: Training,
-    tp: int,
-    stage: int,
-    activation: str,
-    limit: int = 100_000,
-) -> int:
-    """Largest num_layers (other dimensions from ``model``) that fits, counting everything.
-
-    Memory grows monotonically with the layer count, so this bisects; 0 if even one layer does not
-    fit. Use it for the activation-aware version of the max-model question (ZeRO §10.5, Fig. 6).
-    """
-    m = ModelShape.of(model)
-
-    def fits(layers: int) -> bool:
-        return evaluate(
-            dataclasses.replace(m, num_layers=layers), cluster, training, tp, stage, activation
-        ).fits
-
-    if not fits(1):
-        return 0
-    lo, hi = 1, 2
-    while hi <= limit and fits(hi):
-        lo, hi = hi, hi * 2
-    hi = min(hi, limit + 1)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo

@@ -5,7 +5,7 @@ collective over n ranks of a message of M elements sends M (n-1)/n for all-gathe
 reduce-scatter and 2M (n-1)/n for all-reduce. ZeRO §7 drops the (n-1)/n factor;
 ``ring_factor=False`` reproduces the paper's numbers.
 
-Sources (see /work/shared/reference/paper.md):
+Sources:
 - Data parallel: ZeRO (1910.02054) §7.1-7.2: 2Ψ for DDP, ZeRO-1 and ZeRO-2, 3Ψ for ZeRO-3;
   with gradient accumulation, the schedule of ``hybrid.zero.engine.ZeroEngine`` (``dp_traffic_by_kind``).
 - Tensor parallel: Megatron-LM (1909.08053) §3 / Fig. 4 (4 all-reduces per layer), Narayanan et al.

@@ -1,0 +1,66 @@
+"""The reverse planner question: the largest model that fits (arXiv 1910.02054 Table 2 and §10.5).
+
+:func:`max_params` inverts the model-state bytes per parameter (activations and buffers ignored,
+as in the paper); :func:`max_layers` bisects the layer count with everything counted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from hybrid.model_shape import ModelShape
+from hybrid.planner.memory import get_precision, state_bytes_per_param
+from hybrid.planner.plan import Cluster, Training, evaluate
+
+
+def max_params(
+    memory_bytes: float,
+    tp: int,
+    dp: int,
+    stage: int,
+    precision: str = "bf16",
+    accounting: str = "paper",
+) -> int:
+    """Largest parameter count whose model states fit ``memory_bytes`` per GPU (elements).
+
+    ZeRO Table 2 inversion: Ψ_max = memory * tp / bytes-per-param(stage, dp), activations and
+    buffers ignored as in the paper (32 GB, N_d = 64, tp = 1: 2.0B / 7.64B / 14.4B / 128B).
+    """
+    if memory_bytes <= 0 or tp <= 0:
+        raise ValueError(f"memory_bytes and tp must be positive, got {memory_bytes}, {tp}")
+    prec = get_precision(precision, accounting)
+    return math.floor(memory_bytes * tp / state_bytes_per_param(stage, dp, prec))
+
+
+def max_layers(
+    model: object,
+    cluster: Cluster,
+    training: Training,
+    tp: int,
+    stage: int,
+    activation: str,
+    limit: int = 100_000,
+) -> int:
+    """Largest num_layers (other dimensions from ``model``) that fits, counting everything.
+
+    Memory grows monotonically with the layer count, so this bisects; 0 if even one layer does not
+    fit. Use it for the activation-aware version of the max-model question (ZeRO §10.5, Fig. 6).
+    """
+    m = ModelShape.of(model)
+
+    def fits(layers: int) -> bool:
+        return evaluate(
+            dataclasses.replace(m, num_layers=layers), cluster, training, tp, stage, activation
+        ).fits
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
