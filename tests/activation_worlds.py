@@ -21,9 +21,11 @@ from hybrid.parallel.grid import ProcessGrid
 from hybrid.parallel.rng import RNGTracker
 from hybrid.parallel.tp_plan import parallelize_gpt
 from models.gpt import GPT, GPTConfig
+from tests.tiny import build_parallel, make_batch, tiny_config
 
-CFG = dict(num_layers=3, hidden_size=64, num_attention_heads=4, vocab_size=1001,
-           max_position_embeddings=32, label_smoothing=0.1)
+CFG = tiny_config(num_layers=3, ffn_hidden_size=None, label_smoothing=0.1)
+"""The tiny GPT with 3 blocks (so "the first 2 blocks" is a real subset), MLP width 4h, label
+smoothing; dropout is set per check."""
 B, S = 2, 16
 
 ON = dict(checkpoint_activations=True)
@@ -49,16 +51,28 @@ def zero_stages() -> list[int]:
 
 
 def micro_batches(n: int = 2, vocab: int = 1001):
-    g = torch.Generator().manual_seed(5)
-    out = []
-    for _ in range(n):
-        t = torch.randint(0, vocab, (B, S + 1), generator=g)
-        out.append((t[:, :-1], t[:, 1:]))
-    return out
+    """``n`` random micro-batches ``(x, y)`` of ``[B, S]``: one :func:`tests.tiny.make_batch`, cut."""
+    x, y = make_batch(5, n * B, S, vocab)
+    return [(x[i * B:(i + 1) * B], y[i * B:(i + 1) * B]) for i in range(n)]
 
 
-def build(grid: ProcessGrid, dropout: float, ac: dict | None, dtype=torch.float32, **cfg_kw):
-    """A TP GPT (same weights on every call), its tracker and the checkpointing handle."""
+def build(grid: ProcessGrid, dropout: float, ac: dict | None, dtype=torch.float32, stage: int = 0, **cfg_kw):
+    """A TP GPT (same weights on every call), its tracker and the checkpointing handle.
+
+    ``stage=3`` returns the :func:`tests.tiny.build_parallel` engine (TP plan -> checkpointing ->
+    ZeRO-3 with small buckets and no persistence, so every block really is gathered and
+    released) in place of the model."""
+    if stage == 3:
+        from hybrid.zero.config import OptimizerConfig, ZeroConfig
+
+        tracker = RNGTracker(seed=77, tp_rank=grid.tp_rank)
+        engine = build_parallel(
+            grid, dict(CFG, hidden_dropout=dropout, attention_dropout=dropout, **cfg_kw),
+            zero=ZeroConfig(stage=3, reduce_bucket_size=4096, allgather_bucket_size=4096,
+                            param_persistence_threshold=0),
+            optimizer=OptimizerConfig(lr=1e-3), activation=None if ac is None else ActivationConfig(**ac),
+            tracker=tracker)
+        return engine, tracker, engine.activation_checkpointing
     torch.manual_seed(1234)
     model = GPT(GPTConfig(**dict(CFG, hidden_dropout=dropout, attention_dropout=dropout, **cfg_kw)))
     tracker = RNGTracker(seed=77, tp_rank=grid.tp_rank)
@@ -68,15 +82,12 @@ def build(grid: ProcessGrid, dropout: float, ac: dict | None, dtype=torch.float3
     return model, tracker, handle
 
 
-def _run(model, stage: int, batches, grid=None) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Forward + backward over ``batches`` (gradient accumulation); losses and local grads."""
+def _run(model, stage: int, batches) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Forward + backward over ``batches`` (gradient accumulation); losses and local grads.
+    ``model`` is the engine at stage 3 (:func:`build`)."""
     torch.manual_seed(99)  # the default generator: identical on all TP ranks
     if stage == 3:
-        from hybrid.zero.engine import OptimizerConfig, ZeroConfig, ZeroEngine
-
-        # small buckets and no persistence, so every block really is gathered and released
-        engine = ZeroEngine(model, grid, ZeroConfig(stage=3, reduce_bucket_size=4096, allgather_bucket_size=4096,
-                                                    param_persistence_threshold=0), OptimizerConfig(lr=1e-3))
+        engine = model
         losses = []
         for i, (x, y) in enumerate(batches):
             loss = engine.model(x, y).mean()
@@ -102,16 +113,16 @@ def parity(grid: ProcessGrid) -> dict:
     batches = micro_batches()
     for stage in zero_stages():
         for p in DROPOUTS:
-            model, _, _ = build(grid, p, None)
-            names = [n for n, _ in model.named_parameters()]
-            ref_losses, ref = _run(model, stage, batches, grid)
+            model, _, _ = build(grid, p, None, stage=stage)
+            names = [n for n, _ in (model if stage == 0 else model.model).named_parameters()]
+            ref_losses, ref = _run(model, stage, batches)
             for name, ac in VARIANTS.items():
-                model, _, handle = build(grid, p, ac)
-                losses, grads = _run(model, stage, batches, grid)
+                model, _, handle = build(grid, p, ac, stage=stage)
+                losses, grads = _run(model, stage, batches)
                 out[(stage, p, name)] = dict(
                     grad_diff=_max_diff(grads, ref),
                     loss_diff=max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)),
-                    names_same=[n for n, _ in model.named_parameters()] == names,
+                    names_same=[n for n, _ in (model if stage == 0 else model.model).named_parameters()] == names,
                     stats=dict(vars(handle.stats)), partitioned=handle.partitioned,
                 )
     return out

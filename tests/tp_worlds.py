@@ -17,26 +17,22 @@ from hybrid.parallel.tp_plan import (
 from hybrid.parallel.vocab import pad_vocab_size
 from models.gpt import GPT, GPTConfig
 from models.presets import get_preset
+from tests.tiny import make_batch, tiny_config
+from tests.tiny import reference as tiny_reference
 
-SMALL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=1001,
-             max_position_embeddings=32, hidden_dropout=0.0, attention_dropout=0.0,
-             label_smoothing=0.1)
+SMALL = tiny_config(ffn_hidden_size=None, label_smoothing=0.1)
+"""The tiny GPT with the default MLP width 4h (tp = 4 must divide it) and label smoothing."""
 
 
 def batch(seed: int = 0, b: int = 2, s: int = 16, vocab: int = 1001):
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, vocab, (b, s + 1), generator=g)
-    return tokens[:, :-1], tokens[:, 1:]
+    """Random ``(x, y)`` of ``[b, s]`` (:func:`tests.tiny.make_batch`)."""
+    return make_batch(seed, b, s, vocab)
 
 
 def reference(config_kw: dict, seed: int = 1234):
-    """Single-process loss and gradients of the plain GPT on :func:`batch`."""
-    torch.manual_seed(seed)
-    model = GPT(GPTConfig(**config_kw))
-    x, y = batch()
-    loss = model(x, y).mean()
-    loss.backward()
-    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}, model.state_dict()
+    """Single-process loss, gradients and weights of the plain GPT on :func:`batch`."""
+    r = tiny_reference(config_kw, [batch()], seed=seed)
+    return r["losses"][0], r["grads"], r["initial"]
 
 
 def _tp_parity(grid: ProcessGrid, config_kw: dict, divisible_by: int = 128) -> dict:

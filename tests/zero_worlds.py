@@ -8,8 +8,6 @@ GPT on all 8 at once with torch.optim.AdamW (same two groups) and clip_grad_norm
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -18,13 +16,12 @@ from torch.utils.checkpoint import checkpoint
 from hybrid.parallel.grid import ProcessGrid
 from hybrid.parallel.tp_plan import parallelize_gpt
 from hybrid.zero.engine import OptimizerConfig, ZeroConfig, ZeroEngine
-from hybrid.zero.layout import no_weight_decay
 from models.gpt import GPT, GPTConfig
+from tests.tiny import SEED, build_parallel, make_batch, tiny_config
+from tests.tiny import reference as tiny_reference
 
-CFG = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=126,
-           vocab_size=1001, max_position_embeddings=32, hidden_dropout=0.0,
-           attention_dropout=0.0)
-GLOBAL_BATCH, SEQ, MICRO, STEPS, SEED = 8, 16, 2, 5, 1234
+CFG = tiny_config()
+GLOBAL_BATCH, SEQ, MICRO, STEPS = 8, 16, 2, 5
 # adam_eps 1e-6: the attention key bias has an exactly-zero true gradient (softmax is invariant
 # to it), so its computed gradient is rounding noise (~1e-10) that Adam would blow up to
 # lr * noise / (sqrt(v) + eps); a larger eps keeps that below the 1e-5 parity tolerance.
@@ -32,14 +29,8 @@ OPT = dict(lr=3e-3, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=
 
 
 def global_batch(step: int):
-    """Learnable tokens (so losses fall smoothly and runs in two precisions stay comparable):
-    each sequence repeats an 8-token motif drawn from 64 ids, with 10% of tokens replaced."""
-    g = torch.Generator().manual_seed(1000 + step)
-    motif = torch.randint(0, 64, (GLOBAL_BATCH, 8), generator=g)
-    t = motif.repeat(1, (SEQ + 1 + 7) // 8)[:, :SEQ + 1]
-    noise = torch.randint(0, CFG["vocab_size"], t.shape, generator=g)
-    t = torch.where(torch.rand(t.shape, generator=g) < 0.1, noise, t)
-    return t[:, :-1], t[:, 1:]
+    """The learnable global batch of ``step`` (:func:`tests.tiny.make_batch` with ``motif``)."""
+    return make_batch(1000 + step, GLOBAL_BATCH, SEQ, CFG["vocab_size"], motif=True)
 
 
 def micro_batch(step: int, dp_rank: int, dp: int, m: int, micro: int = MICRO):
@@ -52,29 +43,8 @@ def micro_batch(step: int, dp_rank: int, dp: int, m: int, micro: int = MICRO):
 
 def reference(steps: int = STEPS, clip: float = OPT["clip_grad"]):
     """Single-process GPT + AdamW: per-step losses, pre-clip norms, params after step 1 and at end."""
-    torch.manual_seed(SEED)
-    model = GPT(GPTConfig(**CFG))
-    decay = [p for n, p in model.named_parameters() if not no_weight_decay(n, p)]
-    nodecay = [p for n, p in model.named_parameters() if no_weight_decay(n, p)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": OPT["weight_decay"]},
-                             {"params": nodecay, "weight_decay": 0.0}], lr=OPT["lr"],
-                            betas=(OPT["adam_beta1"], OPT["adam_beta2"]), eps=OPT["adam_eps"])
-    losses, norms, first = [], [], None
-    for step in range(steps):
-        x, y = global_batch(step)
-        loss = model(x, y).mean()
-        loss.backward()
-        # The norm itself in float64: clip_grad_norm_'s fp32 norm-of-norms is off by ~1e-6 here.
-        norms.append(math.sqrt(sum(torch.linalg.vector_norm(p.grad, dtype=torch.float64).item() ** 2
-                                   for p in model.parameters())))
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else 1e30)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-        if step == 0:
-            first = {k: v.clone() for k, v in model.state_dict().items()}
-    return dict(losses=losses, norms=norms, first=first,
-                final={k: v.clone() for k, v in model.state_dict().items()})
+    r = tiny_reference(CFG, [global_batch(step) for step in range(steps)], dict(OPT, clip_grad=clip))
+    return {k: r[k] for k in ("losses", "norms", "first", "final")}
 
 
 class CheckpointBlock(nn.Module):
@@ -90,12 +60,16 @@ class CheckpointBlock(nn.Module):
 
 
 def build(grid: ProcessGrid, zc: ZeroConfig, opt: dict | None = None, ckpt: str | None = None):
+    """:func:`tests.tiny.build_parallel`; ``ckpt`` instead wraps the TP blocks in
+    ``torch.utils.checkpoint`` (a foreign checkpoint wrapper under ZeRO-3, which ``parallelize``
+    deliberately does not offer), so that one case composes by hand."""
+    if ckpt is None:
+        return build_parallel(grid, CFG, zero=zc, optimizer=OptimizerConfig(**(opt or OPT)))
     torch.manual_seed(SEED)
     model = GPT(GPTConfig(**CFG))
     parallelize_gpt(model, grid.tp_group)
-    if ckpt is not None:
-        for i in range(len(model.layers)):
-            model.layers[i] = CheckpointBlock(model.layers[i], reentrant=ckpt == "reentrant")
+    for i in range(len(model.layers)):
+        model.layers[i] = CheckpointBlock(model.layers[i], reentrant=ckpt == "reentrant")
     return ZeroEngine(model, grid, zc, OptimizerConfig(**(opt or OPT)))
 
 
