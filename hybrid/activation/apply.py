@@ -22,6 +22,7 @@ short-lived tensors of the first micro-batch, and written by copy; a memory plan
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch.nn as nn
 
@@ -29,6 +30,9 @@ from hybrid.activation.config import ActivationConfig
 from hybrid.activation.recompute import ActivationStore, CheckpointedForward, CheckpointStats
 from hybrid.activation.saved_bytes import format_saved_bytes, measure_saved_bytes  # noqa: F401 (public API)
 from hybrid.parallel.rng import RNGTracker
+
+if TYPE_CHECKING:
+    from hybrid.parallel.grid import ProcessGrid
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +104,7 @@ def _find_tracker(model: nn.Module, tracker: RNGTracker | None) -> RNGTracker | 
     return next(iter(found.values()), None)
 
 
-def apply_activation_checkpointing(model: nn.Module, grid, config: ActivationConfig,
+def apply_activation_checkpointing(model: nn.Module, grid: ProcessGrid, config: ActivationConfig,
                                    tracker: RNGTracker | None = None) -> ActivationCheckpointing:
     """Checkpoint ``model.layers[i]`` for the first ``config.num_checkpointed(L)`` blocks, in place.
 

@@ -19,6 +19,7 @@ import json
 import os
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -33,7 +34,11 @@ from hybrid.checkpoint.directory import (
     staging_dir,
 )
 from hybrid.parallel.layers import TPSpec, get_tp_spec
-from hybrid.parallel.rng import capture_rng_states, restore_rng_states
+from hybrid.parallel.rng import RNGTracker, capture_rng_states, restore_rng_states
+
+if TYPE_CHECKING:
+    from hybrid.parallel.grid import ProcessGrid
+    from hybrid.zero.engine import ZeroEngine
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -47,12 +52,13 @@ def _real_local(t: torch.Tensor, spec: TPSpec) -> torch.Tensor:
     return t if spec.replicated else t.narrow(spec.split_dim, 0, spec.real_local_size())
 
 
-def _param_specs(engine) -> dict[str, TPSpec]:
+def _param_specs(engine: ZeroEngine) -> dict[str, TPSpec]:
     return {name: get_tp_spec(p) for name, p in engine.model.named_parameters()}
 
 
-def save_checkpoint(root: str | os.PathLike, iteration: int, engine, grid, train_state: dict,
-                    metadata: dict, tracker=None, keep: int | None = None) -> Path | None:
+def save_checkpoint(root: str | os.PathLike, iteration: int, engine: ZeroEngine, grid: ProcessGrid,
+                    train_state: dict,
+                    metadata: dict, tracker: RNGTracker | None = None, keep: int | None = None) -> Path | None:
     """Write a checkpoint of ``iteration`` under ``root`` (collective: every rank calls).
 
     Args:
@@ -152,7 +158,8 @@ class CheckpointReader:
         return {k[4:]: f.get_tensor(k) for k in f.keys() if k.startswith("rng/")}
 
 
-def load_checkpoint(root: str | os.PathLike, engine, grid, tracker=None, load_optim: bool = True,
+def load_checkpoint(root: str | os.PathLike, engine: ZeroEngine, grid: ProcessGrid,
+                    tracker: RNGTracker | None = None, load_optim: bool = True,
                     load_rng: bool = True) -> dict:
     """Load the latest complete checkpoint under ``root`` into ``engine`` (collective).
 

@@ -35,6 +35,7 @@ persistent (small) parameters whole, and gathers units transiently (``gathered_p
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -48,6 +49,9 @@ from hybrid.zero.layout import PartitionLayout
 from hybrid.zero.loss_scaler import LossScaler
 from hybrid.zero.reduce import GradReducer
 from hybrid.zero.stage3 import ParamGatherer
+
+if TYPE_CHECKING:
+    from hybrid.parallel.grid import ProcessGrid
 
 __all__ = ["OptimizerConfig", "StepInfo", "ZeroConfig", "ZeroEngine"]
 
@@ -82,7 +86,7 @@ class ZeroEngine:
         optimizer_config: AdamW hyper-parameters and clipping.
     """
 
-    def __init__(self, model: nn.Module, grid, zero_config: ZeroConfig,
+    def __init__(self, model: nn.Module, grid: ProcessGrid, zero_config: ZeroConfig,
                  optimizer_config: OptimizerConfig):
         zero_config.validate()
         optimizer_config.validate()
