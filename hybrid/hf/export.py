@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         meta = export_hf(args.load, args.output, args.iteration, args.tokenizer_model)
-    except (FileNotFoundError, FileExistsError, IncompleteCheckpointError, UnsupportedModelError) as e:
+    except (OSError, IncompleteCheckpointError, ValueError) as e:  # UnsupportedModelError is a ValueError
         print(f"export_hf: error: {e}", file=sys.stderr)
         return 2
     g = meta["grid"]
