@@ -37,7 +37,7 @@ class Tokenizer:
         ValueError: the file is not a readable sentencepiece model.
 
     Warns:
-        UserWarning: the model decodes a space as something else (a model trained, before the
+        UserWarning: the model decodes a space as U+2581 (a model trained, before the
             whitespace piece was required, on a corpus without spaces).
     """
 
@@ -57,11 +57,12 @@ class Tokenizer:
         self.unk: int = sp.unk_id()
         self._eos: int = sp.eos_id()
         self._literal_ws = self._literal_whitespace_ids()
-        if sp.Decode(sp.Encode(" a b ")) != " a b ":
+        decoded = sp.Decode(sp.Encode("a b"))
+        if _WS in decoded:  # the space came back as the escape symbol: silent corruption
             warnings.warn(
-                f"tokenizer {self.model_path} does not decode spaces back to spaces "
-                f"({sp.Decode(sp.Encode(' a b '))!r} for ' a b '); retrain it with "
-                "data.train_tokenizer, whose models always hold the whitespace piece",
+                f"tokenizer {self.model_path} decodes a space as U+2581 ({decoded!r} for "
+                "'a b'): it has no whitespace piece; retrain it with data.train_tokenizer, "
+                "whose models always hold one",
                 stacklevel=2,
             )
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from data_helpers import tiny_tokenizer, write_jsonl
+from data_helpers import tiny_corpus, tiny_tokenizer, write_jsonl
 
 from data.indexed_dataset import IndexedDataset
 from data.preprocess import main as preprocess_main
@@ -178,25 +178,51 @@ def test_command_lines_skip_bad_rows_and_name_empty_files(tmp_path, model, capsy
             progress=False,
         )
     assert not list(tmp_path.glob("e_*"))
-    for src in (bad, tmp_path / "empty.jsonl"):
-        argv = [
-            "--input",
-            str(src),
-            "--vocab-size",
-            "300",
-            "--model-prefix",
-            str(tmp_path / "t"),
-            "--num-threads",
-            "1",
-            *base,
-        ]
-        if src == bad:
-            with pytest.warns(UserWarning, match="bad.jsonl:2"), pytest.raises(SystemExit):
-                train_main(argv)  # reads past the bad row; 2 lines are too few for 300 ids
-            assert "sentencepiece training failed" in capsys.readouterr().err
-        else:
-            with pytest.raises(SystemExit) as e:
-                train_main(argv)
-            assert e.value.code == 2
-            err = capsys.readouterr().err.strip().splitlines()
-            assert len(err) == 1 and "train_tokenizer: error: no documents in" in err[0]
+    lines = tiny_corpus(tmp_path, 40_000).read_bytes().splitlines(keepends=True)
+    corpus = tmp_path / "corpus_bad.jsonl"
+    corpus.write_bytes(b"".join(lines[:2]) + b'{"text": "bad \xff"}\n' + b"".join(lines[2:]))
+    argv = ["--vocab-size", "600", "--num-threads", "1", *base]
+    with pytest.warns(UserWarning, match=r"corpus_bad.jsonl:3: invalid UTF-8 byte 0xff"):
+        train_main(["--input", str(corpus), "--model-prefix", str(tmp_path / "t"), *argv])
+    assert f"from {len(lines)} documents" in capsys.readouterr().out
+    assert Tokenizer(tmp_path / "t.model").vocab_size == 600
+    with pytest.raises(SystemExit) as e:
+        train_main(["--input", str(tmp_path / "empty.jsonl"), "--model-prefix", str(tmp_path / "u"),
+                    *argv])  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1
+    assert err[0].startswith("python -m data.train_tokenizer: error: no documents in ")
+    assert not (tmp_path / "u.model").exists()
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--workers", "0"], "workers (0) and chunk_documents (100000) must be >= 1"),
+        (
+            ["--json-keys", "body"],
+            "json key(s) ['body'] not in the dataset; its columns are ['text']",
+        ),
+        (["--tokenizer-model", "missing.model"], "tokenizer model not found: missing.model"),
+    ],
+)
+def test_preprocess_errors_are_one_line(tmp_path, model, capsys, extra, message):
+    """Configuration and input errors of data.preprocess: one line, exit 2, nothing written."""
+    src = write_jsonl(tmp_path / "a.jsonl", ["a b"])
+    argv = [
+        "--input",
+        str(src),
+        "--tokenizer-model",
+        str(model),
+        "--output-prefix",
+        str(tmp_path / "o"),
+        "--no-progress",
+        "--cache-dir",
+        str(tmp_path / "hf"),
+        *extra,
+    ]
+    with pytest.raises(SystemExit) as e:
+        preprocess_main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err == [f"python -m data.preprocess: error: {message}"]
+    assert not list(tmp_path.glob("o*"))

@@ -207,7 +207,7 @@ def test_old_models_without_the_whitespace_piece_warn(tmp_path):
         minloglevel=2,
     )
     with pytest.warns(
-        UserWarning, match=r"does not decode spaces back to spaces \('a▁b' for ' a b '\)"
+        UserWarning, match=r"decodes a space as U\+2581 \('a▁b' for 'a b'\)"
     ):
         Tokenizer(tmp_path / "old.model")
 
