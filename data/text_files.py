@@ -62,6 +62,7 @@ class ReadReport:
     columns: list[str] = field(default_factory=list)
 
     def skip(self, where: str, reason: str) -> None:
+        """Count one unreadable row at ``where`` (``FILE:LINE``), naming the first few."""
         self.unreadable += 1
         if len(self.examples) < EXAMPLES_KEPT:
             self.examples.append(f"{where}: {reason}")
