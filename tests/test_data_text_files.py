@@ -101,6 +101,20 @@ def test_only_the_requested_keys_are_read(tmp_path):
         r"\['text', 'meta'\]",
     ):
         _texts(str(tmp_path / "mixed.jsonl"), tmp_path, keys=["body"])
+    # parquet and csv: files whose other columns differ in name and type read as one
+    import datasets
+
+    datasets.Dataset.from_list([{"text": "p1", "source": "web"}]).to_parquet(
+        str(tmp_path / "1.parquet")
+    )
+    datasets.Dataset.from_list([{"id": 7, "text": "p2"}]).to_parquet(str(tmp_path / "2.parquet"))
+    assert _texts([str(tmp_path / "1.parquet"), str(tmp_path / "2.parquet")], tmp_path) == [
+        "p1",
+        "p2",
+    ]
+    (tmp_path / "1.csv").write_text("text,source\nc1,web\n")
+    (tmp_path / "2.csv").write_text("id,text,extra\n7,c2,x\n")
+    assert _texts([str(tmp_path / "1.csv"), str(tmp_path / "2.csv")], tmp_path) == ["c1", "c2"]
 
 
 def test_byte_order_mark_is_stripped(tmp_path):

@@ -228,6 +228,7 @@ def test_old_models_without_the_whitespace_piece_warn(tmp_path):
             "--max-documents 0 must be > 0; --num-threads 0 must be > 0",
         ),
         (["--eos-id", "40000"], "--eos-id 40000 is outside [0, vocab_size) = [0, 32000)"),
+        ([], "input file not found: "),  # no configuration error: the input is checked next
     ],
 )
 def test_cli_configuration_errors_are_one_line(tmp_path, capsys, argv, message):
