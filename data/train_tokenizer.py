@@ -215,8 +215,7 @@ def train_tokenizer(
                 "no text to train the tokenizer on (every document empty or skipped)"
             ) from e
         raise ValueError(
-            f"sentencepiece training failed (vocab_size={vocab_size}, "
-            f"model_type={model_type}, {stats.sentences} lines): {e}"
+            _training_error(str(e), vocab_size, model_type, character_coverage, stats)
         ) from e
     prefix = Path(os.fspath(model_prefix))
     prefix.parent.mkdir(parents=True, exist_ok=True)
@@ -231,6 +230,16 @@ def train_tokenizer(
 
 
 SPECIAL_DEFAULTS = {"unk_id": 0, "bos_id": 1, "eos_id": 2, "pad_id": 3}
+_FLAG_NAMES = (*SPECIAL_DEFAULTS, "vocab_size", "character_coverage", "model_type")
+
+
+def as_flags(message: str) -> str:
+    """``"bos_id=1"`` -> ``"--bos-id 1"`` in ``message``: the spelling a command-line user knows."""
+    for name in _FLAG_NAMES:
+        message = re.sub(
+            rf"\b{name}=([-\w.]+)", lambda m, n=name: f"--{n.replace('_', '-')} {m[1]}", message
+        )
+    return message
 
 
 def check_args(a: argparse.Namespace) -> None:
@@ -261,11 +270,7 @@ def check_args(a: argparse.Namespace) -> None:
             a.byte_fallback,
         )
     except ValueError as e:
-        msg = str(e)
-        for name in [*SPECIAL_DEFAULTS, "vocab_size"]:  # "bos_id=1" -> "--bos-id 1": the flag
-            msg = re.sub(
-                rf"\b{name}=(-?\d+)", lambda m, n=name: f"--{n.replace('_', '-')} {m[1]}", msg
-            )
+        msg = as_flags(str(e))
         defaults = [
             f"--{n.replace('_', '-')} {v}"
             for n, v in SPECIAL_DEFAULTS.items()
@@ -279,6 +284,27 @@ def check_args(a: argparse.Namespace) -> None:
         errors.append(msg.removeprefix("invalid tokenizer specials: "))
     if errors:
         raise ValueError("; ".join(errors))
+
+
+def _training_error(
+    error: str, vocab_size: int, model_type: str, coverage: float, stats: SentenceStats
+) -> str:
+    """sentencepiece's two vocabulary-size failures in the caller's terms, others as they are."""
+    read = f"{stats.documents} documents, {stats.sentences} lines"
+    if m := re.search(
+        r"Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+)", error
+    ):
+        return (
+            f"vocab_size={vocab_size} is more than this corpus gives ({read}): at most {m[2]} "
+            f"with model_type={model_type}; lower it or give more text"
+        )
+    if m := re.search(r"smaller than required_chars\. (\d+) vs (\d+)", error):
+        return (
+            f"vocab_size={vocab_size} is below the {m[2]} pieces that the specials, byte pieces "
+            f"and the characters covering character_coverage={coverage} need ({read}); raise "
+            "it, or lower character_coverage so that rare characters fall back to bytes"
+        )
+    return f"sentencepiece training failed (vocab_size={vocab_size}, model_type={model_type}, {read}): {error}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -347,7 +373,7 @@ def main(argv: list[str] | None = None) -> None:
             a.num_threads,
         )
     except (ValueError, FileNotFoundError) as e:
-        exit_with_error(p.prog, str(e))
+        exit_with_error(p.prog, as_flags(str(e)))
     except KeyError as e:
         exit_with_error(p.prog, e.args[0])
     print(

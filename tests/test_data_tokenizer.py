@@ -242,3 +242,28 @@ def test_cli_configuration_errors_are_one_line(tmp_path, capsys, argv, message):
     assert e.value.code == 2 and message in err[-1]
     assert len(err) == 1 and err[0].startswith("python -m data.train_tokenizer: error: ")
     assert not list(tmp_path.iterdir())
+
+
+def test_vocabulary_size_errors_say_what_to_change(tmp_path, capsys):
+    """sentencepiece's own vocabulary-size failures, in the caller's terms: 4 specials + 256
+    bytes + the whitespace piece + 10 digits = 271 pieces is all a digits-only corpus gives;
+    50 distinct CJK characters need 311 pieces."""
+    with pytest.raises(ValueError) as e:
+        train_tokenizer(["0123456789" * 3] * 300, tmp_path / "d", 300)
+    assert str(e.value) == (
+        "vocab_size=300 is more than this corpus gives (300 documents, 300 lines): at most 271 "
+        "with model_type=bpe; lower it or give more text"
+    )
+    cjk = ["".join(chr(0x4E00 + (i * 7 + j) % 50) for j in range(60)) for i in range(200)]
+    with pytest.raises(ValueError, match=r"^vocab_size=300 is below the 311 pieces that the "):
+        train_tokenizer(cjk, tmp_path / "c", 300, model_type="unigram", character_coverage=1.0)
+    corpus = tmp_path / "digits.txt"
+    corpus.write_text("0123456789\n" * 50)
+    with pytest.raises(SystemExit):
+        main(["--input", str(corpus), "--vocab-size", "300", "--model-prefix", str(tmp_path / "t"),
+              "--cache-dir", str(tmp_path / "hf"), "--num-threads", "1"])  # fmt: skip
+    assert capsys.readouterr().err == (
+        "python -m data.train_tokenizer: error: --vocab-size 300 is more than this corpus gives "
+        "(50 documents, 50 lines): at most 271 with --model-type bpe; lower it or give more text\n"
+    )
+    assert not (tmp_path / "t.model").exists()
