@@ -52,7 +52,8 @@ MODEL_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-head
                "--max-position-embeddings", "64"]
 EXTRA_TEXTS = ["é😀 ok", "汉字と仮名、한국어", "e\u0301 a\u0308\u0323 n\u0303", "🧑\u200d🤝\u200d🧑 family",
                "  two  spaces\n\nand\ttabs ", "", "\x00\x7f control", "<|sep|> user symbol",
-               "</s> <s> <pad> <unk> <0x41> spelled-out specials stay text"]
+               "</s> <s> <pad> <unk> <0x41> spelled-out specials stay text",
+               "\u2581 a literal whitespace symbol\u2581\u2581, sparks \u2581\u2582\u2583"]
 
 
 def random_gpt2(directory: Path, tied: bool = True, seed: int = 0, **overrides) -> GPT2LMHeadModel:
@@ -92,7 +93,7 @@ def test_exported_tokenizer_matches_sentencepiece(corpus_lines, model_type, voca
     assert ids["eos_token_id"] == hf.eos_token_id == ours.eod
     assert len(hf) == ours.vocab_size
     sample = lines[:1000] + EXTRA_TEXTS
-    assert len(sample) == 1009
+    assert len(sample) == 1010
     expected = ours.encode(sample)
     id_mismatch = [t for t, e in zip(sample, expected, strict=True) if hf.encode(t, add_special_tokens=False) != e]
     text_mismatch = [t for t, e in zip(sample, expected, strict=True)

@@ -7,8 +7,12 @@ The sentencepiece model proto is translated piece for piece (same ids):
 - BPE: every split of a normal piece into two vocabulary pieces becomes a merge, ranked by the
   merged piece's score, which is the order in which sentencepiece's BPE encoder applies them
   (highest score first); unigram: the same pieces and scores (Viterbi in both libraries).
-- spaces become ``▁`` with nothing prepended (our models have no dummy prefix), unknown
-  characters become their UTF-8 byte pieces (byte fallback), and decoding reverses both.
+- spaces become the whitespace symbol with nothing prepended (our models have no dummy
+  prefix), unknown characters become their UTF-8 byte pieces (byte fallback), and decoding
+  reverses both. The exported vocabulary spells the whitespace symbol U+FFFF (a Unicode
+  noncharacter) rather than sentencepiece's ``▁`` (U+2581), so that a ``▁`` in the text is
+  encoded as its bytes, as :class:`data.tokenizer.Tokenizer` does; the one text it reads
+  differently is one holding U+FFFF itself, which it takes for a space.
 - control pieces (``<unk> <s> </s> <pad>``) are special tokens, but text that spells them is
   encoded as text (``split_special_tokens``), as sentencepiece does; user-defined symbols are
   always one token, as in sentencepiece.
@@ -26,6 +30,8 @@ from pathlib import Path
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
 _BPE, _UNIGRAM = 2, 1
 _NEVER = -1e9
+_WS = "\u2581"  # sentencepiece's whitespace symbol
+_SPACE = "\uffff"  # a Unicode noncharacter: what a space becomes in the exported vocabulary
 
 
 def _read_proto(model_path: str | os.PathLike):
@@ -59,17 +65,17 @@ def _check_normalization(m, model_path) -> None:
                          + "; ".join(problems) + " (models from data.train_tokenizer can)")
 
 
-def _bpe_merges(pieces) -> list[tuple[str, str]]:
-    """All ``(left, right)`` with ``left + right`` a normal piece and both halves pieces that
-    the encoder can hold (normal or byte-free characters), highest merged score first."""
-    vocab = {p.piece: i for i, p in enumerate(pieces)}
-    usable = {p.piece for p in pieces if p.type == _NORMAL}
+def _bpe_merges(pieces, names: list[str]) -> list[tuple[str, str]]:
+    """All ``(left, right)`` with ``left + right`` a normal piece and both halves normal
+    pieces, highest merged score first (``names``: the pieces as the HF vocabulary spells them)."""
+    vocab = {n: i for i, n in enumerate(names)}
+    usable = {n for n, p in zip(names, pieces, strict=True) if p.type == _NORMAL}
     ranked = []
-    for i, p in enumerate(pieces):
-        if p.type != _NORMAL or len(p.piece) < 2:
+    for i, (name, p) in enumerate(zip(names, pieces, strict=True)):
+        if p.type != _NORMAL or len(name) < 2:
             continue
-        for cut in range(1, len(p.piece)):
-            left, right = p.piece[:cut], p.piece[cut:]
+        for cut in range(1, len(name)):
+            left, right = name[:cut], name[cut:]
             if left in usable and right in usable:
                 ranked.append((-p.score, i, vocab[left], left, right))
     ranked.sort()
@@ -93,26 +99,31 @@ def build_tokenizer(model_path: str | os.PathLike):
     m = _read_proto(model_path)
     _check_normalization(m, model_path)
     pieces, ts = m.pieces, m.trainer_spec
-    unk = pieces[ts.unk_id].piece
+    # data.tokenizer.Tokenizer encodes a literal U+2581 in the text as its byte pieces when the
+    # model has a whitespace piece and byte fallback; for the same ids here, spaces map to a
+    # noncharacter instead, so that a literal U+2581 is out of vocabulary and falls back to bytes.
+    space = _SPACE if ts.byte_fallback and any(p.piece == _WS for p in pieces) else _WS
+    names = [p.piece.replace(_WS, space) for p in pieces]
+    unk = names[ts.unk_id]
     if ts.model_type == _BPE:
-        model = BPE(vocab={p.piece: i for i, p in enumerate(pieces)}, merges=_bpe_merges(pieces),
+        model = BPE(vocab={n: i for i, n in enumerate(names)}, merges=_bpe_merges(pieces, names),
                     unk_token=unk, fuse_unk=True, byte_fallback=ts.byte_fallback)
     else:
         # sentencepiece's lattice holds only normal and user-defined pieces; the others get a
         # score no segmentation of real text would choose (a spelled-out "</s>" stays text).
-        model = Unigram([(p.piece, p.score if p.type in (_NORMAL, _USER_DEFINED) else _NEVER)
-                         for p in pieces], unk_id=ts.unk_id, byte_fallback=ts.byte_fallback)
+        model = Unigram([(n, p.score if p.type in (_NORMAL, _USER_DEFINED) else _NEVER)
+                         for n, p in zip(names, pieces, strict=True)], unk_id=ts.unk_id, byte_fallback=ts.byte_fallback)
     tok = Tokenizer(model)
-    tok.normalizer = normalizers.Replace(" ", "\u2581")
-    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
-    tok.add_tokens([AddedToken(p.piece, special=False, normalized=False)
-                    for p in pieces if p.type == _USER_DEFINED])
-    tok.add_special_tokens([AddedToken(p.piece, special=True, normalized=False)
-                            for p in pieces if p.type in (_CONTROL, _UNKNOWN)])
+    tok.normalizer = normalizers.Replace(" ", space)
+    tok.decoder = decoders.Sequence([decoders.Replace(space, " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok.add_tokens([AddedToken(n, special=False, normalized=False)
+                    for n, p in zip(names, pieces, strict=True) if p.type == _USER_DEFINED])
+    tok.add_special_tokens([AddedToken(n, special=True, normalized=False)
+                            for n, p in zip(names, pieces, strict=True) if p.type in (_CONTROL, _UNKNOWN)])
     specials = {"unk": unk}
     for key, i in (("bos", ts.bos_id), ("eos", ts.eos_id), ("pad", ts.pad_id)):
         if 0 <= i < len(pieces):
-            specials[key] = pieces[i].piece
+            specials[key] = names[i]
     return tok, specials
 
 
