@@ -125,3 +125,26 @@ def test_split_that_leaves_a_split_empty(tmp_path):
         check(argv + ["--split", "949,50,1"])
     check(argv + ["--split", "949,50,1", "--eval-iters", "0"])
     check(argv + ["--split", "80,10,10"])
+
+
+def test_component_configs_are_the_sections_and_flags_keep_megatron_names():
+    from hybrid.activation.config import ActivationConfig
+    from hybrid.cli import build_parser
+    from hybrid.zero.config import OptimizerConfig, ZeroConfig
+
+    cfg = parse_config(BASE + ["--bf16", "--zero-stage", "3", "--lr", "1e-3", "--adam-beta2", "0.95",
+                               "--checkpoint-activations", "--initial-loss-scale", "65536"])
+    assert isinstance(cfg.zero, ZeroConfig) and isinstance(cfg.optimizer, OptimizerConfig)
+    assert isinstance(cfg.activation, ActivationConfig)
+    assert (cfg.zero.stage, cfg.zero.precision, cfg.zero.initial_loss_scale) == (3, "bf16", 65536.0)
+    assert cfg.zero.shards_parameters and cfg.zero.shards_gradients and cfg.zero.shards_optimizer_states
+    assert (cfg.optimizer.lr, cfg.optimizer.adam_beta2) == (1e-3, 0.95)
+    assert parse_config(BASE + ["--fp16"]).zero.precision == "fp16"
+    assert parse_config(BASE).zero.precision == "fp32"
+    helptext = build_parser().format_help()
+    assert "--zero-stage" in helptext and "same as --precision bf16" in helptext
+    # each section checks its own fields once, with the one error type, naming flag, field and value
+    with pytest.raises(ConfigError, match=r"--adam-beta2 1\.0 \(OptimizerConfig\.adam_beta2\)"):
+        parse_config(BASE + ["--adam-beta2", "1.0"])
+    with pytest.raises(ConfigError, match=r"--micro-batch-size 0 \(TrainingConfig\.micro_batch_size\)"):
+        parse_config(BASE + ["--micro-batch-size", "0"])
