@@ -46,6 +46,7 @@ from hybrid.zero.config import OptimizerConfig, ZeroConfig
 from hybrid.zero.grad_norm import clip_coefficient, global_grad_norm
 from hybrid.zero.layout import PartitionLayout
 from hybrid.zero.loss_scaler import LossScaler
+from hybrid.zero.profile import NULL_TIMER
 from hybrid.zero.reduce import GradReducer
 from hybrid.zero.stage3 import ParamGatherer
 
@@ -80,6 +81,9 @@ class ZeroEngine:
         zero_config: stage, buckets, overlap, precision and loss scaling.
         optimizer_config: AdamW hyper-parameters and clipping.
     """
+
+    timer = NULL_TIMER
+    """The per-phase profiler (:meth:`set_profiler`); a no-op by default."""
 
     def __init__(self, model: nn.Module, grid, zero_config: ZeroConfig,
                  optimizer_config: OptimizerConfig):
@@ -180,6 +184,14 @@ class ZeroEngine:
         if self.gatherer is not None:
             self.gatherer.release(u)
 
+    def set_profiler(self, timer=None) -> None:
+        """Time the phases of every step with ``timer`` (a :class:`hybrid.zero.profile.PhaseTimer`;
+        None switches profiling off). The caller times its forward as ``timer.phase("forward")``."""
+        timer = NULL_TIMER if timer is None else timer
+        self.timer = self.reducer.timer = timer
+        if self.gatherer is not None:
+            self.gatherer.timer = timer
+
     # ---- training ----------------------------------------------------------------------------
     def train(self) -> ZeroEngine:
         self.model.train()
@@ -195,17 +207,18 @@ class ZeroEngine:
         fp16 multiplies it by the loss scale. Stage 0/1 accumulate locally and reduce during the
         last micro-batch's backward; stage 2/3 reduce-scatter during every backward.
         """
-        self.reducer.begin_backward(self.stage >= 2 or is_last_micro_batch)
-        if self._scale_loss:
-            loss = loss.float() * self.scaler.scale
-        self._in_backward = True
-        try:
-            loss.backward()
-        finally:
-            self._in_backward = False
-        if self.gatherer is not None:
-            self.gatherer.release_all()
-        self.reducer.end_backward()
+        with self.timer.phase("backward"):
+            self.reducer.begin_backward(self.stage >= 2 or is_last_micro_batch)
+            if self._scale_loss:
+                loss = loss.float() * self.scaler.scale
+            self._in_backward = True
+            try:
+                loss.backward()
+            finally:
+                self._in_backward = False
+            if self.gatherer is not None:
+                self.gatherer.release_all()
+            self.reducer.end_backward()
         self._grads_ready = is_last_micro_batch
 
     def step(self, lr: float) -> StepInfo:
@@ -217,23 +230,28 @@ class ZeroEngine:
             raise RuntimeError("step() needs a backward(..., is_last_micro_batch=True) first")
         self._grads_ready = False
         scale = self.scaler.scale if self._scale_loss else 1.0
-        norm, overflow = global_grad_norm(self._norm_counted, [self.reducer.buffer],
-                                          group=self.grid.world_group, ledger=self.comm)
+        with self.timer.phase("grad_norm"):
+            norm, overflow = global_grad_norm(self._norm_counted, [self.reducer.buffer],
+                                              group=self.grid.world_group, ledger=self.comm)
         if self._scale_loss:
             self.scaler.update(overflow)
         if overflow:
             self.skipped_steps += 1
-            self.reducer.zero()
+            with self.timer.phase("zeroing"):
+                self.reducer.zero()
             return StepInfo(True, norm, self.scaler.scale, self._close_comm())
         norm /= scale
         coef = clip_coefficient(norm, self.opt_config.clip_grad) / scale
-        if coef != 1.0:
-            self.reducer.buffer.mul_(coef)
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr
-        self.optimizer.step()
-        self._push_params()
-        self.reducer.zero()
+        with self.timer.phase("optimizer"):
+            if coef != 1.0:
+                self.reducer.buffer.mul_(coef)
+            for g in self.optimizer.param_groups:
+                g["lr"] = lr
+            self.optimizer.step()
+        with self.timer.phase("refresh"):
+            self._push_params()
+        with self.timer.phase("zeroing"):
+            self.reducer.zero()
         self.optimizer_steps += 1
         return StepInfo(False, norm, self.scaler.scale, self._close_comm())
 

@@ -27,6 +27,7 @@ import torch
 
 from hybrid.zero.comm import DPComm
 from hybrid.zero.layout import PartitionLayout
+from hybrid.zero.profile import NULL_TIMER
 
 
 class GradReducer:
@@ -40,6 +41,9 @@ class GradReducer:
         on_unit_ready: called with a unit index once all its gradients have accumulated in
             this backward (stage 3 releases the unit's gathered parameters there).
     """
+
+    timer = NULL_TIMER
+    """A :class:`hybrid.zero.profile.PhaseTimer` while profiling (hooks, copies, grad_comm)."""
 
     def __init__(self, params, layout: PartitionLayout, stage: int, comm: DPComm,
                  bucket_size: int, overlap: bool, on_unit_ready=None):
@@ -121,15 +125,17 @@ class GradReducer:
         slot = self.layout.slots[i]
 
         def hook(p: torch.Tensor) -> None:
-            if self.stage < 2:
-                self.grad_flat[slot.offset:slot.offset + slot.numel].add_(p.grad.reshape(-1))
-                p.grad = None
-            elif self.ready[slot.unit]:
-                raise RuntimeError(f"gradient of {slot.name} arrived twice in one backward; "
-                                   "ZeRO stage 2/3 reduces a unit once its gradients are complete")
-            self.pending[slot.unit] -= 1
-            if self.pending[slot.unit] == 0:
-                self._unit_ready(slot.unit, launch=self.overlap)
+            with self.timer.phase("hooks"):
+                if self.stage < 2:
+                    with self.timer.phase("copies"):
+                        self.grad_flat[slot.offset:slot.offset + slot.numel].add_(p.grad.reshape(-1))
+                    p.grad = None
+                elif self.ready[slot.unit]:
+                    raise RuntimeError(f"gradient of {slot.name} arrived twice in one backward; "
+                                       "ZeRO stage 2/3 reduces a unit once its gradients are complete")
+                self.pending[slot.unit] -= 1
+                if self.pending[slot.unit] == 0:
+                    self._unit_ready(slot.unit, launch=self.overlap)
 
         return hook
 
@@ -153,8 +159,10 @@ class GradReducer:
         if self.stage == 0:
             view = self.grad_flat[a:b]
             if inv != 1.0:
-                view.mul_(inv)
-            work = self.comm.all_reduce(view, async_op=self.overlap)
+                with self.timer.phase("copies"):
+                    view.mul_(inv)
+            with self.timer.phase("grad_comm"):
+                work = self.comm.all_reduce(view, async_op=self.overlap)
             self.inflight.append((work, bucket, None))
         else:
             if len(self.inflight) >= len(self.staging):
@@ -162,18 +170,20 @@ class GradReducer:
             k = self.launched % len(self.staging)
             n = b - a
             inp, out = self.staging[k][0][:self.comm.size * n], self.staging[k][1][:n]
-            if self.stage == 1:
-                for src, ln, o in ins:
-                    inp[o:o + ln].copy_(self.grad_flat[src:src + ln])
-            else:
-                inp.zero_()
-                for s, ps, ln, o in ins:
-                    g = self.params[s].grad
-                    if g is not None:
-                        inp[o:o + ln].copy_(g.reshape(-1)[ps:ps + ln])
-            if inv != 1.0:
-                inp.mul_(inv)
-            work = self.comm.reduce_scatter(out, inp, async_op=self.overlap)
+            with self.timer.phase("copies"):
+                if self.stage == 1:
+                    for src, ln, o in ins:
+                        inp[o:o + ln].copy_(self.grad_flat[src:src + ln])
+                else:
+                    inp.zero_()
+                    for s, ps, ln, o in ins:
+                        g = self.params[s].grad
+                        if g is not None:
+                            inp[o:o + ln].copy_(g.reshape(-1)[ps:ps + ln])
+                if inv != 1.0:
+                    inp.mul_(inv)
+            with self.timer.phase("grad_comm"):
+                work = self.comm.reduce_scatter(out, inp, async_op=self.overlap)
             self.inflight.append((work, bucket, out))
         self.launched += 1
         if not self.overlap:
@@ -181,12 +191,14 @@ class GradReducer:
 
     def _finish(self) -> None:
         work, (a, b, units, _, outs), out = self.inflight.popleft()
-        work.wait()
-        if self.stage == 1:
-            for dst, ln, q in outs:
-                self.grad_flat[dst:dst + ln].copy_(out[q:q + ln])
-        elif self.stage >= 2:
-            self.grad_part[a:b].add_(out)
+        with self.timer.phase("grad_comm"):
+            work.wait()
+        with self.timer.phase("copies"):
+            if self.stage == 1:
+                for dst, ln, q in outs:
+                    self.grad_flat[dst:dst + ln].copy_(out[q:q + ln])
+            elif self.stage >= 2:
+                self.grad_part[a:b].add_(out)
         for u in units:
             self.left[u] -= 1
             if self.left[u] == 0 and self.stage >= 2:
