@@ -74,13 +74,13 @@ def train_step(engine, micro_batches: list[torch.Tensor], lr: float, grid) -> St
     A NaN/inf data-parallel mean loss discards the gradients instead of stepping.
     """
     n = len(micro_batches)
-    losses = torch.zeros(n, dtype=torch.float64)
+    losses = torch.zeros(n, dtype=torch.float64, device=grid.device)  # no host sync per micro-batch
     for i, tokens in enumerate(micro_batches):
         tokens = tokens.to(grid.device, non_blocking=True)
         loss = engine.model(tokens[:, :-1], tokens[:, 1:]).mean()
         engine.backward(loss / n, is_last_micro_batch=i == n - 1)
-        losses[i] = loss.detach().double().cpu()
-    mean = _dp_mean(losses.mean().reshape(1).to(grid.device), grid.dp_group, grid.dp_size).item()
+        losses[i] = loss.detach()
+    mean = _dp_mean(losses.mean().reshape(1), grid.dp_group, grid.dp_size).item()
     if not math.isfinite(mean):
         engine.zero_grad()
         return StepResult(mean, float("nan"), engine.loss_scale, True, True)

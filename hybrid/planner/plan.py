@@ -138,6 +138,8 @@ class Training:
     """Stage-3 parameter gather bucket, elements."""
     make_vocab_size_divisible_by: int = 128
     """Vocabulary padded to a multiple of this * tp (Megatron §5.1)."""
+    grad_reduce: str = "reduce_scatter"
+    """ZeroConfig.grad_reduce: 'reduce_scatter' or 'all_reduce' (2x the gradient bytes)."""
 
     def __post_init__(self) -> None:
         get_precision(self.precision, self.accounting)
@@ -269,7 +271,8 @@ def evaluate(
 
     recompute = activation != "none"
     dp_kinds = dp_traffic_bytes(
-        m, dp, stage, tp, prec, micro_batches, persistent_params=persistent, by_kind=True
+        m, dp, stage, tp, prec, micro_batches, persistent_params=persistent, by_kind=True,
+        grad_reduce=training.grad_reduce,
     )
     dp_bytes = sum(dp_kinds.values())
     tp_elems = tp_traffic_elements(
