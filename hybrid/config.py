@@ -48,6 +48,9 @@ class ParallelArgs:
     reduce_bucket_size: int = arg(50_000_000, "gradient reduce bucket size, in elements")
     allgather_bucket_size: int = arg(50_000_000, "parameter all-gather bucket size, in elements")
     overlap_comm: bool = arg(True, "overlap gradient communication with backward")
+    grad_reduce: str = arg("reduce_scatter", "ZeRO 1-3 gradient collective: reduce_scatter, or all_reduce keeping the "
+                           "owned slice (2x the bytes; faster with gloo on one host)",
+                           choices=("reduce_scatter", "all_reduce"))
     param_persistence_threshold: int = arg(100_000, "ZeRO-3 keeps parameters smaller than this (elements) unpartitioned")
     checkpoint_activations: bool = arg(False, "recompute each transformer block in backward (full activation checkpointing)")
     checkpoint_num_layers: int | None = arg(None, "checkpoint only the first N blocks (default: all)")
@@ -114,6 +117,8 @@ class LoggingArgs:
     wandb_project: str | None = arg(None, "wandb project (wandb is off when unset)")
     wandb_exp_name: str | None = arg(None, "wandb run name")
     wandb_save_dir: str | None = arg(None, "directory for wandb files (default: ./wandb)")
+    profile_phases: bool = arg(False, "time each step's phases (forward, backward, grad comm, optimizer, ...; "
+                               "hybrid.zero.profile) and log them as phase_<name>_ms per step")
 
 
 @dataclass

@@ -73,6 +73,7 @@ def build_engine(cfg: PretrainConfig, derived: Derived, grid, tracker):
         model, grid,
         ZeroConfig(stage=p.zero_stage, reduce_bucket_size=p.reduce_bucket_size,
                    allgather_bucket_size=p.allgather_bucket_size, overlap_comm=p.overlap_comm,
+                   grad_reduce=p.grad_reduce,
                    param_persistence_threshold=p.param_persistence_threshold,
                    precision="bf16" if o.bf16 else "fp16" if o.fp16 else "fp32",
                    loss_scale=o.loss_scale, initial_loss_scale_power=int(o.initial_loss_scale).bit_length() - 1,
@@ -116,6 +117,10 @@ def run(cfg: PretrainConfig, derived: Derived) -> dict:
         print(f"hybrid-zero pretraining | {derived.summary()}", flush=True)
         print(config_json(cfg), flush=True)
     engine = build_engine(cfg, derived, grid, tracker)
+    if lg.profile_phases:
+        from hybrid.zero.profile import PhaseTimer
+
+        engine.set_profiler(PhaseTimer(grid.device))
     if grid.rank == 0:
         print(engine.summary(), flush=True)
     state = TrainState()
