@@ -11,8 +11,15 @@ params + grads + master + optimizer states.
     python scripts/bench_zero.py                       # tiny GPT, world 4
     python scripts/bench_zero.py --size medium --world 2 --peers "ddp fsdp2 deepspeed_z3"
 
-Writes ``throughput_<size>_w<world>.md`` (the table, with ratios) and ``..._ratios.png`` under
-``--out`` (default runs/bench).
+Each of our configurations also runs as ``<name>_floor``: the same ranks and model with every
+data-parallel collective skipped (``DPComm.skip_collectives``), the compute-only floor of this
+machine; and ours report a per-phase profile of rank 0's timed steps (``hybrid.zero.profile``:
+forward, backward, hooks, copies, grad_comm, param_gather, grad_norm, optimizer, refresh,
+zeroing). ``--repeats N`` launches everything N times, interleaved, and reports the median launch
+with the spread.
+
+Writes ``throughput_<size>_w<world>.md`` (the tables: throughput with spread, ratios against the
+peers and the floor, the phase profile) and ``..._ratios.png`` under ``--out`` (default runs/bench).
 
 Env: PEERS_DIR (default ../shared/peers next to this repository), PEERS_VENV (default
 ${TMPDIR:-/tmp}/hybrid-peers-venv, built by the peers' setup.sh; needed for DeepSpeed).
@@ -59,7 +66,12 @@ def worker(stage: int, tp: int, floor: bool, profile: bool) -> None:
                           vocab_size=c.vocab, max_position_embeddings=c.seq, hidden_dropout=0.0,
                           attention_dropout=0.0, untie_embeddings_and_output_weights=True))
     parallelize_gpt(model, grid.tp_group)
-    engine = ZeroEngine(model, grid, ZeroConfig(stage=stage, precision="fp32"),
+    grad_reduce = os.environ.get("HYBRID_GRAD_REDUCE", "auto")
+    if grad_reduce == "auto":  # gloo's reduce-scatter costs ~1.5x its all-reduce (issue 14)
+        grad_reduce = "all_reduce" if grid.backend == "gloo" else "reduce_scatter"
+    bucket = int(os.environ.get("HYBRID_REDUCE_BUCKET", "50000000"))
+    engine = ZeroEngine(model, grid, ZeroConfig(stage=stage, precision="fp32", grad_reduce=grad_reduce,
+                                                reduce_bucket_size=bucket),
                         OptimizerConfig(lr=1e-3, weight_decay=0.1, adam_beta1=0.9,
                                         adam_beta2=0.95, adam_eps=1e-8, clip_grad=0.0))
     engine.comm.skip_collectives = floor
@@ -122,6 +134,10 @@ def main() -> None:
     ap.add_argument("--logdir", default=f"{os.environ.get('TMPDIR', '/tmp')}/hybrid-bench-zero")
     ap.add_argument("--out", default=str(REPO / "runs" / "bench"), help="markdown + PNG report dir")
     ap.add_argument("--no-profile", action="store_true", help="no per-phase profile of ours")
+    ap.add_argument("--grad-reduce", default="auto", choices=["auto", "reduce_scatter", "all_reduce"],
+                    help="our ZeroConfig.grad_reduce; auto: all_reduce on gloo, reduce_scatter on NCCL")
+    ap.add_argument("--reduce-bucket-size", type=int, default=50_000_000,
+                    help="our ZeroConfig.reduce_bucket_size (elements)")
     ap.add_argument("--no-floor", action="store_true",
                     help="skip the compute-only floor runs (ours with every dp collective skipped)")
     ap.add_argument("--repeats", type=int, default=1,
@@ -137,7 +153,8 @@ def main() -> None:
     warmup = args.warmup if args.warmup is not None else (1 if args.size == "medium" else 3)
     env = dict(os.environ, PEER_SIZE=args.size, PEER_STEPS=str(steps), PEER_WARMUP=str(warmup),
                OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1",
-               GLOO_SOCKET_IFNAME="lo", PEER_TP="2")
+               GLOO_SOCKET_IFNAME="lo", PEER_TP="2", HYBRID_GRAD_REDUCE=args.grad_reduce,
+               HYBRID_REDUCE_BUCKET=str(args.reduce_bucket_size))
     logdir = Path(args.logdir) / args.size
     logdir.mkdir(parents=True, exist_ok=True)
     n = str(args.world)
@@ -236,7 +253,9 @@ def write_report(results: dict, out: Path, args, steps: int, warmup: int) -> Non
                   "`hybrid.zero.profile`; `_floor`: every data-parallel collective skipped):", ""]
         lines += format_profile(prof)
     head = (f"# Throughput vs peers ({args.size}, world {args.world}, {steps} steps, {warmup} warm-up)"
-            f"\n\n`python scripts/bench_zero.py {' '.join(sys.argv[1:])}`\n\nfp32, gloo, "
+            f"\n\n`python scripts/bench_zero.py {' '.join(sys.argv[1:])}`\n\nours: grad_reduce "
+            f"{args.grad_reduce} (auto: all_reduce on gloo), reduce bucket {args.reduce_bucket_size} "
+            "elements. fp32, gloo, "
             "OMP_NUM_THREADS=1, one launch each in sequence; run-to-run noise on this VM is "
             "about 15-25% (shared/peers/RESULTS.md).\n\n")
     stem.with_suffix(".md").write_text(head + "\n".join(lines) + f"\n\n![ratios]({stem.name}_ratios.png)\n")
