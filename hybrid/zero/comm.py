@@ -13,9 +13,10 @@ recorded under these three names; the world-wide all-reduce of the grad norm and
 ``state_all_gather`` (not training traffic).
 
 ``skip_collectives`` (the benchmark's *compute-only floor*) counts the bytes as usual but moves
-nothing: each rank only does its local share (an all-reduce leaves ``t``, a reduce-scatter keeps
-the rank's own chunk of its input, an all-gather writes the rank's own chunk). The numbers are
-then wrong; only the time without data-parallel communication is of interest.
+nothing: each rank only does local work (an all-reduce leaves ``t``, a reduce-scatter keeps the
+rank's own chunk of its input, an all-gather writes the rank's own chunk into every slot, so
+gathered parameters stay finite). The numbers are then wrong; only the time without
+data-parallel communication is of interest.
 """
 
 from __future__ import annotations
@@ -73,9 +74,9 @@ class DPComm:
         """``out``: one tensor of n x ``inp`` elements (rank-major) or a list of n tensors;
         ``kind`` names the ledger entry."""
         self._count(kind, inp.numel() * inp.element_size() * self.size)
-        if self.size == 1 or self.skip_collectives:
-            n = inp.numel()
-            (out[self.rank] if isinstance(out, list) else out[self.rank * n:(self.rank + 1) * n]).copy_(inp)
+        if self.size == 1 or self.skip_collectives:  # the floor writes its chunk everywhere
+            for o in (out if isinstance(out, list) else out.view(self.size, -1)):
+                o.copy_(inp.view_as(o))
             return _Done()
         if isinstance(out, list):
             return dist.all_gather(out, inp, group=self.group, async_op=async_op) or _Done()
