@@ -17,6 +17,9 @@ every rank issues the same collectives in the same order whatever order hooks fi
 ``overlap`` the reductions are asynchronous and two staging buffers alternate (the older one is
 waited for before reuse); without it everything is reduced synchronously after backward.
 Reductions run in fp32 and are pre-divided by the data-parallel size (a mean over ranks).
+On NCCL an asynchronous collective runs on the process group's own stream, ordered after the
+staging copies on the compute stream; ``wait()`` only makes the compute stream wait for it, so
+overlapped reductions never block the host.
 With ``grad_reduce="all_reduce"`` stage 1 all-reduces its full flat buffer in place (the stage-0
 plan: no staging) and stages 2/3 all-reduce the staged bucket and keep their own chunk of it.
 """
