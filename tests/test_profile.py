@@ -89,3 +89,21 @@ def test_engine_phases_add_up_to_the_step(profiled, stage, floor):
         assert sum(ms.values()) == pytest.approx(r["wall_ms"], rel=0.05, abs=2.0)
         # The floor skips the collectives but still accounts their bytes like the real run.
         assert set(r["comm"]) == {"reduce_scatter", "all_gather", "norm_all_reduce"}
+
+
+def test_pretrain_profile_phases_flag_logs_phases_and_keeps_the_losses():
+    """``--profile-phases`` adds ``phase_<name>_ms`` to each record and changes no loss bit;
+    ``--grad-reduce all_reduce`` runs through the job too (ZeRO-1, dp 2)."""
+    from tests.pretrain_worlds import run_configs
+    from tests.test_golden_losses import ARGV
+
+    base = [a if a != "20" else "4" for a in ARGV] + ["--zero-stage", "1", "--grad-reduce", "all_reduce"]
+    plain, profiled = spawn_world(2, run_configs, [base, base + ["--profile-phases"]], timeout_s=120)[0]
+    train = [r for r in profiled if "split" not in r and r.get("kind", "train") == "train"]
+    assert len(train) == 4
+    for r in train:
+        for p in ("forward", "backward", "grad_comm", "optimizer", "refresh"):
+            assert r[f"phase_{p}_ms"] > 0.0, (p, r)
+        assert sum(v for k, v in r.items() if k.startswith("phase_")) <= r["elapsed_ms"] * 1.05 + 1.0
+    assert [r["lm_loss"] for r in train] == [r["lm_loss"] for r in plain if "split" not in r
+                                             and r.get("kind", "train") == "train"]
