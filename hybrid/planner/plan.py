@@ -267,7 +267,8 @@ def evaluate(
     )
     total = states["total"] + acts["gpu"] + buffers + int(cluster.reserved_bytes)
 
-    recompute = activation != "none"
+    parts = set(activation.split("+"))
+    recompute = "full" in parts
     dp_kinds = dp_traffic_bytes(
         m, dp, stage, tp, prec, micro_batches, persistent_params=persistent, by_kind=True
     )
@@ -279,13 +280,15 @@ def evaluate(
         tp,
         m.num_layers,
         recompute,
-        activation in ("full+pa", "full+pa+cpu"),
+        "pa" in parts,
         m.vocab_size,
+        sequence_parallel="sp" in parts,
     )
     tp_bytes = tp_elems * prec.activation_bytes * micro_batches
     cpu_bytes = 2 * acts["cpu"] * micro_batches
 
-    hw_flops = flops_per_iteration(m, gbs, s, "full" if recompute else "none")
+    hw_flops = flops_per_iteration(
+        m, gbs, s, "full" if recompute else "selective" if "selective" in parts else "none")
     model_flops = flops_per_iteration(m, gbs, s, "none")
     peak = cluster.num_gpus * cluster.peak_tflops * 1e12
     dp_bw = (
