@@ -118,7 +118,8 @@ def parity(grid: ProcessGrid) -> dict:
                     ref_losses, ref = reference(dropout, batches, full)
                     gd = _diff_to_reference(model, grads, ref)
                     base = (losses, grads)
-                    kept = torch.cat([m.flatten().float() for v in masks.values() for m in v])
+                    # residual / embedding masks (attention outputs are also 0 above the diagonal)
+                    kept = torch.cat([m.flatten().float() for k, v in masks.items() if "attn" not in k for m in v])
                     drop_fraction = 1 - kept.mean().item()
                 elif sp:  # same TP streams as "sp": recompute must replay its masks exactly
                     ref_losses = base[0]
