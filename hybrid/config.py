@@ -44,7 +44,7 @@ class ParallelArgs:
     """Process grid, ZeRO and activation memory (ZeRO-R)."""
 
     tensor_model_parallel_size: int = arg(1, "tensor-model-parallel size (consecutive ranks, inside one node)")
-    sequence_parallel: bool = arg(False, "shard LayerNorm/dropout activations along the sequence over the TP group (needs seq length % tp == 0)")
+    sequence_parallel: bool = arg(False, "shard LayerNorm/dropout activations along the sequence over the TP group (needs the seq length divisible by tp)")
     zero_stage: int = arg(1, "ZeRO stage over the data-parallel group: 0, 1, 2 or 3")
     reduce_bucket_size: int = arg(50_000_000, "gradient reduce bucket size, in elements")
     allgather_bucket_size: int = arg(50_000_000, "parameter all-gather bucket size, in elements")

@@ -112,3 +112,19 @@ def test_saved_bytes_per_layer_against_table2_and_planner(world, tp):
 
 def test_sequence_not_divisible_is_a_clear_error(world):
     assert "sequence length 7 is not divisible by the TP size 2" in world[0][2]["seq_not_divisible"]
+
+
+def test_planner_activation_modes():
+    from hybrid.planner.memory import activation_bytes
+    from models.gpt import GPTConfig
+
+    m = GPTConfig(num_layers=4, hidden_size=768, num_attention_heads=12, vocab_size=50304,
+                  max_position_embeddings=1024)
+    s, b, t, sbh = 1024, 8, 4, 1024 * 8 * 768
+    sp_sel = activation_bytes(m, s, b, t, "sp+selective")
+    assert sp_sel["layers"] == 4 * 34 * sbh // t and sp_sel["checkpoints"] == 0
+    sp = activation_bytes(m, s, b, t, "sp")
+    assert sp["layers"] == 4 * 179_306_496  # paper.md §5 item 11, t = 4, TP+SP
+    full_sp = activation_bytes(m, s, b, t, "full+sp+cpu")
+    assert full_sp["cpu"] == 4 * 2 * sbh // t and full_sp["layers"] == 179_306_496
+    assert full_sp["non_layer"] < activation_bytes(m, s, b, t, "full+pa+cpu")["non_layer"]

@@ -336,8 +336,9 @@ def plan(
 ) -> tuple[list[Candidate], list[str]]:
     """Evaluate every layout; returns (candidates, reasons for the layouts that were skipped).
 
-    ``tps`` None means ``tp_candidates``. "full+pa" is skipped at tp = 1, where partitioning over
-    one rank is plain checkpointing.
+    ``tps`` None means ``tp_candidates``. "full+pa" and the sequence-parallel options are
+    skipped at tp = 1, where partitioning over one rank is plain checkpointing and sequence
+    parallelism is off.
     """
     m = ModelShape.of(model)
     if tps is None:
@@ -348,7 +349,7 @@ def plan(
     for tp in tps:
         for stage in stages:
             for act in activations:
-                if tp == 1 and act == "full+pa":
+                if tp == 1 and (act == "full+pa" or "sp" in act.split("+")):
                     continue
                 try:
                     out.append(evaluate(m, cluster, training, tp, stage, act))
