@@ -104,6 +104,9 @@ def test_same_losses_on_every_grid(data):
     assert len(reference) == 6
     for got in four:
         assert train_losses(got) == pytest.approx(reference, abs=1e-5)
+    # the grad norm counts each element once, also the TP-summed LayerNorm gradients under SP
+    norms = [r["grad_norm"] for r in single[0] if "split" not in r]
+    assert [r["grad_norm"] for r in four[2] if "split" not in r] == pytest.approx(norms, rel=1e-5)
     evals = [r["lm_loss"] for r in single[0] if r.get("split")]
     for got in four:
         assert [r["lm_loss"] for r in got if r.get("split")] == pytest.approx(evals, abs=1e-5)
