@@ -105,7 +105,7 @@ def parity(grid: ProcessGrid) -> dict:
     ref0 = reference(0.0, batches)
     for stage in (0, 3):
         for dropout in (0.0, 0.1):
-            base, drop_fraction = None, None
+            base, drop_fraction, streams_differ = None, None, None
             for name, (sp, ac) in VARIANTS.items():
                 model, handle = build(grid, dropout, sp, ac)
                 masks = _record_masks(model) if name == "sp" and dropout else None
@@ -115,6 +115,10 @@ def parity(grid: ProcessGrid) -> dict:
                     gd = _diff_to_reference(model, grads, ref)
                 elif name == "sp":
                     full = {k: [_gather_dim1(m, grid.tp_group) for m in v] for k, v in masks.items()}
+                    # residual dropout draws from the TP stream: the ranks' slices get other masks
+                    n = grid.tp_size
+                    first = full["layers.0.drop1"][0].chunk(n, dim=1)
+                    streams_differ = all(not torch.equal(first[0], c) for c in first[1:])
                     ref_losses, ref = reference(dropout, batches, full)
                     gd = _diff_to_reference(model, grads, ref)
                     base = (losses, grads)
@@ -130,7 +134,8 @@ def parity(grid: ProcessGrid) -> dict:
                     loss_diff=max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)), grad_diff=gd,
                     stats=None if handle is None else dict(vars(handle.stats)),
                     partitioned=None if handle is None else handle.partitioned,
-                    drop_fraction=drop_fraction if name == "sp" else None)
+                    drop_fraction=drop_fraction if name == "sp" else None,
+                    streams_differ=streams_differ if name == "sp" else None)
     return out
 
 

@@ -70,6 +70,7 @@ def test_parity_with_single_process(world, tp):
         for stage in (0, 3):
             frac = got[(stage, 0.1, "sp")]["drop_fraction"]
             assert 0.05 < frac < 0.15  # the replayed masks really drop
+            assert got[(stage, 0.1, "sp")]["streams_differ"]
 
 
 @pytest.mark.parametrize("tp", [4, 2])
