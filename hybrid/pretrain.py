@@ -26,7 +26,8 @@ def build_model(cfg: PretrainConfig, derived: Derived, grid, tracker):
     with torch.device("meta"):
         model = GPT(derived.gpt)
     parallelize_gpt(model, grid.tp_group, tracker=tracker, seed=cfg.data.seed,
-                    make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
+                    make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
+                    sequence_parallel=cfg.parallel.sequence_parallel)
     model = model.to(grid.device)
     use_fused_kernels(model, grid.device)
     return model
@@ -67,7 +68,7 @@ def build_engine(cfg: PretrainConfig, derived: Derived, grid, tracker):
     p, o = cfg.parallel, cfg.optim
     model = build_model(cfg, derived, grid, tracker)
     act = activation_config(cfg)
-    if act.checkpoint_activations:
+    if act.checkpoint_activations or act.selective_recompute:
         apply_activation_checkpointing(model, grid, act, tracker)
     return ZeroEngine(
         model, grid,

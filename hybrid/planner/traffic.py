@@ -151,8 +151,13 @@ def tp_traffic_elements(
     partitioned_activations: bool = False,
     vocab_size: int | None = None,
     ring_factor: bool = True,
+    sequence_parallel: bool = False,
 ) -> float:
     """Elements one rank sends over its TP group per micro-batch.
+
+    With ``sequence_parallel`` each all-reduce becomes an all-gather + reduce-scatter of the same
+    total (2205.05198 §4.2.2), and the s/t inputs of the two column-parallel layers (and of the
+    output layer when ``vocab_size`` is given) are all-gathered again in backward: bsh(t-1)/t each.
 
     Per layer, each all-reduce of an [s, b, h] tensor sends 2bsh(t-1)/t: 8bsh(t-1)/t for the 4 of
     a plain layer (2104.04473 §3.2), 12bsh(t-1)/t with recompute, plus bsh(t-1)/t for the P_a
@@ -166,9 +171,11 @@ def tp_traffic_elements(
     bsh = micro_batch_size * seq_length * hidden_size
     counts = tp_collectives_per_layer(recompute, partitioned_activations)
     per_layer = (2 * counts["all_reduce"] + counts["all_gather"]) * bsh
+    if sequence_parallel:
+        per_layer += 2 * bsh
     total = num_layers * per_layer
     if vocab_size is not None:
-        total += 2 * 2 * bsh + 3 * 2 * micro_batch_size * seq_length
+        total += 2 * 2 * bsh + 3 * 2 * micro_batch_size * seq_length + (bsh if sequence_parallel else 0)
     return total * _ring(tp, ring_factor)
 
 
