@@ -57,6 +57,7 @@ class GridConfig:
     """The process grid: tensor parallel inside a node, data parallel across (the rest of the world)."""
 
     tensor_model_parallel_size: int = arg(1, "tensor-model-parallel size (consecutive ranks, inside one node)")
+    sequence_parallel: bool = arg(False, "shard LayerNorm/dropout activations along the sequence over the TP group (arXiv 2205.05198 §4.2.2; needs the seq length divisible by tp)")
     distributed_timeout_minutes: float = arg(10.0, "collective timeout, in minutes")
 
     def __post_init__(self) -> None:
@@ -126,6 +127,8 @@ class LoggingConfig:
     wandb_project: str | None = arg(None, "wandb project (wandb is off when unset)")
     wandb_exp_name: str | None = arg(None, "wandb run name")
     wandb_save_dir: str | None = arg(None, "directory for wandb files (default: ./wandb)")
+    profile_phases: bool = arg(False, "time each step's phases (forward, backward, grad comm, optimizer, ...; "
+                               "hybrid.zero.profile) and log them as phase_<name>_ms per step")
 
     def __post_init__(self) -> None:
         check_int(self, "log_interval", 1)

@@ -139,6 +139,9 @@ def validate(cfg: PretrainConfig, world_size: int | None = None,
     if gpt.ffn_hidden_size % tp:
         raise ConfigError(f"--ffn-hidden-size {gpt.ffn_hidden_size} is not divisible by "
                           f"--tensor-model-parallel-size {tp}")
+    if cfg.grid.sequence_parallel and m.seq_length % tp:
+        raise ConfigError(f"--sequence-parallel needs --seq-length divisible by --tensor-model-parallel-size: "
+                          f"{m.seq_length} % {tp} = {m.seq_length % tp}")
     if m.seq_length > gpt.max_position_embeddings:
         raise ConfigError(f"--seq-length {m.seq_length} must be in [1, --max-position-embeddings "
                           f"{gpt.max_position_embeddings}]")

@@ -53,15 +53,16 @@ def parallelize(model: GPT, grid: ProcessGrid, config: PretrainConfig,
     from hybrid.parallel.tp_plan import parallelize_gpt
     from hybrid.zero.engine import ZeroEngine
 
-    if tracker is None and model.config.attention_dropout > 0:
+    sp = config.grid.sequence_parallel
+    if tracker is None and (model.config.attention_dropout > 0 or (sp and model.config.hidden_dropout > 0)):
         tracker = RNGTracker(config.data.seed, grid.tp_rank, grid.device)
     on_meta = any(p.is_meta for p in model.parameters())
     parallelize_gpt(model, grid.tp_group, tracker=tracker, seed=config.data.seed if on_meta else None,
-                    make_vocab_size_divisible_by=config.model.make_vocab_size_divisible_by)
+                    make_vocab_size_divisible_by=config.model.make_vocab_size_divisible_by, sequence_parallel=sp)
     model.to(grid.device)
     use_fused_kernels(model, grid.device)
     handle = None
-    if config.activation.checkpoint_activations:
+    if config.activation.checkpoint_activations or config.activation.selective_recompute:
         handle = apply_activation_checkpointing(model, grid, config.activation, tracker)
     engine = ZeroEngine(model, grid, config.zero, config.optimizer)
     engine.activation_checkpointing = handle

@@ -80,6 +80,10 @@ def run(cfg: PretrainConfig, derived: Derived) -> dict:
         print(f"hybrid-zero pretraining | {derived.summary()}", flush=True)
         print(config_json(cfg), flush=True)
     engine = parallelize(meta_gpt(derived.gpt), grid, cfg, tracker)
+    if cfg.logging.profile_phases:
+        from hybrid.zero.profile import PhaseTimer
+
+        engine.set_profiler(PhaseTimer(grid.device))
     if grid.rank == 0:
         print(engine.summary(), flush=True)
     state = TrainState()

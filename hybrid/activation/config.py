@@ -25,9 +25,19 @@ class ActivationConfig:
     checkpoint_in_cpu: bool = arg(False, "keep the partitioned checkpoint slices in host memory (ZeRO-R Pa+cpu)")
     contiguous_checkpointing: bool = arg(False, "write checkpoints into one preallocated arena (ZeRO-R MD)")
     checkpoint_num_layers: int | None = arg(None, "checkpoint only the first N blocks (default: all)")
+    recompute_granularity: str | None = arg(
+        None, "'full' = --checkpoint-activations; 'selective' recomputes only each block's attention core "
+              "(arXiv 2205.05198 §5)", choices=("full", "selective"))
 
     def __post_init__(self) -> None:
+        if self.recompute_granularity == "full":
+            self.checkpoint_activations = True
         self.validate()
+
+    @property
+    def selective_recompute(self) -> bool:
+        """Recompute only the attention core of every block (``--recompute-granularity selective``)."""
+        return self.recompute_granularity == "selective"
 
     def validate(self, num_layers: int | None = None) -> None:
         """Check field combinations (and ``checkpoint_num_layers`` against ``num_layers``).
@@ -37,6 +47,12 @@ class ActivationConfig:
         """
         check_int(self, "checkpoint_num_layers", 1, optional=True)
         n = self.checkpoint_num_layers
+        if self.recompute_granularity not in (None, "full", "selective"):
+            raise ConfigError(f"--recompute-granularity {self.recompute_granularity!r}: valid values are 'full', "
+                              "'selective'")
+        if self.selective_recompute and self.checkpoint_activations:
+            raise ConfigError("--recompute-granularity selective and --checkpoint-activations (full recompute) "
+                              "are alternatives: give one")
         if not self.checkpoint_activations:
             for name in ("partition_activations", "checkpoint_in_cpu", "contiguous_checkpointing"):
                 if getattr(self, name):

@@ -21,7 +21,7 @@ from hybrid.flops import device_peak_tflops, num_parameters
 from hybrid.model_shape import ModelShape
 from hybrid.planner.devices import DEFAULT_DEVICE, device_preset, preset_names
 from hybrid.planner.max_model import max_layers, max_params
-from hybrid.planner.memory import ACCOUNTINGS, ACTIVATION_OPTIONS, PRECISIONS, ZERO_STAGES
+from hybrid.planner.memory import ACTIVATION_OPTIONS, ZERO_STAGES
 from hybrid.planner.plan import (
     DEFAULT_BUCKET_ELEMENTS,
     GB,
@@ -31,6 +31,7 @@ from hybrid.planner.plan import (
     plan,
     tp_candidates,
 )
+from hybrid.planner.precision import ACCOUNTINGS, PRECISIONS
 from hybrid.planner.table import max_model_text, plan_text
 from models.presets import get_preset
 
@@ -85,6 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=ACCOUNTINGS,
         default="paper",
         help="model-state bytes per param: ZeRO paper (16 mixed) or our engine (18 bf16, 20 fp32)",
+    )
+    g.add_argument(
+        "--grad-reduce",
+        choices=("reduce_scatter", "all_reduce"),
+        default="reduce_scatter",
+        help="the engine's gradient collective for ZeRO 1-3 (all_reduce: 2x the gradient bytes)",
     )
     g.add_argument(
         "--param-persistence-threshold",
@@ -268,6 +275,7 @@ def _training(args: argparse.Namespace) -> Training:
         reduce_bucket_elements=args.reduce_bucket_size,
         allgather_bucket_elements=args.allgather_bucket_size,
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        grad_reduce=args.grad_reduce,
     )
 
 

@@ -10,8 +10,9 @@ import dataclasses
 import math
 
 from hybrid.model_shape import ModelShape
-from hybrid.planner.memory import get_precision, state_bytes_per_param
+from hybrid.planner.memory import state_bytes_per_param
 from hybrid.planner.plan import Cluster, Training, evaluate
+from hybrid.planner.precision import get_precision
 
 
 def max_params(

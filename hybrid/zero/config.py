@@ -18,6 +18,9 @@ from hybrid.config_fields import arg, check_choice, check_int, check_number, fai
 
 ZERO_STAGES = (0, 1, 2, 3)
 """ZeRO stages (arXiv 1910.02054 §5.1-5.3): 0 plain data parallel, 1 P_os, 2 P_os+g, 3 P_os+g+p."""
+
+GRAD_REDUCE_OPS = ("reduce_scatter", "all_reduce")
+"""How a ZeRO 1-3 gradient bucket reaches its owner (``ZeroConfig.grad_reduce``)."""
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """Training precision name -> parameter/compute dtype (master weights and gradients stay fp32)."""
 
@@ -31,6 +34,10 @@ class ZeroConfig:
                         "3 (+ parameters partitioned, gathered per transformer block)", flag="--zero-stage")
     reduce_bucket_size: int = arg(50_000_000, "gradient reduce bucket size, in elements (all ranks' chunks together)")
     allgather_bucket_size: int = arg(50_000_000, "parameter all-gather bucket size, in elements (all ranks' chunks)")
+    grad_reduce: str = arg(
+        "reduce_scatter", "ZeRO 1-3 gradient collective: reduce_scatter (the ZeRO paper's Psi per step) or "
+                          "all_reduce keeping the owned slices (2 Psi; faster with gloo on one host, keep NCCL on "
+                          "reduce_scatter)", choices=GRAD_REDUCE_OPS)
     overlap_comm: bool = arg(True, "overlap gradient communication with backward (off: reduce after backward)")
     param_persistence_threshold: int = arg(
         100_000, "ZeRO-3 keeps parameters with fewer local elements than this unpartitioned (0: none)")
@@ -82,6 +89,7 @@ class ZeroConfig:
         if not (isinstance(s, int | float) and math.isfinite(s) and s >= 1 and 2 ** round(math.log2(s)) == s):
             fail(self, "initial_loss_scale", "must be a power of two >= 1")
         check_number(self, "min_loss_scale", 0.0, strict=True)
+        check_choice(self, "grad_reduce", GRAD_REDUCE_OPS)
 
 
 @dataclass

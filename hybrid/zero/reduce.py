@@ -17,6 +17,11 @@ every rank issues the same collectives in the same order whatever order hooks fi
 ``overlap`` the reductions are asynchronous and two staging buffers alternate (the older one is
 waited for before reuse); without it everything is reduced synchronously after backward.
 Reductions run in fp32 and are pre-divided by the data-parallel size (a mean over ranks).
+On NCCL an asynchronous collective runs on the process group's own stream, ordered after the
+staging copies on the compute stream; ``wait()`` only makes the compute stream wait for it, so
+overlapped reductions never block the host.
+With ``grad_reduce="all_reduce"`` stage 1 all-reduces its full flat buffer in place (the stage-0
+plan: no staging) and stages 2/3 all-reduce the staged bucket and keep their own chunk of it.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import torch
 from hybrid.zero.comm import DPComm
 from hybrid.zero.config import ZeroConfig
 from hybrid.zero.layout import PartitionLayout
+from hybrid.zero.profile import NULL_TIMER
 
 
 @dataclass(frozen=True)
@@ -81,15 +87,23 @@ class GradReducer:
         overlap: reduce during backward (True) or after it.
         on_unit_ready: called with a unit index once all its gradients have accumulated in
             this backward (stage 3 releases the unit's gathered parameters there).
+        grad_reduce: "reduce_scatter" or "all_reduce" (``ZeroConfig.grad_reduce``).
     """
 
+    timer = NULL_TIMER
+    """A :class:`hybrid.zero.profile.PhaseTimer` while profiling (hooks, copies, grad_comm)."""
+
     def __init__(self, params, layout: PartitionLayout, config: ZeroConfig, comm: DPComm,
-                 bucket_size: int, overlap: bool, on_unit_ready=None):
+                 bucket_size: int, overlap: bool, on_unit_ready=None,
+                 grad_reduce: str = "reduce_scatter"):
         self.params, self.layout, self.comm = params, layout, comm
         self.scatter = config.shards_optimizer_states
         """Reduce-scatter to owners (stages 1-3) instead of all-reduce (stage 0)."""
         self.partitioned = config.shards_gradients
         """Each rank keeps only its partition of the gradient (stages 2-3), reduced every backward."""
+        self.all_reduce = grad_reduce == "all_reduce"
+        self.in_place = not self.scatter or (not self.partitioned and self.all_reduce)
+        """Stage 0, and stage 1 by all-reduce: the full flat buffer is reduced in place."""
         self.overlap, self.on_unit_ready = overlap, on_unit_ready
         dp, rank, L = comm.size, comm.rank, layout
         dev = params[0].device
@@ -98,7 +112,7 @@ class GradReducer:
         else:
             self.grad_part = torch.zeros(L.partition_numel, dtype=torch.float32, device=dev)
         self.buckets: list[ReduceBucket] = []
-        if not self.scatter:
+        if self.in_place:
             self.buckets = [ReduceBucket(a, b, tuple(L.units_of_flat(a, b))) for a, b in L.flat_buckets(bucket_size)]
             chunk = 0
         else:
@@ -121,7 +135,7 @@ class GradReducer:
                     q += length
                 self.buckets.append(ReduceBucket(a, b, tuple(units), tuple(ins), tuple(outs)))
         nstage = 2 if overlap else 1
-        self.staging = [] if not self.scatter else [
+        self.staging = [] if self.in_place else [
             (torch.zeros(dp * chunk, dtype=torch.float32, device=dev),
              torch.zeros(chunk, dtype=torch.float32, device=dev)) for _ in range(nstage)]
         self.unit_buckets = [0] * len(L.units)
@@ -165,15 +179,17 @@ class GradReducer:
         slot = self.layout.slots[i]
 
         def hook(p: torch.Tensor) -> None:
-            if not self.partitioned:
-                self.grad_flat[slot.offset:slot.offset + slot.numel].add_(p.grad.reshape(-1))
-                p.grad = None
-            elif self.ready[slot.unit]:
-                raise RuntimeError(f"gradient of {slot.name} arrived twice in one backward; "
-                                   "ZeRO stage 2/3 reduces a unit once its gradients are complete")
-            self.pending[slot.unit] -= 1
-            if self.pending[slot.unit] == 0:
-                self._unit_ready(slot.unit, launch=self.overlap)
+            with self.timer.phase("hooks"):
+                if not self.partitioned:
+                    with self.timer.phase("copies"):
+                        self.grad_flat[slot.offset:slot.offset + slot.numel].add_(p.grad.reshape(-1))
+                    p.grad = None
+                elif self.ready[slot.unit]:
+                    raise RuntimeError(f"gradient of {slot.name} arrived twice in one backward; "
+                                       "ZeRO stage 2/3 reduces a unit once its gradients are complete")
+                self.pending[slot.unit] -= 1
+                if self.pending[slot.unit] == 0:
+                    self._unit_ready(slot.unit, launch=self.overlap)
 
         return hook
 
@@ -194,11 +210,13 @@ class GradReducer:
     def _launch(self, bucket: ReduceBucket) -> None:
         a, b = bucket.start, bucket.end
         inv = 1.0 / self.comm.size
-        if not self.scatter:
+        if self.in_place:
             view = self.grad_flat[a:b]
             if inv != 1.0:
-                view.mul_(inv)
-            work = self.comm.all_reduce(view, async_op=self.overlap)
+                with self.timer.phase("copies"):
+                    view.mul_(inv)
+            with self.timer.phase("grad_comm"):
+                work = self.comm.all_reduce(view, async_op=self.overlap)
             self.inflight.append((work, bucket, None))
         else:
             if len(self.inflight) >= len(self.staging):
@@ -206,18 +224,25 @@ class GradReducer:
             k = self.launched % len(self.staging)
             n = b - a
             inp, out = self.staging[k][0][:self.comm.size * n], self.staging[k][1][:n]
-            if not self.partitioned:
-                for c in bucket.copy_in:
-                    inp[c.dst:c.dst + c.length].copy_(self.grad_flat[c.src:c.src + c.length])
-            else:
-                inp.zero_()
-                for c in bucket.copy_in:
-                    g = self.params[c.param].grad
-                    if g is not None:
-                        inp[c.dst:c.dst + c.length].copy_(g.reshape(-1)[c.param_start:c.param_start + c.length])
-            if inv != 1.0:
-                inp.mul_(inv)
-            work = self.comm.reduce_scatter(out, inp, async_op=self.overlap)
+            with self.timer.phase("copies"):
+                if not self.partitioned:
+                    for c in bucket.copy_in:
+                        inp[c.dst:c.dst + c.length].copy_(self.grad_flat[c.src:c.src + c.length])
+                else:
+                    inp.zero_()
+                    for c in bucket.copy_in:
+                        g = self.params[c.param].grad
+                        if g is not None:
+                            inp[c.dst:c.dst + c.length].copy_(
+                                g.reshape(-1)[c.param_start:c.param_start + c.length])
+                if inv != 1.0:
+                    inp.mul_(inv)
+            with self.timer.phase("grad_comm"):
+                if self.all_reduce:
+                    work = self.comm.all_reduce(inp, async_op=self.overlap)
+                    out = inp[self.comm.rank * n:(self.comm.rank + 1) * n]
+                else:
+                    work = self.comm.reduce_scatter(out, inp, async_op=self.overlap)
             self.inflight.append((work, bucket, out))
         self.launched += 1
         if not self.overlap:
@@ -225,12 +250,14 @@ class GradReducer:
 
     def _finish(self) -> None:
         work, bucket, out = self.inflight.popleft()
-        work.wait()
-        if self.partitioned:
-            self.grad_part[bucket.start:bucket.end].add_(out)
-        elif self.scatter:
-            for c in bucket.copy_out:
-                self.grad_flat[c.dst:c.dst + c.length].copy_(out[c.src:c.src + c.length])
+        with self.timer.phase("grad_comm"):
+            work.wait()
+        with self.timer.phase("copies"):
+            if self.partitioned:
+                self.grad_part[bucket.start:bucket.end].add_(out)
+            elif not self.in_place:
+                for c in bucket.copy_out:
+                    self.grad_flat[c.dst:c.dst + c.length].copy_(out[c.src:c.src + c.length])
         for u in bucket.units:
             self.left[u] -= 1
             if self.left[u] == 0 and self.partitioned:
