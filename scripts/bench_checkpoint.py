@@ -153,7 +153,8 @@ def load_world(rank: int, world: int, root: str, out_root: str, model_kw: dict, 
     rank's bytes read (RNG states excluded), share and load peak."""
     import torch
 
-    import hybrid.checkpoint.fragments as fragments_mod
+    import importlib
+
     import hybrid.checkpoint.shards as shards
     from hybrid.parallel.grid import ProcessGrid
     from hybrid.parallel.layers import get_tp_spec
@@ -162,7 +163,11 @@ def load_world(rank: int, world: int, root: str, out_root: str, model_kw: dict, 
     torch.manual_seed(0)
     grid = ProcessGrid(tp=tp)
     engine = _engine(grid, model_kw, stage, seed=99)  # other weights: the load must replace them all
-    for mod in (shards, fragments_mod):
+    for name in ("hybrid.checkpoint.shards", "hybrid.checkpoint.fragments"):  # this and earlier versions
+        try:
+            mod = importlib.import_module(name)
+        except ModuleNotFoundError:
+            continue
         if hasattr(mod, "safe_open"):
             mod.safe_open = _Counting
     before = _reset_peak()

@@ -4,7 +4,7 @@ Save (tp=2 x dp=2, stages 1-3): the resident-set peak during ``save_checkpoint``
 one unit's fp32 states + 64 MiB of the resident set before it, and no model state is
 all-gathered. The model is sized so that the previous save (an all-gather of master and both
 Adam moments into full TP-local buffers, then a copy per name: ~24 B per local parameter, about
-75 MiB here) exceeds that bound. Load of the ZeRO-2 checkpoint at tp=1 x dp=3 ZeRO-3 and
+110 MiB here) exceeds that bound. Load of the ZeRO-2 checkpoint at tp=1 x dp=3 ZeRO-3 and
 tp=1 x dp=4 ZeRO-1: each rank reads exactly its share (the unpadded fp32 states of the fragments
 its optimizer updates; the bound is 1.1 x share + one unit), every stored byte is read once
 over the world, and the states come back bitwise (re-saved and compared tensor by tensor).
@@ -17,7 +17,7 @@ from hybrid.checkpoint.shards import KINDS, CheckpointReader
 from scripts.bench_checkpoint import measure
 
 MIB = 2**20
-MODEL = dict(num_layers=8, hidden_size=256, num_attention_heads=4, vocab_size=1000, max_position_embeddings=64)
+MODEL = dict(num_layers=12, hidden_size=256, num_attention_heads=4, vocab_size=1000, max_position_embeddings=64)
 
 
 @pytest.fixture(scope="module")

@@ -132,7 +132,6 @@ class FragmentReader:
     def __init__(self, directory: Path, meta: dict):
         self.meta, self.tp = meta, meta["grid"]["tp"]
         self.files = [safe_open(str(directory / s), framework="pt") for s in meta["shards"]]
-        self.header_bytes = 0
         self.index: dict[tuple[str, int], list[tuple[int, int, int]]] = {}
         for i, f in enumerate(self.files):
             layout = json.loads(f.metadata()["layout"])
