@@ -151,9 +151,9 @@ class _Counting:
 def load_world(rank: int, world: int, root: str, out_root: str, model_kw: dict, stage: int, tp: int) -> dict:
     """Load ``root`` at (tp, this world's dp, ``stage``), re-save it under ``out_root``; this
     rank's bytes read (RNG states excluded), share and load peak."""
-    import torch
-
     import importlib
+
+    import torch
 
     import hybrid.checkpoint.shards as shards
     from hybrid.parallel.grid import ProcessGrid
@@ -194,7 +194,28 @@ def measure(workdir: str, model_kw: dict, stages=(1, 2, 3)) -> dict:
     for name, world, stage in (("tp1_dp3_zero3", 3, 3), ("tp1_dp4_zero1", 4, 1)):
         loads[name] = spawn_world(world, load_world, os.path.join(workdir, "stage2"),
                                   os.path.join(workdir, name), model_kw, stage, 1, timeout_s=300)
-    return dict(model=model_kw, saves=[r for per_rank in saves for r in per_rank], loads=loads)
+    return dict(model=model_kw, saves=[r for per_rank in saves for r in per_rank], loads=loads,
+                consolidate=consolidate_peak(os.path.join(workdir, "stage2"), os.path.join(workdir, "model.safetensors")))
+
+
+def consolidate_peak(root: str, output: str) -> dict:
+    """Resident-set peak of ``hybrid.checkpoint.consolidate.consolidate`` in this process, against
+    the largest tensor and the whole model (fp32 bytes)."""
+    from hybrid.checkpoint.consolidate import consolidate
+
+    _release_freed_memory()
+    meta = json.loads((Path(root) / "iter_0000001" / "metadata.json").read_text())
+    sizes = [4 * _numel(p["full_shape"]) for p in meta["params"].values()]
+    before = _reset_peak()
+    consolidate(root, output)
+    return dict(peak=_status("VmHWM") - before, largest=max(sizes), model=sum(sizes))
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def report(res: dict) -> str:
@@ -209,6 +230,9 @@ def report(res: dict) -> str:
         for r in ranks:
             lines.append(f"| {name} | {r['rank']} | {r['read'] / MIB:.2f} | {r['share'] / MIB:.2f} | "
                          f"{r['read'] / r['share']:.3f} | {r['load_peak'] / MIB:.1f} |")
+    c = res["consolidate"]
+    lines += ["", f"consolidation of the ZeRO-2 checkpoint (one process): peak {c['peak'] / MIB:.1f} MiB above "
+              f"the process before it; largest tensor {c['largest'] / MIB:.1f} MiB, whole model {c['model'] / MIB:.1f} MiB"]
     return "\n".join(lines)
 
 

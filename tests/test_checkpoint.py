@@ -56,17 +56,17 @@ def reshard(data, tmp_path_factory):
         args(data, 6, tp=1, stage=3, extra=["--load", c]),             # load, train iteration 6
         args(data, 5, tp=1, stage=1, extra=["--load", c, "--save", d41]),
         args(data, 5, tp=1, stage=0, extra=["--load", c, "--save", d40]),
-    ], timeout_s=120)[0]
+    ], timeout_s=120, join_timeout_s=900)[0]
     two = spawn_world(2, run_configs, [
         args(data, 5, tp=2, stage=1, extra=["--load", c, "--save", d21]),
         args(data, 6, tp=2, stage=1, extra=["--load", c]),
     ], timeout_s=120)[0]
     spawn_world(3, run_configs, [args(data, 5, tp=1, stage=3, gbs=12, extra=["--load", c, "--save", d33])],
-                timeout_s=120)
+                timeout_s=120, join_timeout_s=600)
     return dict(c=c, d43=d43, d41=d41, d40=d40, d33=d33, d21=d21, four=four, two=two)
 
 
-@pytest.mark.timeout(1200)  # the first one spawns the reshard fixture (9 runs, 3 worlds)
+@pytest.mark.timeout(2000)  # the first one spawns the reshard fixture (9 runs, 3 worlds)
 @pytest.mark.parametrize("target", ["d43", "d41", "d40", "d33", "d21"])
 def test_resharded_state_is_bitwise_the_saved_one(reshard, target):
     saved, loaded = CheckpointReader(reshard["c"]), CheckpointReader(reshard[target])
