@@ -44,12 +44,17 @@ class ParallelArgs:
     """Process grid, ZeRO and activation memory (ZeRO-R)."""
 
     tensor_model_parallel_size: int = arg(1, "tensor-model-parallel size (consecutive ranks, inside one node)")
+    sequence_parallel: bool = arg(False, "shard LayerNorm/dropout activations along the sequence over the TP group (needs the seq length divisible by tp)")
     zero_stage: int = arg(1, "ZeRO stage over the data-parallel group: 0, 1, 2 or 3")
     reduce_bucket_size: int = arg(50_000_000, "gradient reduce bucket size, in elements")
     allgather_bucket_size: int = arg(50_000_000, "parameter all-gather bucket size, in elements")
     overlap_comm: bool = arg(True, "overlap gradient communication with backward")
+    grad_reduce: str = arg("reduce_scatter", "ZeRO 1-3 gradient collective: reduce_scatter, or all_reduce keeping the "
+                           "owned slice (2x the bytes; faster with gloo on one host)",
+                           choices=("reduce_scatter", "all_reduce"))
     param_persistence_threshold: int = arg(100_000, "ZeRO-3 keeps parameters smaller than this (elements) unpartitioned")
     checkpoint_activations: bool = arg(False, "recompute each transformer block in backward (full activation checkpointing)")
+    recompute_granularity: str | None = arg(None, "'full' = --checkpoint-activations; 'selective' recomputes only the attention core", choices=("full", "selective"))
     checkpoint_num_layers: int | None = arg(None, "checkpoint only the first N blocks (default: all)")
     partition_activations: bool = arg(False, "keep only this TP rank's 1/tp slice of each checkpoint (ZeRO-R Pa)")
     checkpoint_in_cpu: bool = arg(False, "keep the checkpoint slices in host memory (ZeRO-R Pa+cpu)")
@@ -114,6 +119,8 @@ class LoggingArgs:
     wandb_project: str | None = arg(None, "wandb project (wandb is off when unset)")
     wandb_exp_name: str | None = arg(None, "wandb run name")
     wandb_save_dir: str | None = arg(None, "directory for wandb files (default: ./wandb)")
+    profile_phases: bool = arg(False, "time each step's phases (forward, backward, grad comm, optimizer, ...; "
+                               "hybrid.zero.profile) and log them as phase_<name>_ms per step")
 
 
 @dataclass

@@ -146,6 +146,9 @@ def validate(cfg: PretrainConfig, world_size: int | None = None,
     if gpt.ffn_hidden_size % tp:
         raise ConfigError(f"--ffn-hidden-size {gpt.ffn_hidden_size} is not divisible by "
                           f"--tensor-model-parallel-size {tp}")
+    if p.sequence_parallel and m.seq_length % tp:
+        raise ConfigError(f"--sequence-parallel needs --seq-length divisible by --tensor-model-parallel-size: "
+                          f"{m.seq_length} % {tp} = {m.seq_length % tp}")
     if m.seq_length < 1 or m.seq_length > gpt.max_position_embeddings:
         raise ConfigError(f"--seq-length {m.seq_length} must be in [1, --max-position-embeddings "
                           f"{gpt.max_position_embeddings}]")
@@ -218,11 +221,18 @@ def activation_config(cfg: PretrainConfig):
     p = cfg.parallel
     if p.checkpoint_in_cpu and not p.partition_activations:
         raise ConfigError("--checkpoint-in-cpu offloads the partitioned checkpoints: add --partition-activations")
+    if p.recompute_granularity not in (None, "full", "selective"):
+        raise ConfigError(f"--recompute-granularity {p.recompute_granularity!r}: valid values are 'full', 'selective'")
+    selective = p.recompute_granularity == "selective"
+    if selective and p.checkpoint_activations:
+        raise ConfigError("--recompute-granularity selective and --checkpoint-activations (full recompute) "
+                          "are alternatives: give one")
     try:
         return ActivationConfig(
-            checkpoint_activations=p.checkpoint_activations, partition_activations=p.partition_activations,
+            checkpoint_activations=p.checkpoint_activations or p.recompute_granularity == "full",
+            partition_activations=p.partition_activations,
             checkpoint_in_cpu=p.checkpoint_in_cpu, contiguous_checkpointing=p.contiguous_checkpointing,
-            checkpoint_num_layers=p.checkpoint_num_layers)
+            checkpoint_num_layers=p.checkpoint_num_layers, selective_recompute=selective)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

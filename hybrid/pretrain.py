@@ -26,7 +26,8 @@ def build_model(cfg: PretrainConfig, derived: Derived, grid, tracker):
     with torch.device("meta"):
         model = GPT(derived.gpt)
     parallelize_gpt(model, grid.tp_group, tracker=tracker, seed=cfg.data.seed,
-                    make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
+                    make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
+                    sequence_parallel=cfg.parallel.sequence_parallel)
     model = model.to(grid.device)
     use_fused_kernels(model, grid.device)
     return model
@@ -67,12 +68,13 @@ def build_engine(cfg: PretrainConfig, derived: Derived, grid, tracker):
     p, o = cfg.parallel, cfg.optim
     model = build_model(cfg, derived, grid, tracker)
     act = activation_config(cfg)
-    if act.checkpoint_activations:
+    if act.checkpoint_activations or act.selective_recompute:
         apply_activation_checkpointing(model, grid, act, tracker)
     return ZeroEngine(
         model, grid,
         ZeroConfig(stage=p.zero_stage, reduce_bucket_size=p.reduce_bucket_size,
                    allgather_bucket_size=p.allgather_bucket_size, overlap_comm=p.overlap_comm,
+                   grad_reduce=p.grad_reduce,
                    param_persistence_threshold=p.param_persistence_threshold,
                    precision="bf16" if o.bf16 else "fp16" if o.fp16 else "fp32",
                    loss_scale=o.loss_scale, initial_loss_scale_power=int(o.initial_loss_scale).bit_length() - 1,
@@ -116,6 +118,10 @@ def run(cfg: PretrainConfig, derived: Derived) -> dict:
         print(f"hybrid-zero pretraining | {derived.summary()}", flush=True)
         print(config_json(cfg), flush=True)
     engine = build_engine(cfg, derived, grid, tracker)
+    if lg.profile_phases:
+        from hybrid.zero.profile import PhaseTimer
+
+        engine.set_profiler(PhaseTimer(grid.device))
     if grid.rank == 0:
         print(engine.summary(), flush=True)
     state = TrainState()

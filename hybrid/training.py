@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid.metrics import MetricsWriter, memory_mb
+from hybrid.zero.profile import NULL_TIMER
 
 
 class TooManyNaNIterations(RuntimeError):
@@ -74,13 +75,14 @@ def train_step(engine, micro_batches: list[torch.Tensor], lr: float, grid) -> St
     A NaN/inf data-parallel mean loss discards the gradients instead of stepping.
     """
     n = len(micro_batches)
-    losses = torch.zeros(n, dtype=torch.float64)
+    losses = torch.zeros(n, dtype=torch.float64, device=grid.device)  # no host sync per micro-batch
     for i, tokens in enumerate(micro_batches):
         tokens = tokens.to(grid.device, non_blocking=True)
-        loss = engine.model(tokens[:, :-1], tokens[:, 1:]).mean()
+        with getattr(engine, "timer", NULL_TIMER).phase("forward"):
+            loss = engine.model(tokens[:, :-1], tokens[:, 1:]).mean()
         engine.backward(loss / n, is_last_micro_batch=i == n - 1)
-        losses[i] = loss.detach().double().cpu()
-    mean = _dp_mean(losses.mean().reshape(1).to(grid.device), grid.dp_group, grid.dp_size).item()
+        losses[i] = loss.detach()
+    mean = _dp_mean(losses.mean().reshape(1), grid.dp_group, grid.dp_size).item()
     if not math.isfinite(mean):
         engine.zero_grad()
         return StepResult(mean, float("nan"), engine.loss_scale, True, True)
@@ -162,6 +164,9 @@ def train(engine, grid, state: TrainState, settings: LoopSettings, lr_at: Callab
         else:
             state.successful_steps += 1
         window_steps += 1
+        timer = getattr(engine, "timer", NULL_TIMER)
+        if timer.enabled:
+            timer.end_step()
         if progress is not None:
             progress.update(1)
         if state.iteration % s.log_interval == 0 or state.iteration == s.train_iters:
@@ -177,6 +182,9 @@ def train(engine, grid, state: TrainState, settings: LoopSettings, lr_at: Callab
                 tokens_per_sec=tokens_per_sec, tflops_per_device=tflops,
                 mfu=tflops / s.peak_tflops if s.peak_tflops else None, memory_mb=memory_mb(grid.device),
             )
+            if timer.enabled:  # --profile-phases: ms per step of each phase in this window
+                record.update({f"phase_{k}_ms": v for k, v in timer.per_step_ms().items()})
+                timer.reset()
             writer.train(record, s.train_iters)
             state.history.append(record)
             window_t0, window_steps, window_losses = time.perf_counter(), 0, []

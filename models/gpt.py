@@ -138,8 +138,10 @@ def init_parameter(name: str, tensor: torch.Tensor, config: GPTConfig,
 class Attention(nn.Module):
     """Causal multi-head self-attention. Input and output ``[b, s, h]``.
 
-    The local head count is inferred from the width of ``qkv``'s output, so the same code runs
-    with all heads (single process) or with ``heads / tp`` of them (column-parallel ``qkv``).
+    The local head count and the sequence length are inferred from ``qkv``'s output, so the
+    same code runs with all heads (single process), with ``heads / tp`` of them (column-parallel
+    ``qkv``), and with an input holding a slice of the sequence that ``qkv`` gathers (sequence
+    parallelism). :meth:`core` is the part selective recompute replays in backward.
     """
 
     def __init__(self, config: GPTConfig):
@@ -150,19 +152,24 @@ class Attention(nn.Module):
         self.proj = nn.Linear(h, h)
         self.attn_dropout = nn.Dropout(config.attention_dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        qkv = self.qkv(x).view(b, s, -1, 3, self.head_dim)  # [b, s, heads_local, 3, d]
-        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=3))  # each [b, heads_local, s, d]
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``dropout(softmax(q k^T / sqrt(d) + causal mask)) v``: q, k, v, output ``[b, heads, s, d]``."""
         if self.attn_dropout.p > 0 and self.training:
             # Explicit softmax so that the dropout mask comes from the (swappable) dropout module,
             # whose RNG stream the TP plan controls; SDPA would draw from the default generator.
+            s = q.shape[-2]
             scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
-            causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+            causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
             scores = scores.masked_fill(~causal, float("-inf"))
-            y = self.attn_dropout(scores.softmax(dim=-1)) @ v
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.attn_dropout(scores.softmax(dim=-1)) @ v
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv(x)
+        b, s = qkv.shape[:2]
+        qkv = qkv.view(b, s, -1, 3, self.head_dim)  # [b, s, heads_local, 3, d]
+        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=3))  # each [b, heads_local, s, d]
+        y = self.core(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(b, s, -1))
 
 

@@ -11,8 +11,15 @@ params + grads + master + optimizer states.
     python scripts/bench_zero.py                       # tiny GPT, world 4
     python scripts/bench_zero.py --size medium --world 2 --peers "ddp fsdp2 deepspeed_z3"
 
-Writes ``throughput_<size>_w<world>.md`` (the table, with ratios) and ``..._ratios.png`` under
-``--out`` (default runs/bench).
+Each of our configurations also runs as ``<name>_floor``: the same ranks and model with every
+data-parallel collective skipped (``DPComm.skip_collectives``), the compute-only floor of this
+machine; and ours report a per-phase profile of rank 0's timed steps (``hybrid.zero.profile``:
+forward, backward, hooks, copies, grad_comm, param_gather, grad_norm, optimizer, refresh,
+zeroing). ``--repeats N`` launches everything N times, interleaved, and reports the median launch
+with the spread.
+
+Writes ``throughput_<size>_w<world>.md`` (the tables: throughput with spread, ratios against the
+peers and the floor, the phase profile) and ``..._ratios.png`` under ``--out`` (default runs/bench).
 
 Env: PEERS_DIR (default ../shared/peers next to this repository), PEERS_VENV (default
 ${TMPDIR:-/tmp}/hybrid-peers-venv, built by the peers' setup.sh; needed for DeepSpeed).
@@ -25,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -34,8 +42,10 @@ REPO = Path(__file__).resolve().parent.parent
 PEERS = Path(os.environ.get("PEERS_DIR", REPO.parent / "shared" / "peers")).resolve()
 
 
-def worker(stage: int, tp: int) -> None:
-    """One of our configurations, under torchrun (reports like the peers)."""
+def worker(stage: int, tp: int, floor: bool, profile: bool) -> None:
+    """One of our configurations, under torchrun (reports like the peers). ``floor``: every
+    data-parallel collective skipped (the compute-only floor); ``profile``: per-phase times of
+    rank 0's timed steps in the result (``profile_ms``)."""
     sys.path[:0] = [str(REPO), str(PEERS)]
     import common as C  # the peers' workload and reporting
     import torch
@@ -43,6 +53,7 @@ def worker(stage: int, tp: int) -> None:
     from hybrid.parallel.grid import ProcessGrid
     from hybrid.parallel.tp_plan import parallelize_gpt
     from hybrid.zero.engine import OptimizerConfig, ZeroConfig, ZeroEngine
+    from hybrid.zero.profile import NULL_TIMER, PhaseTimer
     from models.gpt import GPT, GPTConfig
 
     rank, world = C.init_dist()
@@ -55,28 +66,43 @@ def worker(stage: int, tp: int) -> None:
                           vocab_size=c.vocab, max_position_embeddings=c.seq, hidden_dropout=0.0,
                           attention_dropout=0.0, untie_embeddings_and_output_weights=True))
     parallelize_gpt(model, grid.tp_group)
-    engine = ZeroEngine(model, grid, ZeroConfig(stage=stage, precision="fp32"),
+    grad_reduce = os.environ.get("HYBRID_GRAD_REDUCE", "auto")
+    if grad_reduce == "auto":  # gloo's reduce-scatter costs ~1.5x its all-reduce (issue 14)
+        grad_reduce = "all_reduce" if grid.backend == "gloo" else "reduce_scatter"
+    bucket = int(os.environ.get("HYBRID_REDUCE_BUCKET", "50000000"))
+    engine = ZeroEngine(model, grid, ZeroConfig(stage=stage, precision="fp32", grad_reduce=grad_reduce,
+                                                reduce_bucket_size=bucket),
                         OptimizerConfig(lr=1e-3, weight_decay=0.1, adam_beta1=0.9,
                                         adam_beta2=0.95, adam_eps=1e-8, clip_grad=0.0))
+    engine.comm.skip_collectives = floor
+    timer = PhaseTimer(grid.device) if profile else NULL_TIMER
+    engine.set_profiler(timer)
     torch.distributed.barrier()
     t_init = time.time() - C.T_PROC_START
     times, losses, state = [], [], None
     for step in range(steps):
+        if step == warmup and profile:
+            timer.reset()
         x, y = C.batch(c, step, grid.dp_rank)
         t0 = time.perf_counter()
-        loss = engine.model(x, y).mean()
+        with timer.phase("forward"):
+            loss = engine.model(x, y).mean()
         engine.backward(loss, is_last_micro_batch=True)
         if step == steps - 1:
             m = engine.memory_bytes()
             state = m["params"] + m["grads"] + m["master"] + m["optimizer"]
         engine.step(1e-3)
         times.append(time.perf_counter() - t0)
+        timer.end_step() if profile else None
         losses.append(loss.item())
     lt = torch.tensor(losses, dtype=torch.float64)
     torch.distributed.all_reduce(lt)
-    name = f"hybrid_z{stage}" + (f"_tp{tp}" if tp > 1 else "")
+    name = f"hybrid_z{stage}" + (f"_tp{tp}" if tp > 1 else "") + ("_floor" if floor else "")
+    extra = {"memory_bytes_rank0": engine.memory_bytes()}
+    if profile:
+        extra["profile_ms"] = {k: round(v, 2) for k, v in timer.per_step_ms().items()}
     C.report(name, rank, world, grid.dp_size, c, times, warmup, (lt / world).tolist(), t_init, state,
-             extra={"memory_bytes_rank0": engine.memory_bytes()})
+             extra=extra)
     torch.distributed.destroy_process_group()
 
 
@@ -107,16 +133,28 @@ def main() -> None:
     ap.add_argument("--venv", default=os.environ.get("PEERS_VENV", f"{os.environ.get('TMPDIR', '/tmp')}/hybrid-peers-venv"))
     ap.add_argument("--logdir", default=f"{os.environ.get('TMPDIR', '/tmp')}/hybrid-bench-zero")
     ap.add_argument("--out", default=str(REPO / "runs" / "bench"), help="markdown + PNG report dir")
+    ap.add_argument("--no-profile", action="store_true", help="no per-phase profile of ours")
+    ap.add_argument("--grad-reduce", default="auto", choices=["auto", "reduce_scatter", "all_reduce"],
+                    help="our ZeroConfig.grad_reduce; auto: all_reduce on gloo, reduce_scatter on NCCL")
+    ap.add_argument("--reduce-bucket-size", type=int, default=50_000_000,
+                    help="our ZeroConfig.reduce_bucket_size (elements)")
+    ap.add_argument("--no-floor", action="store_true",
+                    help="skip the compute-only floor runs (ours with every dp collective skipped)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="launch each configuration this many times (interleaved); the table "
+                         "shows the median and the min-max spread of the per-launch medians")
     ap.add_argument("--worker", nargs=2, type=int, metavar=("STAGE", "TP"), help=argparse.SUPPRESS)
+    ap.add_argument("--floor", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        return worker(*args.worker)
+        return worker(*args.worker, floor=args.floor, profile=not args.no_profile)
 
     steps = args.steps or (6 if args.size == "medium" else 23)
     warmup = args.warmup if args.warmup is not None else (1 if args.size == "medium" else 3)
     env = dict(os.environ, PEER_SIZE=args.size, PEER_STEPS=str(steps), PEER_WARMUP=str(warmup),
                OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1",
-               GLOO_SOCKET_IFNAME="lo", PEER_TP="2")
+               GLOO_SOCKET_IFNAME="lo", PEER_TP="2", HYBRID_GRAD_REDUCE=args.grad_reduce,
+               HYBRID_REDUCE_BUCKET=str(args.reduce_bucket_size))
     logdir = Path(args.logdir) / args.size
     logdir.mkdir(parents=True, exist_ok=True)
     n = str(args.world)
@@ -133,20 +171,38 @@ def main() -> None:
             continue
         for s in map(int, args.stages.split()):
             name = f"hybrid_z{s}" + (f"_tp{tp}" if tp > 1 else "")
-            runs.append((name, ours + [str(Path(__file__).resolve()), "--worker", str(s), str(tp)], REPO))
+            cmd = ours + [str(Path(__file__).resolve()), "--worker", str(s), str(tp)]
+            cmd += ["--no-profile"] if args.no_profile else []
+            runs.append((name, cmd, REPO))
+            if not args.no_floor:
+                runs.append((name + "_floor", cmd + ["--floor"], REPO))
 
     print(f"# size={args.size} world={n} steps={steps} warmup={warmup} logs={logdir}", flush=True)
-    results = {}
-    for name, cmd, cwd in runs:
-        res = launch(name, cmd, cwd, env, logdir)
-        if res is not None:
-            results[name] = res
-            print(f"# {name}: {res['ms_step_median']} ms/step", flush=True)
+    launches: dict[str, list] = {}
+    for rep in range(args.repeats):
+        for name, cmd, cwd in runs:
+            res = launch(name, cmd, cwd, env, logdir)
+            if res is not None:
+                launches.setdefault(name, []).append(res)
+                print(f"# {name} [{rep + 1}/{args.repeats}]: {res['ms_step_median']} ms/step", flush=True)
+    results = {name: merge_repeats(rs) for name, rs in launches.items()}
     with open(logdir / "results.jsonl", "w") as f:
         for r in results.values():
             f.write(json.dumps(r) + "\n")
     print_table(results)
     write_report(results, Path(args.out), args, steps, warmup)
+
+
+def merge_repeats(rs: list[dict]) -> dict:
+    """The launch with the median ms/step, plus ``ms_repeats`` (every launch's median ms/step)
+    and ``profile_ms`` as the per-phase median over launches."""
+    rs = sorted(rs, key=lambda r: r["ms_step_median"])
+    out = dict(rs[(len(rs) - 1) // 2])
+    out["ms_repeats"] = [r["ms_step_median"] for r in rs]
+    profs = [r["profile_ms"] for r in rs if "profile_ms" in r]
+    if profs:
+        out["profile_ms"] = {k: statistics.median(p.get(k, 0.0) for p in profs) for k in profs[0]}
+    return out
 
 
 def _peer_of_stage(name: str) -> str:
@@ -158,13 +214,14 @@ def ratios(results: dict) -> dict:
     same stage (below 1: we are faster)."""
     out = {}
     for name, r in results.items():
-        if not name.startswith("hybrid_z"):
+        if not name.startswith("hybrid_z") or name.endswith("_floor"):
             continue
         out[name] = {}
-        for peer in ("ddp", "fsdp2", "fsdp2_noreshard", "tp2d", _peer_of_stage(name)):
+        for peer in ("ddp", "fsdp2", "fsdp2_noreshard", "tp2d", _peer_of_stage(name), name + "_floor"):
             p = results.get(peer)
             if p is not None:
-                key = "deepspeed (same stage)" if peer.startswith("deepspeed") else peer
+                key = ("deepspeed (same stage)" if peer.startswith("deepspeed") else
+                       "compute-only floor" if peer.endswith("_floor") else peer)
                 out[name][key] = r["ms_step_median"] / p["ms_step_median"]
     return out
 
@@ -173,10 +230,12 @@ def write_report(results: dict, out: Path, args, steps: int, warmup: int) -> Non
     """Markdown table (every run, then our ms/step over each peer's) and a PNG of the ratios."""
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"throughput_{args.size}_w{args.world}"
-    lines = ["| config | dp | ms/step | tokens/s | peak RSS MiB | state MiB | loss end |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| config | dp | ms/step | spread (launches) | tokens/s | peak RSS MiB | state MiB | loss end |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
-        lines.append(f"| {name} | {r['dp']} | {r['ms_step_median']:.1f} | {r['tokens_per_s']:.0f} | "
+        reps = r.get("ms_repeats", [r["ms_step_median"]])
+        spread = f"{min(reps):.0f}-{max(reps):.0f} ({len(reps)})"
+        lines.append(f"| {name} | {r['dp']} | {r['ms_step_median']:.1f} | {spread} | {r['tokens_per_s']:.0f} | "
                      f"{max(r['peak_rss_mib_per_rank']):.0f} | {max(r['state_mib_per_rank'] or [0]):.1f} | "
                      f"{r['loss_final']:.4f} |")
     rat = ratios(results)
@@ -185,8 +244,18 @@ def write_report(results: dict, out: Path, args, steps: int, warmup: int) -> Non
               "| ours | " + " | ".join(peers) + " |", "|---|" + "---|" * len(peers)]
     for name, v in rat.items():
         lines.append(f"| {name} | " + " | ".join(f"{v[p]:.2f}" if p in v else "-" for p in peers) + " |")
+    prof = {n: r["profile_ms"] for n, r in results.items() if "profile_ms" in r}
+    if prof:
+        sys.path.insert(0, str(REPO))
+        from hybrid.zero.profile import format_profile
+
+        lines += ["", "Per-phase profile of rank 0, ms per timed step (exclusive times; "
+                  "`hybrid.zero.profile`; `_floor`: every data-parallel collective skipped):", ""]
+        lines += format_profile(prof)
     head = (f"# Throughput vs peers ({args.size}, world {args.world}, {steps} steps, {warmup} warm-up)"
-            f"\n\n`python scripts/bench_zero.py {' '.join(sys.argv[1:])}`\n\nfp32, gloo, "
+            f"\n\n`python scripts/bench_zero.py {' '.join(sys.argv[1:])}`\n\nours: grad_reduce "
+            f"{args.grad_reduce} (auto: all_reduce on gloo), reduce bucket {args.reduce_bucket_size} "
+            "elements. fp32, gloo, "
             "OMP_NUM_THREADS=1, one launch each in sequence; run-to-run noise on this VM is "
             "about 15-25% (shared/peers/RESULTS.md).\n\n")
     stem.with_suffix(".md").write_text(head + "\n".join(lines) + f"\n\n![ratios]({stem.name}_ratios.png)\n")

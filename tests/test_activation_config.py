@@ -63,3 +63,22 @@ def test_partition_range_covers_every_element_once(numel, parts):
         assert chunk * parts >= numel and 0 <= real <= chunk
         covered += range(start, start + real)
     assert covered == list(range(numel))
+
+
+def test_recompute_granularity_and_sequence_parallel_flags():
+    assert parse("--recompute-granularity", "selective") == ActivationConfig(selective_recompute=True)
+    assert parse("--recompute-granularity", "full") == ActivationConfig(checkpoint_activations=True)
+    with pytest.raises(ConfigError, match="selective and --checkpoint-activations"):
+        parse("--recompute-granularity", "selective", "--checkpoint-activations")
+    with pytest.raises(ValueError, match="are alternatives"):
+        ActivationConfig(checkpoint_activations=True, selective_recompute=True)
+    with pytest.raises(SystemExit):  # argparse names the valid choices
+        parse("--recompute-granularity", "block")
+    from hybrid.config_checks import validate
+
+    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--mock-data",
+            "--vocab-size", "500", "--tensor-model-parallel-size", "4", "--sequence-parallel"]
+    with pytest.raises(ConfigError, match="--seq-length divisible by --tensor-model-parallel-size: 30 % 4 = 2"):
+        validate(parse_config(base + ["--seq-length", "30"]), world_size=4, local_world_size=None)
+    assert validate(parse_config(base + ["--seq-length", "32"]), world_size=4, local_world_size=None).tp == 4
+    assert "shard LayerNorm/dropout activations along the sequence" in build_parser().format_help()

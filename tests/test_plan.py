@@ -353,7 +353,8 @@ def test_cli_json(capsys):
     assert plan_cli.main([*DIMS, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["num_parameters"] == flops.num_parameters(gpt(48, 1600, 16, v=50257, s=1024))
-    assert len(doc["candidates"]) == 4 * 4 * 4 - 4  # no full+pa at tp=1
+    # 4 tps x 4 stages x 9 options; at tp=1 no full+pa and no sequence-parallel option (4)
+    assert len(doc["candidates"]) == 4 * 4 * 9 - 4 * 5
     assert doc["best"]["fits"] is True
     assert set(doc["best"]["model_states"]) == {"params", "grads", "master", "optimizer", "total"}
 
@@ -489,7 +490,7 @@ def test_cli_table_shows_the_reserve_and_explains_m(reserved, capsys):
     assert header[5:13] == ["params", "grads", "master", "optim", "activ", "buffers", "reserve",
                             "total"]
     rows = [x.split() for x in lines[5:] if x.split() and x.split()[0].isdigit()]
-    assert len(rows) == 4 * 4 * 4 - 4
+    assert len(rows) == 4 * 4 * 9 - 4 * 5  # as test_cli_json
     for r in rows:
         dp, m = int(r[1]), int(r[4])
         assert m == 64 // (4 * dp), r  # global batch / (micro-batch * dp)

@@ -97,11 +97,16 @@ def test_same_losses_on_every_grid(data):
     grids = {(1, 1, 0): [], (2, 2, 3): [], (1, 4, 1): []}
     argv = {g: base + ["--tensor-model-parallel-size", str(g[0]), "--zero-stage", str(g[2])] for g in grids}
     (single,) = spawn_world(1, run_configs, [argv[(1, 1, 0)]], timeout_s=120)[0:1]
-    four = spawn_world(4, run_configs, [argv[(2, 2, 3)], argv[(1, 4, 1)]], timeout_s=120)[0]
+    # --sequence-parallel (with selective recompute) at (2, 2, 3): the (1, 1, 0) losses (issue 15)
+    sp = argv[(2, 2, 3)] + ["--sequence-parallel", "--recompute-granularity", "selective"]
+    four = spawn_world(4, run_configs, [argv[(2, 2, 3)], argv[(1, 4, 1)], sp], timeout_s=120)[0]
     reference = train_losses(single[0])
     assert len(reference) == 6
     for got in four:
         assert train_losses(got) == pytest.approx(reference, abs=1e-5)
+    # the grad norm counts each element once, also the TP-summed LayerNorm gradients under SP
+    norms = [r["grad_norm"] for r in single[0] if "split" not in r]
+    assert [r["grad_norm"] for r in four[2] if "split" not in r] == pytest.approx(norms, rel=1e-5)
     evals = [r["lm_loss"] for r in single[0] if r.get("split")]
     for got in four:
         assert [r["lm_loss"] for r in got if r.get("split")] == pytest.approx(evals, abs=1e-5)

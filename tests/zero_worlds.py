@@ -139,6 +139,8 @@ VARIANTS = {
                           param_persistence_threshold=0),
     "huge_buckets": dict(reduce_bucket_size=10**9, allgather_bucket_size=10**9,
                          param_persistence_threshold=0),
+    "all_reduce": dict(reduce_bucket_size=20_000, allgather_bucket_size=20_000,
+                       param_persistence_threshold=100, grad_reduce="all_reduce"),
 }
 
 

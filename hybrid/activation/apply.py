@@ -9,7 +9,15 @@ Applied by the parallelism plan after the tensor-parallel swap and before ZeRO w
     engine = ZeroEngine(model, grid, ...)
 
 Checkpoints sit at transformer-block inputs ``[b, s, h]`` (``model.layers[i]``), full
-recompute. Mechanics are in :mod:`hybrid.activation.recompute` (checkpoint Function, RNG, P_a gather, host
+recompute. Selective recompute (``selective_recompute``, 2205.05198 §5) instead recomputes only
+each block's attention core (:mod:`hybrid.activation.selective`); the two are alternatives, as
+Megatron-LM's ``--recompute-granularity full|selective``.
+
+With sequence parallelism (``parallelize_gpt(..., sequence_parallel=True)``) a block input is
+already this rank's ``[b, s/t, h]`` slice, ``1/t`` of the replicated input P_a was made for:
+the checkpoint is ``B sbh / t`` without P_a, and ``partition_activations`` adds nothing (it is
+not applied again, which would mix different ranks' slices; logged). ``checkpoint_in_cpu`` and
+the arena work on the slice as they do on P_a's piece. Mechanics are in :mod:`hybrid.activation.recompute` (checkpoint Function, RNG, P_a gather, host
 copy) and :mod:`hybrid.activation.arena` (M_D); the measurement in :mod:`hybrid.activation.saved_bytes`.
 
 The arena and ZeRO's flat gradient buffers are the same M_D idea (ZeRO paper §6.3) applied to
@@ -30,6 +38,7 @@ import torch.nn as nn
 
 from hybrid.activation.recompute import ActivationStore, CheckpointedForward, CheckpointStats
 from hybrid.activation.saved_bytes import format_saved_bytes, measure_saved_bytes  # noqa: F401 (public API)
+from hybrid.activation.selective import SelectiveCore
 from hybrid.parallel.rng import RNGTracker
 
 logger = logging.getLogger(__name__)
@@ -56,6 +65,8 @@ class ActivationConfig:
     """M_D: copy a micro-batch's checkpoints into one preallocated arena (``--contiguous-checkpointing``)."""
     checkpoint_num_layers: int | None = None
     """Checkpoint only the first N blocks, the rest keep all activations; None = every block (``--checkpoint-num-layers``)."""
+    selective_recompute: bool = False
+    """Recompute only the attention core of every block (``--recompute-granularity selective``)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -67,6 +78,9 @@ class ActivationConfig:
             ValueError: naming the offending field and value.
         """
         n = self.checkpoint_num_layers
+        if self.selective_recompute and self.checkpoint_activations:
+            raise ValueError("selective_recompute=True and checkpoint_activations=True are alternatives "
+                             "(--recompute-granularity is either 'selective' or 'full')")
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
             raise ValueError(f"checkpoint_num_layers must be a positive integer or None, got {n!r}")
         if not self.checkpoint_activations:
@@ -104,6 +118,7 @@ class ActivationCheckpointing:
         self.blocks = blocks
         self.partitioned = store.partition
         self._wrappers: list[CheckpointedForward] = []
+        self._selective: list[SelectiveCore] = []
 
     @property
     def stats(self) -> CheckpointStats:
@@ -124,6 +139,9 @@ class ActivationCheckpointing:
         """One human line describing what is in effect."""
         c, s = self.config, self.stats
         arena = self.arena
+        if self._selective:
+            return (f"selective recompute: attention core of {len(self._selective)}/"
+                    f"{len(self.model.layers)} blocks, {s.selective_recomputes} recomputes")
         return (f"activation checkpointing: {len(self.blocks)}/{len(self.model.layers)} blocks, "
                 f"partitioned={self.partitioned} (tp={self.store.tp_size}), in_cpu={c.checkpoint_in_cpu}, "
                 f"arena={'off' if not c.contiguous_checkpointing else (arena.nbytes if arena else 'unallocated')}"
@@ -138,6 +156,9 @@ class ActivationCheckpointing:
                 if w.replaced is not None:
                     w.block.forward = w.replaced
         self._wrappers.clear()
+        for core in self._selective:
+            core.remove()
+        self._selective.clear()
 
 
 def _find_tracker(model: nn.Module, tracker: RNGTracker | None) -> RNGTracker | None:
@@ -155,7 +176,8 @@ def _find_tracker(model: nn.Module, tracker: RNGTracker | None) -> RNGTracker | 
 
 def apply_activation_checkpointing(model: nn.Module, grid, config: ActivationConfig,
                                    tracker: RNGTracker | None = None) -> ActivationCheckpointing:
-    """Checkpoint ``model.layers[i]`` for the first ``config.num_checkpointed(L)`` blocks, in place.
+    """Checkpoint ``model.layers[i]`` for the first ``config.num_checkpointed(L)`` blocks, or
+    with ``config.selective_recompute`` wrap every block's attention core, in place.
 
     Call after ``parallelize_gpt`` and before ZeRO wrapping. Parameter names are unchanged.
 
@@ -176,18 +198,28 @@ def apply_activation_checkpointing(model: nn.Module, grid, config: ActivationCon
     config.validate(len(layers))
     tracker = _find_tracker(model, tracker)
     n = config.num_checkpointed(len(layers))
-    if any(isinstance(b.__dict__.get("forward"), CheckpointedForward) for b in layers):
+    if any(isinstance(b.__dict__.get("forward"), CheckpointedForward)
+           or isinstance(b.attn.__dict__.get("core"), SelectiveCore) for b in layers):
         raise RuntimeError("model.layers are already checkpointed; call handle.remove() first")
+    sequence_parallel = any(getattr(m, "sequence_parallel", False) for m in model.modules())
     store = ActivationStore(grid.tp_group, config.partition_activations, config.checkpoint_in_cpu,
-                            n if config.contiguous_checkpointing and n else None, tracker)
+                            n if config.contiguous_checkpointing and n else None, tracker,
+                            sequence_parallel=sequence_parallel)
     if config.partition_activations and not store.partition:
         logger.info("partition_activations: no effect at tensor-model-parallel size 1 "
-                    "(each rank keeps the whole checkpoint)")
+                    "(each rank keeps the whole checkpoint)" if store.tp_size == 1 else
+                    "partition_activations: no effect with sequence parallelism (each block input "
+                    "is already this rank's 1/tp sequence slice)")
     handle = ActivationCheckpointing(model, config, store, list(range(n)))
+    if config.selective_recompute:
+        for block in layers:
+            core = SelectiveCore(block.attn, store)
+            block.attn.core = core
+            handle._selective.append(core)
     for i in handle.blocks:
         wrapper = CheckpointedForward(layers[i], i, store)
         layers[i].forward = wrapper
         handle._wrappers.append(wrapper)
-    if n:
+    if n or config.selective_recompute:
         logger.info(handle.summary())
     return handle

@@ -58,6 +58,8 @@ class CheckpointStats:
     """Checkpoint copies allocated on their own (without an arena, or when it overflowed)."""
     arena_overflows: int = 0
     """Checkpoints that did not find their arena slot free (two forwards before a backward)."""
+    selective_recomputes: int = 0
+    """Attention cores recomputed in backward (selective recompute)."""
 
     def reset(self) -> None:
         for name in self.__dataclass_fields__:
@@ -128,14 +130,16 @@ class ActivationStore:
         in_cpu: keep the checkpoint in host memory.
         num_slots: arena slots (checkpointed blocks), or ``None`` for no arena.
         tracker: the TP dropout stream to save and restore with the default generators.
+        sequence_parallel: the block inputs are already this rank's ``s/t`` slice (different on
+            every TP rank), so P_a has nothing left to partition and is not applied.
     """
 
     def __init__(self, tp_group, partition: bool, in_cpu: bool, num_slots: int | None,
-                 tracker: RNGTracker | None):
+                 tracker: RNGTracker | None, sequence_parallel: bool = False):
         self.tp_group = tp_group
         self.tp_size = dist.get_world_size(tp_group)
         self.tp_rank = dist.get_rank(tp_group)
-        self.partition = partition and self.tp_size > 1
+        self.partition = partition and self.tp_size > 1 and not sequence_parallel
         self.in_cpu = in_cpu
         self.tracker = tracker
         self.num_slots = num_slots

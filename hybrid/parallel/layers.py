@@ -1,4 +1,14 @@
-"""Tensor-parallel layers (Megatron-LM paper, §3) and the per-parameter TP spec.
+"""Tensor-parallel layers (Megatron-LM paper, §3), their sequence-parallel forms
+(Korthikanti et al. 2022, arXiv 2205.05198, §4.2.2) and the per-parameter TP spec.
+
+With ``sequence_parallel=True`` the activations between tensor-parallel regions (LayerNorms,
+dropouts, residuals) are ``[b, s/t, h]`` on each rank: a column-parallel layer all-gathers its
+input along the sequence (and keeps only the slice for backward), a row-parallel layer
+reduce-scatters its output, the vocab-parallel embedding reduce-scatters its lookup and the
+output layer all-gathers the final LayerNorm's output. Replicated parameters used on a slice
+(LayerNorms, row-parallel biases, positions) get their gradient all-reduced over the TP group
+in backward (:func:`tp_summed`), so ``param.grad`` is the full gradient on every TP rank
+before any ZeRO reduction sees it.
 
 Every parameter of a tensor-parallel model carries a :class:`TPSpec` (``param.tp_spec``):
 which dimension is split over the TP group (or ``None`` when replicated), the full unpadded
@@ -15,7 +25,13 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from hybrid.parallel.ops import copy_to_tp, reduce_from_tp
+from hybrid.parallel.ops import (
+    TPLedger,
+    copy_to_tp,
+    reduce_from_tp,
+    reduce_scatter_sequence,
+    sequence_parallel_linear,
+)
 from hybrid.parallel.rng import RNGTracker
 
 
@@ -101,14 +117,19 @@ def _param(shape, device, dtype) -> nn.Parameter:
 class ColumnParallelLinear(nn.Module):
     """``Y_i = X A_i + b_i``: the weight ``[out, in]`` is split by rows (output features).
 
-    Input ``[..., in]`` (replicated across TP ranks); output ``[..., out_padded / tp]``, this
-    rank's slice. ``out_features`` may be padded to ``padded_out`` (a multiple of tp).
+    Input ``[..., in]`` (replicated across TP ranks), or ``[b, s/t, in]`` with
+    ``sequence_parallel``; output ``[..., out_padded / tp]``, this rank's slice (full sequence).
+    ``out_features`` may be padded to ``padded_out`` (a multiple of tp). ``ledger`` counts the
+    TP collectives' bytes.
     """
 
     def __init__(self, in_features: int, out_features: int, group, bias: bool = True,
-                 padded_out: int | None = None, device=None, dtype=None):
+                 padded_out: int | None = None, device=None, dtype=None,
+                 sequence_parallel: bool = False, ledger: TPLedger | None = None):
         super().__init__()
         self.group = group
+        self.sequence_parallel = sequence_parallel
+        self.ledger = ledger
         rank, size = _group_coords(group)
         padded_out = padded_out or out_features
         if padded_out % size:
@@ -123,20 +144,26 @@ class ColumnParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(copy_to_tp(x, self.group), self.weight, self.bias)
+        if self.sequence_parallel:
+            return sequence_parallel_linear(x, self.weight, self.bias, self.group, self.ledger)
+        return F.linear(copy_to_tp(x, self.group, self.ledger), self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
     """``Y = sum_i X_i A_i + b``: the weight ``[out, in]`` is split by columns (input features).
 
     Input ``[..., in / tp]`` (this rank's slice, e.g. from a column-parallel layer); output
-    ``[..., out]`` all-reduced over the TP group; the bias is replicated and added once.
+    ``[..., out]`` all-reduced over the TP group, or with ``sequence_parallel`` this rank's
+    ``[b, s/t, out]`` of the sum (reduce-scatter); the bias is replicated and added once.
     """
 
     def __init__(self, in_features: int, out_features: int, group, bias: bool = True,
-                 device=None, dtype=None):
+                 device=None, dtype=None, sequence_parallel: bool = False,
+                 ledger: TPLedger | None = None):
         super().__init__()
         self.group = group
+        self.sequence_parallel = sequence_parallel
+        self.ledger = ledger
         rank, size = _group_coords(group)
         if in_features % size:
             raise ValueError(f"input features {in_features} are not divisible by the TP size {size}")
@@ -149,7 +176,10 @@ class RowParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_tp(F.linear(x, self.weight), self.group)
+        if self.sequence_parallel:
+            y = reduce_scatter_sequence(F.linear(x, self.weight), self.group, self.ledger)
+            return y if self.bias is None else y + tp_summed(self.bias, self.group, self.ledger)
+        y = reduce_from_tp(F.linear(x, self.weight), self.group, self.ledger)
         return y if self.bias is None else y + self.bias
 
 
@@ -158,13 +188,17 @@ class VocabParallelEmbedding(nn.Module):
 
     The vocabulary is padded to ``padded_vocab`` (a multiple of tp); padded rows are zero and,
     with :class:`hybrid.parallel.cross_entropy.VocabParallelLoss`, never receive gradient.
-    Input ids ``[b, s]``; output ``[b, s, h]``, all-reduced so every TP rank holds all of it.
+    Input ids ``[b, s]``; output ``[b, s, h]``, all-reduced so every TP rank holds all of it,
+    or with ``sequence_parallel`` this rank's ``[b, s/t, h]`` (reduce-scatter).
     """
 
     def __init__(self, vocab_size: int, padded_vocab: int, embedding_dim: int, group,
-                 device=None, dtype=None):
+                 device=None, dtype=None, sequence_parallel: bool = False,
+                 ledger: TPLedger | None = None):
         super().__init__()
         self.group = group
+        self.sequence_parallel = sequence_parallel
+        self.ledger = ledger
         rank, size = _group_coords(group)
         if padded_vocab % size or padded_vocab < vocab_size:
             raise ValueError(f"padded vocabulary {padded_vocab} must be >= {vocab_size} and divisible by TP size {size}")
@@ -179,22 +213,29 @@ class VocabParallelEmbedding(nn.Module):
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local = (ids - self.vocab_start).masked_fill(outside, 0)
         out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tp(out, self.group)
+        if self.sequence_parallel:
+            return reduce_scatter_sequence(out, self.group, self.ledger)
+        return reduce_from_tp(out, self.group, self.ledger)
 
 
 class ParallelOutputLayer(nn.Module):
     """Local logits ``[b, s, V_padded / tp] = h @ W_i.T`` from replicated hidden ``[b, s, h]``.
 
     The logits stay split: the vocab-parallel loss consumes them with all-reduces of ``b*s``
-    values instead of gathering ``b*s*V`` logits (Megatron-LM §3).
+    values instead of gathering ``b*s*V`` logits (Megatron-LM §3). With ``sequence_parallel``
+    the hidden input is this rank's ``[b, s/t, h]`` and is all-gathered along the sequence.
     """
 
-    def __init__(self, group):
+    def __init__(self, group, sequence_parallel: bool = False, ledger: TPLedger | None = None):
         super().__init__()
         self.group = group
+        self.sequence_parallel = sequence_parallel
+        self.ledger = ledger
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return F.linear(copy_to_tp(hidden, self.group), weight)
+        if self.sequence_parallel:
+            return sequence_parallel_linear(hidden, weight, None, self.group, self.ledger)
+        return F.linear(copy_to_tp(hidden, self.group, self.ledger), weight)
 
 
 class TPRegionDropout(nn.Module):
@@ -211,3 +252,55 @@ class TPRegionDropout(nn.Module):
             return x
         with self.tracker.fork():
             return F.dropout(x, self.p, True)
+
+
+def tp_summed(param: torch.Tensor, group, ledger: TPLedger | None = None) -> torch.Tensor:
+    """``param`` unchanged forward; its gradient all-reduced (summed) over ``group`` backward.
+
+    For a replicated parameter used on this rank's ``s/t`` slice under sequence parallelism:
+    each rank's gradient is the slice's part and the sum is the single-process gradient
+    (2205.05198 §4.2.2; Megatron-LM all-reduces LayerNorm gradients the same way). Recorded as
+    ``grad_all_reduce`` in the ledger.
+    """
+    return copy_to_tp(param, group, ledger, "grad_all_reduce")
+
+
+class SequenceParallelLayerNorm(nn.Module):
+    """LayerNorm over ``[b, s/t, h]`` whose replicated weight and bias (the same Parameter
+    objects as the module it replaces) get TP-summed gradients (:func:`tp_summed`)."""
+
+    def __init__(self, norm: nn.LayerNorm, group, ledger: TPLedger | None = None):
+        super().__init__()
+        self.normalized_shape, self.eps = tuple(norm.normalized_shape), norm.eps
+        self.weight, self.bias = norm.weight, norm.bias
+        self.group, self.ledger = group, ledger
+        self.sequence_parallel = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = None if self.weight is None else tp_summed(self.weight, self.group, self.ledger)
+        b = None if self.bias is None else tp_summed(self.bias, self.group, self.ledger)
+        return F.layer_norm(x, self.normalized_shape, w, b, self.eps)
+
+
+class SequenceParallelPositionEmbedding(nn.Module):
+    """Learned positions for this rank's sequence slice: ids ``[s]`` -> ``[s/t, h]`` (rows
+    ``[r s/t, (r+1) s/t)`` of ``ids``), weight replicated with a TP-summed gradient.
+
+    Raises:
+        ValueError: ``s`` not divisible by the TP size.
+    """
+
+    def __init__(self, embedding: nn.Embedding, group, ledger: TPLedger | None = None):
+        super().__init__()
+        self.weight = embedding.weight
+        self.group, self.ledger = group, ledger
+        self.rank, self.size = _group_coords(group)
+        self.sequence_parallel = True
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        s = ids.shape[-1]
+        if s % self.size:
+            raise ValueError(f"sequence length {s} is not divisible by the TP size {self.size} "
+                             "(sequence parallelism needs seq_length % tp == 0)")
+        local = ids.narrow(-1, self.rank * (s // self.size), s // self.size)
+        return F.embedding(local, tp_summed(self.weight, self.group, self.ledger))

@@ -1,26 +1,83 @@
-"""Conjugate autograd collectives of tensor parallelism (Megatron-LM paper, §3, Figure 3).
+"""Conjugate autograd collectives of tensor parallelism, with a byte ledger.
+
+Megatron-LM paper (arXiv 1909.08053) §3, Figure 3, and its sequence-parallel form
+(Korthikanti et al. 2022, arXiv 2205.05198, §4.2.2, Figure 5):
 
 - :func:`copy_to_tp` ("f"): identity forward, all-reduce of the gradient backward. Enters a
   column-parallel region.
-- :func:`reduce_from_tp` ("g"): all-reduce forward, identity backward. Leaves a row-parallel
+- :func:`reduce_from_tp` ("f-bar"): all-reduce forward, identity backward. Leaves a row-parallel
   region.
 - :func:`gather_from_tp` / :func:`scatter_to_tp`: all-gather / split along the last dimension
   and their conjugates.
+- :func:`gather_sequence` ("g"): all-gather along the sequence dimension forward,
+  reduce-scatter of the gradient backward. Enters a tensor-parallel region from a
+  sequence-parallel one.
+- :func:`reduce_scatter_sequence` ("g-bar"): reduce-scatter along the sequence forward,
+  all-gather of the gradient backward. Leaves a tensor-parallel region into a sequence-parallel one.
 
-All ops are no-ops when the group has one rank. Tensors may have any shape; the last
-dimension is the one split or gathered.
+All ops are no-ops when the group has one rank. Sequence ops split dimension 1 of ``[b, s, h]``
+tensors into ``t`` contiguous chunks of ``s / t`` (rank r holds rows ``[r s/t, (r+1) s/t)``).
+
+:class:`TPLedger` counts the bytes each collective moves per rank, in the ring accounting of
+``hybrid.zero.comm`` (all-reduce of N bytes ``2 (t-1)/t N``, reduce-scatter of an N-byte input
+or all-gather into an N-byte output ``(t-1)/t N``).
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 import torch
 import torch.distributed as dist
 
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
-    if dist.get_world_size(group) == 1:
+SEQ_DIM = 1
+"""The sequence dimension of the model's ``[b, s, h]`` activations."""
+
+
+class TPLedger:
+    """Bytes moved per rank by tensor-parallel collectives, by kind (see the module docstring).
+
+    Kinds: ``all_reduce``, ``all_gather``, ``reduce_scatter`` (the conjugate pairs of the
+    activations), ``regather`` (sequence parallelism: the all-gather of a column-parallel
+    layer's stored ``s/t`` input again in backward, for the weight gradient, 2205.05198 §4.2.2)
+    and ``grad_all_reduce`` (sequence parallelism: gradients of replicated parameters computed
+    from one sequence slice, summed over the TP group).
+    """
+
+    def __init__(self):
+        self.bytes: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+
+    def count(self, kind: str, nbytes: int, n: int) -> None:
+        """Record one collective of ``kind`` over ``n`` ranks on ``nbytes`` (see module doc)."""
+        if n > 1:
+            factor = 2.0 if kind.endswith("all_reduce") else 1.0
+            self.bytes[kind] += factor * (n - 1) / n * nbytes
+            self.calls[kind] += 1
+
+    def snapshot(self) -> dict[str, float]:
+        return dict(self.bytes)
+
+    def reset(self) -> None:
+        self.bytes.clear()
+        self.calls.clear()
+
+
+def _nbytes(x: torch.Tensor) -> int:
+    return x.numel() * x.element_size()
+
+
+def _all_reduce(x: torch.Tensor, group, ledger: TPLedger | None = None,
+                kind: str = "all_reduce") -> torch.Tensor:
+    n = dist.get_world_size(group)
+    if n == 1:
         return x
     x = x.contiguous()
+    if ledger is not None:
+        ledger.count(kind, _nbytes(x), n)
     dist.all_reduce(x, group=group)
     return x
 
@@ -43,25 +100,74 @@ def _gather_last(x: torch.Tensor, group) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
+def all_gather_seq(x: torch.Tensor, group, ledger: TPLedger | None = None,
+                   kind: str = "all_gather") -> torch.Tensor:
+    """``[b, s/t, ...]`` on each rank -> ``[b, s, ...]`` (rank-major along dim 1); no autograd."""
+    n = dist.get_world_size(group)
+    if n == 1:
+        return x
+    x = x.contiguous()
+    out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    if ledger is not None:
+        ledger.count(kind, _nbytes(out), n)
+    _all_gather_single(out, x, group=group)
+    return out.view(n, *x.shape).movedim(0, SEQ_DIM).flatten(SEQ_DIM, SEQ_DIM + 1)
+
+
+def reduce_scatter_seq(x: torch.Tensor, group, ledger: TPLedger | None = None) -> torch.Tensor:
+    """``[b, s, ...]`` partial sums -> this rank's ``[b, s/t, ...]`` of the sum; no autograd.
+
+    Raises:
+        ValueError: ``s`` is not divisible by the group size.
+    """
+    n = dist.get_world_size(group)
+    if n == 1:
+        return x
+    s = x.shape[SEQ_DIM]
+    if s % n:
+        raise ValueError(f"sequence length {s} is not divisible by the TP size {n}")
+    inp = torch.stack(x.chunk(n, dim=SEQ_DIM))  # [t, b, s/t, ...], rank-major and contiguous
+    out = torch.empty(inp.shape[1:], dtype=x.dtype, device=x.device)
+    if ledger is not None:
+        ledger.count("reduce_scatter", _nbytes(inp), n)
+    _reduce_scatter_single(out, inp.flatten(0, 1), group=group)
+    return out
+
+
+def split_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """This rank's ``s/t`` slice along dim 1 (a view; no communication, no autograd).
+
+    Raises:
+        ValueError: ``s`` is not divisible by the group size.
+    """
+    n = dist.get_world_size(group)
+    if n == 1:
+        return x
+    s = x.shape[SEQ_DIM]
+    if s % n:
+        raise ValueError(f"sequence length {s} is not divisible by the TP size {n}")
+    return x.narrow(SEQ_DIM, dist.get_rank(group) * (s // n), s // n)
+
+
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, ledger, kind):
+        ctx.group, ctx.ledger, ctx.kind = group, ledger, kind
         return x
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad.clone(), ctx.group), None
+        return _all_reduce(grad.clone(), ctx.group, ctx.ledger, ctx.kind), None, None, None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x.clone(), group)
+    def forward(ctx, x, group, ledger):
+        return _all_reduce(x.clone(), group, ledger)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad, None, None
 
 
 class _ScatterToTP(torch.autograd.Function):
@@ -86,14 +192,40 @@ class _GatherFromTP(torch.autograd.Function):
         return _split_last(grad, ctx.group), None
 
 
-def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
-    """Identity forward; all-reduce of the gradient over ``group`` backward ("f")."""
-    return _CopyToTP.apply(x, group)
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, ledger):
+        ctx.group, ctx.ledger = group, ledger
+        return all_gather_seq(x, group, ledger)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_seq(grad, ctx.group, ctx.ledger), None, None
 
 
-def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
-    """All-reduce (sum) over ``group`` forward; identity backward ("g")."""
-    return _ReduceFromTP.apply(x, group)
+class _ReduceScatterSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, ledger):
+        ctx.group, ctx.ledger = group, ledger
+        return reduce_scatter_seq(x, group, ledger)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_seq(grad, ctx.group, ctx.ledger), None, None
+
+
+def copy_to_tp(x: torch.Tensor, group, ledger: TPLedger | None = None,
+               kind: str = "all_reduce") -> torch.Tensor:
+    """Identity forward; all-reduce of the gradient over ``group`` backward ("f").
+
+    ``kind`` names the ledger entry (``grad_all_reduce`` for the gradient of a replicated
+    parameter under sequence parallelism)."""
+    return _CopyToTP.apply(x, group, ledger, kind)
+
+
+def reduce_from_tp(x: torch.Tensor, group, ledger: TPLedger | None = None) -> torch.Tensor:
+    """All-reduce (sum) over ``group`` forward; identity backward ("f-bar")."""
+    return _ReduceFromTP.apply(x, group, ledger)
 
 
 def scatter_to_tp(x: torch.Tensor, group) -> torch.Tensor:
@@ -104,3 +236,46 @@ def scatter_to_tp(x: torch.Tensor, group) -> torch.Tensor:
 def gather_from_tp(x: torch.Tensor, group) -> torch.Tensor:
     """All-gather along the last dimension; keep this rank's slice of the gradient backward."""
     return _GatherFromTP.apply(x, group)
+
+
+def gather_sequence(x: torch.Tensor, group, ledger: TPLedger | None = None) -> torch.Tensor:
+    """``[b, s/t, h]`` -> ``[b, s, h]`` by all-gather; reduce-scatter of the gradient ("g")."""
+    return _GatherSequence.apply(x, group, ledger)
+
+
+def reduce_scatter_sequence(x: torch.Tensor, group, ledger: TPLedger | None = None) -> torch.Tensor:
+    """``[b, s, h]`` partial sums -> this rank's ``[b, s/t, h]`` of the sum by reduce-scatter;
+    all-gather of the gradient backward ("g-bar")."""
+    return _ReduceScatterSequence.apply(x, group, ledger)
+
+
+class _SequenceParallelLinear(torch.autograd.Function):
+    """``F.linear(all_gather_seq(x), weight, bias)`` that keeps only the ``s/t`` input slice for
+    backward and all-gathers it again there for the weight gradient (2205.05198 §4.2.2: "Y_i^s
+    is stored and all-gathered again in the backward pass")."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, ledger):
+        ctx.group, ctx.ledger, ctx.has_bias = group, ledger, bias is not None
+        ctx.save_for_backward(x, weight)
+        return torch.nn.functional.linear(all_gather_seq(x, group, ledger), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        full = all_gather_seq(x, ctx.group, ctx.ledger, kind="regather")
+        grad_x = reduce_scatter_seq(grad.matmul(weight), ctx.group, ctx.ledger)
+        g2 = grad.reshape(-1, grad.shape[-1])
+        grad_w = g2.t().matmul(full.reshape(-1, full.shape[-1]))
+        grad_b = g2.sum(0) if ctx.has_bias else None
+        return grad_x, grad_w, grad_b, None, None
+
+
+def sequence_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                             group, ledger: TPLedger | None = None) -> torch.Tensor:
+    """Column-parallel linear on a sequence-parallel input: ``[b, s/t, in]`` -> ``[b, s, out_local]``.
+
+    Forward all-gathers the input along the sequence ("g"); backward reduce-scatters the input
+    gradient and re-gathers the stored ``s/t`` input for the weight gradient.
+    """
+    return _SequenceParallelLinear.apply(x, weight, bias, group, ledger)

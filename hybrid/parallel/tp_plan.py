@@ -13,6 +13,16 @@ The plan maps module-name patterns to parallel styles (STYLE.md rule 2)::
     loss_fn                  -> VocabParallelLoss
     everything else (LayerNorms, positions, biases of row-parallel layers) is replicated.
 
+With ``sequence_parallel`` (Korthikanti et al. 2022, arXiv 2205.05198, §4.2.2) the same layers
+take their sequence-parallel form (see :mod:`hybrid.parallel.layers`) and these are added::
+
+    wpe                      -> SequenceParallelPositionEmbedding (this rank's s/t positions)
+    layers.*.ln1, ln2, ln_f  -> SequenceParallelLayerNorm (TP-summed weight/bias gradients)
+    drop, layers.*.drop1, layers.*.drop2 -> TPRegionDropout (each rank's slice is other data)
+
+Parameters keep their names, shapes and ``tp_spec`` (replicated stays replicated), so weights
+and checkpoints are the same with and without sequence parallelism.
+
 It also moves weights between the full (single-process) and the sharded form:
 :func:`load_full_state_dict`, :func:`gather_full_state_dict`; checkpoint resharding uses both.
 """
@@ -30,12 +40,15 @@ from hybrid.parallel.layers import (
     ColumnParallelLinear,
     ParallelOutputLayer,
     RowParallelLinear,
+    SequenceParallelLayerNorm,
+    SequenceParallelPositionEmbedding,
     TPRegionDropout,
     TPSpec,
     VocabParallelEmbedding,
     get_tp_spec,
     set_tp_spec,
 )
+from hybrid.parallel.ops import TPLedger
 from hybrid.parallel.rng import RNGTracker
 from hybrid.parallel.vocab import pad_vocab_size
 from models.gpt import GPT, init_parameter, parameter_generator
@@ -51,6 +64,15 @@ GPT_TP_PLAN: dict[str, str] = {
     "output_layer": "parallel_output",
     "loss_fn": "vocab_parallel_loss",
 }
+SEQUENCE_PARALLEL_PLAN: dict[str, str] = {
+    "wpe": "sp_positions",
+    "layers.*.ln1": "sp_layernorm",
+    "layers.*.ln2": "sp_layernorm",
+    "ln_f": "sp_layernorm",
+    "drop": "tp_dropout",
+    "layers.*.drop1": "tp_dropout",
+    "layers.*.drop2": "tp_dropout",
+}
 
 
 def _set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
@@ -64,6 +86,8 @@ def parallelize_gpt(
     tracker: RNGTracker | None = None,
     make_vocab_size_divisible_by: int = 128,
     seed: int | None = None,
+    sequence_parallel: bool = False,
+    ledger: TPLedger | None = None,
 ) -> GPT:
     """Swap ``model``'s modules for their tensor-parallel forms over ``tp_group``, in place.
 
@@ -78,6 +102,9 @@ def parallelize_gpt(
         tracker: RNG tracker for dropout inside TP regions; required when attention dropout > 0.
         make_vocab_size_divisible_by: vocabulary padding unit per TP rank.
         seed: initialise a meta model shard by shard from this seed.
+        sequence_parallel: shard the LayerNorm / dropout regions along the sequence
+            (``--sequence-parallel``; no effect at tp = 1, as in Megatron-LM).
+        ledger: counts the TP collectives' bytes (a new one when None; :func:`tp_ledger`).
 
     Returns:
         The same ``model`` object, now tensor-parallel. Every parameter carries a ``tp_spec``.
@@ -92,8 +119,13 @@ def parallelize_gpt(
                          f"{cfg.num_attention_heads}")
     if cfg.ffn_hidden_size % tp:
         raise ValueError(f"tensor-model-parallel size {tp} does not divide ffn_hidden_size={cfg.ffn_hidden_size}")
-    if cfg.attention_dropout > 0 and tracker is None:
-        raise ValueError("attention_dropout > 0 needs an RNGTracker for the TP-region dropout")
+    sequence_parallel = sequence_parallel and tp > 1
+    if (cfg.attention_dropout > 0 or sequence_parallel and cfg.hidden_dropout > 0) and tracker is None:
+        raise ValueError("attention_dropout > 0 (or hidden_dropout > 0 with sequence parallelism) "
+                         "needs an RNGTracker for the TP-region dropout")
+    ledger = TPLedger() if ledger is None else ledger
+    plan = dict(GPT_TP_PLAN, **(SEQUENCE_PARALLEL_PLAN if sequence_parallel else {}))
+    sp = dict(sequence_parallel=sequence_parallel, ledger=ledger)
     full = None if any(p.is_meta for p in model.parameters()) else {
         k: v.detach().clone() for k, v in model.state_dict().items()
     }
@@ -105,24 +137,29 @@ def parallelize_gpt(
     kw = dict(device=device, dtype=dtype)
 
     for name, module in list(model.named_modules()):
-        style = next((s for pat, s in GPT_TP_PLAN.items() if fnmatch.fnmatchcase(name, pat)), None)
+        style = next((s for pat, s in plan.items() if fnmatch.fnmatchcase(name, pat)), None)
         if style is None or module is None:
             continue
         if style == "vocab_embedding":
-            new = VocabParallelEmbedding(cfg.vocab_size, vocab_pad, cfg.hidden_size, tp_group, **kw)
+            new = VocabParallelEmbedding(cfg.vocab_size, vocab_pad, cfg.hidden_size, tp_group, **kw, **sp)
         elif style == "vocab_output":
+            # the untied head's input is gathered by the output layer, not by this weight's owner
             new = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, tp_group, bias=False,
-                                       padded_out=vocab_pad, **kw)
+                                       padded_out=vocab_pad, **kw, ledger=ledger)
         elif style == "column":
             new = ColumnParallelLinear(module.in_features, module.out_features, tp_group,
-                                       bias=module.bias is not None, **kw)
+                                       bias=module.bias is not None, **kw, **sp)
         elif style == "row":
             new = RowParallelLinear(module.in_features, module.out_features, tp_group,
-                                    bias=module.bias is not None, **kw)
+                                    bias=module.bias is not None, **kw, **sp)
         elif style == "tp_dropout":
             new = TPRegionDropout(module.p, tracker)
+        elif style == "sp_layernorm":
+            new = SequenceParallelLayerNorm(module, tp_group, ledger)
+        elif style == "sp_positions":
+            new = SequenceParallelPositionEmbedding(module, tp_group, ledger)
         elif style == "parallel_output":
-            new = ParallelOutputLayer(tp_group)
+            new = ParallelOutputLayer(tp_group, **sp)
         else:  # vocab_parallel_loss
             start = model.wte.vocab_start
             new = VocabParallelLoss(cfg.vocab_size, start, tp_group, cfg.label_smoothing)
@@ -139,6 +176,16 @@ def parallelize_gpt(
             model.to_empty(device=device)
         init_sharded(model, seed)
     return model
+
+
+def tp_ledger(model: nn.Module) -> TPLedger | None:
+    """The :class:`hybrid.parallel.ops.TPLedger` of a model made by :func:`parallelize_gpt`."""
+    return next((m.ledger for m in model.modules() if isinstance(getattr(m, "ledger", None), TPLedger)), None)
+
+
+def is_sequence_parallel(model: nn.Module) -> bool:
+    """True when :func:`parallelize_gpt` applied sequence parallelism to ``model``."""
+    return any(getattr(m, "sequence_parallel", False) for m in model.modules())
 
 
 @torch.no_grad()

@@ -42,12 +42,15 @@ class CheckRun:
     """ZeroConfig's stage-3 threshold (elements); the planner gets the same number."""
     bucket_elements: int = 20_000
     """ZeroConfig reduce / all-gather bucket sizes (elements); traffic does not depend on them."""
+    grad_reduce: str = "reduce_scatter"
+    """ZeroConfig.grad_reduce; the planner gets the same."""
 
     @property
     def name(self) -> str:
         return (f"tp{self.tp}xdp{self.dp} z{self.stage} {self.precision} m={self.micro_batches}"
                 + (f" persist<{self.param_persistence_threshold}"
-                   if self.stage == 3 and self.param_persistence_threshold else ""))
+                   if self.stage == 3 and self.param_persistence_threshold else "")
+                + (f" {self.grad_reduce}" if self.grad_reduce != "reduce_scatter" else ""))
 
 
 def predict(run: CheckRun) -> dict:
@@ -64,6 +67,7 @@ def predict(run: CheckRun) -> dict:
         precision=run.precision,
         accounting="engine",
         param_persistence_threshold=run.param_persistence_threshold,
+        grad_reduce=run.grad_reduce,
     )
     c = evaluate(GPTConfig(**run.model), cluster, training, run.tp, run.stage, "none")
     states = {k: c.model_states[k] for k in STATE_KEYS}
@@ -89,7 +93,7 @@ def measure(grid, run: CheckRun, seed: int = 1234) -> dict:
     zc = ZeroConfig(stage=run.stage, precision=run.precision,
                     param_persistence_threshold=run.param_persistence_threshold,
                     reduce_bucket_size=run.bucket_elements,
-                    allgather_bucket_size=run.bucket_elements)
+                    allgather_bucket_size=run.bucket_elements, grad_reduce=run.grad_reduce)
     engine = ZeroEngine(model, grid, zc, OptimizerConfig(lr=1e-3))
     g = torch.Generator().manual_seed(seed + grid.dp_rank)
     for m in range(run.micro_batches):
@@ -138,7 +142,7 @@ def compare(pred: dict, meas: dict) -> dict:
 def default_runs(model: dict, world: int = 4) -> list[CheckRun]:
     """The grid of checks: stages 0-3 x (tp, dp) in {(1, world), (2, world/2)} x bf16/fp32 x
     1 and 2 micro-batches, plus stage 3 with a persistence threshold that keeps the biases and
-    LayerNorms whole."""
+    LayerNorms whole, plus stages 1-3 with ``grad_reduce="all_reduce"``."""
     out = []
     for tp in (1, 2):
         for stage in range(4):
@@ -147,4 +151,6 @@ def default_runs(model: dict, world: int = 4) -> list[CheckRun]:
                     out.append(CheckRun(model, tp, world // tp, stage, precision, micro))
         base = CheckRun(model, tp, world // tp, 3, "bf16", 2, param_persistence_threshold=1000)
         out += [base, replace(base, precision="fp32", micro_batches=1)]
+        out += [CheckRun(model, tp, world // tp, stage, "bf16", 2, grad_reduce="all_reduce")
+                for stage in (1, 2, 3)]
     return out

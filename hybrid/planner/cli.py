@@ -88,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="model-state bytes per param: ZeRO paper (16 mixed) or our engine (18 bf16, 20 fp32)",
     )
     g.add_argument(
+        "--grad-reduce",
+        choices=("reduce_scatter", "all_reduce"),
+        default="reduce_scatter",
+        help="the engine's gradient collective for ZeRO 1-3 (all_reduce: 2x the gradient bytes)",
+    )
+    g.add_argument(
         "--param-persistence-threshold",
         type=int,
         default=0,
@@ -269,6 +275,7 @@ def _training(args: argparse.Namespace) -> Training:
         reduce_bucket_elements=args.reduce_bucket_size,
         allgather_bucket_elements=args.allgather_bucket_size,
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        grad_reduce=args.grad_reduce,
     )
 
 

@@ -39,9 +39,12 @@ from hybrid.flops import parameters_per_tp_rank
 from hybrid.model_shape import ModelShape
 
 ZERO_STAGES = (0, 1, 2, 3)
-ACTIVATION_OPTIONS = ("none", "full", "full+pa", "full+pa+cpu")
+ACTIVATION_OPTIONS = ("none", "full", "full+pa", "full+pa+cpu", "selective", "sp", "sp+selective",
+                      "full+sp", "full+sp+cpu")
 """No checkpointing; one checkpoint per layer; checkpoints partitioned over TP (P_a);
-partitioned checkpoints offloaded to CPU (P_a+cpu)."""
+partitioned checkpoints offloaded to CPU (P_a+cpu); selective recompute of the attention core;
+sequence parallelism (``sp``, 2205.05198 §4.2.2) alone, with selective recompute, with full
+recompute (its checkpoints are already 1/t: P_a adds nothing) and with the checkpoints on CPU."""
 LAYER_RECOMPUTE = ("none", "selective", "full")
 
 
@@ -226,15 +229,17 @@ def layer_activation_bytes(
     sequence_parallel: bool = False,
     recompute: str = "none",
     bytes_per_element: int = 2,
+    mask_bytes: int = 1,
 ) -> int:
     """Activation bytes one transformer layer keeps for backward, per TP rank.
 
     Element-by-element accounting of 2205.05198 §4.1 (activations ``bytes_per_element``, dropout
-    masks 1 byte; LayerNorm statistics ignored), generalised to an MLP of width f:
+    masks ``mask_bytes``: 1 in the paper and CUDA, the activation dtype on CPU; LayerNorm
+    statistics ignored), generalised to an MLP of width f:
     attention 11sbh + 5as^2b, MLP 3sbh + 4sbf, LayerNorms 4sbh. At f = 4h, 2 bytes:
     sbh(34 + 5as/h) with t = 1, sbh(10 + 24/t + 5as/(ht)) with TP, (sbh/t)(34 + 5as/h) with TP+SP,
     minus the 5as^2b/t term with selective recompute, and 2sbh (the layer input) with full
-    recompute (Table 2). Under TP the 10sbh replicated part is the two LayerNorm inputs, the QKV
+    recompute (Table 2; /t with SP, whose layer input is the s/t slice). Under TP the 10sbh replicated part is the two LayerNorm inputs, the QKV
     and fc1 inputs and the two residual dropout masks. Exact integer bytes (ceil of /t).
     """
     _check_positive(
@@ -256,14 +261,14 @@ def layer_activation_bytes(
     f = 4 * h if ffn_hidden_size is None else ffn_hidden_size
     sbh = s * b * h
     if recompute == "full":
-        return sbh * e
-    # LN1 + LN2 inputs, QKV input, fc1 input (elements) and two residual-dropout masks (bytes).
-    replicated = 4 * sbh * e + 2 * sbh
+        return math.ceil(sbh * e / tp) if sequence_parallel else sbh * e
+    # LN1 + LN2 inputs, QKV input, fc1 input (elements) and two residual-dropout masks.
+    replicated = 4 * sbh * e + 2 * sbh * mask_bytes
     # Q, K, V, projection input, fc2 input and GeLU input: split by t (heads / columns).
     split = 4 * sbh * e + 2 * s * b * f * e
     if recompute == "none":
         # softmax output, its dropout mask, dropout output: a s^2 b each.
-        split += a * s * s * b * (2 * e + 1)
+        split += a * s * s * b * (2 * e + mask_bytes)
     if sequence_parallel:
         return math.ceil((replicated + split) / tp)
     return replicated + math.ceil(split / tp)
@@ -295,14 +300,18 @@ def non_layer_activation_bytes(
     vocab_size: int,
     tp: int = 1,
     bytes_per_element: int = 2,
+    sequence_parallel: bool = False,
+    mask_bytes: int = 1,
 ) -> int:
-    """Activations outside the layers per TP rank, in bytes (2205.05198 §4.3 without SP).
+    """Activations outside the layers per TP rank, in bytes (2205.05198 §4.3).
 
-    Embedding-dropout mask sbh (1 byte), final-LayerNorm input and output-layer input 2sbh*e,
-    fp32 logits of the vocab-parallel cross-entropy 4sbV/t.
+    Embedding-dropout mask sbh (``mask_bytes``), final-LayerNorm input and output-layer input
+    2sbh*e, all three /t with sequence parallelism, and fp32 logits of the vocab-parallel
+    cross-entropy 4sbV/t.
     """
     s, b, h = seq_length, micro_batch_size, hidden_size
-    return s * b * h + 2 * s * b * h * bytes_per_element + math.ceil(4 * s * b * vocab_size / tp)
+    sliced = s * b * h * mask_bytes + 2 * s * b * h * bytes_per_element
+    return (math.ceil(sliced / tp) if sequence_parallel else sliced) + math.ceil(4 * s * b * vocab_size / tp)
 
 
 def activation_bytes(
@@ -312,10 +321,13 @@ def activation_bytes(
     tp: int = 1,
     option: str = "none",
     precision: str | Precision = "bf16",
+    mask_bytes: int = 1,
 ) -> dict[str, int]:
     """Activation memory of one micro-batch per rank, for one of ``ACTIVATION_OPTIONS``.
 
     - ``none``: L layers of ``layer_activation_bytes`` (TP form) + non-layer activations.
+    - ``selective``, ``sp``, ``sp+selective``: L layers in that form (Table 2 rows).
+    - ``full+sp``, ``full+sp+cpu``: checkpoints of sbh/t (the SP slice), one SP layer.
     - ``full``: L checkpoints of 2sbh + one layer's full activations (the recompute working set)
       + non-layer activations.
     - ``full+pa``: checkpoints divided by t (P_a, ZeRO §6.1).
@@ -326,15 +338,18 @@ def activation_bytes(
         raise ValueError(f"activation option must be one of {ACTIVATION_OPTIONS}, got {option!r}")
     m = ModelShape.of(model)
     e = get_precision(precision).activation_bytes
+    parts = set(option.split("+"))
+    sp, full = "sp" in parts, "full" in parts
     s, b, h, a, f = seq_length, micro_batch_size, m.hidden_size, m.num_attention_heads, m.ffn
-    one_layer = layer_activation_bytes(s, b, h, a, tp, f, bytes_per_element=e)
-    non_layer = non_layer_activation_bytes(s, b, h, m.vocab_size, tp, e)
-    if option == "none":
+    one_layer = layer_activation_bytes(s, b, h, a, tp, f, sp, "selective" if "selective" in parts else "none",
+                                       bytes_per_element=e, mask_bytes=mask_bytes)
+    non_layer = non_layer_activation_bytes(s, b, h, m.vocab_size, tp, e, sp, mask_bytes)
+    if not full:
         checkpoints, layers = 0, m.num_layers * one_layer
     else:
         checkpoints = checkpoint_bytes(m.num_layers, s, b, h, tp, option != "full", e)
         layers = one_layer
-    cpu = checkpoints if option == "full+pa+cpu" else 0
+    cpu = checkpoints if "cpu" in parts else 0
     gpu = checkpoints - cpu + layers + non_layer
     return {
         "checkpoints": checkpoints,

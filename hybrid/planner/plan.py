@@ -138,6 +138,8 @@ class Training:
     """Stage-3 parameter gather bucket, elements."""
     make_vocab_size_divisible_by: int = 128
     """Vocabulary padded to a multiple of this * tp (Megatron §5.1)."""
+    grad_reduce: str = "reduce_scatter"
+    """ZeroConfig.grad_reduce: 'reduce_scatter' or 'all_reduce' (2x the gradient bytes)."""
 
     def __post_init__(self) -> None:
         get_precision(self.precision, self.accounting)
@@ -267,9 +269,11 @@ def evaluate(
     )
     total = states["total"] + acts["gpu"] + buffers + int(cluster.reserved_bytes)
 
-    recompute = activation != "none"
+    parts = set(activation.split("+"))
+    recompute = "full" in parts
     dp_kinds = dp_traffic_bytes(
-        m, dp, stage, tp, prec, micro_batches, persistent_params=persistent, by_kind=True
+        m, dp, stage, tp, prec, micro_batches, persistent_params=persistent, by_kind=True,
+        grad_reduce=training.grad_reduce,
     )
     dp_bytes = sum(dp_kinds.values())
     tp_elems = tp_traffic_elements(
@@ -279,13 +283,15 @@ def evaluate(
         tp,
         m.num_layers,
         recompute,
-        activation in ("full+pa", "full+pa+cpu"),
+        "pa" in parts,
         m.vocab_size,
+        sequence_parallel="sp" in parts,
     )
     tp_bytes = tp_elems * prec.activation_bytes * micro_batches
     cpu_bytes = 2 * acts["cpu"] * micro_batches
 
-    hw_flops = flops_per_iteration(m, gbs, s, "full" if recompute else "none")
+    hw_flops = flops_per_iteration(
+        m, gbs, s, "full" if recompute else "selective" if "selective" in parts else "none")
     model_flops = flops_per_iteration(m, gbs, s, "none")
     peak = cluster.num_gpus * cluster.peak_tflops * 1e12
     dp_bw = (
@@ -333,8 +339,9 @@ def plan(
 ) -> tuple[list[Candidate], list[str]]:
     """Evaluate every layout; returns (candidates, reasons for the layouts that were skipped).
 
-    ``tps`` None means ``tp_candidates``. "full+pa" is skipped at tp = 1, where partitioning over
-    one rank is plain checkpointing.
+    ``tps`` None means ``tp_candidates``. "full+pa" and the sequence-parallel options are
+    skipped at tp = 1, where partitioning over one rank is plain checkpointing and sequence
+    parallelism is off.
     """
     m = ModelShape.of(model)
     if tps is None:
@@ -345,7 +352,7 @@ def plan(
     for tp in tps:
         for stage in stages:
             for act in activations:
-                if tp == 1 and act == "full+pa":
+                if tp == 1 and (act == "full+pa" or "sp" in act.split("+")):
                     continue
                 try:
                     out.append(evaluate(m, cluster, training, tp, stage, act))

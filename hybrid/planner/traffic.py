@@ -32,6 +32,7 @@ def dp_traffic_by_kind(
     micro_batches_per_step: int = 1,
     ring_factor: bool = True,
     persistent_params: int = 0,
+    grad_reduce: str = "reduce_scatter",
 ) -> dict[str, float]:
     """Elements one rank sends over its data-parallel group per optimizer step, per collective.
 
@@ -47,6 +48,9 @@ def dp_traffic_by_kind(
       (``memory_estimate.persistent_parameters``) are never released, so they are gathered once
       after the step instead: mΨ_t + 2m(Ψ_t - Ψ_p) + Ψ_p.
 
+    ``grad_reduce="all_reduce"`` (``ZeroConfig.grad_reduce``, stages 1-3): every gradient
+    reduce-scatter above is an all-reduce of the same buffer instead, 2Ψ_t where it was Ψ_t.
+
     This is what ``hybrid.zero.engine.ZeroEngine`` issues (its ledger equals it up to the layout's
     padding). Times (dp-1)/dp when ``ring_factor`` (an all-reduce counts 2 (dp-1)/dp); all 0 when
     dp == 1.
@@ -59,6 +63,8 @@ def dp_traffic_by_kind(
     if not 0 <= persistent_params <= psi:
         raise ValueError(f"persistent_params must be in [0, {psi}], got {persistent_params}")
     m, ring = micro_batches_per_step, _ring(dp, ring_factor)
+    if grad_reduce not in ("reduce_scatter", "all_reduce"):
+        raise ValueError(f"grad_reduce must be 'reduce_scatter' or 'all_reduce', got {grad_reduce!r}")
     out = {"all_reduce": 0.0, "reduce_scatter": 0.0, "all_gather": 0.0}
     if stage == 0:
         out["all_reduce"] = 2 * psi
@@ -68,6 +74,8 @@ def dp_traffic_by_kind(
     else:
         out["reduce_scatter"] = m * psi
         out["all_gather"] = 2 * m * (psi - persistent_params) + persistent_params
+    if stage > 0 and grad_reduce == "all_reduce":
+        out["all_reduce"], out["reduce_scatter"] = 2 * out["reduce_scatter"], 0.0
     return {k: v * ring for k, v in out.items()}
 
 
@@ -99,6 +107,7 @@ def dp_traffic_bytes(
     ring_factor: bool = True,
     persistent_params: int = 0,
     by_kind: bool = False,
+    grad_reduce: str = "reduce_scatter",
 ) -> float | dict[str, float]:
     """``dp_traffic_by_kind`` in bytes: gradients (all-reduce, reduce-scatter) at the precision's
     ``grad_bytes``, parameter all-gathers at its ``param_bytes``. Paper accounting: 2 and 2 with
@@ -106,7 +115,8 @@ def dp_traffic_bytes(
     gradients (4) and parameters in the compute dtype. The total, or a dict when ``by_kind``."""
     p = get_precision(precision)
     elems = dp_traffic_by_kind(
-        model_or_params, dp, stage, tp, micro_batches_per_step, ring_factor, persistent_params
+        model_or_params, dp, stage, tp, micro_batches_per_step, ring_factor, persistent_params,
+        grad_reduce,
     )
     out = {
         "all_reduce": elems["all_reduce"] * p.grad_bytes,
@@ -141,8 +151,13 @@ def tp_traffic_elements(
     partitioned_activations: bool = False,
     vocab_size: int | None = None,
     ring_factor: bool = True,
+    sequence_parallel: bool = False,
 ) -> float:
     """Elements one rank sends over its TP group per micro-batch.
+
+    With ``sequence_parallel`` each all-reduce becomes an all-gather + reduce-scatter of the same
+    total (2205.05198 §4.2.2), and the s/t inputs of the two column-parallel layers (and of the
+    output layer when ``vocab_size`` is given) are all-gathered again in backward: bsh(t-1)/t each.
 
     Per layer, each all-reduce of an [s, b, h] tensor sends 2bsh(t-1)/t: 8bsh(t-1)/t for the 4 of
     a plain layer (2104.04473 §3.2), 12bsh(t-1)/t with recompute, plus bsh(t-1)/t for the P_a
@@ -156,9 +171,11 @@ def tp_traffic_elements(
     bsh = micro_batch_size * seq_length * hidden_size
     counts = tp_collectives_per_layer(recompute, partitioned_activations)
     per_layer = (2 * counts["all_reduce"] + counts["all_gather"]) * bsh
+    if sequence_parallel:
+        per_layer += 2 * bsh
     total = num_layers * per_layer
     if vocab_size is not None:
-        total += 2 * 2 * bsh + 3 * 2 * micro_batch_size * seq_length
+        total += 2 * 2 * bsh + 3 * 2 * micro_batch_size * seq_length + (bsh if sequence_parallel else 0)
     return total * _ring(tp, ring_factor)
 
 

@@ -11,6 +11,12 @@ with n the group size (nothing is moved when n = 1). The ZeRO engine's data-para
 recorded under these three names; the world-wide all-reduce of the grad norm and overflow flag
 (16 bytes) under ``norm_all_reduce``, and state export / consolidation gathers under
 ``state_all_gather`` (not training traffic).
+
+``skip_collectives`` (the benchmark's *compute-only floor*) counts the bytes as usual but moves
+nothing: each rank only does local work (an all-reduce leaves ``t``, a reduce-scatter keeps the
+rank's own chunk of its input, an all-gather writes the rank's own chunk into every slot, so
+gathered parameters stay finite). The numbers are then wrong; only the time without
+data-parallel communication is of interest.
 """
 
 from __future__ import annotations
@@ -34,6 +40,9 @@ class _Done:
 class DPComm:
     """Collectives over one group that count their bytes (see the module docstring)."""
 
+    skip_collectives = False
+    """Compute-only floor: count but do not communicate (see the module docstring)."""
+
     def __init__(self, group):
         self.group = group
         self.size = dist.get_world_size(group)
@@ -48,15 +57,16 @@ class DPComm:
     def all_reduce(self, t: torch.Tensor, async_op: bool = False):
         """Sum ``t`` in place over the group."""
         self._count("all_reduce", t.numel() * t.element_size(), 2.0)
-        if self.size == 1:
+        if self.size == 1 or self.skip_collectives:
             return _Done()
         return dist.all_reduce(t, group=self.group, async_op=async_op) or _Done()
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
         """``out`` (n times smaller) = this rank's chunk of the sum of ``inp`` over the group."""
         self._count("reduce_scatter", inp.numel() * inp.element_size())
-        if self.size == 1:
-            out.copy_(inp)
+        if self.size == 1 or self.skip_collectives:
+            n = out.numel()
+            out.copy_(inp[self.rank * n:(self.rank + 1) * n])
             return _Done()
         return _reduce_scatter_single(out, inp, group=self.group, async_op=async_op) or _Done()
 
@@ -64,8 +74,9 @@ class DPComm:
         """``out``: one tensor of n x ``inp`` elements (rank-major) or a list of n tensors;
         ``kind`` names the ledger entry."""
         self._count(kind, inp.numel() * inp.element_size() * self.size)
-        if self.size == 1:
-            (out[0] if isinstance(out, list) else out).copy_(inp)
+        if self.size == 1 or self.skip_collectives:  # the floor writes its chunk everywhere
+            for o in (out if isinstance(out, list) else out.view(self.size, -1)):
+                o.copy_(inp.view_as(o))
             return _Done()
         if isinstance(out, list):
             return dist.all_gather(out, inp, group=self.group, async_op=async_op) or _Done()

@@ -45,7 +45,9 @@ from hybrid.zero.config import OptimizerConfig, ZeroConfig
 from hybrid.zero.grad_norm import clip_coefficient, global_grad_norm
 from hybrid.zero.layout import PartitionLayout
 from hybrid.zero.loss_scaler import LossScaler
+from hybrid.zero.profile import NULL_TIMER
 from hybrid.zero.reduce import GradReducer
+from hybrid.zero.refresh import refresh_params
 from hybrid.zero.stage3 import ParamGatherer
 
 __all__ = ["OptimizerConfig", "StepInfo", "ZeroConfig", "ZeroEngine"]
@@ -80,6 +82,9 @@ class ZeroEngine:
         optimizer_config: AdamW hyper-parameters and clipping.
     """
 
+    timer = NULL_TIMER  # the per-phase profiler (set_profiler); a no-op by default
+    _push_params = refresh_params  # the master back into the parameters (hybrid.zero.refresh)
+
     def __init__(self, model: nn.Module, grid, zero_config: ZeroConfig,
                  optimizer_config: OptimizerConfig):
         zero_config.validate()
@@ -102,7 +107,8 @@ class ZeroEngine:
         self._build_buffers()
         self.reducer = GradReducer(
             self.params, L, self.stage, self.comm, zero_config.reduce_bucket_size,
-            zero_config.overlap_comm, on_unit_ready=self._on_unit_ready)
+            zero_config.overlap_comm, on_unit_ready=self._on_unit_ready,
+            grad_reduce=zero_config.grad_reduce)
         self.gatherer = None
         if self.stage == 3:
             self.gatherer = ParamGatherer(model, L, self.unit_bufs, self.param_shard, self.comm,
@@ -111,6 +117,9 @@ class ZeroEngine:
         counted = [f for f in self.own
                    if not L.slots[f.slot].tp_replicated or grid.tp_rank == 0]
         self._norm_counted = [self.reducer.grad_view(f) for f in counted]
+        # Overflow check: an inf/NaN in stage 1's non-owned (local) slices reaches the owner.
+        self._norm_held = ([self.reducer.grad_view(f) for f in self.own] if self.stage == 1
+                           else [self.reducer.buffer])
         fp16 = zero_config.precision == "fp16"
         self.scaler = LossScaler(
             zero_config.loss_scale if zero_config.loss_scale is not None
@@ -179,6 +188,14 @@ class ZeroEngine:
         if self.gatherer is not None:
             self.gatherer.release(u)
 
+    def set_profiler(self, timer=None) -> None:
+        """Time the phases of every step with ``timer`` (a :class:`hybrid.zero.profile.PhaseTimer`;
+        None switches profiling off). The caller times its forward as ``timer.phase("forward")``."""
+        timer = NULL_TIMER if timer is None else timer
+        self.timer = self.reducer.timer = timer
+        if self.gatherer is not None:
+            self.gatherer.timer = timer
+
     # ---- training ----------------------------------------------------------------------------
     def train(self) -> ZeroEngine:
         self.model.train()
@@ -194,17 +211,18 @@ class ZeroEngine:
         fp16 multiplies it by the loss scale. Stage 0/1 accumulate locally and reduce during the
         last micro-batch's backward; stage 2/3 reduce-scatter during every backward.
         """
-        self.reducer.begin_backward(self.stage >= 2 or is_last_micro_batch)
-        if self._scale_loss:
-            loss = loss.float() * self.scaler.scale
-        self._in_backward = True
-        try:
-            loss.backward()
-        finally:
-            self._in_backward = False
-        if self.gatherer is not None:
-            self.gatherer.release_all()
-        self.reducer.end_backward()
+        with self.timer.phase("backward"):
+            self.reducer.begin_backward(self.stage >= 2 or is_last_micro_batch)
+            if self._scale_loss:
+                loss = loss.float() * self.scaler.scale
+            self._in_backward = True
+            try:
+                loss.backward()
+            finally:
+                self._in_backward = False
+            if self.gatherer is not None:
+                self.gatherer.release_all()
+            self.reducer.end_backward()
         self._grads_ready = is_last_micro_batch
 
     def step(self, lr: float) -> StepInfo:
@@ -216,23 +234,28 @@ class ZeroEngine:
             raise RuntimeError("step() needs a backward(..., is_last_micro_batch=True) first")
         self._grads_ready = False
         scale = self.scaler.scale if self._scale_loss else 1.0
-        norm, overflow = global_grad_norm(self._norm_counted, [self.reducer.buffer],
-                                          group=self.grid.world_group, ledger=self.comm)
+        with self.timer.phase("grad_norm"):
+            norm, overflow = global_grad_norm(self._norm_counted, self._norm_held,
+                                              group=self.grid.world_group, ledger=self.comm)
         if self._scale_loss:
             self.scaler.update(overflow)
         if overflow:
             self.skipped_steps += 1
-            self.reducer.zero()
+            with self.timer.phase("zeroing"):
+                self.reducer.zero()
             return StepInfo(True, norm, self.scaler.scale, self._close_comm())
         norm /= scale
         coef = clip_coefficient(norm, self.opt_config.clip_grad) / scale
-        if coef != 1.0:
-            self.reducer.buffer.mul_(coef)
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr
-        self.optimizer.step()
-        self._push_params()
-        self.reducer.zero()
+        with self.timer.phase("optimizer"):
+            if coef != 1.0:
+                self.reducer.buffer.mul_(coef)
+            for g in self.optimizer.param_groups:
+                g["lr"] = lr
+            self.optimizer.step()
+        with self.timer.phase("refresh"):
+            self._push_params()
+        with self.timer.phase("zeroing"):
+            self.reducer.zero()
         self.optimizer_steps += 1
         return StepInfo(False, norm, self.scaler.scale, self._close_comm())
 
@@ -250,28 +273,6 @@ class ZeroEngine:
         self.last_comm_bytes = self.comm.snapshot()
         self.comm.reset()
         return dict(self.last_comm_bytes)
-
-    @torch.no_grad()
-    def _push_params(self) -> None:
-        """Copy the updated fp32 master into the compute-dtype parameters (stage 1/2 and stage-3
-        persistent units: all-gather of every rank's shard)."""
-        L = self.layout
-        if self.stage == 0:
-            self.param_flat.copy_(self.master)
-            return
-        if self.stage == 3:
-            self.param_shard.copy_(self.master)
-        for u in L.units:
-            if self.stage == 3 and not u.persistent:
-                continue
-            buf = self.unit_bufs[u.index]
-            for lo, hi in L.unit_chunks(u.index, self.ag_chunk):
-                src = self.master[u.part_offset + lo:u.part_offset + hi]
-                inp = self._ag_staging[:hi - lo]
-                inp.copy_(src)
-                out = buf if (lo, hi) == (0, u.shard) else [
-                    buf[r * u.shard + lo:r * u.shard + hi] for r in range(self.dp)]
-                self.comm.all_gather(out, inp).wait()
 
     # ---- accounting --------------------------------------------------------------------------
     def memory_bytes(self) -> dict[str, int]:

@@ -17,6 +17,11 @@ every rank issues the same collectives in the same order whatever order hooks fi
 ``overlap`` the reductions are asynchronous and two staging buffers alternate (the older one is
 waited for before reuse); without it everything is reduced synchronously after backward.
 Reductions run in fp32 and are pre-divided by the data-parallel size (a mean over ranks).
+On NCCL an asynchronous collective runs on the process group's own stream, ordered after the
+staging copies on the compute stream; ``wait()`` only makes the compute stream wait for it, so
+overlapped reductions never block the host.
+With ``grad_reduce="all_reduce"`` stage 1 all-reduces its full flat buffer in place (the stage-0
+plan: no staging) and stages 2/3 all-reduce the staged bucket and keep their own chunk of it.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch
 
 from hybrid.zero.comm import DPComm
 from hybrid.zero.layout import PartitionLayout
+from hybrid.zero.profile import NULL_TIMER
 
 
 class GradReducer:
@@ -37,14 +43,22 @@ class GradReducer:
         comm: data-parallel collectives with a byte ledger.
         bucket_size: elements per reduction bucket, all ranks' chunks together.
         overlap: reduce during backward (True) or after it.
+        grad_reduce: "reduce_scatter" or "all_reduce" (``ZeroConfig.grad_reduce``).
         on_unit_ready: called with a unit index once all its gradients have accumulated in
             this backward (stage 3 releases the unit's gathered parameters there).
     """
 
+    timer = NULL_TIMER
+    """A :class:`hybrid.zero.profile.PhaseTimer` while profiling (hooks, copies, grad_comm)."""
+
     def __init__(self, params, layout: PartitionLayout, stage: int, comm: DPComm,
-                 bucket_size: int, overlap: bool, on_unit_ready=None):
+                 bucket_size: int, overlap: bool, on_unit_ready=None,
+                 grad_reduce: str = "reduce_scatter"):
         self.params, self.layout, self.stage, self.comm = params, layout, stage, comm
         self.overlap, self.on_unit_ready = overlap, on_unit_ready
+        self.all_reduce = grad_reduce == "all_reduce"
+        # Stage 0, and stage 1 by all-reduce: the full flat buffer is reduced in place.
+        self.in_place = stage == 0 or (stage == 1 and self.all_reduce)
         dp, rank, L = comm.size, comm.rank, layout
         dev = params[0].device
         if stage < 2:
@@ -53,7 +67,7 @@ class GradReducer:
             self.grad_part = torch.zeros(L.partition_numel, dtype=torch.float32, device=dev)
         # Static bucket plan: (a, b) range, units touched, copy-in ops, copy-out ops.
         self.buckets = []
-        if stage == 0:
+        if self.in_place:
             for a, b in L.flat_buckets(bucket_size):
                 self.buckets.append((a, b, L.units_of_flat(a, b), (), ()))
             chunk = 0
@@ -77,7 +91,7 @@ class GradReducer:
                     q += length
                 self.buckets.append((a, b, tuple(units), tuple(ins), tuple(outs)))
         nstage = 2 if overlap else 1
-        self.staging = [] if stage == 0 else [
+        self.staging = [] if self.in_place else [
             (torch.zeros(dp * chunk, dtype=torch.float32, device=dev),
              torch.zeros(chunk, dtype=torch.float32, device=dev)) for _ in range(nstage)]
         self.unit_buckets = [0] * len(L.units)
@@ -121,15 +135,17 @@ class GradReducer:
         slot = self.layout.slots[i]
 
         def hook(p: torch.Tensor) -> None:
-            if self.stage < 2:
-                self.grad_flat[slot.offset:slot.offset + slot.numel].add_(p.grad.reshape(-1))
-                p.grad = None
-            elif self.ready[slot.unit]:
-                raise RuntimeError(f"gradient of {slot.name} arrived twice in one backward; "
-                                   "ZeRO stage 2/3 reduces a unit once its gradients are complete")
-            self.pending[slot.unit] -= 1
-            if self.pending[slot.unit] == 0:
-                self._unit_ready(slot.unit, launch=self.overlap)
+            with self.timer.phase("hooks"):
+                if self.stage < 2:
+                    with self.timer.phase("copies"):
+                        self.grad_flat[slot.offset:slot.offset + slot.numel].add_(p.grad.reshape(-1))
+                    p.grad = None
+                elif self.ready[slot.unit]:
+                    raise RuntimeError(f"gradient of {slot.name} arrived twice in one backward; "
+                                       "ZeRO stage 2/3 reduces a unit once its gradients are complete")
+                self.pending[slot.unit] -= 1
+                if self.pending[slot.unit] == 0:
+                    self._unit_ready(slot.unit, launch=self.overlap)
 
         return hook
 
@@ -150,11 +166,13 @@ class GradReducer:
     def _launch(self, bucket) -> None:
         a, b, _, ins, _ = bucket
         inv = 1.0 / self.comm.size
-        if self.stage == 0:
+        if self.in_place:
             view = self.grad_flat[a:b]
             if inv != 1.0:
-                view.mul_(inv)
-            work = self.comm.all_reduce(view, async_op=self.overlap)
+                with self.timer.phase("copies"):
+                    view.mul_(inv)
+            with self.timer.phase("grad_comm"):
+                work = self.comm.all_reduce(view, async_op=self.overlap)
             self.inflight.append((work, bucket, None))
         else:
             if len(self.inflight) >= len(self.staging):
@@ -162,18 +180,24 @@ class GradReducer:
             k = self.launched % len(self.staging)
             n = b - a
             inp, out = self.staging[k][0][:self.comm.size * n], self.staging[k][1][:n]
-            if self.stage == 1:
-                for src, ln, o in ins:
-                    inp[o:o + ln].copy_(self.grad_flat[src:src + ln])
-            else:
-                inp.zero_()
-                for s, ps, ln, o in ins:
-                    g = self.params[s].grad
-                    if g is not None:
-                        inp[o:o + ln].copy_(g.reshape(-1)[ps:ps + ln])
-            if inv != 1.0:
-                inp.mul_(inv)
-            work = self.comm.reduce_scatter(out, inp, async_op=self.overlap)
+            with self.timer.phase("copies"):
+                if self.stage == 1:
+                    for src, ln, o in ins:
+                        inp[o:o + ln].copy_(self.grad_flat[src:src + ln])
+                else:
+                    inp.zero_()
+                    for s, ps, ln, o in ins:
+                        g = self.params[s].grad
+                        if g is not None:
+                            inp[o:o + ln].copy_(g.reshape(-1)[ps:ps + ln])
+                if inv != 1.0:
+                    inp.mul_(inv)
+            with self.timer.phase("grad_comm"):
+                if self.all_reduce:
+                    work = self.comm.all_reduce(inp, async_op=self.overlap)
+                    out = inp[self.comm.rank * n:(self.comm.rank + 1) * n]
+                else:
+                    work = self.comm.reduce_scatter(out, inp, async_op=self.overlap)
             self.inflight.append((work, bucket, out))
         self.launched += 1
         if not self.overlap:
@@ -181,12 +205,14 @@ class GradReducer:
 
     def _finish(self) -> None:
         work, (a, b, units, _, outs), out = self.inflight.popleft()
-        work.wait()
-        if self.stage == 1:
-            for dst, ln, q in outs:
-                self.grad_flat[dst:dst + ln].copy_(out[q:q + ln])
-        elif self.stage >= 2:
-            self.grad_part[a:b].add_(out)
+        with self.timer.phase("grad_comm"):
+            work.wait()
+        with self.timer.phase("copies"):
+            if self.stage == 1 and not self.in_place:
+                for dst, ln, q in outs:
+                    self.grad_flat[dst:dst + ln].copy_(out[q:q + ln])
+            elif self.stage >= 2:
+                self.grad_part[a:b].add_(out)
         for u in units:
             self.left[u] -= 1
             if self.left[u] == 0 and self.stage >= 2:

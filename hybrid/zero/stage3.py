@@ -34,6 +34,7 @@ import torch
 
 from hybrid.zero.comm import DPComm
 from hybrid.zero.layout import ROOT, PartitionLayout
+from hybrid.zero.profile import NULL_TIMER
 
 RELEASED, GATHERING, GATHERED = "released", "gathering", "gathered"
 
@@ -56,6 +57,9 @@ class ParamGatherer:
         chunk: elements per rank per all-gather (``allgather_bucket_size // dp``).
         in_backward: returns True while the engine runs a backward.
     """
+
+    timer = NULL_TIMER
+    """A :class:`hybrid.zero.profile.PhaseTimer` while profiling (param_gather)."""
 
     def __init__(self, model, layout: PartitionLayout, bufs, shard: torch.Tensor, comm: DPComm,
                  chunk: int, in_backward):
@@ -92,6 +96,10 @@ class ParamGatherer:
         """Make unit ``u`` usable (``wait``) or start fetching it (prefetch)."""
         if u is None or not self.managed[u]:
             return
+        with self.timer.phase("param_gather"):
+            self._gather(u, wait)
+
+    def _gather(self, u: int, wait: bool) -> None:
         if self.state[u] == RELEASED:
             unit, buf = self.layout.units[u], self.bufs[u]
             buf.untyped_storage().resize_(self._nbytes(u))
