@@ -24,6 +24,7 @@ from hybrid.parallel.rng import RNGTracker
 from hybrid.parallel.tp_plan import parallelize_gpt, tp_ledger
 from models.gpt import GPT, GPTConfig
 from tests.activation_worlds import _run, micro_batches
+from tests.tiny import build_parallel
 
 CFG = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=1001,
            max_position_embeddings=32, label_smoothing=0.1)
@@ -45,7 +46,18 @@ def gpt_config(dropout: float) -> GPTConfig:
     return GPTConfig(**dict(CFG, hidden_dropout=dropout, attention_dropout=dropout))
 
 
-def build(grid: ProcessGrid, dropout: float, sp: bool, ac: dict | None, dtype=torch.float32):
+def build(grid: ProcessGrid, dropout: float, sp: bool, ac: dict | None, dtype=torch.float32, stage: int = 0):
+    """The TP(+SP) GPT and its checkpointing handle; at ``stage=3`` the ZeRO-3 engine from
+    :func:`tests.tiny.build_parallel` (small buckets, no persistence) in place of the model."""
+    if stage == 3:
+        from hybrid.zero.config import OptimizerConfig, ZeroConfig
+
+        engine = build_parallel(
+            grid, dict(CFG, hidden_dropout=dropout, attention_dropout=dropout), zero=ZeroConfig(stage=3, reduce_bucket_size=4096,
+                                                                 allgather_bucket_size=4096, param_persistence_threshold=0),
+            optimizer=OptimizerConfig(lr=1e-3), activation=None if ac is None else ActivationConfig(**ac),
+            tracker=RNGTracker(seed=77, tp_rank=grid.tp_rank), seed=1234, sequence_parallel=sp)
+        return engine, engine.activation_checkpointing
     torch.manual_seed(1234)
     model = GPT(gpt_config(dropout))
     tracker = RNGTracker(seed=77, tp_rank=grid.tp_rank)
@@ -107,9 +119,10 @@ def parity(grid: ProcessGrid) -> dict:
         for dropout in (0.0, 0.1):
             base, drop_fraction, streams_differ = None, None, None
             for name, (sp, ac) in VARIANTS.items():
-                model, handle = build(grid, dropout, sp, ac)
+                built, handle = build(grid, dropout, sp, ac, stage=stage)
+                model = built.model if stage == 3 else built
                 masks = _record_masks(model) if name == "sp" and dropout else None
-                losses, grads = _run(model, stage, batches, grid)
+                losses, grads = _run(built, stage, batches)
                 if dropout == 0:
                     ref_losses, ref = ref0
                     gd = _diff_to_reference(model, grads, ref)

@@ -37,9 +37,10 @@ def test_nested_phases_are_exclusive(monkeypatch):
 
 
 def _profiled_steps(rank: int, world: int) -> dict:
+    from hybrid.config import PretrainConfig
     from hybrid.parallel.grid import ProcessGrid
-    from hybrid.parallel.tp_plan import parallelize_gpt
-    from hybrid.zero.engine import OptimizerConfig, ZeroConfig, ZeroEngine
+    from hybrid.parallelize import parallelize
+    from hybrid.zero.config import OptimizerConfig, ZeroConfig
     from models.gpt import GPT, GPTConfig
 
     grid = ProcessGrid(tp=1)
@@ -50,9 +51,8 @@ def _profiled_steps(rank: int, world: int) -> dict:
             model = GPT(GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
                                   vocab_size=256, max_position_embeddings=32,
                                   hidden_dropout=0.0, attention_dropout=0.0))
-            parallelize_gpt(model, grid.tp_group)
-            engine = ZeroEngine(model, grid, ZeroConfig(stage=stage, param_persistence_threshold=100),
-                                OptimizerConfig(lr=1e-3))
+            engine = parallelize(model, grid, PretrainConfig(
+                zero=ZeroConfig(stage=stage, param_persistence_threshold=100), optimizer=OptimizerConfig(lr=1e-3)))
             engine.comm.skip_collectives = floor
             timer = PhaseTimer()
             engine.set_profiler(timer)

@@ -20,10 +20,11 @@ EXPECTED_SYNCS = 2
 
 
 def _count_syncs(rank: int, world: int) -> dict:
+    from hybrid.config import PretrainConfig
     from hybrid.parallel.grid import ProcessGrid
-    from hybrid.parallel.tp_plan import parallelize_gpt
+    from hybrid.parallelize import parallelize
     from hybrid.training import train_step
-    from hybrid.zero.engine import OptimizerConfig, ZeroConfig, ZeroEngine
+    from hybrid.zero.config import OptimizerConfig, ZeroConfig
     from models.gpt import GPT, GPTConfig
 
     grid = ProcessGrid(tp=1)
@@ -34,10 +35,9 @@ def _count_syncs(rank: int, world: int) -> dict:
             cfg = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=256,
                             max_position_embeddings=32, hidden_dropout=0.0, attention_dropout=0.0)
             model = GPT(cfg).to(grid.device)
-            parallelize_gpt(model, grid.tp_group)
-            engine = ZeroEngine(model, grid, ZeroConfig(stage=stage, precision=precision,
-                                                        param_persistence_threshold=100),
-                                OptimizerConfig(lr=1e-3))
+            engine = parallelize(model, grid, PretrainConfig(
+                zero=ZeroConfig(stage=stage, precision=precision, param_persistence_threshold=100),
+                optimizer=OptimizerConfig(lr=1e-3)))
             g = torch.Generator().manual_seed(1)
             batches = [torch.randint(0, 256, (2, 17), generator=g) for _ in range(2)]
             train_step(engine, batches, 1e-3, grid)  # warm-up: lazy allocations, cuBLAS handles

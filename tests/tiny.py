@@ -104,13 +104,15 @@ def reference(config_kw: dict, batches, optimizer: dict | None = None, seed: int
 
 def build_parallel(grid: ProcessGrid, config_kw: dict, zero: ZeroConfig | None = None,
                    optimizer: OptimizerConfig | None = None, activation: ActivationConfig | None = None,
-                   tracker: RNGTracker | None = None, seed: int = SEED) -> ZeroEngine:
+                   tracker: RNGTracker | None = None, seed: int = SEED,
+                   sequence_parallel: bool = False) -> ZeroEngine:
     """The same weights as :func:`reference`, made parallel by :func:`hybrid.parallelize.parallelize`
     (TP plan -> activation checkpointing -> ZeRO) on ``grid``; the sections left None keep their defaults."""
-    from hybrid.config import PretrainConfig
+    from hybrid.config import GridConfig, PretrainConfig
     from hybrid.parallelize import parallelize
 
     torch.manual_seed(seed)
     model = GPT(GPTConfig(**config_kw))
     sections = {k: v for k, v in dict(zero=zero, optimizer=optimizer, activation=activation).items() if v is not None}
+    sections["grid"] = GridConfig(tensor_model_parallel_size=grid.tp_size, sequence_parallel=sequence_parallel)
     return parallelize(model, grid, PretrainConfig(**sections), tracker)

@@ -4,7 +4,9 @@
 
 The result loads with ``strict=True`` into ``models.gpt.GPT`` built from the checkpoint's model
 dimensions (``metadata.json``), the tied embedding included (stored once as ``wte.weight``).
-Runs in one process, one parameter at a time, whatever grid saved the checkpoint.
+Runs in one process, whatever grid saved the checkpoint, one tensor at a time: each full tensor
+is assembled from its fragments, written and freed before the next, so the peak is the largest
+tensor plus the reader's read chunk (``hybrid.checkpoint.fragments.READ_CHUNK``).
 """
 
 from __future__ import annotations
@@ -17,10 +19,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from hybrid.checkpoint.directory import IncompleteCheckpointError
 from hybrid.checkpoint.shards import CheckpointReader
+from hybrid.checkpoint.stream import Entry, write_safetensors
 
 
 def full_tensors(reader: CheckpointReader) -> Iterator[tuple[str, torch.Tensor]]:
@@ -40,12 +42,14 @@ def consolidate(load: str, output: str, iteration: int | None = None) -> dict:
         FileNotFoundError / IncompleteCheckpointError: no complete checkpoint to read.
     """
     reader = CheckpointReader(load, iteration)
-    tensors = dict(full_tensors(reader))
+    entries = [Entry(name, torch.float32, tuple(p["full_shape"]),
+                     lambda name=name: reader.full_tensor(name, "master"))
+               for name, p in reader.meta["params"].items()]
     out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".partial")
-    save_file(tensors, str(tmp), metadata={"iteration": str(reader.iteration),
-                                          "model": json.dumps(reader.meta.get("model", {}))})
+    write_safetensors(tmp, entries, metadata={"iteration": str(reader.iteration),
+                                              "model": json.dumps(reader.meta.get("model", {}))})
     os.replace(tmp, out)
     return reader.meta
 

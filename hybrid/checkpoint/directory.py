@@ -23,7 +23,9 @@ import re
 import shutil
 from pathlib import Path
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: each rank stores its ZeRO partition's fragments; 1: equal dp cuts of every tensor."""
+READABLE_VERSIONS = (1, 2)
 POINTER = "latest_checkpointed_iteration.txt"
 _ITER = re.compile(r"^iter_(\d{7,})$")
 
@@ -115,9 +117,9 @@ def read_metadata(root: str | os.PathLike, iteration: int) -> dict:
     if not meta_path.is_file():
         raise IncompleteCheckpointError(f"{d} has no metadata.json: the save did not finish; not loading it")
     meta = json.loads(meta_path.read_text())
-    if meta.get("format_version") != FORMAT_VERSION:
+    if meta.get("format_version") not in READABLE_VERSIONS:
         raise IncompleteCheckpointError(f"{meta_path}: format version {meta.get('format_version')}, "
-                                        f"this code reads {FORMAT_VERSION}")
+                                        f"this code reads versions {READABLE_VERSIONS}")
     missing = [s for s in meta["shards"] if not (d / s).is_file()]
     if missing:
         raise IncompleteCheckpointError(f"{d} is missing shards {missing}; not loading it")

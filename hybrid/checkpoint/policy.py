@@ -84,7 +84,8 @@ def resume(cfg: PretrainConfig, engine: ZeroEngine, grid: ProcessGrid, tracker: 
         saved = meta["grid"]
         print(f" loaded checkpoint {ck.load} iteration {meta['iteration']} (saved at tp={saved['tp']} x "
               f"dp={saved['dp']}, ZeRO stage {meta['zero_stage']}); "
-              f"{'fine-tuning from iteration 0' if ck.finetune else f'resuming at consumed samples {state.consumed_samples}'}",
+              f"{'fine-tuning from iteration 0' if ck.finetune else f'resuming at consumed samples {state.consumed_samples}'}"
+              f"; rank 0 read {meta['read']['bytes'] / 2**20:.2f} MiB of it",
               flush=True)
 
 

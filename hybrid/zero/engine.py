@@ -40,8 +40,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
-from hybrid.parallel.layers import get_tp_spec
-from hybrid.parallel.tp_plan import gather_full_tensor
+from hybrid.zero import state
 from hybrid.zero.comm import DPComm
 from hybrid.zero.config import OptimizerConfig, ZeroConfig
 from hybrid.zero.grad_norm import clip_coefficient, global_grad_norm
@@ -309,90 +308,19 @@ class ZeroEngine:
         return (f"ZeRO stage {self.stage} {self.config.precision} dp={self.dp} rank={self.dp_rank}: "
                 f"{self.layout}\n  held: {mib}\n  moved last step: {traffic}")
 
-    # ---- state export ------------------------------------------------------------------------
-    @torch.no_grad()
-    def _full_flat(self, domain: torch.Tensor) -> torch.Tensor:
-        """All-gather a partition-shaped fp32 buffer into full flat order (collective over dp)."""
-        if not self.config.shards_optimizer_states:
-            return domain
-        out = torch.empty(self.layout.total_numel, dtype=domain.dtype, device=domain.device)
-        for u in self.layout.units:
-            self.comm.all_gather(out[u.offset:u.offset + u.padded],
-                                 domain[u.part_offset:u.part_offset + u.shard].contiguous(),
-                                 kind="state_all_gather").wait()
-        return out
-
-    def _by_name(self, flats: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
-        """Cut full flat buffers into ``{param name: {kind: TP-local tensor}}`` via the layout."""
-        return {s.name: {k: v[s.offset:s.offset + s.numel].view(s.shape).clone() for k, v in flats.items()}
-                for s in self.layout.slots}
-
+    # ---- state export (implemented in hybrid.zero.state) ------------------------------------
     def optimizer_state_by_name(self) -> dict[str, dict[str, torch.Tensor]]:
-        """``{name: {"master", "exp_avg", "exp_avg_sq", "step"}}``: fp32 tensors with the shape of
-        this TP rank's local parameter (TP-local, *not* partitioned over dp, no ZeRO padding; the
-        TP padding of vocabulary rows is part of the local shape, see ``param.tp_spec``);
-        ``step`` is a 0-d tensor. Collective over the data-parallel group (every rank calls)."""
-        flats = {k: self._full_flat(t) for k, t in
-                 (("master", self.master), ("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq))}
-        steps = self.optimizer_steps
-        if self._opt_params:
-            steps = int(self.optimizer.state[self._opt_params[0][0]]["step"].item())
-        out = self._by_name(flats)
-        for entry in out.values():
-            entry["step"] = torch.tensor(float(steps))
-        return out
+        """See :func:`hybrid.zero.state.optimizer_state_by_name` (all-gather; not for checkpoints)."""
+        return state.optimizer_state_by_name(self)
+
+    def load_optimizer_state_by_name(self, by_name: dict[str, dict[str, torch.Tensor]]) -> None:
+        """See :func:`hybrid.zero.state.load_optimizer_state_by_name`."""
+        state.load_optimizer_state_by_name(self, by_name)
 
     def gradients_by_name(self) -> dict[str, torch.Tensor]:
-        """The reduced fp32 gradients of the finished micro-batches (call after the last
-        micro-batch's backward, before :meth:`step`): ``{name: TP-local tensor}``, averaged over
-        dp, loss scale still applied for fp16. Collective over dp (every rank calls)."""
-        if not self._grads_ready:
-            raise RuntimeError("gradients_by_name() needs a backward(..., is_last_micro_batch=True) first")
-        grads = self.reducer.buffer
-        if self.config.shards_optimizer_states and not self.config.shards_gradients:  # full-size buffer, but only this rank's shards hold the dp sum
-            owned = grads.new_empty(self.layout.partition_numel)
-            for u in self.layout.units:
-                start = u.offset + self.grid.dp_rank * u.shard
-                owned[u.part_offset:u.part_offset + u.shard] = grads[start:start + u.shard]
-            grads = owned
-        full = self._full_flat(grads)
-        return {k: v["grad"] for k, v in self._by_name({"grad": full}).items()}
-
-    @torch.no_grad()
-    def load_optimizer_state_by_name(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
-        """Inverse of :meth:`optimizer_state_by_name` (any data-parallel size produced it); also
-        sets the model parameters from ``master``. Collective over dp for stages 1-3.
-
-        Raises:
-            KeyError: names missing from or unknown to ``state``.
-            ValueError: a tensor's shape differs from the local parameter's.
-        """
-        names = {s.name for s in self.layout.slots}
-        missing, unexpected = sorted(names - set(state)), sorted(set(state) - names)
-        if missing or unexpected:
-            raise KeyError(f"optimizer state mismatch: missing {missing}, unexpected {unexpected}")
-        for s in self.layout.slots:
-            for k in ("master", "exp_avg", "exp_avg_sq"):
-                if tuple(state[s.name][k].shape) != s.shape:
-                    raise ValueError(f"{s.name}.{k}: shape {tuple(state[s.name][k].shape)}, "
-                                     f"expected {s.shape}")
-        bufs = {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
-        for mp, f in self._opt_params:
-            entry = state[self.layout.slots[f.slot].name]
-            for k, buf in bufs.items():
-                src = entry[k].reshape(-1)[f.param_start:f.param_start + f.length]
-                buf[f.part_offset:f.part_offset + f.length].copy_(src)
-            self.optimizer.state[mp]["step"].fill_(float(entry["step"]))
-        self.optimizer_steps = int(next(iter(state.values()))["step"])
-        self._push_params()
+        """See :func:`hybrid.zero.state.gradients_by_name`."""
+        return state.gradients_by_name(self)
 
     def model_state_dict_full(self) -> dict[str, torch.Tensor]:
-        """The full single-process fp32 state dict (from the master weights), identical on every
-        rank. Collective over dp and tp (every rank calls)."""
-        flat = self._full_flat(self.master)
-        out = {}
-        for s in self.layout.slots:
-            local = flat[s.offset:s.offset + s.numel].view(s.shape)
-            out[s.name] = gather_full_tensor(local, get_tp_spec(self.params[s.index]),
-                                             self.grid.tp_group)
-        return out
+        """See :func:`hybrid.zero.state.model_state_dict_full`."""
+        return state.model_state_dict_full(self)
