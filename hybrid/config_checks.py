@@ -165,7 +165,7 @@ def validate(cfg: PretrainConfig, world_size: int | None = None,
     if o.lr_warmup_fraction is not None:
         if not 0 <= o.lr_warmup_fraction <= 1:
             raise ConfigError(f"--lr-warmup-fraction {o.lr_warmup_fraction} must be in [0, 1]")
-        warmup = int(o.lr_warmup_fraction * decay)
+        warmup = math.floor(o.lr_warmup_fraction * decay + 0.5)  # 0.29 * 100 is 28.999...
     else:
         warmup = o.lr_warmup_iters
     if not 0 <= warmup <= decay:

@@ -1,0 +1,71 @@
+"""Job settings and their errors (issue 13 items 4, 7, 10, 11): each case is the small input that
+went wrong and the value that is right. No process group is started here."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from hybrid.cli import parse_config
+from hybrid.config_checks import ConfigError, validate
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--mock-data", "--vocab-size", "500"]
+
+
+def check(argv, world=2, local=None):
+    return validate(parse_config(argv), world_size=world, local_world_size=local)
+
+
+@pytest.mark.parametrize("fraction,iters,warmup", [(0.29, 100, 29), (0.57, 100, 57), (0.07, 300, 21),
+                                                   (0.07, 10, 1), (0.0, 10, 0), (1.0, 7, 7)])
+def test_warmup_fraction_rounds_to_nearest_step(fraction, iters, warmup):
+    d = check(BASE + ["--lr-warmup-fraction", str(fraction), "--train-iters", str(iters)])
+    assert d.warmup_iters == warmup
+
+
+def quickstart_pretrain_flags(train_iters: int) -> list[str]:
+    """The flags scripts/quickstart.sh passes to pretrain_gpt.sh, with ``TRAIN_ITERS`` set."""
+    text = (ROOT / "scripts" / "quickstart.sh").read_text()
+    block = re.search(r"bash scripts/pretrain_gpt\.sh \\\n(.*?)\"\$@\"", text, re.S).group(1)
+    block = block.replace("\\\n", " ").replace("${TRAIN_ITERS:-300}", str(train_iters))
+    flags = shlex.split(block)
+    i = flags.index("--data-path")
+    del flags[i:i + 4]  # data and tokenizer of the script's run directory -> mock data
+    return flags + ["--mock-data", "--vocab-size", "4096"]
+
+
+@pytest.mark.parametrize("train_iters", [1, 10, 300])
+def test_quickstart_flags_are_valid_for_any_train_iters(train_iters):
+    d = check(quickstart_pretrain_flags(train_iters), world=4, local=4)
+    assert 0 <= d.warmup_iters <= train_iters
+
+
+def test_bench_zero_report_without_matplotlib(tmp_path, monkeypatch, capsys):
+    import builtins
+    import importlib.util
+    import types
+
+    spec = importlib.util.spec_from_file_location("bench_zero", ROOT / "scripts" / "bench_zero.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *a, **k):
+        if name.startswith("matplotlib"):
+            raise ImportError("No module named 'matplotlib'")
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    run = dict(dp=4, ms_step_median=10.0, tokens_per_s=100.0, peak_rss_mib_per_rank=[300.0],
+               state_mib_per_rank=[5.0], loss_final=6.0)
+    results = {"ddp": run, "hybrid_z1": dict(run, ms_step_median=8.0)}
+    bench.write_report(results, tmp_path, types.SimpleNamespace(size="tiny", world=4), 3, 1)
+    report = (tmp_path / "throughput_tiny_w4.md").read_text()
+    assert "| hybrid_z1 | 0.80 |" in report and ".png" not in report
+    assert "matplotlib is not installed" in capsys.readouterr().out
+    assert not list(tmp_path.glob("*.png"))
