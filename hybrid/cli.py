@@ -39,12 +39,36 @@ def _base_type(annotation) -> type:
     return annotation
 
 
+class _Parser(argparse.ArgumentParser):
+    """Raises :class:`ConfigError` (one short line, printed once per node by ``main``) instead
+    of printing the whole usage on every rank, and names the closest valid flag."""
+
+    def error(self, message: str):
+        import difflib
+        import re
+
+        flags = [s for a in self._actions for s in a.option_strings if s.startswith("--")]
+        hints = []
+        for bad in re.findall(r"(?<![\w-])(--?[A-Za-z][\w-]*)", message.split(":", 1)[-1]):
+            if bad in flags:
+                continue
+            close = difflib.get_close_matches(bad.split("=")[0], flags, n=1, cutoff=0.5)
+            if close:
+                hints.append(f"{bad}: did you mean {close[0]}?")
+        raise ConfigError("; ".join([message, *hints]) + " (see --help)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The ``hybrid.pretrain`` argument parser (all defaults suppressed; see :func:`parse_config`)."""
-    parser = argparse.ArgumentParser(
+    """The ``hybrid.pretrain`` argument parser (all defaults suppressed; see :func:`parse_config`).
+
+    Flags are never abbreviated (``--zero 3`` is an error, not ``--zero-stage 3``); a bad flag
+    raises :class:`ConfigError` naming the closest valid one.
+    """
+    parser = _Parser(
         prog="hybrid-pretrain",
         description="GPT pretraining with tensor parallelism x ZeRO data parallelism.",
         argument_default=argparse.SUPPRESS,
+        allow_abbrev=False,
     )
     parser.add_argument("--config", help="YAML or TOML file with the same fields as the flags")
     cfg = PretrainConfig()
@@ -54,12 +78,18 @@ def build_parser() -> argparse.ArgumentParser:
         kind = _base_type(_annotation(f))
         meta = dict(f.metadata)
         help_ = meta.pop("help")
+        aliases = meta.pop("aliases", ())
         if "default" not in help_:
             help_ += f" (default: {_default(f)!r})"
-        if kind is bool:
+        if kind is bool and f.name.startswith("no_"):  # --no-load-optim: no --no-no-load-optim
+            groups[section].add_argument(flag, dest=f.name, action="store_true", help=help_)
+        elif kind is bool:
             groups[section].add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, help=help_)
         else:
             groups[section].add_argument(flag, dest=f.name, type=kind, help=help_, **meta)
+        for alias in aliases:  # another spelling of the flag (Megatron-LM's), same field
+            groups[section].add_argument(alias, dest=f.name, action="store_true" if kind is bool else "store",
+                                         **({} if kind is bool else dict(type=kind)), help=f"same as {flag}")
     return parser
 
 
@@ -110,7 +140,8 @@ def parse_config(argv: list[str] | None = None) -> PretrainConfig:
     """Parse ``argv`` (and its ``--config`` file) into a :class:`PretrainConfig`.
 
     Raises:
-        ConfigError: a bad config file. argparse exits with status 2 on a malformed flag.
+        ConfigError: a bad config file, an unknown or malformed flag (the message names the
+            closest valid flag). ``--help`` prints the usage and exits 0.
     """
     parser = build_parser()
     ns = vars(parser.parse_args(argv))

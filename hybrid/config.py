@@ -128,6 +128,12 @@ class CheckpointArgs:
     no_load_rng: bool = arg(False, "do not restore the RNG states")
     finetune: bool = arg(False, "load weights only and start from iteration 0 (new optimizer, schedule, data order)")
     exit_duration_in_mins: float | None = arg(None, "save and exit cleanly after this many minutes")
+    override_opt_param_scheduler: bool = arg(
+        False, "on --load, take the LR schedule (lr, min lr, warmup, decay) from this run's flags, not the checkpoint's",
+        aliases=("--override-opt_param-scheduler",))
+    use_checkpoint_opt_param_scheduler: bool = arg(
+        False, "on --load, take the LR schedule from the checkpoint (what happens anyway; Megatron-LM's flag)",
+        aliases=("--use-checkpoint-opt_param-scheduler",))
 
 
 @dataclass

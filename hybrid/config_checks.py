@@ -196,12 +196,28 @@ def validate(cfg: PretrainConfig, world_size: int | None = None,
         raise ConfigError(f"--exit-duration-in-mins {c.exit_duration_in_mins} must be > 0")
     if c.load and Path(c.load).exists() and not Path(c.load).is_dir():
         raise ConfigError(f"--load {c.load} is not a directory")
+    if c.override_opt_param_scheduler and c.use_checkpoint_opt_param_scheduler:
+        raise ConfigError("--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler are mutually "
+                          "exclusive: take the LR schedule from this run's flags or from the checkpoint")
+    _check_resume(cfg, gpt)
     return Derived(
         gpt=gpt, world_size=world, tp=tp, dp=shape.dp, global_batch_size=gbs,
         grad_accum_steps=gbs // (o.micro_batch_size * shape.dp), tokens_per_step=gbs * m.seq_length,
         padded_vocab_size=pad_vocab_size(vocab, tp, m.make_vocab_size_divisible_by),
         warmup_iters=warmup, decay_iters=decay,
     )
+
+
+def _check_resume(cfg: PretrainConfig, gpt: GPTConfig) -> None:
+    from hybrid.checkpoint.directory import IncompleteCheckpointError
+    from hybrid.checkpoint.resume_checks import ResumeMismatch, check_resume, checkpoint_metadata
+
+    try:
+        meta = checkpoint_metadata(cfg.checkpoint.load)
+        if meta is not None:
+            check_resume(cfg, gpt, meta)
+    except (ResumeMismatch, IncompleteCheckpointError) as e:
+        raise ConfigError(str(e)) from None
 
 
 def activation_config(cfg: PretrainConfig):
@@ -231,9 +247,12 @@ def _check_data(cfg: PretrainConfig) -> None:
     from data.split import parse_split
 
     try:
-        parse_split(d.split)
+        train_share = parse_split(d.split)[0]
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if train_share <= 0:
+        raise ConfigError(f"--split {d.split} gives the train split no share of the data; put a positive "
+                          "train proportion first (e.g. --split 969,30,1)")
     if d.mock_data:
         return
     if not d.data_path:

@@ -100,11 +100,10 @@ def loop_settings(cfg: PretrainConfig, derived: Derived, grid):
 
 def run(cfg: PretrainConfig, derived: Derived) -> dict:
     """Train with an already validated config; returns ``{"history": records, "engine": engine}``."""
-    from hybrid.checkpoint.policy import Checkpointer, resume
+    from hybrid.checkpoint.policy import Checkpointer, lr_schedule, resume
     from hybrid.metrics import MetricsWriter
     from hybrid.parallel.grid import ProcessGrid, init_distributed
     from hybrid.parallel.rng import RNGTracker, seed_everything
-    from hybrid.schedule import LRSchedule
     from hybrid.training import TrainState, run_eval, train
 
     o, lg = cfg.optim, cfg.logging
@@ -119,8 +118,7 @@ def run(cfg: PretrainConfig, derived: Derived) -> dict:
     if grid.rank == 0:
         print(engine.summary(), flush=True)
     state = TrainState()
-    if cfg.checkpoint.load:
-        resume(cfg, engine, grid, tracker, state)
+    meta = resume(cfg, engine, grid, tracker, state) if cfg.checkpoint.load else None
     train_ds, valid_ds, test_ds = build_datasets(cfg, derived)
     eval_sets = {"valid": valid_ds, "test": test_ds}
 
@@ -129,7 +127,7 @@ def run(cfg: PretrainConfig, derived: Derived) -> dict:
         return None if ds is None else _batches(ds, 0, cfg, grid)
 
     settings = loop_settings(cfg, derived, grid)
-    schedule = LRSchedule(o.lr, o.min_lr, derived.warmup_iters, derived.decay_iters, o.lr_decay_style)
+    schedule = lr_schedule(cfg, derived, meta, print if grid.rank == 0 else None)
     progress = None
     if grid.rank == 0 and sys.stderr.isatty():
         from tqdm import tqdm

@@ -69,3 +69,47 @@ def test_bench_zero_report_without_matplotlib(tmp_path, monkeypatch, capsys):
     assert "| hybrid_z1 | 0.80 |" in report and ".png" not in report
     assert "matplotlib is not installed" in capsys.readouterr().out
     assert not list(tmp_path.glob("*.png"))
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--zero", "3"], "unrecognized arguments: --zero 3; --zero: did you mean --zero-stage?"),
+    (["--num-layer", "2"], "--num-layer: did you mean --num-layers?"),
+    (["--hiden-size=64"], "--hiden-size: did you mean --hidden-size?"),
+    (["--train-iter", "5"], "--train-iter: did you mean --train-iters?"),
+])
+def test_flags_are_never_abbreviated_and_a_typo_names_the_closest_flag(argv, message):
+    with pytest.raises(ConfigError) as e:
+        parse_config(BASE + argv)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("local_rank,lines", [("0", 1), ("1", 0)])
+def test_a_bad_flag_is_one_line_once_per_node(monkeypatch, capsys, local_rank, lines):
+    from hybrid.pretrain import main
+
+    monkeypatch.setenv("LOCAL_RANK", local_rank)
+    assert main(BASE + ["--zero", "3"]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and len(out.err.splitlines()) == lines
+
+
+def test_help_has_no_double_negatives_and_megatron_scheduler_flags(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_config(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    assert "--no-no-" not in text and "--no-load-optim" in text and "--no-load-rng" in text
+    assert "--override-opt_param-scheduler" in text and "--use-checkpoint-opt_param-scheduler" in text
+    assert parse_config(BASE + ["--no-load-optim"]).checkpoint.no_load_optim
+    assert parse_config(BASE + ["--override-opt_param-scheduler"]).checkpoint.override_opt_param_scheduler
+
+
+@pytest.mark.parametrize("argv,world,message", [
+    (["--tensor-model-parallel-size", "4"], 2,
+     "tensor-model-parallel size 4 does not divide the world size 2; valid tensor-model-parallel sizes: [1, 2]"),
+    (["--split", "0,1,0"], 2, "--split 0,1,0 gives the train split no share of the data"),
+])
+def test_errors_speak_of_this_project(argv, world, message):
+    with pytest.raises(ConfigError) as e:
+        check(BASE + argv, world=world)
+    assert message in str(e.value) and "pipeline" not in str(e.value)

@@ -49,11 +49,40 @@ def _metadata(cfg: PretrainConfig, derived: Derived) -> dict:
     import dataclasses
 
     return dict(config=cfg.to_dict(), model=dataclasses.asdict(derived.gpt), tokenizer=cfg.data.tokenizer_model,
-                padded_vocab_size=derived.padded_vocab_size)
+                padded_vocab_size=derived.padded_vocab_size, lr_schedule=run_schedule(cfg, derived))
 
 
-def resume(cfg: PretrainConfig, engine, grid, tracker, state) -> None:
-    """Load ``--load``'s latest complete checkpoint (if any) into the engine and the loop state."""
+def run_schedule(cfg: PretrainConfig, derived: Derived) -> dict:
+    """This run's LR schedule settings (as stored with each checkpoint)."""
+    from hybrid.checkpoint.resume_checks import schedule_settings
+
+    o = cfg.optim
+    return schedule_settings(o.lr, o.min_lr, derived.warmup_iters, derived.decay_iters, o.lr_decay_style)
+
+
+def lr_schedule(cfg: PretrainConfig, derived: Derived, meta: dict | None, print_fn=None):
+    """The run's :class:`hybrid.schedule.LRSchedule`: the checkpoint's on a resume unless
+    ``--override-opt-param-scheduler`` or ``--no-load-optim``; ``print_fn`` (rank 0) is told
+    which values differ."""
+    from hybrid.checkpoint.resume_checks import resumed_schedule
+    from hybrid.schedule import LRSchedule
+
+    if cfg.checkpoint.no_load_optim:  # as Megatron-LM: no optimizer state, no scheduler state
+        meta = None
+    settings, diffs = resumed_schedule(run_schedule(cfg, derived), meta, cfg.checkpoint.override_opt_param_scheduler)
+    if diffs and print_fn is not None:
+        if cfg.checkpoint.override_opt_param_scheduler:
+            print_fn(f" LR schedule from this run's flags (--override-opt-param-scheduler): {', '.join(diffs)}")
+        else:
+            print_fn(f" LR schedule kept from the checkpoint, ignoring this run's {', '.join(diffs)} "
+                     "(pass --override-opt-param-scheduler to use this run's)")
+    return LRSchedule(settings["lr"], settings["min_lr"], settings["warmup_iters"], settings["decay_iters"],
+                      settings["style"])
+
+
+def resume(cfg: PretrainConfig, engine, grid, tracker, state) -> dict | None:
+    """Load ``--load``'s latest complete checkpoint (if any) into the engine and the loop state;
+    returns its ``metadata.json`` (None when there was none)."""
     from hybrid.checkpoint.directory import latest_iteration
     from hybrid.checkpoint.shards import load_checkpoint
 
@@ -61,7 +90,7 @@ def resume(cfg: PretrainConfig, engine, grid, tracker, state) -> None:
     if latest_iteration(ck.load) is None:
         if grid.rank == 0:
             print(f" no checkpoint under --load {ck.load}: starting from scratch", flush=True)
-        return
+        return None
     meta = load_checkpoint(ck.load, engine, grid, tracker, load_optim=not (ck.no_load_optim or ck.finetune),
                            load_rng=not (ck.no_load_rng or ck.finetune))
     if not ck.finetune:
@@ -72,3 +101,4 @@ def resume(cfg: PretrainConfig, engine, grid, tracker, state) -> None:
               f"dp={saved['dp']}, ZeRO stage {meta['zero_stage']}); "
               f"{'fine-tuning from iteration 0' if ck.finetune else f'resuming at consumed samples {state.consumed_samples}'}",
               flush=True)
+    return None if ck.finetune else meta
