@@ -120,14 +120,15 @@ class LoggingArgs:
 class CheckpointArgs:
     """Checkpoints and graceful stops."""
 
-    save: str | None = arg(None, "directory to save checkpoints to (also where SIGTERM saves)")
+    save: str | None = arg(None, "directory to save checkpoints to (also where SIGTERM and the time limit save)")
     load: str | None = arg(None, "directory to resume from (its latest complete checkpoint; none there: start fresh)")
     save_interval: int | None = arg(None, "save every N iterations (default: only at the end and on a stop)")
     save_keep_last: int | None = arg(None, "keep only the newest K checkpoints (default: all)")
     no_load_optim: bool = arg(False, "load weights but not the optimizer state / loss scaler")
     no_load_rng: bool = arg(False, "do not restore the RNG states")
     finetune: bool = arg(False, "load weights only and start from iteration 0 (new optimizer, schedule, data order)")
-    exit_duration_in_mins: float | None = arg(None, "save and exit cleanly after this many minutes")
+    exit_duration_in_mins: float | None = arg(
+        None, "stop (and save, with --save) at the first iteration past this many minutes from process start")
     override_opt_param_scheduler: bool = arg(
         False, "on --load, take the LR schedule (lr, min lr, warmup, decay) from this run's flags, not the checkpoint's",
         aliases=("--override-opt_param-scheduler",))

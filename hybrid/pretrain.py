@@ -9,7 +9,11 @@ from __future__ import annotations
 import os
 import sys
 
-import torch
+from hybrid.checkpoint.preemption import process_start
+
+process_start()  # --exit-duration-in-mins counts from here at the latest (before torch loads)
+
+import torch  # noqa: E402
 
 from hybrid.cli import config_json, parse_config
 from hybrid.config import PretrainConfig

@@ -8,14 +8,16 @@ from hybrid.config_checks import Derived
 
 
 class Checkpointer:
-    """Saves at ``--save-interval``, at the end, and when SIGTERM / the time limit asks to stop."""
+    """Saves at ``--save-interval``, at the end, and when SIGTERM / the time limit asks to stop
+    (the stop happens without ``--save`` too: it just does not save)."""
 
     def __init__(self, cfg: PretrainConfig, derived: Derived, engine, grid, tracker, writer):
         from hybrid.checkpoint.preemption import StopSignal
 
         self.ck, self.engine, self.grid, self.tracker, self.writer = cfg.checkpoint, engine, grid, tracker, writer
         self.metadata = _metadata(cfg, derived)
-        self.stop = StopSignal(self.ck.exit_duration_in_mins) if self.ck.save else None
+        # SIGTERM and the time limit stop the run with or without --save (saving only with it)
+        self.stop = StopSignal(self.ck.exit_duration_in_mins)
         self.saved_at = None
 
     def save(self, state) -> None:
@@ -33,7 +35,7 @@ class Checkpointer:
         """Save when due; True (on every rank) when the run must stop now."""
         if self.ck.save_interval and state.iteration % self.ck.save_interval == 0:
             self.save(state)
-        if self.stop is not None and self.stop.should_stop(self.grid.device):
+        if self.stop.should_stop(self.grid.device):
             self.save(state)
             if self.grid.rank == 0:
                 self.writer.print(f" exiting at iteration {state.iteration}: {self.stop.reason()}")
@@ -41,8 +43,7 @@ class Checkpointer:
         return False
 
     def close(self) -> None:
-        if self.stop is not None:
-            self.stop.restore()
+        self.stop.restore()
 
 
 def _metadata(cfg: PretrainConfig, derived: Derived) -> dict:
