@@ -15,9 +15,9 @@ process_start()  # --exit-duration-in-mins counts from here at the latest (befor
 
 import torch  # noqa: E402
 
-from hybrid.cli import config_json, parse_config
-from hybrid.config import PretrainConfig
-from hybrid.config_checks import ConfigError, Derived, activation_config, validate
+from hybrid.cli import config_json, parse_config  # noqa: E402
+from hybrid.config import PretrainConfig  # noqa: E402
+from hybrid.config_checks import ConfigError, Derived, activation_config, validate  # noqa: E402
 
 
 def build_model(cfg: PretrainConfig, derived: Derived, grid, tracker):
