@@ -114,6 +114,8 @@ class LoggingArgs:
     wandb_project: str | None = arg(None, "wandb project (wandb is off when unset)")
     wandb_exp_name: str | None = arg(None, "wandb run name")
     wandb_save_dir: str | None = arg(None, "directory for wandb files (default: ./wandb)")
+    wandb_init_timeout: float = arg(30.0, "seconds wandb may take to reach its server before the run logs offline "
+                                          "instead (upload later with `wandb sync`)")
 
 
 @dataclass

@@ -15,7 +15,7 @@ process_start()  # --exit-duration-in-mins counts from here at the latest (befor
 
 import torch  # noqa: E402
 
-from hybrid.cli import config_json, parse_config  # noqa: E402
+from hybrid.cli import parse_config  # noqa: E402
 from hybrid.config import PretrainConfig  # noqa: E402
 from hybrid.config_checks import ConfigError, Derived, activation_config, validate  # noqa: E402
 
@@ -86,6 +86,12 @@ def build_engine(cfg: PretrainConfig, derived: Derived, grid, tracker):
     )
 
 
+def engine_line(engine) -> str:
+    """One start-up line: ZeRO stage, precision and this rank's bytes held per kind."""
+    held = ", ".join(f"{k} {v / 2**20:.2f}" for k, v in engine.memory_bytes().items() if v)
+    return f"ZeRO stage {engine.stage} {engine.config.precision} over dp {engine.dp} | MiB held on rank 0: {held}"
+
+
 def loop_settings(cfg: PretrainConfig, derived: Derived, grid):
     """The loop's counts and the FLOPs per step for TFLOP/s and MFU (2205.05198 Eq. 7)."""
     from hybrid.flops import device_peak_tflops, flops_per_iteration
@@ -117,10 +123,7 @@ def run(cfg: PretrainConfig, derived: Derived) -> dict:
     tracker = RNGTracker(cfg.data.seed, grid.tp_rank, grid.device)
     if grid.rank == 0:
         print(f"hybrid-zero pretraining | {derived.summary()}", flush=True)
-        print(config_json(cfg), flush=True)
     engine = build_engine(cfg, derived, grid, tracker)
-    if grid.rank == 0:
-        print(engine.summary(), flush=True)
     state = TrainState()
     meta = resume(cfg, engine, grid, tracker, state) if cfg.checkpoint.load else None
     train_ds, valid_ds, test_ds = build_datasets(cfg, derived)
@@ -138,7 +141,10 @@ def run(cfg: PretrainConfig, derived: Derived) -> dict:
 
         progress = tqdm(total=o.train_iters, initial=state.iteration, desc="train", unit="it", dynamic_ncols=True)
     writer = MetricsWriter(grid.rank, lg.metrics_file, cfg.to_dict(), lg.wandb_project, lg.wandb_exp_name,
-                           lg.wandb_save_dir, print_fn=progress.write if progress else print)
+                           lg.wandb_save_dir, print_fn=progress.write if progress else print,
+                           wandb_init_timeout=lg.wandb_init_timeout, wandb_run_id=(meta or {}).get("wandb_run_id"))
+    if grid.rank == 0:
+        writer.print(engine_line(engine) + (f" | resolved config: {writer.config_file}" if writer.config_file else ""))
     checkpointer = Checkpointer(cfg, derived, engine, grid, tracker, writer)
     try:
         train(engine, grid, state, settings, schedule, _batches(train_ds, state.consumed_samples, cfg, grid),

@@ -15,7 +15,7 @@ class Checkpointer:
         from hybrid.checkpoint.preemption import StopSignal
 
         self.ck, self.engine, self.grid, self.tracker, self.writer = cfg.checkpoint, engine, grid, tracker, writer
-        self.metadata = _metadata(cfg, derived)
+        self.metadata = dict(_metadata(cfg, derived), wandb_run_id=writer.wandb_run_id)
         # SIGTERM and the time limit stop the run with or without --save (saving only with it)
         self.stop = StopSignal(self.ck.exit_duration_in_mins)
         self.saved_at = None
