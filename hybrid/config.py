@@ -19,6 +19,12 @@ def arg(default, help: str, **extra):
     return field(default=default, metadata=dict(help=help, **extra))
 
 
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+"""``--recompute-granularity`` values (Megatron-core's names)."""
+RECOMPUTE_METHODS = ("uniform", "block")
+"""``--recompute-method`` values (Megatron-core's names)."""
+
+
 @dataclass
 class ModelArgs:
     """Model shape (``models.gpt.GPTConfig``) or a preset name."""
@@ -49,8 +55,21 @@ class ParallelArgs:
     allgather_bucket_size: int = arg(50_000_000, "parameter all-gather bucket size, in elements")
     overlap_comm: bool = arg(True, "overlap gradient communication with backward")
     param_persistence_threshold: int = arg(100_000, "ZeRO-3 keeps parameters smaller than this (elements) unpartitioned")
-    checkpoint_activations: bool = arg(False, "recompute each transformer block in backward (full activation checkpointing)")
-    checkpoint_num_layers: int | None = arg(None, "checkpoint only the first N blocks (default: all)")
+    checkpoint_activations: bool = arg(False, "recompute each transformer block in backward (the same as "
+                                              "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1)")
+    recompute_granularity: str | None = arg(
+        None, "activation recompute: 'full' recomputes whole transformer blocks (see --recompute-method)",
+        choices=RECOMPUTE_GRANULARITIES)
+    recompute_method: str | None = arg(
+        None, "with --recompute-granularity full: 'uniform' checkpoints the input of every chunk of "
+              "--recompute-num-layers blocks, 'block' checkpoints only the first --recompute-num-layers blocks "
+              "(default: uniform)", choices=RECOMPUTE_METHODS)
+    recompute_num_layers: int | None = arg(
+        None, "uniform: blocks per recomputed chunk; block: how many of the first blocks are recomputed (default 1 "
+              "for uniform, every block for block)")
+    checkpoint_num_layers: int | None = arg(
+        None, "removed (its meaning differed between Megatron-LM, DeepSpeed and this project): use "
+              "--recompute-method block|uniform --recompute-num-layers N")
     partition_activations: bool = arg(False, "keep only this TP rank's 1/tp slice of each checkpoint (ZeRO-R Pa)")
     checkpoint_in_cpu: bool = arg(False, "keep the checkpoint slices in host memory (ZeRO-R Pa+cpu)")
     contiguous_checkpointing: bool = arg(False, "write checkpoints into one preallocated arena (ZeRO-R MD)")

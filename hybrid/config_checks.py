@@ -180,7 +180,7 @@ def validate(cfg: PretrainConfig, world_size: int | None = None,
     try:
         activation_config(cfg).validate(num_layers=gpt.num_layers)
     except ValueError as e:
-        raise ConfigError(str(e)) from None
+        raise ConfigError(_flag_names(str(e))) from None
     _check_data(cfg)
     if cfg.eval.eval_interval < 1 or cfg.eval.eval_iters < 0 or cfg.logging.log_interval < 1:
         raise ConfigError(f"--eval-interval {cfg.eval.eval_interval} and --log-interval "
@@ -223,22 +223,64 @@ def _check_resume(cfg: PretrainConfig, gpt: GPTConfig) -> None:
 def activation_config(cfg: PretrainConfig):
     """The :class:`hybrid.activation.apply.ActivationConfig` of ``cfg`` (ZeRO-R flags).
 
+    Megatron-core's flags mean what they mean there: ``--recompute-granularity full
+    --recompute-method block --recompute-num-layers N`` recomputes the first N blocks,
+    ``--recompute-method uniform --recompute-num-layers N`` one checkpoint per chunk of N blocks
+    (N = 1: every block, the same as ``--checkpoint-activations``).
+
     Raises:
-        ConfigError: an option without ``--checkpoint-activations``, CPU offload without
-            ``--partition-activations``, or a bad ``--checkpoint-num-layers``.
+        ConfigError: an option without recompute, CPU offload without ``--partition-activations``,
+            a recompute method or layer count without ``--recompute-granularity full``, uniform
+            chunks of more than one block (not implemented), or the removed
+            ``--checkpoint-num-layers`` (the message says what to use).
     """
     from hybrid.activation.apply import ActivationConfig
 
     p = cfg.parallel
+    if p.checkpoint_num_layers is not None:
+        raise ConfigError(
+            f"--checkpoint-num-layers {p.checkpoint_num_layers} is no longer accepted: it meant 'checkpoint the first "
+            f"N blocks' here but 'chunks of N layers' in Megatron-LM and DeepSpeed. Use Megatron-core's flags: "
+            f"--recompute-granularity full --recompute-method block --recompute-num-layers {p.checkpoint_num_layers} "
+            f"(the first N blocks) or --recompute-method uniform (chunks)")
     if p.checkpoint_in_cpu and not p.partition_activations:
         raise ConfigError("--checkpoint-in-cpu offloads the partitioned checkpoints: add --partition-activations")
+    first_n = _recompute_first_n(p)
     try:
         return ActivationConfig(
-            checkpoint_activations=p.checkpoint_activations, partition_activations=p.partition_activations,
-            checkpoint_in_cpu=p.checkpoint_in_cpu, contiguous_checkpointing=p.contiguous_checkpointing,
-            checkpoint_num_layers=p.checkpoint_num_layers)
+            checkpoint_activations=p.checkpoint_activations or p.recompute_granularity == "full",
+            partition_activations=p.partition_activations, checkpoint_in_cpu=p.checkpoint_in_cpu,
+            contiguous_checkpointing=p.contiguous_checkpointing, checkpoint_num_layers=first_n)
     except ValueError as e:
-        raise ConfigError(str(e)) from None
+        raise ConfigError(_flag_names(str(e))) from None
+
+
+def _flag_names(message: str) -> str:
+    """An ActivationConfig error in the CLI's words."""
+    return message.replace("checkpoint_num_layers=", "--recompute-num-layers ").replace(
+        "num_layers=", "--num-layers ")
+
+
+def _recompute_first_n(p) -> int | None:
+    """How many leading blocks ``--recompute-*`` checkpoints (None: every block)."""
+    if p.recompute_granularity is None:
+        given = [f"--{k.replace('_', '-')} {getattr(p, k)}" for k in ("recompute_method", "recompute_num_layers")
+                 if getattr(p, k) is not None]
+        if given:
+            raise ConfigError(f"{' '.join(given)} needs --recompute-granularity full")
+        return None
+    if p.recompute_granularity != "full":
+        raise ConfigError(f"--recompute-granularity {p.recompute_granularity} is not available yet; use full")
+    n = p.recompute_num_layers
+    if n is not None and n < 1:
+        raise ConfigError(f"--recompute-num-layers {n} must be >= 1")
+    if (p.recompute_method or "uniform") == "uniform":
+        if n not in (None, 1):
+            raise ConfigError(f"--recompute-method uniform --recompute-num-layers {n} (one checkpoint per chunk of "
+                              f"{n} blocks) is not implemented; use --recompute-num-layers 1 (every block) or "
+                              f"--recompute-method block --recompute-num-layers {n} (only the first {n} blocks)")
+        return None
+    return n
 
 
 def _check_data(cfg: PretrainConfig) -> None:

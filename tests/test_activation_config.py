@@ -44,7 +44,8 @@ def test_num_layers_needs_checkpointing_and_fits_model():
 
 def test_flags():
     c = parse("--checkpoint-activations", "--partition-activations", "--checkpoint-in-cpu",
-              "--contiguous-checkpointing", "--checkpoint-num-layers", "6")
+              "--contiguous-checkpointing", "--recompute-granularity", "full", "--recompute-method", "block",
+              "--recompute-num-layers", "6")
     assert c == ActivationConfig(True, True, True, True, 6)
     assert parse() == ActivationConfig()
     with pytest.raises(ConfigError, match="needs --checkpoint-activations"):
@@ -52,7 +53,7 @@ def test_flags():
     with pytest.raises(ConfigError, match="add --partition-activations"):
         parse("--checkpoint-activations", "--checkpoint-in-cpu")
     helptext = build_parser().format_help()
-    assert "1/tp slice of each checkpoint" in helptext and "first N blocks" in helptext
+    assert "1/tp slice of each checkpoint" in helptext and "only the first --recompute-num-layers blocks" in helptext
 
 
 @pytest.mark.parametrize("numel, parts", [(2048, 4), (7, 4), (7, 2), (3, 4), (5, 1)])

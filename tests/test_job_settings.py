@@ -113,3 +113,40 @@ def test_errors_speak_of_this_project(argv, world, message):
     with pytest.raises(ConfigError) as e:
         check(BASE + argv, world=world)
     assert message in str(e.value) and "pipeline" not in str(e.value)
+
+
+@pytest.mark.parametrize("flags,checkpointed", [
+    ("--recompute-granularity full", 3),
+    ("--checkpoint-activations", 3),
+    ("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1", 3),
+    ("--recompute-granularity full --recompute-method block --recompute-num-layers 2", 2),
+    ("--recompute-granularity full --recompute-method block --recompute-num-layers 3", 3),
+    ("--recompute-granularity full --recompute-method block", 3),
+    ("", 0),
+])
+def test_megatron_core_recompute_flags(flags, checkpointed):
+    from hybrid.config_checks import activation_config
+
+    cfg = parse_config(BASE + ["--num-layers", "3"] + flags.split())
+    check(BASE + ["--num-layers", "3"] + flags.split())
+    assert activation_config(cfg).num_checkpointed(3) == checkpointed
+
+
+@pytest.mark.parametrize("flags,message", [
+    ("--checkpoint-activations --checkpoint-num-layers 2",
+     "--checkpoint-num-layers 2 is no longer accepted: it meant 'checkpoint the first N blocks' here but 'chunks "
+     "of N layers' in Megatron-LM and DeepSpeed. Use Megatron-core's flags: --recompute-granularity full "
+     "--recompute-method block --recompute-num-layers 2"),
+    ("--recompute-granularity full --recompute-method uniform --recompute-num-layers 2",
+     "--recompute-method uniform --recompute-num-layers 2 (one checkpoint per chunk of 2 blocks) is not implemented"),
+    ("--recompute-method block --recompute-num-layers 2",
+     "--recompute-method block --recompute-num-layers 2 needs --recompute-granularity full"),
+    ("--recompute-granularity full --recompute-method block --recompute-num-layers 4",
+     "--recompute-num-layers 4 exceeds the model's --num-layers 3"),
+    ("--recompute-granularity full --recompute-num-layers 0", "--recompute-num-layers 0 must be >= 1"),
+    ("--recompute-granularity coarse", "invalid choice: 'coarse' (choose from 'full', 'selective')"),
+])
+def test_recompute_errors_point_to_the_right_flags(flags, message):
+    with pytest.raises(ConfigError) as e:
+        check(BASE + ["--num-layers", "3"] + flags.split())
+    assert message in str(e.value)

@@ -39,11 +39,11 @@ logger = logging.getLogger(__name__)
 class ActivationConfig:
     """Activation checkpointing and ZeRO-R activation options (Megatron-LM / DeepSpeed names).
 
-    ``--checkpoint-num-layers N`` checkpoints the first N blocks and keeps every activation of
-    the others: Megatron-LM's ``--recompute-method block --recompute-num-layers N`` (the
-    memory/compute trade-off when a few blocks fit without recompute). Old Megatron used the
-    same flag name for the chunk size of uniform recompute; DeepSpeed's equivalent knob is
-    ``number_checkpoints``, which also sizes its contiguous buffers, as N sizes our arena.
+    ``checkpoint_num_layers = N`` checkpoints the first N blocks and keeps every activation of
+    the others: Megatron-core's ``--recompute-granularity full --recompute-method block
+    --recompute-num-layers N`` (the memory/compute trade-off when a few blocks fit without
+    recompute). DeepSpeed's equivalent knob is ``number_checkpoints``, which also sizes its
+    contiguous buffers, as N sizes our arena.
     """
 
     checkpoint_activations: bool = False
@@ -55,7 +55,7 @@ class ActivationConfig:
     contiguous_checkpointing: bool = False
     """M_D: copy a micro-batch's checkpoints into one preallocated arena (``--contiguous-checkpointing``)."""
     checkpoint_num_layers: int | None = None
-    """Checkpoint only the first N blocks, the rest keep all activations; None = every block (``--checkpoint-num-layers``)."""
+    """Checkpoint only the first N blocks, the rest keep all activations; None = every block (``--recompute-method block --recompute-num-layers``)."""
 
     def __post_init__(self) -> None:
         self.validate()
