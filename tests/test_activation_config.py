@@ -52,7 +52,7 @@ def test_flags():
         parse("--partition-activations")
     with pytest.raises(ConfigError, match="add --partition-activations"):
         parse("--checkpoint-activations", "--checkpoint-in-cpu")
-    helptext = build_parser().format_help()
+    helptext = " ".join(build_parser().format_help().split())
     assert "1/tp slice of each checkpoint" in helptext and "only the first --recompute-num-layers blocks" in helptext
 
 
