@@ -6,6 +6,7 @@ checkpointing -> ZeRO) -> data -> train -> test evaluation -> close. Flags: ``--
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 
@@ -173,13 +174,33 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     try:
-        run(cfg, derived)
+        run(cfg, derived)["engine"].close()
+        if dist.get_world_size() > 1:
+            dist.barrier()  # no rank tears down while a peer still communicates
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        gc.collect()  # free the process groups (joining gloo's threads) while the interpreter is whole
     return 0
+
+
+def exit_now(status: int) -> None:
+    """Flush everything and end the process without interpreter finalization.
+
+    gloo's worker threads can outlive ``destroy_process_group`` (a process group that something
+    still references is only shut down, not destroyed); interpreter finalization and C++ static
+    destructors then race with them, and one rank in a few dies with ``terminate called without
+    an active exception`` (SIGABRT) after a finished run. Every file, metric and wandb record is
+    closed by then, so nothing is lost by skipping finalization.
+    """
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    sys.exit(main())
+    exit_now(main())

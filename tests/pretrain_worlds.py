@@ -67,3 +67,25 @@ def sigterm_at(rank: int, world: int, argv: list[str], iteration: int) -> list[d
 
     training.train_step = step_then_signal
     return run_configs(rank, world, [argv])[0]
+
+
+def engine_lifetime(rank: int, world: int, argv: list[str]) -> tuple[bool, bool]:
+    """``(collected without close, collected after close)`` for the engine of a short run."""
+    import gc
+    import weakref
+
+    from hybrid.cli import parse_config
+    from hybrid.config_checks import validate
+    from hybrid.pretrain import run
+
+    cfg = parse_config(argv)
+    out = []
+    for close in (False, True):
+        engine = run(cfg, validate(cfg))["engine"]
+        if close:
+            engine.close()
+        ref = weakref.ref(engine)
+        del engine
+        gc.collect()
+        out.append(ref() is None)
+    return tuple(out)
