@@ -90,7 +90,10 @@ def resume(cfg: PretrainConfig, engine, grid, tracker, state) -> dict | None:
     ck = cfg.checkpoint
     if latest_iteration(ck.load) is None:
         if grid.rank == 0:
-            print(f" no checkpoint under --load {ck.load}: starting from scratch", flush=True)
+            print(f" no checkpoint under --load {ck.load}: starting from "
+                  f"{'--init-from-hf ' + ck.init_from_hf if ck.init_from_hf else 'scratch'}", flush=True)
+        if ck.init_from_hf:
+            init_from_hf(cfg, engine, grid)
         return None
     meta = load_checkpoint(ck.load, engine, grid, tracker, load_optim=not (ck.no_load_optim or ck.finetune),
                            load_rng=not (ck.no_load_rng or ck.finetune))
@@ -103,3 +106,15 @@ def resume(cfg: PretrainConfig, engine, grid, tracker, state) -> dict | None:
               f"{'fine-tuning from iteration 0' if ck.finetune else f'resuming at consumed samples {state.consumed_samples}'}",
               flush=True)
     return None if ck.finetune else meta
+
+
+def init_from_hf(cfg: PretrainConfig, engine, grid) -> None:
+    """Load ``--init-from-hf``'s weights into the engine (any grid): the ``--finetune`` weight
+    path (:func:`hybrid.checkpoint.weights.load_weights`) fed from the Hugging Face directory."""
+    from hybrid.checkpoint.weights import load_weights
+    from hybrid.hf.weights import HFWeights
+
+    load_weights(engine, HFWeights(cfg.checkpoint.init_from_hf, engine.model.config))
+    if grid.rank == 0:
+        print(f" loaded weights from --init-from-hf {cfg.checkpoint.init_from_hf}; training from iteration 0",
+              flush=True)
