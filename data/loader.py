@@ -89,6 +89,10 @@ def build_data_loader(
     See the module docstring for which indices each rank gets. ``len(loader)`` is the same on
     every rank: ``(len(dataset) - consumed_samples) // (micro_batch_size * data_parallel_size)``.
 
+    The loader owns its generator: every ``iter(loader)`` draws a worker base seed, and from
+    the global CPU generator that draw would shift the dropout stream, so a resumed run (or
+    one that evaluates more often) would draw other dropout masks than an uninterrupted one.
+
     Raises:
         ValueError: see :class:`PretrainingSampler`.
     """
@@ -102,4 +106,5 @@ def build_data_loader(
         pin_memory=pin_memory,
         collate_fn=collate_tokens,
         persistent_workers=num_workers > 0,
+        generator=torch.Generator().manual_seed(data_parallel_rank),
     )

@@ -68,14 +68,36 @@ class _Alias(argparse.Action):
             raise ConfigError(f"{previous} and {option_string} are mutually exclusive")
         set_by[self.dest] = option_string
         setattr(namespace, self.dest, self.const)
+class _Parser(argparse.ArgumentParser):
+    """Raises :class:`ConfigError` (one short line, printed once per node by ``main``) instead
+    of printing the whole usage on every rank, and names the closest valid flag."""
+
+    def error(self, message: str):
+        import difflib
+        import re
+
+        flags = [s for a in self._actions for s in a.option_strings if s.startswith("--")]
+        hints = []
+        for bad in re.findall(r"(?<![\w-])(--?[A-Za-z][\w-]*)", message.split(":", 1)[-1]):
+            if bad in flags:
+                continue
+            close = difflib.get_close_matches(bad.split("=")[0], flags, n=1, cutoff=0.5)
+            if close:
+                hints.append(f"{bad}: did you mean {close[0]}?")
+        raise ConfigError("; ".join([message, *hints]) + " (see --help)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``hybrid.pretrain`` argument parser (all defaults suppressed; see :func:`parse_config`)."""
-    parser = argparse.ArgumentParser(
+    """The ``hybrid.pretrain`` argument parser (all defaults suppressed; see :func:`parse_config`).
+
+    Flags are never abbreviated (``--zero 3`` is an error, not ``--zero-stage 3``); a bad flag
+    raises :class:`ConfigError` naming the closest valid one.
+    """
+    parser = _Parser(
         prog="hybrid-pretrain",
         description="GPT pretraining with tensor parallelism x ZeRO data parallelism.",
         argument_default=argparse.SUPPRESS,
+        allow_abbrev=False,
     )
     parser.add_argument("--config", help="YAML or TOML file with the same fields as the flags")
     groups = {s: parser.add_argument_group(s, kind.__doc__.splitlines()[0])
@@ -87,7 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
         if "default" not in help_:
             help_ += f" (default: {_default(f)!r})"
         key, g = _key(f), groups[section]
-        if kind is bool:
+        if kind is bool and f.name.startswith("no_"):  # --no-load-optim: no --no-no-load-optim
+            g.add_argument(flag_of(f), dest=key, action="store_true", help=help_)
+        elif kind is bool:
             g.add_argument(flag_of(f), dest=key, action=argparse.BooleanOptionalAction, help=help_)
         else:
             g.add_argument(flag_of(f), dest=key, type=kind, help=help_, **meta)
@@ -165,13 +189,21 @@ def parse_config(argv: list[str] | None = None) -> PretrainConfig:
     Every section validates its own fields as it is built.
 
     Raises:
-        ConfigError: a bad config file, two conflicting alias flags, or a bad field value.
-            argparse exits with status 2 on a malformed flag.
+        ConfigError: a bad config file, two conflicting alias flags, a bad field value, or an
+            unknown or malformed flag (the message names the closest valid flag). ``--help``
+            prints the usage and exits 0.
     """
     ns = vars(build_parser().parse_args(argv))
     ns.pop("_set_by", None)
     values = load_config_file(ns.pop("config")) if "config" in ns else {}
     values.update(ns)
+    n = values.get("checkpoint_num_layers")
+    if n is not None:
+        raise ConfigError(
+            f"--checkpoint-num-layers {n} is no longer accepted: it meant 'checkpoint the first N blocks' here but "
+            f"'chunks of N layers' in Megatron-LM and DeepSpeed. Use Megatron-core's flags: --recompute-granularity "
+            f"full --recompute-method block --recompute-num-layers {n} (the first N blocks) or --recompute-method "
+            f"uniform (chunks)")
     sections = {}
     for name, kind in PretrainConfig.sections().items():
         kwargs = {f.name: _coerce(f, values[_key(f)]) for f in dataclasses.fields(kind) if _key(f) in values}

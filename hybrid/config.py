@@ -132,13 +132,15 @@ class LoggingConfig:
 
     def __post_init__(self) -> None:
         check_int(self, "log_interval", 1)
+    wandb_init_timeout: float = arg(30.0, "seconds wandb may take to reach its server before the run logs offline "
+                                          "instead (upload later with `wandb sync`)")
 
 
 @dataclass
 class CheckpointConfig:
     """Checkpoints and graceful stops."""
 
-    save: str | None = arg(None, "directory to save checkpoints to (also where SIGTERM saves)")
+    save: str | None = arg(None, "directory to save checkpoints to (also where SIGTERM and the time limit save)")
     load: str | None = arg(None, "directory to resume from (its latest complete checkpoint; none there: start fresh)")
     save_interval: int | None = arg(None, "save every N iterations (default: only at the end and on a stop)")
     save_keep_last: int | None = arg(None, "keep only the newest K checkpoints (default: all)")
@@ -147,7 +149,14 @@ class CheckpointConfig:
     finetune: bool = arg(False, "load weights only and start from iteration 0 (new optimizer, schedule, data order)")
     init_from_hf: str | None = arg(None, "start from a local Hugging Face GPT-2 directory's weights, as --finetune does "
                                    "(iteration 0, new optimizer); a checkpoint under --load wins when there is one")
-    exit_duration_in_mins: float | None = arg(None, "save and exit cleanly after this many minutes")
+    exit_duration_in_mins: float | None = arg(
+        None, "stop (and save, with --save) at the first iteration past this many minutes from process start")
+    override_opt_param_scheduler: bool = arg(
+        False, "on --load, take the LR schedule (lr, min lr, warmup, decay) from this run's flags, not the checkpoint's",
+        aliases={"--override-opt_param-scheduler": True})
+    use_checkpoint_opt_param_scheduler: bool = arg(
+        False, "on --load, take the LR schedule from the checkpoint (what happens anyway; Megatron-LM's flag)",
+        aliases={"--use-checkpoint-opt_param-scheduler": True})
 
     def __post_init__(self) -> None:
         check_int(self, "save_interval", 1, optional=True)

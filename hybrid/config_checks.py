@@ -7,6 +7,7 @@ rank with the same message and no worker waits in a collective.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -153,11 +154,12 @@ def validate(cfg: PretrainConfig, world_size: int | None = None,
     if t.min_lr > lr:
         raise ConfigError(f"need 0 <= --min-lr ({t.min_lr}) <= --lr ({lr})")
     decay = t.lr_decay_iters if t.lr_decay_iters is not None else t.train_iters
-    warmup = int(t.lr_warmup_fraction * decay) if t.lr_warmup_fraction is not None else t.lr_warmup_iters
+    warmup = (math.floor(t.lr_warmup_fraction * decay + 0.5)  # 0.29 * 100 is 28.999...
+              if t.lr_warmup_fraction is not None else t.lr_warmup_iters)
     if warmup > decay:
         raise ConfigError(f"--lr-warmup-iters {warmup} must be in [0, --lr-decay-iters {decay}]")
     if cfg.activation.checkpoint_num_layers is not None and cfg.activation.checkpoint_num_layers > gpt.num_layers:
-        raise ConfigError(f"--checkpoint-num-layers {cfg.activation.checkpoint_num_layers} exceeds "
+        raise ConfigError(f"--recompute-num-layers {cfg.activation.checkpoint_num_layers} exceeds the model's "
                           f"--num-layers {gpt.num_layers}")
     _check_data(cfg)
     c = cfg.checkpoint
@@ -169,6 +171,10 @@ def validate(cfg: PretrainConfig, world_size: int | None = None,
         _check_init_from_hf(c, gpt)
     if c.load and Path(c.load).exists() and not Path(c.load).is_dir():
         raise ConfigError(f"--load {c.load} is not a directory")
+    if c.override_opt_param_scheduler and c.use_checkpoint_opt_param_scheduler:
+        raise ConfigError("--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler are mutually "
+                          "exclusive: take the LR schedule from this run's flags or from the checkpoint")
+    _check_resume(cfg, gpt)
     return Derived(
         gpt=gpt, world_size=world, tp=tp, dp=shape.dp, global_batch_size=gbs,
         grad_accum_steps=gbs // (t.micro_batch_size * shape.dp), tokens_per_step=gbs * m.seq_length,
@@ -177,15 +183,30 @@ def validate(cfg: PretrainConfig, world_size: int | None = None,
     )
 
 
+def _check_resume(cfg: PretrainConfig, gpt: GPTConfig) -> None:
+    from hybrid.checkpoint.directory import IncompleteCheckpointError
+    from hybrid.checkpoint.resume_checks import ResumeMismatch, check_resume, checkpoint_metadata
+
+    try:
+        meta = checkpoint_metadata(cfg.checkpoint.load)
+        if meta is not None:
+            check_resume(cfg, gpt, meta)
+    except (ResumeMismatch, IncompleteCheckpointError) as e:
+        raise ConfigError(str(e)) from None
+
+
 def _check_data(cfg: PretrainConfig) -> None:
     d = cfg.data
     from data.blended_dataset import parse_data_path
     from data.split import parse_split
 
     try:
-        parse_split(d.split)
+        train_share = parse_split(d.split)[0]
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if train_share <= 0:
+        raise ConfigError(f"--split {d.split} gives the train split no share of the data; put a positive "
+                          "train proportion first (e.g. --split 969,30,1)")
     if d.mock_data:
         return
     if not d.data_path:

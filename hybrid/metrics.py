@@ -1,8 +1,13 @@
 """One metrics path: a human log line, a JSONL record and wandb, same numbers.
 
 Only global rank 0 writes anything. The log line follows Megatron-LM's field order; the JSON
-record keeps full float precision. wandb is optional: without the package, or when it fails
-to start, training goes on with a warning; with no credentials it runs offline (no network).
+record keeps full float precision; the resolved config goes beside the JSONL file
+(:func:`config_path`) and to wandb. wandb is optional: without the package, or when it fails to
+start, training goes on with a warning; with no credentials it runs offline (no network); when
+its server cannot be reached within ``--wandb-init-timeout`` it falls back to offline mode.
+A resumed job appends to the same JSONL file, so it can hold an iteration twice (the crashed
+run's and the resumed run's); readers keep the latest record per iteration
+(:func:`hybrid.plot_metrics.read_metrics`).
 """
 
 from __future__ import annotations
@@ -70,18 +75,28 @@ class MetricsWriter:
 
     def __init__(self, rank: int, metrics_file: str | None, config: dict,
                  wandb_project: str | None = None, wandb_exp_name: str | None = None,
-                 wandb_save_dir: str | None = None, print_fn=print):
+                 wandb_save_dir: str | None = None, print_fn=print, wandb_init_timeout: float = 30.0,
+                 wandb_run_id: str | None = None):
         self.active = rank == 0
         self.print = print_fn
         self._file = None
         self._wandb = None
+        self.config_file: Path | None = None
         if not self.active:
             return
         if metrics_file:
             Path(metrics_file).parent.mkdir(parents=True, exist_ok=True)
             self._file = open(metrics_file, "a", buffering=1)
+            self.config_file = config_path(metrics_file)
+            self.config_file.write_text(json.dumps(config, indent=2, default=str) + "\n")
         if wandb_project:
-            self._wandb = _start_wandb(wandb_project, wandb_exp_name, wandb_save_dir, config)
+            self._wandb = _start_wandb(wandb_project, wandb_exp_name, wandb_save_dir, config,
+                                       wandb_init_timeout, wandb_run_id)
+
+    @property
+    def wandb_run_id(self) -> str | None:
+        """The wandb run's id (stored with each checkpoint so a resumed job continues the run)."""
+        return None if self._wandb is None else self._wandb.id
 
     def train(self, record: dict, train_iters: int) -> None:
         """Log one training record (must hold :data:`TRAIN_FIELDS`)."""
@@ -137,7 +152,17 @@ def wandb_mode() -> str:
     return "offline"
 
 
-def _start_wandb(project, name, save_dir, config):
+def config_path(metrics_file: str | Path) -> Path:
+    """Where the resolved config is written beside ``metrics_file`` (``m.jsonl`` -> ``m.config.json``)."""
+    p = Path(metrics_file)
+    return p.with_name(p.stem + ".config.json")
+
+
+def _start_wandb(project, name, save_dir, config, init_timeout: float = 30.0, run_id: str | None = None):
+    """``wandb.init`` with ``init_timeout`` seconds to reach the server; when it cannot (no
+    network, server down), the same run is started in offline mode so that it is kept under
+    ``save_dir`` for ``wandb sync``. ``run_id`` resumes that run (a resumed job). None when
+    wandb is missing or cannot start at all."""
     try:
         import wandb
     except ImportError:
@@ -145,9 +170,21 @@ def _start_wandb(project, name, save_dir, config):
         return None
     save_dir = save_dir or os.getcwd()
     Path(save_dir).mkdir(parents=True, exist_ok=True)
+    mode = wandb_mode()
+    kwargs = dict(project=project, name=name, dir=save_dir, config=config, id=run_id,
+                  resume="allow" if run_id else None)
     try:
-        return wandb.init(project=project, name=name, dir=save_dir, config=config, mode=wandb_mode(),
-                          settings=wandb.Settings(init_timeout=90, console="off", silent=True))
+        return wandb.init(mode=mode, settings=wandb.Settings(init_timeout=init_timeout, console="off", silent=True),
+                          **kwargs)
     except Exception as e:
-        print(f"warning: wandb failed to start ({e}); continuing without it", file=sys.stderr)
+        if mode != "online":
+            print(f"warning: wandb failed to start ({e}); continuing without it", file=sys.stderr)
+            return None
+        print(f"warning: wandb could not reach its server within --wandb-init-timeout {init_timeout:g} s "
+              f"({str(e).splitlines()[0]}); logging offline under {save_dir}/wandb instead "
+              "(upload it later with `wandb sync`)", file=sys.stderr)
+    try:
+        return wandb.init(mode="offline", settings=wandb.Settings(console="off", silent=True), **kwargs)
+    except Exception as e:
+        print(f"warning: wandb failed to start offline too ({e}); continuing without it", file=sys.stderr)
         return None

@@ -15,13 +15,15 @@ from pathlib import Path
 
 
 def read_metrics(path: str | Path) -> tuple[list[dict], list[dict]]:
-    """``(train_records, eval_records)`` of one JSONL file.
+    """``(train_records, eval_records)`` of one JSONL file, each sorted by iteration, keeping
+    the latest record per iteration (and eval split): a job that crashed at iteration 6 and
+    resumed from a checkpoint at 4 appends 5..8 after 1..6, and the resumed run's 5 and 6 win.
 
     Raises:
         FileNotFoundError: no such file.
         ValueError: a line that is not JSON (its line number is named).
     """
-    train, evals = [], []
+    latest: dict[tuple, dict] = {}
     with open(path) as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
@@ -30,7 +32,11 @@ def read_metrics(path: str | Path) -> tuple[list[dict], list[dict]]:
                 r = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{n}: not a JSON record ({e})") from None
-            (evals if r.get("kind") == "eval" else train).append(r)
+            kind = "eval" if r.get("kind") == "eval" else "train"
+            latest[(kind, r.get("split"), r.get("iteration"))] = r  # a later line replaces an earlier one
+    records = sorted(latest.items(), key=lambda kv: kv[1].get("iteration", 0))
+    train = [r for (kind, _, _), r in records if kind == "train"]
+    evals = [r for (kind, _, _), r in records if kind == "eval"]
     return train, evals
 
 

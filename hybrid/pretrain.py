@@ -6,13 +6,19 @@ checkpointing -> ZeRO) -> data -> train -> test evaluation -> close. Flags: ``--
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from typing import TYPE_CHECKING
 
-from hybrid.cli import config_json, parse_config
-from hybrid.config import PretrainConfig
-from hybrid.config_checks import ConfigError, Derived, validate
+from hybrid.checkpoint.preemption import process_start
+
+process_start()  # --exit-duration-in-mins counts from here at the latest (before torch loads)
+
+
+from hybrid.cli import parse_config  # noqa: E402
+from hybrid.config import PretrainConfig  # noqa: E402
+from hybrid.config_checks import ConfigError, Derived, validate  # noqa: E402
 
 if TYPE_CHECKING:
     from hybrid.parallel.grid import ProcessGrid
@@ -45,6 +51,12 @@ def _batches(dataset, consumed: int, cfg: PretrainConfig, grid: ProcessGrid):
     return iter(build_data_loader(dataset, consumed, cfg.training.micro_batch_size, grid.dp_rank, grid.dp_size))
 
 
+def engine_line(engine) -> str:
+    """One start-up line: ZeRO stage, precision and this rank's bytes held per kind."""
+    held = ", ".join(f"{k} {v / 2**20:.2f}" for k, v in engine.memory_bytes().items() if v)
+    return f"ZeRO stage {engine.stage} {engine.config.precision} over dp {engine.dp} | MiB held on rank 0: {held}"
+
+
 def loop_settings(cfg: PretrainConfig, derived: Derived, grid: ProcessGrid):
     """The loop's counts and the FLOPs per step for TFLOP/s and MFU (2205.05198 Eq. 7)."""
     from hybrid.flops import device_peak_tflops, flops_per_iteration
@@ -63,12 +75,11 @@ def loop_settings(cfg: PretrainConfig, derived: Derived, grid: ProcessGrid):
 
 def run(cfg: PretrainConfig, derived: Derived) -> dict:
     """Train with an already validated config; returns ``{"history": records, "engine": engine}``."""
-    from hybrid.checkpoint.policy import Checkpointer, init_from_hf, resume
+    from hybrid.checkpoint.policy import Checkpointer, init_from_hf, lr_schedule, resume
     from hybrid.metrics import MetricsWriter
     from hybrid.parallel.grid import ProcessGrid, init_distributed
     from hybrid.parallel.rng import RNGTracker, seed_everything
     from hybrid.parallelize import meta_gpt, parallelize
-    from hybrid.schedule import LRSchedule
     from hybrid.training import Trainer, TrainState
 
     t, lg = cfg.training, cfg.logging
@@ -78,18 +89,14 @@ def run(cfg: PretrainConfig, derived: Derived) -> dict:
     tracker = RNGTracker(cfg.data.seed, grid.tp_rank, grid.device)
     if grid.rank == 0:
         print(f"hybrid-zero pretraining | {derived.summary()}", flush=True)
-        print(config_json(cfg), flush=True)
     engine = parallelize(meta_gpt(derived.gpt), grid, cfg, tracker)
     if cfg.logging.profile_phases:
         from hybrid.zero.profile import PhaseTimer
 
         engine.set_profiler(PhaseTimer(grid.device))
-    if grid.rank == 0:
-        print(engine.summary(), flush=True)
     state = TrainState()
-    if cfg.checkpoint.load:
-        resume(cfg, engine, grid, tracker, state)
-    elif cfg.checkpoint.init_from_hf:
+    meta = resume(cfg, engine, grid, tracker, state) if cfg.checkpoint.load else None
+    if not cfg.checkpoint.load and cfg.checkpoint.init_from_hf:
         init_from_hf(cfg, engine, grid)
     train_ds, valid_ds, test_ds = build_datasets(cfg, derived)
     eval_sets = {"valid": valid_ds, "test": test_ds}
@@ -98,17 +105,19 @@ def run(cfg: PretrainConfig, derived: Derived) -> dict:
         ds = eval_sets[split]
         return None if ds is None else _batches(ds, 0, cfg, grid)
 
+    schedule = lr_schedule(cfg, derived, meta, print if grid.rank == 0 else None)
     progress = None
     if grid.rank == 0 and sys.stderr.isatty():
         from tqdm import tqdm
 
         progress = tqdm(total=t.train_iters, initial=state.iteration, desc="train", unit="it", dynamic_ncols=True)
     writer = MetricsWriter(grid.rank, lg.metrics_file, cfg.to_dict(), lg.wandb_project, lg.wandb_exp_name,
-                           lg.wandb_save_dir, print_fn=progress.write if progress else print)
-    trainer = Trainer(engine, grid, loop_settings(cfg, derived, grid),
-                      LRSchedule(cfg.optimizer.lr, t.min_lr, derived.warmup_iters, derived.decay_iters,
-                                 t.lr_decay_style),
-                      writer, eval_batches, Checkpointer(cfg, derived, engine, grid, tracker, writer), progress, state)
+                           lg.wandb_save_dir, print_fn=progress.write if progress else print,
+                           wandb_init_timeout=lg.wandb_init_timeout, wandb_run_id=(meta or {}).get("wandb_run_id"))
+    if grid.rank == 0:
+        writer.print(engine_line(engine) + (f" | resolved config: {writer.config_file}" if writer.config_file else ""))
+    trainer = Trainer(engine, grid, loop_settings(cfg, derived, grid), schedule, writer, eval_batches,
+                      Checkpointer(cfg, derived, engine, grid, tracker, writer), progress, state)
     try:
         trainer.train(_batches(train_ds, state.consumed_samples, cfg, grid))
         trainer.checkpointer.save(state)
@@ -131,17 +140,41 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         if os.environ.get("LOCAL_RANK", "0") == "0":  # once per node, not once per rank
             print(f"hybrid-pretrain: error: {e}", file=sys.stderr)
+        else:  # torchrun stops the whole node when the first worker exits: let local rank 0 report first
+            import time
+
+            time.sleep(3)
         return 2
     import torch.distributed as dist
 
     try:
-        run(cfg, derived)
+        run(cfg, derived)["engine"].close()
+        if dist.get_world_size() > 1:
+            dist.barrier()  # no rank tears down while a peer still communicates
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        gc.collect()  # free the process groups (joining gloo's threads) while the interpreter is whole
     return 0
+
+
+def exit_now(status: int) -> None:
+    """Flush everything and end the process without interpreter finalization.
+
+    gloo's worker threads can outlive ``destroy_process_group`` (a process group that something
+    still references is only shut down, not destroyed); interpreter finalization and C++ static
+    destructors then race with them, and one rank in a few dies with ``terminate called without
+    an active exception`` (SIGABRT) after a finished run. Every file, metric and wandb record is
+    closed by then, so nothing is lost by skipping finalization.
+    """
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    sys.exit(main())
+    exit_now(main())

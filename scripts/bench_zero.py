@@ -258,28 +258,40 @@ def write_report(results: dict, out: Path, args, steps: int, warmup: int) -> Non
             "elements. fp32, gloo, "
             "OMP_NUM_THREADS=1, one launch each in sequence; run-to-run noise on this VM is "
             "about 15-25% (the peers' own repeated runs).\n\n")
-    stem.with_suffix(".md").write_text(head + "\n".join(lines) + f"\n\n![ratios]({stem.name}_ratios.png)\n")
-    if rat:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(9, 4.5))
-        width = 0.8 / max(1, len(peers))
-        for j, p in enumerate(peers):
-            xs = [i + (j - (len(peers) - 1) / 2) * width for i in range(len(rat))]
-            ax.bar(xs, [v.get(p, 0) for v in rat.values()], width, label=p)
-        ax.axhline(1.0, color="k", lw=0.8)
-        ax.set_xticks(range(len(rat)))
-        ax.set_xticklabels(list(rat))
-        ax.set_ylabel("our ms/step / peer ms/step")
-        ax.set_title(f"throughput ratios, {args.size}, world {args.world} (below 1: faster)")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(f"{stem}_ratios.png", dpi=110)
-        plt.close(fig)
+    picture = _plot_ratios(rat, peers, stem, args) if rat else None
+    if rat and picture is None:
+        print("note: matplotlib is not installed, so no ratio plot was drawn "
+              "(pip install hybrid-zero[plot]); the table above and the markdown report are complete")
+    tail = f"\n\n![ratios]({picture.name})\n" if picture is not None else "\n"
+    stem.with_suffix(".md").write_text(head + "\n".join(lines) + tail)
     print(f"wrote {stem}.md")
+
+
+def _plot_ratios(rat: dict, peers: list[str], stem: Path, args) -> Path | None:
+    """Bar chart of our ms/step over each peer's; None (nothing drawn) without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    width = 0.8 / max(1, len(peers))
+    for j, p in enumerate(peers):
+        xs = [i + (j - (len(peers) - 1) / 2) * width for i in range(len(rat))]
+        ax.bar(xs, [v.get(p, 0) for v in rat.values()], width, label=p)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(range(len(rat)))
+    ax.set_xticklabels(list(rat))
+    ax.set_ylabel("our ms/step / peer ms/step")
+    ax.set_title(f"throughput ratios, {args.size}, world {args.world} (below 1: faster)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(f"{stem}_ratios.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def print_table(results: dict) -> None:

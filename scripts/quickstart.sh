@@ -24,7 +24,7 @@ GPUS_PER_NODE=4 bash scripts/pretrain_gpt.sh \
   --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 \
   --tensor-model-parallel-size 2 --zero-stage 2 \
   --micro-batch-size 4 --global-batch-size 16 \
-  --train-iters "${TRAIN_ITERS:-300}" --lr 2e-3 --min-lr 2e-4 --lr-warmup-iters 20 --lr-decay-style cosine \
+  --train-iters "${TRAIN_ITERS:-300}" --lr 2e-3 --min-lr 2e-4 --lr-warmup-fraction 0.07 --lr-decay-style cosine \
   --hidden-dropout 0.0 --attention-dropout 0.0 --weight-decay 0.1 --clip-grad 1.0 \
   --data-path "$RUN_DIR/data/stdlib_text_document" --tokenizer-model "$RUN_DIR/data/tokenizer.model" \
   --split 90,8,2 --eval-interval 50 --eval-iters 4 --log-interval 10 \

@@ -48,3 +48,44 @@ def crash_while_saving(rank: int, world: int, argv_ok: list[str], argv_crash: li
 
     checkpointing.publish = killed
     run_configs(rank, world, [argv_crash])
+
+
+def sigterm_at(rank: int, world: int, argv: list[str], iteration: int) -> list[dict]:
+    """Run ``argv`` with SIGTERM delivered to rank 0 during training step ``iteration``."""
+    import os
+    import signal
+
+    import hybrid.training as training
+
+    step, calls = training.train_step, []
+
+    def step_then_signal(*args, **kwargs):
+        calls.append(1)
+        if rank == 0 and len(calls) == iteration:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return step(*args, **kwargs)
+
+    training.train_step = step_then_signal
+    return run_configs(rank, world, [argv])[0]
+
+
+def engine_lifetime(rank: int, world: int, argv: list[str]) -> tuple[bool, bool]:
+    """``(collected without close, collected after close)`` for the engine of a short run."""
+    import gc
+    import weakref
+
+    from hybrid.cli import parse_config
+    from hybrid.config_checks import validate
+    from hybrid.pretrain import run
+
+    cfg = parse_config(argv)
+    out = []
+    for close in (False, True):
+        engine = run(cfg, validate(cfg))["engine"]
+        if close:
+            engine.close()
+        ref = weakref.ref(engine)
+        del engine
+        gc.collect()
+        out.append(ref() is None)
+    return tuple(out)

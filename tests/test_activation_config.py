@@ -44,15 +44,18 @@ def test_num_layers_needs_checkpointing_and_fits_model():
 
 def test_flags():
     c = parse("--checkpoint-activations", "--partition-activations", "--checkpoint-in-cpu",
-              "--contiguous-checkpointing", "--checkpoint-num-layers", "6")
-    assert c == ActivationConfig(True, True, True, True, 6)
+              "--contiguous-checkpointing", "--recompute-granularity", "full", "--recompute-method", "block",
+              "--recompute-num-layers", "6")
+    assert c == ActivationConfig(True, True, True, True, recompute_granularity="full", recompute_method="block",
+                                 recompute_num_layers=6)
+    assert (c.checkpoint_num_layers, c.num_checkpointed(12)) == (6, 6)
     assert parse() == ActivationConfig()
     with pytest.raises(ConfigError, match="needs --checkpoint-activations"):
         parse("--partition-activations")
     with pytest.raises(ConfigError, match="add --partition-activations"):
         parse("--checkpoint-activations", "--checkpoint-in-cpu")
-    helptext = build_parser().format_help()
-    assert "1/tp slice of each checkpoint" in helptext and "first N blocks" in helptext
+    helptext = " ".join(build_parser().format_help().split())
+    assert "1/tp slice of each checkpoint" in helptext and "only the first --recompute-num-layers blocks" in helptext
 
 
 @pytest.mark.parametrize("numel, parts", [(2048, 4), (7, 4), (7, 2), (3, 4), (5, 1)])
@@ -73,7 +76,7 @@ def test_recompute_granularity_and_sequence_parallel_flags():
         parse("--recompute-granularity", "selective", "--checkpoint-activations")
     with pytest.raises(ValueError, match="are alternatives"):
         ActivationConfig(checkpoint_activations=True, recompute_granularity="selective")
-    with pytest.raises(SystemExit):  # argparse names the valid choices
+    with pytest.raises(ConfigError, match="invalid choice: 'block'"):  # names the valid choices
         parse("--recompute-granularity", "block")
     from hybrid.config_checks import validate
 

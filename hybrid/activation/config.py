@@ -7,15 +7,21 @@ from dataclasses import dataclass
 
 from hybrid.config_fields import ConfigError, arg, check_int
 
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+"""Megatron-LM's ``--recompute-granularity``: whole blocks, or the attention core only (2205.05198 §5)."""
+RECOMPUTE_METHODS = ("uniform", "block")
+"""Megatron-core's ``--recompute-method`` for full recompute."""
+
 
 @dataclass
 class ActivationConfig:
     """Activation checkpointing and ZeRO-R P_a / P_a+cpu / M_D (arXiv 1910.02054 §6.1, §6.3).
 
-    ``--checkpoint-num-layers N`` checkpoints the first N blocks and keeps every activation of
-    the others: Megatron-LM's ``--recompute-method block --recompute-num-layers N`` (the
-    memory/compute trade-off when a few blocks fit without recompute). Old Megatron used the
-    same flag name for the chunk size of uniform recompute; DeepSpeed's equivalent knob is
+    ``checkpoint_num_layers = N`` checkpoints the first N blocks and keeps every activation of
+    the others: Megatron-core's ``--recompute-granularity full --recompute-method block
+    --recompute-num-layers N`` (the memory/compute trade-off when a few blocks fit without
+    recompute). The old ``--checkpoint-num-layers`` flag is refused (Megatron-LM and DeepSpeed
+    used that name for chunks of N layers). DeepSpeed's equivalent knob is
     ``number_checkpoints``, which also sizes its contiguous buffers, as N sizes our arena.
     """
 
@@ -24,15 +30,46 @@ class ActivationConfig:
     partition_activations: bool = arg(False, "keep only this TP rank's 1/tp slice of each checkpoint (ZeRO-R Pa)")
     checkpoint_in_cpu: bool = arg(False, "keep the partitioned checkpoint slices in host memory (ZeRO-R Pa+cpu)")
     contiguous_checkpointing: bool = arg(False, "write checkpoints into one preallocated arena (ZeRO-R MD)")
-    checkpoint_num_layers: int | None = arg(None, "checkpoint only the first N blocks (default: all)")
+    checkpoint_num_layers: int | None = arg(
+        None, "removed as a flag (its meaning differed between Megatron-LM, DeepSpeed and this project): use "
+              "--recompute-method block|uniform --recompute-num-layers N; in code, the first N blocks are checkpointed")
     recompute_granularity: str | None = arg(
-        None, "'full' = --checkpoint-activations; 'selective' recomputes only each block's attention core "
-              "(arXiv 2205.05198 §5)", choices=("full", "selective"))
+        None, "'full' recomputes whole blocks (= --checkpoint-activations, see --recompute-method); 'selective' "
+              "recomputes only each block's attention core (arXiv 2205.05198 §5)", choices=RECOMPUTE_GRANULARITIES)
+    recompute_method: str | None = arg(
+        None, "with --recompute-granularity full: 'uniform' checkpoints the input of every chunk of "
+              "--recompute-num-layers blocks, 'block' checkpoints only the first --recompute-num-layers blocks "
+              "(default: uniform)", choices=RECOMPUTE_METHODS)
+    recompute_num_layers: int | None = arg(
+        None, "uniform: blocks per recomputed chunk (only 1 is implemented); block: how many of the first blocks "
+              "are recomputed (default 1 for uniform, every block for block)")
 
     def __post_init__(self) -> None:
         if self.recompute_granularity == "full":
             self.checkpoint_activations = True
+        self._apply_recompute_method()
         self.validate()
+
+    def _apply_recompute_method(self) -> None:
+        """Megatron-core's ``--recompute-method``/``--recompute-num-layers`` -> the first N blocks."""
+        given = [f"--{k.replace('_', '-')} {getattr(self, k)}" for k in ("recompute_method", "recompute_num_layers")
+                 if getattr(self, k) is not None]
+        if not given:
+            return
+        if self.recompute_granularity != "full":
+            raise ConfigError(f"{' '.join(given)} needs --recompute-granularity full")
+        check_int(self, "recompute_num_layers", 1, optional=True)
+        n = self.recompute_num_layers
+        if n is not None and n < 1:
+            raise ConfigError(f"--recompute-num-layers {n} must be >= 1")
+        if (self.recompute_method or "uniform") == "uniform":
+            if n not in (None, 1):
+                raise ConfigError(
+                    f"--recompute-method uniform --recompute-num-layers {n} (one checkpoint per chunk of {n} blocks) "
+                    f"is not implemented; use --recompute-num-layers 1 (every block) or --recompute-method block "
+                    f"--recompute-num-layers {n} (only the first {n} blocks)")
+        elif n is not None:
+            self.checkpoint_num_layers = n
 
     @property
     def selective_recompute(self) -> bool:

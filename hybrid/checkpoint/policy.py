@@ -17,15 +17,17 @@ if TYPE_CHECKING:
 
 
 class Checkpointer:
-    """Saves at ``--save-interval``, at the end, and when SIGTERM / the time limit asks to stop."""
+    """Saves at ``--save-interval``, at the end, and when SIGTERM / the time limit asks to stop
+    (the stop happens without ``--save`` too: it just does not save)."""
 
     def __init__(self, cfg: PretrainConfig, derived: Derived, engine: ZeroEngine, grid: ProcessGrid,
                  tracker: RNGTracker | None, writer: MetricsWriter):
         from hybrid.checkpoint.preemption import StopSignal
 
         self.ck, self.engine, self.grid, self.tracker, self.writer = cfg.checkpoint, engine, grid, tracker, writer
-        self.metadata = _metadata(cfg, derived)
-        self.stop = StopSignal(self.ck.exit_duration_in_mins) if self.ck.save else None
+        self.metadata = dict(_metadata(cfg, derived), wandb_run_id=writer.wandb_run_id)
+        # SIGTERM and the time limit stop the run with or without --save (saving only with it)
+        self.stop = StopSignal(self.ck.exit_duration_in_mins)
         self.saved_at = None
 
     def save(self, state: TrainState) -> None:
@@ -43,7 +45,7 @@ class Checkpointer:
         """Save when due; True (on every rank) when the run must stop now."""
         if self.ck.save_interval and state.iteration % self.ck.save_interval == 0:
             self.save(state)
-        if self.stop is not None and self.stop.should_stop(self.grid.device):
+        if self.stop.should_stop(self.grid.device):
             self.save(state)
             if self.grid.rank == 0:
                 self.writer.print(f" exiting at iteration {state.iteration}: {self.stop.reason()}")
@@ -51,20 +53,48 @@ class Checkpointer:
         return False
 
     def close(self) -> None:
-        if self.stop is not None:
-            self.stop.restore()
+        self.stop.restore()
 
 
 def _metadata(cfg: PretrainConfig, derived: Derived) -> dict:
     import dataclasses
 
     return dict(config=cfg.to_dict(), model=dataclasses.asdict(derived.gpt), tokenizer=cfg.data.tokenizer_model,
-                padded_vocab_size=derived.padded_vocab_size)
+                padded_vocab_size=derived.padded_vocab_size, lr_schedule=run_schedule(cfg, derived))
+
+
+def run_schedule(cfg: PretrainConfig, derived: Derived) -> dict:
+    """This run's LR schedule settings (as stored with each checkpoint)."""
+    from hybrid.checkpoint.resume_checks import schedule_settings
+
+    t = cfg.training
+    return schedule_settings(cfg.optimizer.lr, t.min_lr, derived.warmup_iters, derived.decay_iters, t.lr_decay_style)
+
+
+def lr_schedule(cfg: PretrainConfig, derived: Derived, meta: dict | None, print_fn=None):
+    """The run's :class:`hybrid.schedule.LRSchedule`: the checkpoint's on a resume unless
+    ``--override-opt-param-scheduler`` or ``--no-load-optim``; ``print_fn`` (rank 0) is told
+    which values differ."""
+    from hybrid.checkpoint.resume_checks import resumed_schedule
+    from hybrid.schedule import LRSchedule
+
+    if cfg.checkpoint.no_load_optim:  # as Megatron-LM: no optimizer state, no scheduler state
+        meta = None
+    settings, diffs = resumed_schedule(run_schedule(cfg, derived), meta, cfg.checkpoint.override_opt_param_scheduler)
+    if diffs and print_fn is not None:
+        if cfg.checkpoint.override_opt_param_scheduler:
+            print_fn(f" LR schedule from this run's flags (--override-opt-param-scheduler): {', '.join(diffs)}")
+        else:
+            print_fn(f" LR schedule kept from the checkpoint, ignoring this run's {', '.join(diffs)} "
+                     "(pass --override-opt-param-scheduler to use this run's)")
+    return LRSchedule(settings["lr"], settings["min_lr"], settings["warmup_iters"], settings["decay_iters"],
+                      settings["style"])
 
 
 def resume(cfg: PretrainConfig, engine: ZeroEngine, grid: ProcessGrid, tracker: RNGTracker | None,
-           state: TrainState) -> None:
-    """Load ``--load``'s latest complete checkpoint (if any) into the engine and the loop state."""
+           state: TrainState) -> dict | None:
+    """Load ``--load``'s latest complete checkpoint (if any) into the engine and the loop state;
+    returns its ``metadata.json`` (None when there was none)."""
     from hybrid.checkpoint.directory import latest_iteration
     from hybrid.checkpoint.shards import load_checkpoint
 
@@ -75,7 +105,7 @@ def resume(cfg: PretrainConfig, engine: ZeroEngine, grid: ProcessGrid, tracker: 
                   f"{'--init-from-hf ' + ck.init_from_hf if ck.init_from_hf else 'scratch'}", flush=True)
         if ck.init_from_hf:
             init_from_hf(cfg, engine, grid)
-        return
+        return None
     meta = load_checkpoint(ck.load, engine, grid, tracker, load_optim=not (ck.no_load_optim or ck.finetune),
                            load_rng=not (ck.no_load_rng or ck.finetune))
     if not ck.finetune:
@@ -87,6 +117,7 @@ def resume(cfg: PretrainConfig, engine: ZeroEngine, grid: ProcessGrid, tracker: 
               f"{'fine-tuning from iteration 0' if ck.finetune else f'resuming at consumed samples {state.consumed_samples}'}"
               f"; rank 0 read {meta['read']['bytes'] / 2**20:.2f} MiB of it",
               flush=True)
+    return None if ck.finetune else meta
 
 
 def init_from_hf(cfg: PretrainConfig, engine: ZeroEngine, grid: ProcessGrid) -> None:

@@ -7,24 +7,48 @@ iteration, saves a checkpoint and exits 0.
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 
-import torch
-import torch.distributed as dist
+
+def process_start() -> float:
+    """When this process started, on the :func:`time.monotonic` clock (s).
+
+    On Linux from ``/proc/self/stat`` (the kernel's start time, so interpreter start-up and
+    imports count too); elsewhere the first call of this function (``hybrid.pretrain`` calls it
+    before importing torch).
+    """
+    global _START
+    if _START is None:
+        _START = time.monotonic()
+        try:
+            with open(f"/proc/{os.getpid()}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            age = time.clock_gettime(time.CLOCK_BOOTTIME) - int(fields[19]) / os.sysconf("SC_CLK_TCK")
+            _START -= max(0.0, age)
+        except (OSError, ValueError, IndexError, AttributeError):
+            pass
+    return _START
+
+
+_START: float | None = None
 
 
 class StopSignal:
     """Tracks SIGTERM and ``--exit-duration-in-mins``.
 
     Args:
-        exit_duration_mins: stop once this many minutes have passed since construction
-            (None: no limit).
+        exit_duration_mins: stop once this many minutes have passed since ``start`` (None: no
+            limit).
         signals: which signals request a stop (default SIGTERM).
+        start: :func:`time.monotonic` time the limit counts from (default: the process start,
+            :func:`process_start`, so model build, data indexing and wandb start-up count).
     """
 
-    def __init__(self, exit_duration_mins: float | None = None, signals=(signal.SIGTERM,)):
-        self.start = time.monotonic()
+    def __init__(self, exit_duration_mins: float | None = None, signals=(signal.SIGTERM,),
+                 start: float | None = None):
+        self.start = process_start() if start is None else start
         self.limit_s = None if exit_duration_mins is None else 60.0 * exit_duration_mins
         self.received: int | None = None
         self._previous = {}
@@ -39,8 +63,11 @@ class StopSignal:
             return f"received {signal.Signals(self.received).name}"
         return f"reached --exit-duration-in-mins ({self.limit_s / 60:g})"
 
-    def should_stop(self, device: torch.device) -> bool:
+    def should_stop(self, device) -> bool:
         """True on every rank when any rank got the signal or ran out of time (one all-reduce)."""
+        import torch
+        import torch.distributed as dist
+
         local = self.received is not None or (self.limit_s is not None and time.monotonic() - self.start >= self.limit_s)
         flag = torch.tensor([1.0 if local else 0.0], device=device)
         if dist.is_initialized() and dist.get_world_size() > 1:

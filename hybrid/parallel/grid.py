@@ -65,9 +65,10 @@ def validate_grid(
     if pp != 1:
         raise NotImplementedError(f"pipeline-model-parallel size {pp}: only 1 is supported for now")
     if world_size % (tp * pp):
+        product = f"tensor-model-parallel size {tp}" + (
+            f" x pipeline-model-parallel size {pp} = {tp * pp}" if pp > 1 else "")
         raise ValueError(
-            f"tensor-model-parallel size {tp} x pipeline-model-parallel size {pp} = {tp * pp} "
-            f"does not divide the world size {world_size}; valid tensor-model-parallel sizes: "
+            f"{product} does not divide the world size {world_size}; valid tensor-model-parallel sizes: "
             f"{[d for d in range(1, world_size + 1) if world_size % (d * pp) == 0]}"
         )
     if local_world_size is not None and local_world_size % tp:

@@ -271,6 +271,15 @@ class ZeroEngine:
         self.reducer.zero()
         self._grads_ready = False
 
+    def close(self) -> None:
+        """Remove the gradient and stage-3 hooks. They close reference cycles through autograd
+        (parameter -> hook -> engine -> process groups) that Python's collector cannot see, so
+        without this the process groups (and gloo's threads) outlive ``destroy_process_group``."""
+        for h in self.reducer.hooks:
+            h.remove()
+        if self.gatherer is not None:
+            self.gatherer.remove()
+
     @property
     def loss_scale(self) -> float:
         """The current loss scale (1.0 unless fp16)."""

@@ -1,0 +1,131 @@
+"""What ``--load`` may and may not change, decided before any process group starts.
+
+A resumed run reads the checkpoint's ``metadata.json`` and compares it with its own settings:
+
+* **the model** must have the same shape: a differing field (``hidden_size 64 in the checkpoint,
+  128 here``) is named together with the first parameter whose shape differs;
+* **the data position** (``consumed_samples``) only means the same samples with the same
+  ``--seq-length``, ``--data-path`` (prefixes and blend weights), ``--split``, ``--seed`` and
+  ``--mock-data``; a change would silently skip or repeat data, so it is refused with the old and
+  the new value (``--finetune`` starts a new data order from iteration 0 instead);
+* **``--train-iters``** must not be below the checkpoint's iteration;
+* **the LR schedule** (peak and minimum LR, warmup, decay steps and style) comes from the
+  checkpoint, as Megatron-LM's ``--use-checkpoint-opt_param-scheduler`` does, unless
+  ``--override-opt-param-scheduler`` asks for this run's flags; :func:`resumed_schedule` says
+  which values differ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hybrid.config import PretrainConfig
+
+SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
+                "max_position_embeddings", "untie_embeddings_and_output_weights")
+"""GPTConfig fields that change a parameter's shape (dropout, init std and epsilon do not)."""
+
+DATA_POSITION_FIELDS = (("model", "seq_length"), ("data", "data_path"), ("data", "split"),
+                        ("data", "seed"), ("data", "mock_data"))
+"""Settings that decide which samples ``consumed_samples`` points at."""
+
+SCHEDULE_FIELDS = ("lr", "min_lr", "warmup_iters", "decay_iters", "style")
+
+
+class ResumeMismatch(ValueError):
+    """The run's settings contradict the checkpoint it resumes; the message names the values."""
+
+
+def checkpoint_metadata(load: str) -> dict | None:
+    """``metadata.json`` of the latest complete checkpoint under ``load``; None when there is none."""
+    from pathlib import Path
+
+    from hybrid.checkpoint.directory import latest_iteration, read_metadata
+
+    if not load or not Path(load).is_dir():
+        return None
+    latest = latest_iteration(load)
+    return None if latest is None else read_metadata(load, latest)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _parameter_shapes(model_fields: dict) -> dict[str, tuple[int, ...]]:
+    import torch
+
+    from models.gpt import GPT, GPTConfig
+
+    known = {f.name for f in dataclasses.fields(GPTConfig)}
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**{k: v for k, v in model_fields.items() if k in known}))
+    return {n: tuple(p.shape) for n, p in model.named_parameters()}
+
+
+def check_model(meta: dict, gpt, load: str) -> None:
+    """Raise :class:`ResumeMismatch` when ``gpt`` (a ``GPTConfig``) differs in shape from the
+    checkpoint's model, naming the differing fields and the first differing parameter."""
+    saved, ours = meta["model"], dataclasses.asdict(gpt)
+    diffs = [f"{_flag(k)} {saved.get(k)} in the checkpoint, {ours[k]} here" for k in SHAPE_FIELDS
+             if saved.get(k) != ours[k]]
+    if not diffs:
+        return
+    old, new = _parameter_shapes(saved), _parameter_shapes(ours)
+    first = next((n for n in new if old.get(n) != new[n]), None) or next(iter(sorted(set(old) - set(new))), None)
+    where = ""
+    if first is not None:
+        where = (f"; first differing parameter {first}: {old.get(first, 'absent')} in the checkpoint, "
+                 f"{new.get(first, 'absent')} here")
+    raise ResumeMismatch(f"--load {load} (iteration {meta['iteration']}) holds another model: "
+                         f"{'; '.join(diffs)}{where}. Use the checkpoint's model flags or another --load")
+
+
+def check_resume(cfg: PretrainConfig, gpt, meta: dict) -> None:
+    """Every pre-flight check of a resume from ``meta`` (see the module docstring).
+
+    Raises:
+        ResumeMismatch: the first contradiction found, with the old and the new value.
+    """
+    ck = cfg.checkpoint
+    check_model(meta, gpt, ck.load)
+    if ck.finetune:
+        return
+    it = meta["iteration"]
+    if cfg.training.train_iters < it:
+        raise ResumeMismatch(f"--train-iters {cfg.training.train_iters} is below the iteration of the checkpoint "
+                             f"in --load {ck.load} ({it}); give --train-iters {it} or more to train on from it")
+    saved_cfg = meta.get("config", {})
+    for section, name in DATA_POSITION_FIELDS:
+        if name not in saved_cfg.get(section, {}):
+            continue
+        old, new = saved_cfg[section][name], getattr(getattr(cfg, section), name)
+        if old != new:
+            raise ResumeMismatch(
+                f"{_flag(name)} {_show(new)} differs from the checkpoint's {_show(old)} (--load {ck.load}, "
+                f"iteration {it}): the resumed data position ({meta['train_state']['consumed_samples']} "
+                f"consumed samples) would point at other samples, skipping or repeating data. Resume "
+                f"with {_flag(name)} {_show(old)}, or start a new data order with --finetune")
+
+
+def _show(value) -> str:
+    if isinstance(value, list):
+        return " ".join(map(str, value)) or "(none)"
+    return str(value)
+
+
+def schedule_settings(lr: float, min_lr: float, warmup_iters: int, decay_iters: int, style: str) -> dict:
+    """The LR schedule's settings as stored in ``metadata.json`` (``SCHEDULE_FIELDS``)."""
+    return dict(lr=lr, min_lr=min_lr, warmup_iters=warmup_iters, decay_iters=decay_iters, style=style)
+
+
+def resumed_schedule(ours: dict, meta: dict | None, override: bool) -> tuple[dict, list[str]]:
+    """``(settings, differences)``: the LR schedule a resumed run uses and how this run's flags
+    differ from the checkpoint's (``"decay_iters 20 -> 40"``). The checkpoint's settings win
+    unless ``override``; without a checkpoint (or one saved before schedules were stored) the
+    run's own."""
+    saved = (meta or {}).get("lr_schedule")
+    if saved is None:
+        return ours, []
+    diffs = [f"{k} {saved[k]} -> {ours[k]}" for k in SCHEDULE_FIELDS if saved[k] != ours[k]]
+    return (ours if override else saved), diffs

@@ -1,0 +1,68 @@
+"""Stopping a run (issue 13 item 3): SIGTERM and ``--exit-duration-in-mins`` stop the run at the
+first iteration past them with or without ``--save``, and the time limit counts from the process
+start (model build, data indexing and wandb start-up included)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hybrid.checkpoint.preemption import StopSignal
+from hybrid.parallel.spawn import spawn_world
+from tests.pretrain_worlds import run_configs, sigterm_at
+
+ROOT = Path(__file__).resolve().parents[1]
+MOCK = ["--mock-data", "--vocab-size", "500", "--num-layers", "1", "--hidden-size", "32",
+        "--num-attention-heads", "2", "--seq-length", "16", "--micro-batch-size", "2",
+        "--log-interval", "1", "--eval-iters", "0", "--train-iters", "40"]
+
+
+def test_the_limit_counts_from_the_process_start():
+    code = ("import time; time.sleep(1.5); from hybrid.checkpoint.preemption import process_start; "
+            "print(time.monotonic() - process_start())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)), check=True)
+    assert 1.5 <= float(out.stdout) < 30
+    stop = StopSignal(2.0 / 60, signals=())  # 2 s since this (older) test process started
+    assert stop.should_stop("cpu")
+    assert not StopSignal(2.0 / 60, signals=(), start=time.monotonic()).should_stop("cpu")
+
+
+def iterations(history) -> list[int]:
+    return [r["iteration"] for r in history if "split" not in r]
+
+
+@pytest.mark.timeout(200)
+def test_sigterm_and_time_limit_stop_without_save(tmp_path):
+    before = signal.getsignal(signal.SIGTERM)
+    (timed,) = spawn_world(1, run_configs, [MOCK + ["--exit-duration-in-mins", "0.0001"]], timeout_s=60)[0]
+    assert iterations(timed) == [1]
+    termed = spawn_world(2, sigterm_at, MOCK + ["--global-batch-size", "4"], 3, timeout_s=60)
+    assert [iterations(h) for h in termed] == [[1, 2, 3], [1, 2, 3]]
+    assert signal.getsignal(signal.SIGTERM) == before
+    assert not list(tmp_path.iterdir())  # nothing saved anywhere we own
+
+
+@pytest.mark.timeout(400)
+def test_closed_engine_releases_its_process_groups():
+    # The engine's gradient hooks close a cycle through autograd that gc cannot see; the
+    # process groups it references (and gloo's threads) then outlived destroy_process_group.
+    from tests.pretrain_worlds import engine_lifetime
+
+    argv = MOCK + ["--train-iters", "1", "--global-batch-size", "4"]
+    got = spawn_world(2, engine_lifetime, argv + ["--zero-stage", "3"], timeout_s=120)  # reducer + gatherer hooks
+    assert got == [(False, True), (False, True)]
+
+
+@pytest.mark.timeout(400)
+def test_resumed_two_rank_runs_exit_zero(tmp_path):
+    env = dict(os.environ, RUNS="2", LOG_DIR=str(tmp_path), PYTHON=sys.executable, PYTHONPATH=str(ROOT))
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "resume_exit_loop.sh")], env=env, capture_output=True,
+                         text=True, timeout=380)
+    assert out.returncode == 0 and "resumed runs that exited 0: 2 of 2" in out.stdout, out.stdout + out.stderr[-2000:]

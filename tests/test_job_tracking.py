@@ -1,0 +1,109 @@
+"""Metrics and tracking around resumes and bad networks (issue 13 items 6, 8, 9)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from hybrid.checkpoint.directory import latest_iteration, read_metadata
+from hybrid.parallel.spawn import spawn_world
+from hybrid.plot_metrics import read_metrics
+from tests.pretrain_worlds import run_configs
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_readers_keep_the_latest_record_per_iteration(tmp_path):
+    # crashed after 6 (last checkpoint at 4), resumed from 4 to 8: 1..6 then 5..8 in one file
+    lines = [dict(kind="train", iteration=i, lm_loss=10.0 - i) for i in range(1, 7)]
+    lines += [dict(kind="eval", split="valid", iteration=4, lm_loss=7.0),
+              dict(kind="eval", split="valid", iteration=6, lm_loss=99.0)]
+    lines += [dict(kind="train", iteration=i, lm_loss=20.0 - i) for i in range(5, 9)]
+    lines += [dict(kind="eval", split="valid", iteration=6, lm_loss=6.5),
+              dict(kind="eval", split="valid", iteration=8, lm_loss=6.0)]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    train, evals = read_metrics(path)
+    assert [(r["iteration"], r["lm_loss"]) for r in train] == [
+        (1, 9.0), (2, 8.0), (3, 7.0), (4, 6.0), (5, 15.0), (6, 14.0), (7, 13.0), (8, 12.0)]
+    assert [(r["iteration"], r["lm_loss"]) for r in evals] == [(4, 7.0), (6, 6.5), (8, 6.0)]
+
+
+MOCK = ["--mock-data", "--vocab-size", "500", "--num-layers", "1", "--hidden-size", "32",
+        "--num-attention-heads", "2", "--seq-length", "16", "--micro-batch-size", "2",
+        "--log-interval", "1", "--eval-iters", "0", "--wandb-project", "resume"]
+
+
+@pytest.mark.timeout(200)
+def test_resumed_job_continues_its_wandb_run_and_writes_a_compact_header(tmp_path, capfd, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    ck, wb, metrics = tmp_path / "ck", tmp_path / "wb", tmp_path / "m" / "metrics.jsonl"
+    extra = ["--save", str(ck), "--load", str(ck), "--wandb-save-dir", str(wb), "--metrics-file", str(metrics)]
+    spawn_world(1, run_configs, [MOCK + extra + ["--train-iters", "2"], MOCK + extra + ["--train-iters", "4"]],
+                timeout_s=60)
+    out = capfd.readouterr().out
+    run_id = read_metadata(ck, latest_iteration(ck))["wandb_run_id"]
+    runs = sorted(p.name for p in (wb / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(r.endswith("-" + run_id) for r in runs), (runs, run_id)
+    # start-up: two header lines before the first iteration, no JSON dump, no empty traffic
+    head = [line.strip() for line in out.split(" iteration ")[0].splitlines() if line.strip()]
+    assert len(head) == 3 and head[0].startswith("hybrid-zero pretraining |"), head
+    assert head[1].startswith("no checkpoint under --load") and head[2].startswith("ZeRO stage 1 fp32"), head
+    assert "moved last step" not in out and '"model": {' not in out
+    config = json.loads((tmp_path / "m" / "metrics.config.json").read_text())
+    assert config["optim"]["train_iters"] == 4 and config["logging"]["wandb_project"] == "resume"
+
+
+class SilentServer:
+    """Accepts TCP connections on 127.0.0.1 and never answers (a server that does not respond)."""
+
+    def __enter__(self):
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port, self.conns = self.sock.getsockname()[1], []
+        threading.Thread(target=self._accept, daemon=True).start()
+        return self
+
+    def _accept(self):
+        while True:
+            try:
+                self.conns.append(self.sock.accept()[0])
+            except OSError:
+                return
+
+    def __exit__(self, *exc):
+        self.sock.close()
+        for c in self.conns:
+            c.close()
+
+
+WANDB_CHILD = """
+import sys, time
+from hybrid.metrics import MetricsWriter
+t = time.monotonic()
+w = MetricsWriter(0, None, {"a": 1}, "p", None, sys.argv[1], wandb_init_timeout=3)
+print(w.wandb_run_id is not None, w._wandb.settings.mode, round(time.monotonic() - t, 1))
+w.eval({"split": "valid", "iteration": 1, "lm_loss": 2.0})
+w.close()
+"""
+
+
+@pytest.mark.timeout(200)
+def test_unreachable_wandb_server_falls_back_to_offline_quickly(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    with SilentServer() as server:
+        env.update(PYTHONPATH=str(ROOT), HOME=str(tmp_path), WANDB_API_KEY="x" * 40,
+                   WANDB_BASE_URL=f"http://127.0.0.1:{server.port}")
+        out = subprocess.run([sys.executable, "-c", WANDB_CHILD, str(tmp_path / "wb")], env=env,
+                             capture_output=True, text=True, timeout=150)
+    assert out.returncode == 0, out.stderr[-2000:]
+    started, mode, seconds = out.stdout.splitlines()[0].split()  # then the logged eval line
+    assert (started, mode) == ("True", "offline") and float(seconds) < 60, out.stdout
+    assert "could not reach its server within --wandb-init-timeout 3 s" in out.stderr
+    assert len(list((tmp_path / "wb" / "wandb").glob("offline-run-*"))) == 1

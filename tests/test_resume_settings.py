@@ -1,0 +1,75 @@
+"""Changed settings on ``--load`` (issue 13 items 5 and 7): the LR schedule comes from the
+checkpoint unless ``--override-opt-param-scheduler``; a changed data position, model shape or a
+``--train-iters`` below the checkpoint is refused before any process group, naming old and new."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybrid.cli import parse_config
+from hybrid.config_checks import ConfigError, validate
+from hybrid.parallel.spawn import spawn_world
+from hybrid.schedule import LRSchedule
+from tests.pretrain_worlds import run_configs
+
+MOCK = ["--mock-data", "--vocab-size", "1000", "--num-layers", "2", "--hidden-size", "64",
+        "--num-attention-heads", "4", "--seq-length", "32", "--max-position-embeddings", "64",
+        "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", "1",
+        "--log-interval", "1", "--eval-iters", "0", "--seed", "3"]
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """Saved at 4 of 4; resumed to 8 with the checkpoint's schedule and with this run's."""
+    ck = str(tmp_path_factory.mktemp("sched") / "ck")
+    histories = spawn_world(1, run_configs, [
+        MOCK + ["--train-iters", "4", "--save", ck],
+        MOCK + ["--train-iters", "8", "--load", ck],
+        MOCK + ["--train-iters", "8", "--load", ck, "--override-opt_param-scheduler"],
+    ], timeout_s=120)[0]
+    return ck, histories
+
+
+def lrs(history) -> dict[int, float]:
+    return {r["iteration"]: r["lr"] for r in history if "split" not in r}
+
+
+@pytest.mark.timeout(200)
+def test_schedule_comes_from_the_checkpoint_unless_overridden(resumed):
+    _, (first, kept, overridden) = resumed
+    saved = LRSchedule(3e-3, 3e-4, 1, 4, "cosine")
+    assert lrs(first) == {i: saved(i - 1) for i in range(1, 5)}
+    # the checkpoint's schedule (decay over 4 steps) ends at min-lr: no jump back up
+    assert lrs(kept) == {i: 3e-4 for i in range(5, 9)}
+    fresh = LRSchedule(3e-3, 3e-4, 1, 8, "cosine")
+    assert lrs(overridden) == {i: fresh(i - 1) for i in range(5, 9)}
+    assert lrs(overridden)[5] > 1e-3  # the jump, asked for explicitly
+
+
+def check(argv):
+    return validate(parse_config(argv), world_size=1)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("change,message", [
+    (["--hidden-size", "128"], r"--hidden-size 64 in the checkpoint, 128 here;.* first differing parameter "
+                               r"\S+: \(1000, 64\) in the checkpoint, \(1000, 128\) here"),
+    (["--num-layers", "3"], "--num-layers 2 in the checkpoint, 3 here; first differing parameter layers.2"),
+    (["--train-iters", "3"], r"--train-iters 3 is below the iteration of the checkpoint in --load \S+ \(4\)"),
+    (["--seq-length", "64"], r"--seq-length 64 differs from the checkpoint's 32 .*16 consumed samples"),
+    (["--split", "90,8,2"], "--split 90,8,2 differs from the checkpoint's 969,30,1"),
+    (["--seed", "4"], "--seed 4 differs from the checkpoint's 3"),
+])
+def test_contradicting_the_checkpoint_fails_before_any_process_group(resumed, change, message):
+    ck, _ = resumed
+    with pytest.raises(ConfigError, match=message):
+        check(MOCK + ["--train-iters", "8", "--load", ck] + change)
+
+
+@pytest.mark.timeout(200)
+def test_allowed_changes_on_resume(resumed):
+    ck, _ = resumed
+    check(MOCK + ["--train-iters", "8", "--load", ck, "--hidden-dropout", "0.2", "--global-batch-size", "8"])
+    check(MOCK + ["--train-iters", "2", "--load", ck, "--finetune", "--seq-length", "64", "--seed", "9"])
+    with pytest.raises(ConfigError, match="mutually exclusive"):
+        check(MOCK + ["--load", ck, "--override-opt-param-scheduler", "--use-checkpoint-opt_param-scheduler"])
