@@ -17,19 +17,19 @@ from hybrid.config_checks import ConfigError, Derived, activation_config, valida
 
 
 def build_model(cfg: PretrainConfig, derived: Derived, grid, tracker):
-    """The tensor-parallel GPT on ``grid.device``, initialised from the seed exactly as the
-    single-process ``GPT.init_weights(seed)`` would be, whatever the tp."""
+    """The tensor-parallel GPT on ``meta`` and its weight source: the ZeRO engine materialises
+    it unit by unit, initialised from the seed exactly as the single-process
+    ``GPT.init_weights(seed)`` would be, whatever the tp."""
     from hybrid.parallel.kernels import use_fused_kernels
-    from hybrid.parallel.tp_plan import parallelize_gpt
+    from hybrid.parallel.tp_plan import parallelize_gpt, seeded_weights
     from models.gpt import GPT
 
     with torch.device("meta"):
         model = GPT(derived.gpt)
-    parallelize_gpt(model, grid.tp_group, tracker=tracker, seed=cfg.data.seed,
+    parallelize_gpt(model, grid.tp_group, tracker=tracker,
                     make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
-    model = model.to(grid.device)
     use_fused_kernels(model, grid.device)
-    return model
+    return model, seeded_weights(derived.gpt, cfg.data.seed)
 
 
 def build_datasets(cfg: PretrainConfig, derived: Derived):
@@ -65,7 +65,7 @@ def build_engine(cfg: PretrainConfig, derived: Derived, grid, tracker):
     from hybrid.zero.engine import OptimizerConfig, ZeroConfig, ZeroEngine
 
     p, o = cfg.parallel, cfg.optim
-    model = build_model(cfg, derived, grid, tracker)
+    model, weights = build_model(cfg, derived, grid, tracker)
     act = activation_config(cfg)
     if act.checkpoint_activations:
         apply_activation_checkpointing(model, grid, act, tracker)
@@ -79,6 +79,7 @@ def build_engine(cfg: PretrainConfig, derived: Derived, grid, tracker):
                    loss_scale_window=o.loss_scale_window, hysteresis=o.hysteresis, min_loss_scale=o.min_loss_scale),
         OptimizerConfig(lr=o.lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
                         adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad),
+        weights=weights,
     )
 
 

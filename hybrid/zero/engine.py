@@ -48,6 +48,8 @@ from hybrid.zero.layout import PartitionLayout
 from hybrid.zero.loss_scaler import LossScaler
 from hybrid.zero.reduce import GradReducer
 from hybrid.zero.stage3 import ParamGatherer
+from hybrid.zero.storage import (FlatStates, WeightSource, allocate_states, bind_parameters,
+                                 check_materialised, fill_units, model_weights)
 
 __all__ = ["OptimizerConfig", "StepInfo", "ZeroConfig", "ZeroEngine"]
 
@@ -73,16 +75,22 @@ class ZeroEngine:
     """ZeRO stage 0-3 over ``grid.dp_group`` for a (tensor-parallel) model.
 
     Args:
-        model: the model on ``grid.device`` with fp32 weights, every parameter carrying a
-            ``tp_spec``; its parameters become views of the engine's buffers, converted to the
-            training precision.
+        model: the (tensor-parallel) model, every parameter carrying a ``tp_spec``: on
+            ``meta`` (built unit by unit from ``weights``) or materialised on ``grid.device``;
+            its parameters become views of the engine's buffers in the training precision.
         grid: the process grid (its data-parallel group partitions, the world reduces norms).
         zero_config: stage, buckets, overlap, precision and loss scaling.
         optimizer_config: AdamW hyper-parameters and clipping.
+        weights: the initial weights (:mod:`hybrid.zero.storage`), e.g.
+            ``hybrid.parallel.tp_plan.seeded_weights(config, seed)``; None reads the model's own
+            (materialised) parameters.
+
+    Raises:
+        ValueError: a meta parameter without ``weights``, a meta buffer, a wrong source shape.
     """
 
     def __init__(self, model: nn.Module, grid, zero_config: ZeroConfig,
-                 optimizer_config: OptimizerConfig):
+                 optimizer_config: OptimizerConfig, weights: WeightSource | None = None):
         zero_config.validate()
         optimizer_config.validate()
         self.model, self.grid = model, grid
@@ -100,7 +108,7 @@ class ZeroEngine:
         self.skipped_steps = 0
         self.optimizer_steps = 0
         self.last_comm_bytes: dict = {}
-        self._build_buffers()
+        self._build_buffers(weights)
         self.reducer = GradReducer(
             self.params, L, self.stage, self.comm, zero_config.reduce_bucket_size,
             zero_config.overlap_comm, on_unit_ready=self._on_unit_ready)
@@ -122,38 +130,34 @@ class ZeroEngine:
 
     # ---- construction ------------------------------------------------------------------------
     @torch.no_grad()
-    def _build_buffers(self) -> None:
+    def _build_buffers(self, weights: WeightSource | None) -> None:
+        """Steady-state buffers, filled unit by unit (:mod:`hybrid.zero.storage`): the
+        construction peak is the model states plus one unit in fp32, never a second full copy."""
         L, dev = self.layout, self.grid.device
-        full = torch.zeros(L.total_numel, dtype=torch.float32, device=dev)
-        for s in L.slots:
-            full[s.offset:s.offset + s.numel].copy_(self.params[s.index].detach().reshape(-1))
-        if self.stage == 0:
-            self.master = full
-        else:
-            self.master = torch.empty(L.partition_numel, dtype=torch.float32, device=dev)
-            for u in L.units:
-                a, b = L.shard_range(u.index, self.dp_rank)
-                self.master[u.part_offset:u.part_offset + u.shard].copy_(full[a:b])
-        domain = self.master.numel()
-        self.exp_avg = torch.zeros(domain, dtype=torch.float32, device=dev)
-        self.exp_avg_sq = torch.zeros(domain, dtype=torch.float32, device=dev)
+        check_materialised(self.model)
+        st = allocate_states(L, self.stage, self.dtype, dev)
+        fill_units(st, L, self.stage, self.dp_rank, self.params, weights or model_weights(self.params))
+        self.params = bind_parameters(self.model, L, self.params, st.unit_bufs)
+        self.master, self.exp_avg, self.exp_avg_sq = st.master, st.exp_avg, st.exp_avg_sq
+        self.param_flat, self.param_shard, self.unit_bufs = st.param_flat, st.param_shard, st.unit_bufs
         self.ag_chunk = max(1, self.config.allgather_bucket_size // self.dp)
-        self.unit_bufs: list[torch.Tensor] = []
-        self.param_shard = None
-        if self.stage < 3:
-            self.param_flat = full.to(self.dtype, copy=True)
-            self.unit_bufs = [self.param_flat[u.offset:u.offset + u.padded] for u in L.units]
-        else:
-            self.param_flat = None
-            self.param_shard = self.master.to(self.dtype, copy=True)
-            self.unit_bufs = [full[u.offset:u.offset + u.padded].to(self.dtype, copy=True)
-                              for u in L.units]
-        for s in L.slots:
-            u = L.units[s.unit]
-            view = self.unit_bufs[s.unit][s.offset - u.offset:s.offset - u.offset + s.numel]
-            self.params[s.index].data = view.view(s.shape)
         self._ag_staging = (torch.empty(min(self.ag_chunk, L.partition_numel), dtype=self.dtype,
                                         device=dev) if self.stage in (1, 2, 3) else None)
+
+    def load_weights(self, weights: WeightSource, units=None) -> None:
+        """Set the fp32 master weights and the compute-dtype parameters from ``weights`` (see
+        :mod:`hybrid.zero.storage`), one unit at a time, without collectives; ``units``
+        (indices into ``layout.units``) limits it to some units. Adam moments are unchanged:
+        this is how ``--finetune`` weights enter, the same way as the initial ones.
+
+        Raises:
+            ValueError: a source tensor's shape differs from the local parameter's.
+        """
+        fill_units(self._states(), self.layout, self.stage, self.dp_rank, self.params, weights, units)
+
+    def _states(self) -> FlatStates:
+        return FlatStates(self.master, self.exp_avg, self.exp_avg_sq, self.param_flat,
+                          self.param_shard, self.unit_bufs)
 
     def _build_optimizer(self) -> None:
         L, oc = self.layout, self.opt_config
