@@ -55,6 +55,8 @@ class ParallelArgs:
     checkpoint_in_cpu: bool = arg(False, "keep the checkpoint slices in host memory (ZeRO-R Pa+cpu)")
     contiguous_checkpointing: bool = arg(False, "write checkpoints into one preallocated arena (ZeRO-R MD)")
     distributed_timeout_minutes: float = arg(10.0, "collective timeout, in minutes")
+    dry_run_world_size: int | None = arg(None, "dry run: build one rank of an N-rank job with a fake process group and fake tensors, run one step, print its memory (no devices, no data)")
+    dry_run_rank: int = arg(0, "the rank the dry run builds (0 .. N-1)")
 
 
 @dataclass

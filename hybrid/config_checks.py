@@ -134,6 +134,9 @@ def validate(cfg: PretrainConfig, world_size: int | None = None,
         shape = validate_grid(world, tp, 1, local)
     except (ValueError, NotImplementedError) as e:
         raise ConfigError(str(e)) from None
+    if p.dry_run_world_size is not None and not 0 <= p.dry_run_rank < p.dry_run_world_size:
+        raise ConfigError(f"--dry-run-rank {p.dry_run_rank} must be in [0, --dry-run-world-size "
+                          f"{p.dry_run_world_size})")
     if p.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"--zero-stage {p.zero_stage}: valid stages are 0, 1, 2, 3")
     if o.bf16 and o.fp16:

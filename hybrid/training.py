@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid.metrics import MetricsWriter, memory_mb
+from hybrid.zero.grad_norm import host_values
 
 
 class TooManyNaNIterations(RuntimeError):
@@ -80,7 +81,7 @@ def train_step(engine, micro_batches: list[torch.Tensor], lr: float, grid) -> St
         loss = engine.model(tokens[:, :-1], tokens[:, 1:]).mean()
         engine.backward(loss / n, is_last_micro_batch=i == n - 1)
         losses[i] = loss.detach().double().cpu()
-    mean = _dp_mean(losses.mean().reshape(1).to(grid.device), grid.dp_group, grid.dp_size).item()
+    mean = host_values(_dp_mean(losses.mean().reshape(1).to(grid.device), grid.dp_group, grid.dp_size))[0]
     if not math.isfinite(mean):
         engine.zero_grad()
         return StepResult(mean, float("nan"), engine.loss_scale, True, True)

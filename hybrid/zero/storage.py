@@ -159,7 +159,7 @@ def bind_parameters(model: nn.Module, layout: PartitionLayout, params: list[torc
                 p.data = view
             else:
                 q = nn.Parameter(view, requires_grad=p.requires_grad)
-                q.__dict__.update(p.__dict__)
+                q.__dict__.update({k: v for k, v in p.__dict__.items() if k not in q.__dict__})
                 new[id(p)] = q
                 out[si] = q
         if empty:
