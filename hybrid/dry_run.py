@@ -105,7 +105,8 @@ def dry_run(cfg, derived, rank: int = 0) -> dict:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     grid = ProcessGrid(tp=derived.tp, device=torch.device("cpu"))
     tracker = RNGTracker(cfg.data.seed, grid.tp_rank, grid.device)
-    with FakeTensorMode():
+    # real inputs (the CPU RNG state an activation checkpoint saves) are converted as they come
+    with FakeTensorMode(allow_non_fake_inputs=True):
         with MemTracker() as build:
             engine = build_engine(cfg, derived, grid, tracker)
         construction_peak = _total(build.get_tracker_snapshot("peak"))
