@@ -129,7 +129,8 @@ def dry_run(cfg, derived, rank: int = 0) -> dict:
                     gathered_peak=gathered, tracked_after_build=start)
     return dict(rank=rank, world=world, tp=grid.tp_size, dp=grid.dp_size, tp_rank=grid.tp_rank,
                 dp_rank=grid.dp_rank, stage=engine.stage, precision=engine.config.precision,
-                local_params=engine.layout.numel, measured=measured,
+                local_params=engine.layout.numel, optimizer_steps=engine.optimizer_steps,
+                largest_param=max(sl.numel for sl in engine.layout.slots), measured=measured,
                 bound=start + 4 * max(u.padded for u in engine.layout.units),
                 planned=planner_figures(cfg, derived), build_s=built_s,
                 wall_s=time.perf_counter() - t0)

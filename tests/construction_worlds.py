@@ -39,20 +39,20 @@ def _build(grid, cfg: GPTConfig, stage: int, materialised: bool):
     return ZeroEngine(model, grid, zc, OptimizerConfig(lr=1e-3), weights=weights)
 
 
-def construction_peaks(rank: int, world: int, model_kw: dict, stages, tp: int = 1,
-                       materialised: bool = False) -> dict:
-    """Per stage: ``peak`` (bytes tracked at the construction peak), ``steady`` (tracked once
+def construction_peaks(rank: int, world: int, model_kw: dict, builds, tp: int = 1) -> dict:
+    """Per ``(stage, materialised)`` of ``builds``: ``peak`` (bytes tracked at the construction peak), ``steady`` (tracked once
     built: model states + buffers), ``unit_fp32`` (the largest unit's fp32 bytes),
     ``states`` (``engine.memory_bytes()`` params + grads + master + optimizer)."""
     grid = ProcessGrid(tp=tp)
     cfg = GPTConfig(**model_kw, hidden_dropout=0.0, attention_dropout=0.0)
     out = {}
-    for stage in stages:
+    for stage, materialised in builds:
         with MemTracker() as mt:
             engine = _build(grid, cfg, stage, materialised)
         mem = engine.memory_bytes()
-        out[stage] = dict(peak=_total(mt, "peak"), steady=_total(mt, "current"),
+        out[stage, materialised] = dict(peak=_total(mt, "peak"), steady=_total(mt, "current"),
                           unit_fp32=4 * max(u.padded for u in engine.layout.units),
+                          param_fp32=4 * max(s.numel for s in engine.layout.slots),
                           states=sum(mem[k] for k in ("params", "grads", "master", "optimizer")),
                           buffers=mem["buffers"], local_params=engine.layout.numel)
         del engine, mt

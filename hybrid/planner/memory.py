@@ -378,18 +378,13 @@ def comm_buffer_bytes(
     overlap: bool = True,
     root_params: int = 0,
 ) -> int:
-    """Bytes of the constant-size communication buffers (C_B, ZeRO §6.2, arXiv:1910.02054) one
-    rank allocates, as :class:`hybrid.zero.engine.ZeroEngine` allocates them.
-
-    - stage 0: none (gradients are all-reduced in place in the flat gradient buffer);
-    - stages 1-3: the reduce-scatter staging, 2 pairs with ``overlap`` (one filling while the
-      other is in flight), else 1, of an input of ``dp * chunk`` and an output of ``chunk``
-      gradient elements, ``chunk = min(reduce_bucket // dp, partition)``; plus one all-gather
-      staging of ``min(allgather_bucket // dp, partition)`` parameter elements, with
-      ``partition = ceil(params_per_rank / dp)`` (the TP shard's ZeRO partition);
-    - stage 3 also holds gathered units at their peak: the ``root`` unit (embeddings, final
-      norm, untied head: ``root_params`` elements) for the whole forward and backward, and two
-      blocks of ``largest_layer_params`` (the current one and the prefetched next one).
+    """Bytes of constant-size communication buffers (C_B, ZeRO §6.2, arXiv:1910.02054) one rank
+    holds, as :class:`hybrid.zero.engine.ZeroEngine` allocates them. Stage 0: none (in-place
+    all-reduce). Stages 1-3: 2 (``overlap``) or 1 reduce-scatter pairs of ``dp * chunk`` +
+    ``chunk`` gradient elements, ``chunk = min(reduce_bucket // dp, ceil(params_per_rank / dp))``,
+    and one all-gather staging of ``min(allgather_bucket // dp, ...)`` parameter elements.
+    Stage 3 also gathers the ``root`` unit (``root_params``: embeddings, final norm, untied
+    head) for the whole step and two blocks of ``largest_layer_params`` (current + prefetch).
     """
     _check_stage(stage)
     _check_positive(dp=dp)

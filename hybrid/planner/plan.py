@@ -261,17 +261,9 @@ def evaluate(
     layer_sharded, layer_replicated = layer_parameter_split(m)
     block = layer_sharded // tp + layer_replicated
     root = psi_t - m.num_layers * block
-    buffers = comm_buffer_bytes(
-        psi_t,
-        stage,
-        training.reduce_bucket_elements,
-        training.allgather_bucket_elements,
-        prec,
-        block,
-        dp,
-        training.overlap_comm,
-        root,
-    )
+    buffers = comm_buffer_bytes(psi_t, stage, training.reduce_bucket_elements,
+                                training.allgather_bucket_elements, prec, block, dp,
+                                training.overlap_comm, root)
     total = states["total"] + acts["gpu"] + buffers + int(cluster.reserved_bytes)
 
     recompute = activation != "none"

@@ -41,6 +41,7 @@ import torch.nn as nn
 
 from hybrid.parallel.layers import get_tp_spec
 from hybrid.parallel.tp_plan import gather_full_tensor
+from hybrid.zero import storage
 from hybrid.zero.comm import DPComm
 from hybrid.zero.config import OptimizerConfig, ZeroConfig
 from hybrid.zero.grad_norm import clip_coefficient, global_grad_norm
@@ -48,8 +49,6 @@ from hybrid.zero.layout import PartitionLayout
 from hybrid.zero.loss_scaler import LossScaler
 from hybrid.zero.reduce import GradReducer
 from hybrid.zero.stage3 import ParamGatherer
-from hybrid.zero.storage import (FlatStates, WeightSource, allocate_states, bind_parameters,
-                                 check_materialised, fill_units, model_weights)
 
 __all__ = ["OptimizerConfig", "StepInfo", "ZeroConfig", "ZeroEngine"]
 
@@ -90,7 +89,7 @@ class ZeroEngine:
     """
 
     def __init__(self, model: nn.Module, grid, zero_config: ZeroConfig,
-                 optimizer_config: OptimizerConfig, weights: WeightSource | None = None):
+                 optimizer_config: OptimizerConfig, weights: storage.WeightSource | None = None):
         zero_config.validate()
         optimizer_config.validate()
         self.model, self.grid = model, grid
@@ -130,34 +129,32 @@ class ZeroEngine:
 
     # ---- construction ------------------------------------------------------------------------
     @torch.no_grad()
-    def _build_buffers(self, weights: WeightSource | None) -> None:
+    def _build_buffers(self, weights: storage.WeightSource | None) -> None:
         """Steady-state buffers, filled unit by unit (:mod:`hybrid.zero.storage`): the
         construction peak is the model states plus one unit in fp32, never a second full copy."""
         L, dev = self.layout, self.grid.device
-        check_materialised(self.model)
-        st = allocate_states(L, self.stage, self.dtype, dev)
-        fill_units(st, L, self.stage, self.dp_rank, self.params, weights or model_weights(self.params))
-        self.params = bind_parameters(self.model, L, self.params, st.unit_bufs)
+        storage.check_materialised(self.model)
+        st = storage.allocate_states(L, self.stage, self.dtype, dev)
+        storage.fill_units(st, L, self.stage, self.dp_rank, self.params,
+                           weights or storage.model_weights(self.params))
+        self.params = storage.bind_parameters(self.model, L, self.params, st.unit_bufs)
         self.master, self.exp_avg, self.exp_avg_sq = st.master, st.exp_avg, st.exp_avg_sq
         self.param_flat, self.param_shard, self.unit_bufs = st.param_flat, st.param_shard, st.unit_bufs
         self.ag_chunk = max(1, self.config.allgather_bucket_size // self.dp)
         self._ag_staging = (torch.empty(min(self.ag_chunk, L.partition_numel), dtype=self.dtype,
                                         device=dev) if self.stage in (1, 2, 3) else None)
 
-    def load_weights(self, weights: WeightSource, units=None) -> None:
-        """Set the fp32 master weights and the compute-dtype parameters from ``weights`` (see
-        :mod:`hybrid.zero.storage`), one unit at a time, without collectives; ``units``
-        (indices into ``layout.units``) limits it to some units. Adam moments are unchanged:
-        this is how ``--finetune`` weights enter, the same way as the initial ones.
+    def load_weights(self, weights: storage.WeightSource, units=None) -> None:
+        """Set the fp32 master and the compute-dtype parameters from ``weights`` one unit at a
+        time, without collectives (``units``: indices into ``layout.units``, default all); the
+        Adam moments are unchanged. ``--finetune`` weights enter this way, like initial ones.
 
         Raises:
             ValueError: a source tensor's shape differs from the local parameter's.
         """
-        fill_units(self._states(), self.layout, self.stage, self.dp_rank, self.params, weights, units)
-
-    def _states(self) -> FlatStates:
-        return FlatStates(self.master, self.exp_avg, self.exp_avg_sq, self.param_flat,
-                          self.param_shard, self.unit_bufs)
+        st = storage.FlatStates(self.master, self.exp_avg, self.exp_avg_sq, self.param_flat,
+                                self.param_shard, self.unit_bufs)
+        storage.fill_units(st, self.layout, self.stage, self.dp_rank, self.params, weights, units)
 
     def _build_optimizer(self) -> None:
         L, oc = self.layout, self.opt_config
