@@ -13,6 +13,9 @@ naming), one sequence per document, token dtype from the vocabulary size.
 Row policy, per key:
 
 * missing, null or non-string values are skipped and counted (one warning at the end);
+* a row that cannot be read (invalid UTF-8 in a ``--json-keys`` value, a line that is no JSON
+  object) is skipped and counted, its file and line named in a warning; other keys never
+  matter (see :mod:`data.text_files`);
 * a text that is empty *or only whitespace* is an empty document and produces no sample (no
   lone end-of-document token either): it carries nothing to learn from;
 * any other text is tokenized verbatim, leading and trailing whitespace included, and with
@@ -43,7 +46,7 @@ import pyarrow.compute as pc
 from tqdm import tqdm
 
 from data.indexed_dataset import IndexedDatasetWriter, dtype_for_vocab
-from data.text_source import add_input_args, check_columns, load_text_dataset
+from data.text_source import add_input_args, check_columns, exit_with_error, open_text_dataset
 from data.tokenizer import Tokenizer
 
 
@@ -93,7 +96,8 @@ class KeyStats:
 class PreprocessStats:
     """What :func:`preprocess` did."""
 
-    rows: int = 0
+    rows: int = 0  # rows read (unreadable ones not included)
+    unreadable: int = 0  # rows skipped because they could not be read (invalid UTF-8, not JSON)
     seconds: float = 0.0
     keys: dict[str, KeyStats] = field(default_factory=dict)
     outputs: dict[str, str] = field(default_factory=dict)  # key -> output prefix
@@ -124,15 +128,18 @@ def preprocess(
     """Tokenize ``inputs`` into ``<output_prefix>_<key>_document.bin/.idx`` for each key.
 
     Args:
-        inputs: see :func:`data.text_source.load_text_dataset`.
+        inputs: see :func:`data.text_source.open_text_dataset`; local files are read for
+            ``json_keys`` only, unreadable rows skipped and counted (``stats.unreadable``,
+            with file and line in a warning).
         workers: processes for the batched ``map`` (1: in this process).
         append_eod: end every kept document with the tokenizer's eod id.
         chunk_documents: rows tokenized per ``map`` call; bounds scratch disk and memory.
 
     Raises:
         FileNotFoundError: an input file or the tokenizer model is missing.
-        ValueError: unreadable tokenizer, no eod id with ``append_eod``, or a key that ends up
-            with no document ("empty result"); nothing is written.
+        ValueError: unreadable tokenizer, no eod id with ``append_eod``, input files with no
+            document ("no documents in FILE"), or a key that ends up with no document ("empty
+            result"); nothing is written.
         KeyError: a key is not a column (the existing columns are listed).
     """
     keys = list(json_keys)
@@ -143,10 +150,13 @@ def preprocess(
     tok = Tokenizer(tokenizer_model)
     if append_eod:
         tok.eod  # noqa: B018 - raises now, not in a worker, when the model has no eos
-    ds = load_text_dataset(inputs, config=config, split=split, cache_dir=cache_dir)
+    ds, report = open_text_dataset(
+        inputs, keys=keys, config=config, split=split, cache_dir=cache_dir
+    )
     check_columns(ds, keys)
     ds = ds.select_columns(keys)
     stats = PreprocessStats(rows=len(ds), keys={k: KeyStats() for k in keys})
+    stats.unreadable = report.unreadable if report else 0
     dtype = dtype_for_vocab(tok.vocab_size)
     writers: dict[str, IndexedDatasetWriter] = {}
     encoder = _Encoder(tok.model_path, keys, append_eod)
@@ -221,7 +231,11 @@ def _write_column(col, writer: IndexedDatasetWriter, ks: KeyStats) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m data.preprocess",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     add_input_args(p, "text column(s), one output each")
     p.add_argument("--tokenizer-model", required=True, help="sentencepiece .model file")
     p.add_argument("--output-prefix", required=True, help="writes <prefix>_<key>_document.bin/.idx")
@@ -232,26 +246,31 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     a = p.parse_args(argv)
     datasets.disable_progress_bars()  # ours reports documents and tokens per second instead
-    s = preprocess(
-        a.input,
-        a.output_prefix,
-        a.tokenizer_model,
-        a.json_keys,
-        a.workers,
-        a.append_eod,
-        a.dataset_config,
-        a.split,
-        a.cache_dir,
-        a.chunk_documents,
-        not a.no_progress,
-    )
+    try:
+        s = preprocess(
+            a.input,
+            a.output_prefix,
+            a.tokenizer_model,
+            a.json_keys,
+            a.workers,
+            a.append_eod,
+            a.dataset_config,
+            a.split,
+            a.cache_dir,
+            a.chunk_documents,
+            not a.no_progress,
+        )
+    except (ValueError, FileNotFoundError) as e:  # nothing was written; the message says why
+        exit_with_error(p.prog, str(e))
+    except KeyError as e:
+        exit_with_error(p.prog, e.args[0])
     for k, ks in s.keys.items():
         print(
             f"{s.outputs[k]}: {ks.documents} documents, {ks.tokens} tokens "
             f"({ks.invalid} invalid and {ks.empty} empty rows skipped)"
         )
     print(
-        f"{s.rows} rows, {s.tokens} tokens in {s.seconds:.1f} s: "
+        f"{s.rows} rows ({s.unreadable} unreadable skipped), {s.tokens} tokens in {s.seconds:.1f} s: "
         f"{s.rows / s.seconds:.0f} docs/s, {s.tokens / s.seconds:.0f} tokens/s with {a.workers} worker(s)"
     )
 

@@ -4,13 +4,15 @@ Shared by tokenizer training and preprocessing so that both accept the same ``--
 
 * local files, by extension: ``.jsonl``/``.json`` (optionally ``.gz``), ``.parquet``,
   ``.csv``, ``.txt`` (one row per line, column ``text``); several files (or a glob) are read
-  as one dataset, in the order given;
+  as one dataset, in the order given, by :mod:`data.text_files` (only the requested keys;
+  unreadable rows skipped and reported with file and line; byte-order marks stripped);
 * a directory written by ``Dataset.save_to_disk`` (a ``DatasetDict`` takes ``split``);
 * any other directory is handed to ``datasets.load_dataset`` as a data directory;
 * anything else is a hub name (``name`` with ``config`` and ``split``), which needs network.
 
 Local files are converted to Arrow once (memory-mapped afterwards), so nothing here holds the
-corpus in memory.
+corpus in memory. Only local files get a :class:`~data.text_files.ReadReport`; saved and hub
+datasets are read as they are.
 """
 
 from __future__ import annotations
@@ -19,10 +21,15 @@ import argparse
 import glob
 import os
 import re
+import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NoReturn
 
 import datasets
+
+from data.text_files import ReadReport, read_text_files
 
 _BUILDERS = (
     (".jsonl.gz", "json"),
@@ -59,28 +66,52 @@ def _is_hub_name(item: str) -> bool:
 def load_text_dataset(
     inputs: list[str] | str,
     *,
+    keys: list[str] | tuple[str, ...] = ("text",),
     config: str | None = None,
     split: str = "train",
     cache_dir: str | None = None,
 ) -> datasets.Dataset:
-    """Open ``inputs`` as one ``datasets.Dataset``.
+    """Open ``inputs`` as one ``datasets.Dataset``; see :func:`open_text_dataset`."""
+    return open_text_dataset(inputs, keys=keys, config=config, split=split, cache_dir=cache_dir)[0]
+
+
+def open_text_dataset(
+    inputs: list[str] | str,
+    *,
+    keys: list[str] | tuple[str, ...] = ("text",),
+    config: str | None = None,
+    split: str = "train",
+    cache_dir: str | None = None,
+) -> tuple[datasets.Dataset, ReadReport | None]:
+    """Open ``inputs`` as one ``datasets.Dataset`` and say what was skipped reading it.
+
+    Unreadable rows and files without a document are also reported as one ``UserWarning``
+    each (file and line of the first few rows).
 
     Args:
         inputs: file paths/globs (all of one format), one saved-dataset directory, or one hub
             dataset name.
+        keys: the text columns wanted; local files are read for these keys only (the
+            dataset's columns), other sources keep all their columns.
         config: hub dataset configuration name.
         split: split to read (hub datasets and saved ``DatasetDict`` directories).
         cache_dir: where ``datasets`` keeps its Arrow cache (its default when None).
 
+    Returns:
+        The dataset and, for local files, the :class:`~data.text_files.ReadReport` (None for
+        saved and hub datasets).
+
     Raises:
         FileNotFoundError: a local path or glob matches nothing (it is named).
-        ValueError: files of mixed or unknown formats, or a missing split.
+        KeyError: a key is in no local file (the columns that are there are listed).
+        ValueError: files of mixed or unknown formats, a missing split, or local files with no
+            document at all (``"no documents in FILE"``).
     """
     items = [inputs] if isinstance(inputs, str | os.PathLike) else [os.fspath(i) for i in inputs]
     if not items:
         raise ValueError("no input given")
     if len(items) == 1 and Path(items[0]).is_dir():
-        return _load_directory(items[0], split, cache_dir)
+        return _load_directory(items[0], split, cache_dir), None
     if len(items) == 1 and _is_hub_name(items[0]):
         try:
             ds = datasets.load_dataset(items[0], config, split=split, cache_dir=cache_dir)
@@ -88,7 +119,7 @@ def load_text_dataset(
             raise FileNotFoundError(
                 f"{items[0]!r} is neither a local path nor a loadable hub dataset: {e}"
             ) from e
-        return _pick_split(ds, split, items[0])
+        return _pick_split(ds, split, items[0]), None
     files: list[str] = []
     for item in items:
         matches = sorted(glob.glob(item)) if any(c in item for c in "*?[") else [item]
@@ -102,9 +133,17 @@ def load_text_dataset(
         raise ValueError(f"unknown input format for {unknown}; use .jsonl/.json/.parquet/.csv/.txt")
     if len(builders) > 1:
         raise ValueError(f"inputs mix formats {sorted(builders)}; convert them to one format")
-    return datasets.load_dataset(
-        builders.pop(), data_files=files, split="train", cache_dir=cache_dir
-    )
+    ds, report = read_text_files(files, builders.pop(), list(keys), cache_dir)
+    if report.unreadable:
+        warnings.warn(
+            f"skipped {report.unreadable} unreadable row(s) of {report.rows + report.unreadable}: "
+            + "; ".join(report.examples)
+            + ("; ..." if report.unreadable > len(report.examples) else ""),
+            stacklevel=3,
+        )
+    if report.empty_files:
+        warnings.warn(f"no documents in {', '.join(report.empty_files)}", stacklevel=3)
+    return ds, report
 
 
 def _load_directory(path: str, split: str, cache_dir: str | None) -> datasets.Dataset:
@@ -154,3 +193,10 @@ def add_input_args(parser: argparse.ArgumentParser, json_keys_help: str) -> None
     parser.add_argument("--dataset-config", default=None, help="hub dataset configuration")
     parser.add_argument("--split", default="train", help="dataset split to read")
     parser.add_argument("--json-keys", nargs="+", default=["text"], help=json_keys_help)
+
+
+def exit_with_error(prog: str, message: str) -> NoReturn:
+    """One line ``PROG: error: MESSAGE`` on stderr and exit status 2 (argparse's status, without
+    its usage block: the message names the flag)."""
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    sys.exit(2)

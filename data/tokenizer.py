@@ -1,16 +1,23 @@
 """The tokenizer every part of the project uses: a thin wrapper over a sentencepiece model.
 
-Models trained by :mod:`data.train_tokenizer` use byte fallback and no normalisation, so
-``decode(encode(s)) == s`` for any string (emoji, CJK, combining marks, runs of spaces,
-newlines). Models from elsewhere (Llama's, say) load too; their own round-trip rules apply.
+Models trained by :mod:`data.train_tokenizer` use byte fallback, no normalisation and always
+hold the whitespace piece ``▁``, so ``decode(encode(s)) == s`` for any string (emoji, CJK,
+combining marks, runs of spaces, newlines), whatever corpus trained them. sentencepiece turns
+every space into ``▁`` (U+2581) before encoding, so a ``▁`` in the text itself would come back
+as a space; this wrapper encodes such a character as its three UTF-8 byte pieces, which decode
+to ``▁``. Models from elsewhere (Llama's, say) load too; their own round-trip rules apply, and a
+model that cannot give back a space gets a warning at load.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import sentencepiece as spm
+
+_WS = "\u2581"  # sentencepiece's whitespace symbol
 
 
 class Tokenizer:
@@ -28,6 +35,10 @@ class Tokenizer:
     Raises:
         FileNotFoundError: ``model_path`` does not exist.
         ValueError: the file is not a readable sentencepiece model.
+
+    Warns:
+        UserWarning: the model decodes a space as U+2581 (a model trained, before the
+            whitespace piece was required, on a corpus without spaces).
     """
 
     def __init__(self, model_path: str | os.PathLike):
@@ -45,6 +56,31 @@ class Tokenizer:
         self.pad: int = sp.pad_id()
         self.unk: int = sp.unk_id()
         self._eos: int = sp.eos_id()
+        self._literal_ws = self._literal_whitespace_ids()
+        decoded = sp.Decode(sp.Encode("a b"))
+        if _WS in decoded:  # the space came back as the escape symbol: silent corruption
+            warnings.warn(
+                f"tokenizer {self.model_path} decodes a space as U+2581 ({decoded!r} for "
+                "'a b'): it has no whitespace piece; retrain it with data.train_tokenizer, "
+                "whose models always hold one",
+                stacklevel=2,
+            )
+
+    def _literal_whitespace_ids(self) -> list[int] | None:
+        """Byte-piece ids of a literal U+2581 when the model confuses it with a space.
+
+        Only for models with byte pieces and no dummy prefix (ours): encoding the text around
+        each ``▁`` separately must not add characters.
+        """
+        sp = self._sp
+        ids = [sp.PieceToId(f"<0x{b:02X}>") for b in _WS.encode()]
+        if any(sp.IdToPiece(i) != f"<0x{b:02X}>" for i, b in zip(ids, _WS.encode(), strict=True)):
+            return None
+        if sp.Encode(_WS) != sp.Encode(" ") or sp.Decode(sp.Encode("a")) != "a":
+            return None
+        if sp.Decode(sp.Encode("a") + sp.Encode("b")) != "ab":  # a dummy prefix adds spaces
+            return None
+        return ids
 
     @property
     def eod(self) -> int:
@@ -66,7 +102,16 @@ class Tokenizer:
         """
         if isinstance(texts, str):
             raise TypeError("Tokenizer.encode takes a list of strings; wrap a single one in a list")
-        return self._sp.Encode(list(texts), out_type=int, num_threads=num_threads)
+        texts = list(texts)
+        out = self._sp.Encode(texts, out_type=int, num_threads=num_threads)
+        if self._literal_ws is not None:
+            for i, text in enumerate(texts):
+                if _WS in text:  # rare: encode around each literal U+2581, which becomes bytes
+                    parts = self._sp.Encode(text.split(_WS), out_type=int)
+                    out[i] = parts[0]
+                    for part in parts[1:]:
+                        out[i] += self._literal_ws + part
+        return out
 
     def decode(self, ids: list[list[int]] | list[int]) -> list[str] | str:
         """Text of one id list (returns ``str``) or of a batch of them (returns ``list[str]``)."""

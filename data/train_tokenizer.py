@@ -5,9 +5,12 @@ Example::
     python -m data.train_tokenizer --input corpus.jsonl --json-keys text \\
         --vocab-size 8000 --model-type bpe --model-prefix runs/tok/spm   # writes runs/tok/spm.model
 
-The model is built so that any text round-trips exactly: byte fallback (on by default: a
-character outside the vocabulary becomes its UTF-8 bytes, never ``<unk>``), no Unicode
-normalisation, and whitespace kept as it is. Digits are split one per token.
+The model is built so that any text round-trips exactly (with :class:`data.tokenizer.Tokenizer`):
+byte fallback (on by default: a character outside the vocabulary becomes its UTF-8 bytes, never
+``<unk>``), no Unicode normalisation, whitespace kept as it is, and sentencepiece's whitespace
+symbol ``▁`` (U+2581, which every space becomes) always in the vocabulary, whatever the corpus:
+without it a corpus with no spaces (CJK, say) gave a model that byte-encodes a space as the
+three bytes of ``▁`` and decodes it as ``▁``. Digits are split one per token.
 
 sentencepiece reads *sentences*: documents are cut at newlines, and a line longer than its
 ``max_sentence_length`` (bytes), which sentencepiece would silently drop, is cut into pieces
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import io
 import os
+import re
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -28,10 +32,11 @@ from pathlib import Path
 
 import sentencepiece as spm
 
-from data.text_source import add_input_args, iter_texts, load_text_dataset
+from data.text_source import add_input_args, exit_with_error, iter_texts, load_text_dataset
 
 CONTROL_PIECES = ("<unk>", "<s>", "</s>", "<pad>")
 MAX_SENTENCE_BYTES = 4192  # sentencepiece's default max_sentence_length
+WHITESPACE_PIECE = "\u2581"  # sentencepiece's escaped space: must be a piece, see module doc
 
 
 def validate_special_ids(
@@ -46,8 +51,8 @@ def validate_special_ids(
     """Check special ids and symbols before training starts.
 
     ``unk_id`` is required; bos/eos/pad may be -1 (disabled). Ids must be distinct and below
-    ``vocab_size``, and the vocabulary must have room for specials, user symbols and the 256
-    byte pieces of byte fallback.
+    ``vocab_size``, and the vocabulary must have room for specials, user symbols, the 256
+    byte pieces of byte fallback and the whitespace piece.
 
     Raises:
         ValueError: naming every colliding pair, the out-of-range id or the duplicated symbol.
@@ -58,7 +63,9 @@ def validate_special_ids(
     errors = []
     for name, i in ids.items():
         if i < -1 or i >= vocab_size:
-            errors.append(f"{name}={i} is outside [0, vocab_size={vocab_size}) (use -1 to disable)")
+            errors.append(
+                f"{name}={i} is outside [0, vocab_size) = [0, {vocab_size}) (-1 disables)"
+            )
     names = list(ids)
     for a in range(len(names)):
         for b in range(a + 1, len(names)):
@@ -79,6 +86,7 @@ def validate_special_ids(
         sum(i >= 0 for i in ids.values())
         + len(user_defined_symbols)
         + (256 if byte_fallback else 0)
+        + 1  # the whitespace piece
     )
     if vocab_size <= needed:
         errors.append(
@@ -197,6 +205,7 @@ def train_tokenizer(
             add_dummy_prefix=False,
             split_digits=True,
             allow_whitespace_only_pieces=True,
+            required_chars=WHITESPACE_PIECE,
             num_threads=num_threads,
             minloglevel=2,
         )
@@ -206,8 +215,7 @@ def train_tokenizer(
                 "no text to train the tokenizer on (every document empty or skipped)"
             ) from e
         raise ValueError(
-            f"sentencepiece training failed (vocab_size={vocab_size}, "
-            f"model_type={model_type}, {stats.sentences} lines): {e}"
+            _training_error(str(e), vocab_size, model_type, character_coverage, stats)
         ) from e
     prefix = Path(os.fspath(model_prefix))
     prefix.parent.mkdir(parents=True, exist_ok=True)
@@ -221,56 +229,153 @@ def train_tokenizer(
     return stats
 
 
+SPECIAL_DEFAULTS = {"unk_id": 0, "bos_id": 1, "eos_id": 2, "pad_id": 3}
+_FLAG_NAMES = (*SPECIAL_DEFAULTS, "vocab_size", "character_coverage", "model_type")
+
+
+def as_flags(message: str) -> str:
+    """``"bos_id=1"`` -> ``"--bos-id 1"`` in ``message``: the spelling a command-line user knows."""
+    for name in _FLAG_NAMES:
+        message = re.sub(
+            rf"\b{name}=([-\w.]+)", lambda m, n=name: f"--{n.replace('_', '-')} {m[1]}", message
+        )
+    return message
+
+
+def check_args(a: argparse.Namespace) -> None:
+    """Every configuration error of the command line at once, before the corpus is read.
+
+    Raises:
+        ValueError: one line naming each bad flag with its value (and, for colliding special
+            ids, which of them are defaults and how to move or disable one).
+    """
+    errors = []
+    for flag, value, ok, want in (
+        ("--vocab-size", a.vocab_size, a.vocab_size > 0, "> 0"),
+        ("--character-coverage", a.character_coverage, 0 < a.character_coverage <= 1, "in (0, 1]"),
+        ("--input-sentence-size", a.input_sentence_size, a.input_sentence_size >= 0, ">= 0"),
+        ("--max-documents", a.max_documents, a.max_documents is None or a.max_documents > 0, "> 0"),
+        ("--num-threads", a.num_threads, a.num_threads > 0, "> 0"),
+    ):
+        if not ok:
+            errors.append(f"{flag} {value} must be {want}")
+    try:
+        validate_special_ids(
+            a.vocab_size,
+            a.unk_id,
+            a.bos_id,
+            a.eos_id,
+            a.pad_id,
+            a.user_defined_symbols,
+            a.byte_fallback,
+        )
+    except ValueError as e:
+        msg = as_flags(str(e))
+        defaults = [
+            f"--{n.replace('_', '-')} {v}"
+            for n, v in SPECIAL_DEFAULTS.items()
+            if getattr(a, n) == v
+        ]
+        if "collides" in msg and defaults:
+            msg += (
+                f" ({', '.join(defaults)} by default; give the colliding one another free id, "
+                "or -1 to disable --bos-id/--eos-id/--pad-id)"
+            )
+        errors.append(msg.removeprefix("invalid tokenizer specials: "))
+    if errors:
+        raise ValueError("; ".join(errors))
+
+
+def _training_error(
+    error: str, vocab_size: int, model_type: str, coverage: float, stats: SentenceStats
+) -> str:
+    """sentencepiece's two vocabulary-size failures in the caller's terms, others as they are."""
+    read = f"{stats.documents} documents, {stats.sentences} lines"
+    if m := re.search(
+        r"Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+)", error
+    ):
+        return (
+            f"vocab_size={vocab_size} is more than this corpus gives ({read}): at most {m[2]} "
+            f"with model_type={model_type}; lower it or give more text"
+        )
+    if m := re.search(r"smaller than required_chars\. (\d+) vs (\d+)", error):
+        return (
+            f"vocab_size={vocab_size} is below the {m[2]} pieces that the specials, byte pieces "
+            f"and the characters covering character_coverage={coverage} need ({read}); raise "
+            "it, or lower character_coverage so that rare characters fall back to bytes"
+        )
+    return f"sentencepiece training failed (vocab_size={vocab_size}, model_type={model_type}, {read}): {error}"
+
+
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    """Command line; a configuration or input error exits with status 2 and one line."""
+    p = argparse.ArgumentParser(
+        prog="python -m data.train_tokenizer",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     add_input_args(p, "text column(s)")
-    p.add_argument("--vocab-size", type=int, default=32000)
-    p.add_argument("--model-type", choices=("bpe", "unigram"), default="bpe")
+    p.add_argument("--vocab-size", type=int, default=32000, help="ids, specials and bytes included")
+    p.add_argument("--model-type", choices=("bpe", "unigram"), default="bpe", help="algorithm")
     p.add_argument("--model-prefix", required=True, help="writes <prefix>.model and <prefix>.vocab")
-    p.add_argument("--byte-fallback", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument(
+        "--byte-fallback",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="unknown characters become UTF-8 byte pieces (needed for exact round trips)",
+    )
     p.add_argument("--user-defined-symbols", nargs="*", default=[], help="extra special tokens")
-    p.add_argument("--unk-id", type=int, default=0)
-    p.add_argument("--bos-id", type=int, default=1)
-    p.add_argument("--eos-id", type=int, default=2, help="also the end-of-document id")
-    p.add_argument("--pad-id", type=int, default=3, help="-1 disables")
-    p.add_argument("--character-coverage", type=float, default=0.9995)
+    p.add_argument("--unk-id", type=int, default=0, help="id of <unk> (required)")
+    p.add_argument("--bos-id", type=int, default=1, help="id of <s>; -1 disables")
+    p.add_argument(
+        "--eos-id", type=int, default=2, help="id of </s>, also the end of document; -1 disables"
+    )
+    p.add_argument("--pad-id", type=int, default=3, help="id of <pad>; -1 disables")
+    p.add_argument(
+        "--character-coverage",
+        type=float,
+        default=0.9995,
+        help="share of characters in the alphabet; the rest fall back to bytes",
+    )
     p.add_argument(
         "--input-sentence-size", type=int, default=2_000_000, help="lines sampled; 0 = all"
     )
     p.add_argument(
         "--max-documents", type=int, default=None, help="read at most this many documents"
     )
-    p.add_argument("--num-threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--num-threads", type=int, default=os.cpu_count() or 1, help="trainer threads")
     p.add_argument("--cache-dir", default=None, help="datasets cache directory")
     a = p.parse_args(argv)
-    # Fail on bad specials before the (possibly long) corpus load.
-    validate_special_ids(
-        a.vocab_size,
-        a.unk_id,
-        a.bos_id,
-        a.eos_id,
-        a.pad_id,
-        a.user_defined_symbols,
-        a.byte_fallback,
-    )
-    ds = load_text_dataset(a.input, config=a.dataset_config, split=a.split, cache_dir=a.cache_dir)
-    t0 = time.perf_counter()
-    stats = train_tokenizer(
-        iter_texts(ds, a.json_keys),
-        a.model_prefix,
-        a.vocab_size,
-        a.model_type,
-        a.byte_fallback,
-        a.user_defined_symbols,
-        a.unk_id,
-        a.bos_id,
-        a.eos_id,
-        a.pad_id,
-        a.character_coverage,
-        a.input_sentence_size,
-        a.max_documents,
-        a.num_threads,
-    )
+    try:
+        check_args(a)  # before the (possibly long) corpus load
+        ds = load_text_dataset(
+            a.input,
+            keys=a.json_keys,
+            config=a.dataset_config,
+            split=a.split,
+            cache_dir=a.cache_dir,
+        )
+        t0 = time.perf_counter()
+        stats = train_tokenizer(
+            iter_texts(ds, a.json_keys),
+            a.model_prefix,
+            a.vocab_size,
+            a.model_type,
+            a.byte_fallback,
+            a.user_defined_symbols,
+            a.unk_id,
+            a.bos_id,
+            a.eos_id,
+            a.pad_id,
+            a.character_coverage,
+            a.input_sentence_size,
+            a.max_documents,
+            a.num_threads,
+        )
+    except (ValueError, FileNotFoundError) as e:
+        exit_with_error(p.prog, as_flags(str(e)))
+    except KeyError as e:
+        exit_with_error(p.prog, e.args[0])
     print(
         f"trained {a.model_type} tokenizer, vocab {a.vocab_size}, from {stats.documents} documents / "
         f"{stats.sentences} lines in {time.perf_counter() - t0:.1f} s; "

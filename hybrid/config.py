@@ -129,6 +129,8 @@ class CheckpointArgs:
     no_load_optim: bool = arg(False, "load weights but not the optimizer state / loss scaler")
     no_load_rng: bool = arg(False, "do not restore the RNG states")
     finetune: bool = arg(False, "load weights only and start from iteration 0 (new optimizer, schedule, data order)")
+    init_from_hf: str | None = arg(None, "start from a local Hugging Face GPT-2 directory's weights, as --finetune does "
+                                   "(iteration 0, new optimizer); a checkpoint under --load wins when there is one")
     exit_duration_in_mins: float | None = arg(None, "save and exit cleanly after this many minutes")
 
 

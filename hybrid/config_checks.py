@@ -195,6 +195,8 @@ def validate(cfg: PretrainConfig, world_size: int | None = None,
         raise ConfigError(f"--save-keep-last {c.save_keep_last} must be >= 1")
     if c.finetune and not c.load:
         raise ConfigError("--finetune needs --load DIR (the checkpoint to start from)")
+    if c.init_from_hf:
+        _check_init_from_hf(c, gpt)
     if c.exit_duration_in_mins is not None and c.exit_duration_in_mins <= 0:
         raise ConfigError(f"--exit-duration-in-mins {c.exit_duration_in_mins} must be > 0")
     if c.load and Path(c.load).exists() and not Path(c.load).is_dir():
@@ -261,3 +263,16 @@ def _check_data(cfg: PretrainConfig) -> None:
                     f"--split {d.split} leaves the {name} split of {prefix} ({docs} documents) empty; "
                     f"give it a larger share (e.g. --split 90,8,2)"
                     + ("" if name == "train" else " or set --eval-iters 0"))
+
+
+def _check_init_from_hf(c, gpt: GPTConfig) -> None:
+    """``--init-from-hf DIR``: a GPT-2 directory whose config.json describes this run's model."""
+    if c.finetune:
+        raise ConfigError("--init-from-hf and --finetune both name the starting weights: give one")
+    from hybrid.hf.convert import check_hf_config
+    from hybrid.hf.weights import read_hf_config
+
+    try:
+        check_hf_config(read_hf_config(c.init_from_hf), gpt, where=f"--init-from-hf {c.init_from_hf}")
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(str(e)) from None

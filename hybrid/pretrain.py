@@ -101,7 +101,7 @@ def loop_settings(cfg: PretrainConfig, derived: Derived, grid):
 
 def run(cfg: PretrainConfig, derived: Derived) -> dict:
     """Train with an already validated config; returns ``{"history": records, "engine": engine}``."""
-    from hybrid.checkpoint.policy import Checkpointer, resume
+    from hybrid.checkpoint.policy import Checkpointer, init_from_hf, resume
     from hybrid.metrics import MetricsWriter
     from hybrid.parallel.grid import ProcessGrid, init_distributed
     from hybrid.parallel.rng import RNGTracker, seed_everything
@@ -122,6 +122,8 @@ def run(cfg: PretrainConfig, derived: Derived) -> dict:
     state = TrainState()
     if cfg.checkpoint.load:
         resume(cfg, engine, grid, tracker, state)
+    elif cfg.checkpoint.init_from_hf:
+        init_from_hf(cfg, engine, grid)
     train_ds, valid_ds, test_ds = build_datasets(cfg, derived)
     eval_sets = {"valid": valid_ds, "test": test_ds}
 

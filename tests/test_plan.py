@@ -400,7 +400,7 @@ def test_cli_max_model(capsys):
         (["--num-gpus", "12"], "num_gpus=12 is not divisible by gpus_per_node=8"),
         (["--hidden-size", "-5"], "--hidden-size must be positive, got -5"),
         (["--micro-batch-size", "0"], "micro_batch_size must be positive, got 0"),
-        (["--gpu-memory-gb", "-1"], "gpu_memory_bytes must be positive"),
+        (["--device", "H100", "--gpu-memory-gb", "-1"], "gpu_memory_bytes must be positive"),
     ],
 )
 def test_cli_bad_input_names_the_value(extra, message, capsys):
@@ -426,9 +426,79 @@ def test_cli_takes_a_preset_and_names_an_unknown_one(capsys):
     from hybrid.planner.cli import main
 
     assert main(["--model", "gpt2-124m", "--seq-length", "1024", "--micro-batch-size", "1",
-                 "--num-gpus", "8", "--gpus-per-node", "8", "--gpu-memory-gb", "80", "--json"]) in (0, None)
+                 "--num-gpus", "8", "--gpus-per-node", "8", "--device", "A100-80GB", "--json"]) in (0, None)
     doc = json.loads(capsys.readouterr().out)
     assert doc
     with pytest.raises(SystemExit):
         main(["--model", "gpt-5", "--seq-length", "1024", "--num-gpus", "8"])
     assert "gpt2-124m" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("device", "memory_gb", "peak"),
+    [("V100-32GB", 32, 125), ("A100-40GB", 40, 312), ("a100-80gb", 80, 312), ("H100", 80, 989),
+     ("H200", 141, 989)],
+)
+def test_cli_device_presets(device, memory_gb, peak, capsys):
+    """Issue 13 item 18: device presets (datasheet memory and dense bf16/fp16 peak); the runtime
+    MFU table (flops.DEVICE_PEAK_TFLOPS) gives the same peak for the same name."""
+    assert plan_cli.main([*DIMS, "--device", device, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["cluster"]["gpu_memory_bytes"] == memory_gb * GB
+    assert doc["cluster"]["peak_tflops"] == peak == flops.device_peak_tflops(device)
+    assert doc["device"].lower() == device.lower()
+
+
+def test_cli_memory_without_device_is_refused_and_overrides_are_named(capsys):
+    """Issue 13 item 18: '--gpu-memory-gb 32' alone planned with an A100's peak (312)."""
+    with pytest.raises(SystemExit) as exc:
+        plan_cli.main([*DIMS, "--gpu-memory-gb", "32"])
+    assert exc.value.code == 2
+    assert "--gpu-memory-gb 32 without --device: the step time needs the GPU's peak; give " \
+        "--device (V100-32GB, A100-40GB, A100-80GB, H100, H200) or --peak-tflops" in capsys.readouterr().err
+    cases = [
+        ([], "A100-80GB", 80, 312),  # the defaults, unchanged
+        (["--gpu-memory-gb", "32", "--peak-tflops", "125"], "custom", 32, 125),
+        (["--device", "V100-32GB", "--gpu-memory-gb", "16"], "V100-32GB (memory overridden)", 16, 125),
+        (["--device", "H100 PCIe", "--gpu-memory-gb", "80"], "H100 PCIe", 80, 756),
+    ]
+    for extra, label, memory_gb, peak in cases:
+        assert plan_cli.main([*DIMS, *extra, "--json"]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert (doc["device"], doc["cluster"]["gpu_memory_bytes"], doc["cluster"]["peak_tflops"]) \
+            == (label, memory_gb * GB, peak)
+    with pytest.raises(SystemExit):
+        plan_cli.main([*DIMS, "--device", "H100 PCIe"])
+    assert "--device 'H100 PCIe' is no preset" in capsys.readouterr().err
+    # --max-model uses no peak: a memory alone is fine there (the ZeRO Table 2 setting)
+    assert plan_cli.main(["--max-model", "--gpu-memory-gb", "32", "--tp", "1", "--json"]) == 0
+
+
+def test_cli_help_shows_defaults_and_every_flag_has_help():
+    """Issue 13 item 18: --help showed no defaults and several flags had no help."""
+    parser = plan_cli.build_parser()
+    assert [a.dest for a in parser._actions if not a.help] == []
+    text = " ".join(parser.format_help().split())
+    for shown in ("tokens per sample s (default: 1024)", "(default: 1.0)", "(default: 0.45)",
+                  "(default: A100-80GB)", "(default: the --device preset's)",
+                  "m = micro-batches per step per data-parallel rank"):
+        assert shown in text, shown
+
+
+@pytest.mark.parametrize("reserved", ["1", "0", "2.5"])
+def test_cli_table_shows_the_reserve_and_explains_m(reserved, capsys):
+    """Issue 13 item 18: 'total' included a 1 GB reserve no column showed; 'm' was unexplained.
+    Every row's total is now the sum of the columns left of it."""
+    assert plan_cli.main([*DIMS, "--reserved-gb", reserved, "--global-batch-size", "64"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "m = micro-batches per step (gradient accumulation: global batch / (b * dp))" in lines[3]
+    header = lines[4].split()
+    assert header[5:13] == ["params", "grads", "master", "optim", "activ", "buffers", "reserve",
+                            "total"]
+    rows = [x.split() for x in lines[5:] if x.split() and x.split()[0].isdigit()]
+    assert len(rows) == 4 * 4 * 4 - 4
+    for r in rows:
+        dp, m = int(r[1]), int(r[4])
+        assert m == 64 // (4 * dp), r  # global batch / (micro-batch * dp)
+        parts = [float(x) for x in r[5:12]]
+        assert parts[6] == float(reserved) and abs(sum(parts) - float(r[12])) <= 0.035, r

@@ -13,12 +13,21 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+import torch
 from safetensors.torch import save_file
 
 from hybrid.checkpoint.directory import IncompleteCheckpointError
 from hybrid.checkpoint.shards import CheckpointReader
+
+
+def full_tensors(reader: CheckpointReader) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, full fp32 master weight)`` for every parameter of the checkpoint, one at a
+    time (names in ``metadata.json`` order; unpadded, contiguous; whatever grid saved it)."""
+    for name in reader.param_names():
+        yield name, reader.full_tensor(name, "master").contiguous()
 
 
 def consolidate(load: str, output: str, iteration: int | None = None) -> dict:
@@ -31,7 +40,7 @@ def consolidate(load: str, output: str, iteration: int | None = None) -> dict:
         FileNotFoundError / IncompleteCheckpointError: no complete checkpoint to read.
     """
     reader = CheckpointReader(load, iteration)
-    tensors = {name: reader.full_tensor(name, "master").contiguous() for name in reader.param_names()}
+    tensors = dict(full_tensors(reader))
     out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".partial")

@@ -60,7 +60,10 @@ def resume(cfg: PretrainConfig, engine, grid, tracker, state) -> None:
     ck = cfg.checkpoint
     if latest_iteration(ck.load) is None:
         if grid.rank == 0:
-            print(f" no checkpoint under --load {ck.load}: starting from scratch", flush=True)
+            print(f" no checkpoint under --load {ck.load}: starting from "
+                  f"{'--init-from-hf ' + ck.init_from_hf if ck.init_from_hf else 'scratch'}", flush=True)
+        if ck.init_from_hf:
+            init_from_hf(cfg, engine, grid)
         return
     meta = load_checkpoint(ck.load, engine, grid, tracker, load_optim=not (ck.no_load_optim or ck.finetune),
                            load_rng=not (ck.no_load_rng or ck.finetune))
@@ -71,4 +74,16 @@ def resume(cfg: PretrainConfig, engine, grid, tracker, state) -> None:
         print(f" loaded checkpoint {ck.load} iteration {meta['iteration']} (saved at tp={saved['tp']} x "
               f"dp={saved['dp']}, ZeRO stage {meta['zero_stage']}); "
               f"{'fine-tuning from iteration 0' if ck.finetune else f'resuming at consumed samples {state.consumed_samples}'}",
+              flush=True)
+
+
+def init_from_hf(cfg: PretrainConfig, engine, grid) -> None:
+    """Load ``--init-from-hf``'s weights into the engine (any grid): the ``--finetune`` weight
+    path (:func:`hybrid.checkpoint.weights.load_weights`) fed from the Hugging Face directory."""
+    from hybrid.checkpoint.weights import load_weights
+    from hybrid.hf.weights import HFWeights
+
+    load_weights(engine, HFWeights(cfg.checkpoint.init_from_hf, engine.model.config))
+    if grid.rank == 0:
+        print(f" loaded weights from --init-from-hf {cfg.checkpoint.init_from_hf}; training from iteration 0",
               flush=True)

@@ -32,6 +32,7 @@ from hybrid.checkpoint.directory import (
     shard_name,
     staging_dir,
 )
+from hybrid.checkpoint.weights import load_weights
 from hybrid.parallel.layers import TPSpec, get_tp_spec
 from hybrid.parallel.rng import capture_rng_states, restore_rng_states
 
@@ -168,20 +169,14 @@ def load_checkpoint(root: str | os.PathLike, engine, grid, tracker=None, load_op
     if saved != ours:
         raise KeyError(f"checkpoint {reader.root} does not match the model: missing {sorted(ours - saved)}, "
                        f"unexpected {sorted(saved - ours)}")
-    step = float(reader.meta["optimizer_step"]) if load_optim else 0.0
-    state = {}
-    for name, spec in specs.items():
-        entry = {}
-        for kind in KINDS:
-            if kind == "master" or load_optim:
-                entry[kind] = spec.shard(reader.full_tensor(name, kind))
-            else:
-                entry[kind] = torch.zeros_like(entry["master"])
-        entry["step"] = torch.tensor(step)
-        state[name] = entry
-    engine.load_optimizer_state_by_name(state)
     if load_optim:
+        step = torch.tensor(float(reader.meta["optimizer_step"]))
+        engine.load_optimizer_state_by_name({
+            name: dict({kind: spec.shard(reader.full_tensor(name, kind)) for kind in KINDS}, step=step)
+            for name, spec in specs.items()})
         engine.scaler.load_state_dict(reader.meta["loss_scaler"])
+    else:  # weights only (--finetune, --no-load-optim): the path --init-from-hf shares
+        load_weights(engine, lambda name: reader.full_tensor(name, "master"))
     same_grid = (reader.tp, reader.dp) == (grid.tp_size, grid.dp_size)
     if load_rng and same_grid:
         restore_rng_states(reader.rng_states(grid.rank), tracker, grid.device)

@@ -3,6 +3,11 @@
 Flag names follow Megatron-LM where one exists. Sizes on the command line are in GB = 1e9 bytes
 and GB/s; bucket sizes in elements. Bad input (tp not dividing the heads, GPUs not divisible by
 GPUs per node, non-positive sizes) exits with status 2 and a message naming the value.
+
+``--device`` picks a GPU preset (:mod:`hybrid.planner.devices`: memory and dense peak from the
+vendor datasheets); ``--gpu-memory-gb`` and ``--peak-tflops`` override its two figures. A
+memory given without a device or a peak is refused when planning: the step time would silently
+use another GPU's peak.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import sys
 
 from hybrid.flops import device_peak_tflops, num_parameters
 from hybrid.model_shape import ModelShape
+from hybrid.planner.devices import DEFAULT_DEVICE, device_preset, preset_names
 from hybrid.planner.memory import ACCOUNTINGS, ACTIVATION_OPTIONS, PRECISIONS, ZERO_STAGES
 from hybrid.planner.plan import (
     DEFAULT_BUCKET_ELEMENTS,
@@ -26,31 +32,55 @@ from hybrid.planner.plan import (
     plan,
     tp_candidates,
 )
+from hybrid.planner.table import max_model_text, plan_text
 from models.presets import get_preset
 
 _DIMS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size")
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Appends ``(default: X)`` to every help text whose flag has a real default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "%(default)" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m hybrid.plan",
+        formatter_class=_HelpFormatter,
+        epilog="Table columns: tp, dp = tensor- and data-parallel degree; z = ZeRO stage; m = "
+        "micro-batches per step per data-parallel rank (gradient accumulation steps = global "
+        "batch / (micro-batch * dp)); params ... buffers = GB per rank; reserve = --reserved-gb; "
+        "total = their sum; dpGB, tpGB = GB each rank sends per step.",
         description="Per-rank memory, traffic and a step-time estimate for every TP x ZeRO x "
         "activation-checkpointing layout; picks the fastest one that fits.",
     )
     g = p.add_argument_group("model")
     g.add_argument("--model", help="preset name (models.presets.get_preset); dims below override")
-    g.add_argument("--num-layers", type=int)
-    g.add_argument("--hidden-size", type=int)
-    g.add_argument("--num-attention-heads", type=int)
+    g.add_argument("--num-layers", type=int, help="transformer blocks (--max-model: searched)")
+    g.add_argument("--hidden-size", type=int, help="model width h")
+    g.add_argument("--num-attention-heads", type=int, help="tp must divide it")
     g.add_argument("--ffn-hidden-size", type=int, help="default 4 * hidden")
     g.add_argument("--vocab-size", type=int, default=None, help="default 50257 (GPT-2)")
-    g.add_argument("--seq-length", type=int, default=1024)
+    g.add_argument("--seq-length", type=int, default=1024, help="tokens per sample s")
     g.add_argument("--max-position-embeddings", type=int, help="default --seq-length")
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument(
+        "--untie-embeddings-and-output-weights",
+        action="store_true",
+        help="a separate output matrix (V x h more parameters)",
+    )
     g = p.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int, default=1)
+    g.add_argument(
+        "--micro-batch-size", type=int, default=1, help="samples per rank per micro-batch b"
+    )
     g.add_argument("--global-batch-size", type=int, help="default micro-batch * num-gpus")
-    g.add_argument("--precision", choices=sorted(PRECISIONS), default="bf16")
+    g.add_argument(
+        "--precision", choices=sorted(PRECISIONS), default="bf16", help="training precision"
+    )
     g.add_argument(
         "--accounting",
         choices=ACCOUNTINGS,
@@ -69,31 +99,61 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--allgather-bucket-size", type=int, default=DEFAULT_BUCKET_ELEMENTS, help="elements"
     )
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument(
+        "--make-vocab-size-divisible-by",
+        type=int,
+        default=128,
+        help="vocabulary padded to a multiple of this times tp (Megatron-LM)",
+    )
     g = p.add_argument_group("cluster")
-    g.add_argument("--num-gpus", type=int, default=8)
-    g.add_argument("--gpus-per-node", type=int, default=8)
-    g.add_argument("--gpu-memory-gb", type=float, default=80.0, help="GB = 1e9 bytes")
+    g.add_argument("--num-gpus", type=int, default=8, help="GPUs in the job (tp * dp)")
+    g.add_argument("--gpus-per-node", type=int, default=8, help="tp never crosses a node")
+    g.add_argument(
+        "--device",
+        help=f"GPU preset, memory and dense bf16/fp16 peak from the datasheet: {preset_names()} "
+        f"(default: {DEFAULT_DEVICE}); another name (V100S, H100 PCIe...) gives only the peak",
+    )
+    g.add_argument(
+        "--gpu-memory-gb",
+        type=float,
+        help="memory per GPU, GB = 1e9 bytes (default: the --device preset's)",
+    )
     g.add_argument(
         "--reserved-gb",
         type=float,
         default=1.0,
-        help="held back per GPU for the CUDA context and fragmentation (0 reproduces the ZeRO tables)",
+        help="held back per GPU for the CUDA context and fragmentation, shown in the reserve "
+        "column and counted in total (0 reproduces the ZeRO tables)",
     )
     g.add_argument(
-        "--device", default="A100", help="name looked up for the peak (V100, A100, H100...)"
+        "--peak-tflops",
+        type=float,
+        help="dense peak per GPU, TFLOP/s (default: the --device preset's)",
     )
-    g.add_argument("--peak-tflops", type=float, help="overrides --device")
     g.add_argument("--efficiency", type=float, default=0.45, help="fraction of peak on GEMMs")
     g.add_argument("--intra-node-gbs", type=float, default=200.0, help="NVLink, GB/s per GPU")
     g.add_argument("--inter-node-gbs", type=float, default=25.0, help="network, GB/s per GPU")
     g.add_argument("--cpu-gbs", type=float, default=20.0, help="host link, GB/s per GPU")
     g = p.add_argument_group("search")
     g.add_argument(
-        "--tp", type=int, action="append", help="restrict to this TP degree (repeatable)"
+        "--tp",
+        type=int,
+        action="append",
+        help="restrict to this TP degree (repeatable; default: every divisor that fits a node)",
     )
-    g.add_argument("--zero-stage", type=int, action="append", choices=ZERO_STAGES)
-    g.add_argument("--activation", action="append", choices=ACTIVATION_OPTIONS)
+    g.add_argument(
+        "--zero-stage",
+        type=int,
+        action="append",
+        choices=ZERO_STAGES,
+        help="restrict to this ZeRO stage (repeatable; default: all)",
+    )
+    g.add_argument(
+        "--activation",
+        action="append",
+        choices=ACTIVATION_OPTIONS,
+        help="restrict to this activation checkpointing (repeatable; default: all)",
+    )
     g.add_argument("--fitting-only", action="store_true", help="print only layouts that fit")
     g.add_argument(
         "--max-model",
@@ -143,14 +203,38 @@ def _model(args: argparse.Namespace, required: bool) -> ModelShape | None:
     return dataclasses.replace(base, **given)
 
 
-def _cluster(args: argparse.Namespace) -> Cluster:
-    peak = args.peak_tflops if args.peak_tflops is not None else device_peak_tflops(args.device)
+def _cluster(args: argparse.Namespace, planning: bool) -> Cluster:
+    """The cluster from ``--device`` and its overrides (``planning``: the peak is used)."""
+    if (
+        planning
+        and args.device is None
+        and args.gpu_memory_gb is not None
+        and args.peak_tflops is None
+    ):
+        raise ValueError(
+            f"--gpu-memory-gb {args.gpu_memory_gb:g} without --device: the step time needs "
+            f"the GPU's peak; give --device ({preset_names()}) or --peak-tflops"
+        )
+    preset = device_preset(args.device or DEFAULT_DEVICE)
+    memory = args.gpu_memory_gb
+    if memory is None:
+        if preset is None:
+            raise ValueError(
+                f"--device {args.device!r} is no preset ({preset_names()}); give --gpu-memory-gb"
+            )
+        memory = preset.memory_gb
+    peak = args.peak_tflops
     if peak is None:
-        raise ValueError(f"--device {args.device!r} has no known peak; pass --peak-tflops")
+        peak = preset.peak_tflops if preset else device_peak_tflops(args.device)
+    if peak is None:
+        raise ValueError(
+            f"--device {args.device!r} has no known peak; give --peak-tflops or a preset "
+            f"({preset_names()})"
+        )
     return Cluster(
         num_gpus=args.num_gpus,
         gpus_per_node=args.gpus_per_node,
-        gpu_memory_bytes=args.gpu_memory_gb * GB,
+        gpu_memory_bytes=memory * GB,
         reserved_bytes=args.reserved_gb * GB,
         peak_tflops=peak,
         efficiency=args.efficiency,
@@ -158,6 +242,20 @@ def _cluster(args: argparse.Namespace) -> Cluster:
         inter_node_gbs=args.inter_node_gbs,
         cpu_gbs=args.cpu_gbs,
     )
+
+
+def _device_label(args: argparse.Namespace) -> str:
+    """``A100-80GB``, ``H100 (memory overridden)``, ``custom``: where the figures came from."""
+    name = args.device or (DEFAULT_DEVICE if args.gpu_memory_gb is None else None)
+    preset = device_preset(name) if name else None
+    if preset is None:
+        return name or "custom"
+    changed = [
+        what
+        for what, value in (("memory", args.gpu_memory_gb), ("peak", args.peak_tflops))
+        if value is not None
+    ]
+    return preset.name + (f" ({' and '.join(changed)} overridden)" if changed else "")
 
 
 def _training(args: argparse.Namespace) -> Training:
@@ -172,48 +270,6 @@ def _training(args: argparse.Namespace) -> Training:
         allgather_bucket_elements=args.allgather_bucket_size,
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
     )
-
-
-def _gb(x: float) -> str:
-    return f"{x / GB:8.2f}"
-
-
-def _plan_text(model, cluster, training, cands, skipped, chosen, fitting_only) -> str:
-    lines = [
-        f"model: {model.num_layers} layers, h={model.hidden_size}, heads={model.num_attention_heads}, "
-        f"f={model.ffn}, V={model.vocab_size}, {num_parameters(model) / 1e9:.3f}B params (unpadded)",
-        f"cluster: {cluster.num_gpus} GPUs ({cluster.gpus_per_node}/node) x "
-        f"{cluster.gpu_memory_bytes / GB:g} GB, peak {cluster.peak_tflops:g} TFLOP/s x "
-        f"{cluster.efficiency:g}; s={training.seq_length}, b={training.micro_batch_size}, "
-        f"{training.precision} ({training.accounting} accounting)",
-        "per-rank GB (1e9 B); dp/tp = GB sent per step; times in s",
-        f"{'tp':>3} {'dp':>4} {'z':>1} {'activation':<11} {'m':>3} {'params':>8} {'grads':>8} "
-        f"{'master':>8} {'optim':>8} {'activ':>8} {'buffers':>8} {'total':>8} fit "
-        f"{'dpGB':>8} {'tpGB':>8} {'step_s':>9} {'MFU':>5}",
-    ]
-    for c in cands:
-        if fitting_only and not c.fits:
-            continue
-        s = c.model_states
-        lines.append(
-            f"{c.tp:>3} {c.dp:>4} {c.stage:>1} {c.activation:<11} {c.micro_batches:>3} "
-            f"{_gb(s['params'])} {_gb(s['grads'])} {_gb(s['master'])} {_gb(s['optimizer'])} "
-            f"{_gb(c.activations['gpu'])} {_gb(c.buffers)} {_gb(c.total_bytes)} "
-            f"{'yes' if c.fits else ' no'} {_gb(c.dp_bytes)} {_gb(c.tp_bytes)} "
-            f"{c.times['step_s']:9.3f} {c.mfu:5.1%}"
-        )
-    lines += [f"skipped {r}" for r in skipped]
-    if chosen is None:
-        lines.append("best: nothing fits")
-    else:
-        t = chosen.times
-        lines.append(
-            f"best: tp={chosen.tp} dp={chosen.dp} zero={chosen.stage} activation={chosen.activation} "
-            f"total {chosen.total_bytes / GB:.2f} GB/rank, step {t['step_s']:.3f} s (compute "
-            f"{t['compute_s']:.3f} + tp {t['tp_s']:.3f} + dp {t['dp_s']:.3f} + cpu {t['cpu_s']:.3f}), "
-            f"{chosen.tokens_per_s:,.0f} tokens/s, MFU {chosen.mfu:.1%}"
-        )
-    return "\n".join(lines)
 
 
 def _max_model(args, model, cluster, training) -> list[dict]:
@@ -252,32 +308,16 @@ def _max_model(args, model, cluster, training) -> list[dict]:
     return rows
 
 
-def _max_model_text(rows: list[dict]) -> str:
-    lines = [
-        "largest model per GPU budget (model states only = ZeRO Table 2; "
-        "with activations = largest layer count of the given width)"
-    ]
-    for r in rows:
-        line = f"tp={r['tp']:>2} dp={r['dp']:>5} zero={r['stage']}: {r['max_params_model_states'] / 1e9:9.2f}B"
-        if "max_layers" in r:
-            line += "  | " + ", ".join(
-                f"{a}: {n} layers ({r['max_params_with_activations'][a] / 1e9:.1f}B)"
-                for a, n in r["max_layers"].items()
-            )
-        lines.append(line)
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         model = _model(args, required=not args.max_model)
-        cluster = _cluster(args)
+        cluster = _cluster(args, planning=not args.max_model)
         training = _training(args)
         if args.max_model:
             rows = _max_model(args, model, cluster, training)
-            print(json.dumps({"max_model": rows}, indent=1) if args.json else _max_model_text(rows))
+            print(json.dumps({"max_model": rows}, indent=1) if args.json else max_model_text(rows))
             return 0
         cands, skipped = plan(
             model,
@@ -294,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         doc = {
             "model": dataclasses.asdict(model),
             "num_parameters": num_parameters(model),
+            "device": _device_label(args),
             "cluster": dataclasses.asdict(cluster),
             "training": dataclasses.asdict(training),
             "candidates": [c.as_dict() for c in cands],
@@ -303,5 +344,16 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(doc, sys.stdout, indent=1)
         print()
     else:
-        print(_plan_text(model, cluster, training, cands, skipped, chosen, args.fitting_only))
+        print(
+            plan_text(
+                model,
+                cluster,
+                training,
+                cands,
+                skipped,
+                chosen,
+                args.fitting_only,
+                _device_label(args),
+            )
+        )
     return 0

@@ -1,0 +1,121 @@
+"""Export a training checkpoint as a Hugging Face GPT-2 model directory.
+
+``python -m hybrid.export_hf --load CKPT_DIR --output HF_DIR [--iteration N]``
+
+Writes ``config.json`` (``GPT2LMHeadModel``, exact GELU), ``model.safetensors`` (fp32 master
+weights, streamed one tensor at a time from the sharded checkpoint, whatever grid saved it)
+and the tokenizer (``tokenizer.json``, ``tokenizer_config.json``) so that
+``AutoModelForCausalLM.from_pretrained(HF_DIR)`` and ``AutoTokenizer.from_pretrained(HF_DIR)``
+reproduce our model and our sentencepiece tokenizer; the end-of-document id is
+``eos_token_id``. The directory appears complete or not at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from hybrid.checkpoint.consolidate import full_tensors
+from hybrid.checkpoint.directory import IncompleteCheckpointError
+from hybrid.checkpoint.shards import CheckpointReader
+from hybrid.hf.convert import (
+    UnsupportedModelError,
+    gpt_config_from_metadata,
+    hf_config_dict,
+    hf_name,
+    parameter_names,
+    to_hf,
+)
+from hybrid.hf.stream import write_safetensors
+
+
+def _check_output(output: Path) -> None:
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise FileExistsError(f"--output {output} exists and is not an empty directory; "
+                              "give a new directory (nothing is overwritten)")
+
+
+def export_hf(load: str | os.PathLike, output: str | os.PathLike, iteration: int | None = None,
+              tokenizer_model: str | os.PathLike | None = None) -> dict:
+    """Write the HF directory ``output`` from checkpoint ``load`` (latest, or ``iteration``).
+
+    Args:
+        tokenizer_model: sentencepiece model to export (default: the one the checkpoint's
+            ``metadata.json`` names); without one only the model is written.
+
+    Returns:
+        The checkpoint's ``metadata.json``, with ``"hf_config"`` (what ``config.json`` holds)
+        and ``"tokenizer_exported"`` (the tokenizer path, or None) added.
+
+    Raises:
+        FileNotFoundError / IncompleteCheckpointError: no complete checkpoint, or the tokenizer
+            file is missing.
+        FileExistsError: ``output`` exists and is not empty.
+        UnsupportedModelError: the checkpoint's model has a setting or a parameter GPT-2
+            cannot express (named).
+    """
+    from transformers import GPT2Config
+
+    output = Path(output)
+    _check_output(output)
+    reader = CheckpointReader(load, iteration)
+    config = gpt_config_from_metadata(reader.meta.get("model", {}))
+    saved, expected = reader.param_names(), parameter_names(config)
+    if sorted(saved) != sorted(expected):
+        extra = sorted(set(saved) - set(expected))
+        raise UnsupportedModelError(f"checkpoint parameters GPT-2 has no place for: {extra}" if extra else
+                                    f"checkpoint lacks GPT-2 parameters: {sorted(set(expected) - set(saved))}")
+    tok_path = tokenizer_model or reader.meta.get("tokenizer")
+    if tok_path and not Path(tok_path).is_file():
+        raise FileNotFoundError(f"tokenizer {tok_path} not found (give --tokenizer-model)")
+    tmp = output.with_name(output.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        token_ids = {}
+        if tok_path:
+            from hybrid.hf.tokenizer import save_tokenizer
+
+            token_ids = save_tokenizer(tok_path, tmp)
+        hf = hf_config_dict(config, token_ids)
+        GPT2Config(**hf).save_pretrained(str(tmp))
+        specs = []
+        for name in saved:
+            shape = reader.meta["params"][name]["full_shape"]
+            specs.append((hf_name(name), tuple(to_hf(name, torch.empty(shape, device="meta"), config).shape),
+                          torch.float32))
+        write_safetensors(tmp / "model.safetensors", specs,
+                          ((hf_name(n), to_hf(n, t, config)) for n, t in full_tensors(reader)),
+                          metadata={"format": "pt", "iteration": str(reader.iteration)})
+        if output.exists():
+            output.rmdir()  # empty, checked above
+        os.replace(tmp, output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dict(reader.meta, hf_config=hf, tokenizer_exported=tok_path or None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="hybrid-export-hf", description=__doc__.split("\n")[0])
+    p.add_argument("--load", required=True, help="checkpoint directory (the --save of the run)")
+    p.add_argument("--output", required=True, help="new Hugging Face model directory to write")
+    p.add_argument("--iteration", type=int, help="which iteration (default: the latest complete one)")
+    p.add_argument("--tokenizer-model", help="sentencepiece model (default: the one the checkpoint names)")
+    args = p.parse_args(argv)
+    try:
+        meta = export_hf(args.load, args.output, args.iteration, args.tokenizer_model)
+    except (OSError, IncompleteCheckpointError, ValueError) as e:  # UnsupportedModelError is a ValueError
+        print(f"export_hf: error: {e}", file=sys.stderr)
+        return 2
+    g = meta["grid"]
+    print(f"wrote {args.output}: GPT2LMHeadModel {json.dumps({k: meta['hf_config'][k] for k in ('n_layer', 'n_embd', 'n_head', 'vocab_size')})} "
+          f"from iteration {meta['iteration']} (saved at tp={g['tp']} x dp={g['dp']}, ZeRO stage {meta['zero_stage']}); "
+          f"tokenizer: {meta['tokenizer_exported'] or 'none (no --tokenizer-model)'}")
+    return 0

@@ -1,0 +1,74 @@
+"""Text output of the planner's command line: the layout table and the ``--max-model`` rows."""
+
+from __future__ import annotations
+
+from hybrid.flops import num_parameters
+from hybrid.planner.plan import GB
+
+
+def _gb(x: float) -> str:
+    return f"{x / GB:8.2f}"
+
+
+def plan_text(model, cluster, training, cands, skipped, chosen, fitting_only, device) -> str:
+    """The planner's table: a header naming the model, cluster (``device``: where its memory
+    and peak came from) and every column, one row per candidate layout (only fitting ones
+    with ``fitting_only``), the skipped layouts and the chosen one. Sizes in GB (1e9 bytes).
+    """
+    lines = [
+        f"model: {model.num_layers} layers, h={model.hidden_size}, heads={model.num_attention_heads}, "
+        f"f={model.ffn}, V={model.vocab_size}, {num_parameters(model) / 1e9:.3f}B params (unpadded)",
+        f"cluster: {cluster.num_gpus} GPUs ({cluster.gpus_per_node}/node) x {device}: "
+        f"{cluster.gpu_memory_bytes / GB:g} GB, peak {cluster.peak_tflops:g} TFLOP/s x "
+        f"{cluster.efficiency:g}; s={training.seq_length}, b={training.micro_batch_size}, "
+        f"{training.precision} ({training.accounting} accounting)",
+        "per-rank GB (1e9 B): total = params + grads + master + optim + activ + buffers + "
+        f"reserve (--reserved-gb {cluster.reserved_bytes / GB:g}: CUDA context, fragmentation); "
+        "fit = total <= GPU memory",
+        "z = ZeRO stage; m = micro-batches per step (gradient accumulation: global batch / "
+        "(b * dp)); dpGB, tpGB = GB each rank sends per step; step_s in s",
+        f"{'tp':>3} {'dp':>4} {'z':>1} {'activation':<11} {'m':>3} {'params':>8} {'grads':>8} "
+        f"{'master':>8} {'optim':>8} {'activ':>8} {'buffers':>8} {'reserve':>8} {'total':>8} fit "
+        f"{'dpGB':>8} {'tpGB':>8} {'step_s':>9} {'MFU':>5}",
+    ]
+    for c in cands:
+        if fitting_only and not c.fits:
+            continue
+        s = c.model_states
+        lines.append(
+            f"{c.tp:>3} {c.dp:>4} {c.stage:>1} {c.activation:<11} {c.micro_batches:>3} "
+            f"{_gb(s['params'])} {_gb(s['grads'])} {_gb(s['master'])} {_gb(s['optimizer'])} "
+            f"{_gb(c.activations['gpu'])} {_gb(c.buffers)} {_gb(cluster.reserved_bytes)} "
+            f"{_gb(c.total_bytes)} "
+            f"{'yes' if c.fits else ' no'} {_gb(c.dp_bytes)} {_gb(c.tp_bytes)} "
+            f"{c.times['step_s']:9.3f} {c.mfu:5.1%}"
+        )
+    lines += [f"skipped {r}" for r in skipped]
+    if chosen is None:
+        lines.append("best: nothing fits")
+    else:
+        t = chosen.times
+        lines.append(
+            f"best: tp={chosen.tp} dp={chosen.dp} zero={chosen.stage} activation={chosen.activation} "
+            f"total {chosen.total_bytes / GB:.2f} GB/rank, step {t['step_s']:.3f} s (compute "
+            f"{t['compute_s']:.3f} + tp {t['tp_s']:.3f} + dp {t['dp_s']:.3f} + cpu {t['cpu_s']:.3f}), "
+            f"{chosen.tokens_per_s:,.0f} tokens/s, MFU {chosen.mfu:.1%}"
+        )
+    return "\n".join(lines)
+
+
+def max_model_text(rows: list[dict]) -> str:
+    """``--max-model`` rows (from ``cli._max_model``) as text, parameters in billions."""
+    lines = [
+        "largest model per GPU budget (model states only = ZeRO Table 2; "
+        "with activations = largest layer count of the given width)"
+    ]
+    for r in rows:
+        line = f"tp={r['tp']:>2} dp={r['dp']:>5} zero={r['stage']}: {r['max_params_model_states'] / 1e9:9.2f}B"
+        if "max_layers" in r:
+            line += "  | " + ", ".join(
+                f"{a}: {n} layers ({r['max_params_with_activations'][a] / 1e9:.1f}B)"
+                for a, n in r["max_layers"].items()
+            )
+        lines.append(line)
+    return "\n".join(lines)
