@@ -1,6 +1,6 @@
 """Construction by unit (issue 12 item 1): no rank ever holds a second full copy.
 
-Four CPU ranks (tp 1 x dp 4) build an 8-block GPT (h = 128, 1.85M parameters, 7 MiB in fp32)
+Four CPU ranks (tp 1 x dp 4) build a 16-block GPT (h = 128, 3.4M parameters, 13 MiB in fp32)
 under torch's MemTracker, which counts every storage allocated (deterministic, unlike RSS). For
 stages 1-3 the construction peak must be at most the steady state (model states + buffers,
 tracked once built) plus one unit in fp32 plus the weight source's two temporaries of one
@@ -18,7 +18,7 @@ from hybrid.parallel.spawn import spawn_world
 from tests.construction_worlds import construction_peaks, same_as_materialised
 
 MIB = 2**20
-MODEL = dict(num_layers=8, hidden_size=128, num_attention_heads=4, vocab_size=2048,
+MODEL = dict(num_layers=16, hidden_size=128, num_attention_heads=4, vocab_size=2048,
              max_position_embeddings=64)
 SMALL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=126,
              vocab_size=1001, max_position_embeddings=32)
@@ -34,9 +34,8 @@ def test_construction_peak_is_steady_state_plus_one_unit():
             assert r["steady"] >= r["states"] + r["buffers"], (rank, stage, r)
             bound = r["steady"] + r["unit_fp32"] + 2 * r["param_fp32"] + MIB
             assert r["peak"] <= bound, (rank, stage, r["peak"] / MIB, bound / MIB)
-        r = by_build[3, True]
-        assert r["peak"] >= r["steady"] + 4 * r["local_params"], r  # the materialised model
-        assert r["peak"] > r["steady"] + r["unit_fp32"] + 2 * r["param_fp32"] + MIB
+        r = by_build[3, True]  # a materialised model first: its fp32 copy breaks the bound
+        assert r["peak"] > r["steady"] + r["unit_fp32"] + 2 * r["param_fp32"] + MIB, r
 
 
 @pytest.mark.timeout(900)
