@@ -59,6 +59,8 @@ class GridConfig:
     tensor_model_parallel_size: int = arg(1, "tensor-model-parallel size (consecutive ranks, inside one node)")
     sequence_parallel: bool = arg(False, "shard LayerNorm/dropout activations along the sequence over the TP group (arXiv 2205.05198 §4.2.2; needs the seq length divisible by tp)")
     distributed_timeout_minutes: float = arg(10.0, "collective timeout, in minutes")
+    dry_run_world_size: int | None = arg(None, "dry run: build one rank of an N-rank job with a fake process group and fake tensors, run one step, print its memory (no devices, no data)")
+    dry_run_rank: int = arg(0, "the rank the dry run builds (0 .. N-1)")
 
     def __post_init__(self) -> None:
         check_int(self, "tensor_model_parallel_size", 1)

@@ -132,6 +132,10 @@ def validate(cfg: PretrainConfig, world_size: int | None = None,
         shape = validate_grid(world, tp, 1, local)
     except (ValueError, NotImplementedError) as e:
         raise ConfigError(str(e)) from None
+    g = cfg.grid
+    if g.dry_run_world_size is not None and not 0 <= g.dry_run_rank < g.dry_run_world_size:
+        raise ConfigError(f"--dry-run-rank {g.dry_run_rank} must be in [0, --dry-run-world-size "
+                          f"{g.dry_run_world_size})")
     vocab = _vocab_size(cfg)
     gpt = _model_config(cfg, vocab)
     if gpt.num_attention_heads % tp:

@@ -25,10 +25,11 @@ def parallelize(model: GPT, grid: ProcessGrid, config: PretrainConfig,
     """Make ``model`` tensor-parallel over ``grid.tp_group``, checkpoint its blocks as
     ``config.activation`` asks, and wrap it in a ZeRO engine over ``grid.dp_group``.
 
-    Weights: a ``model`` on the ``meta`` device is materialised shard by shard on ``grid.device``
-    and initialised from ``config.data.seed`` exactly as ``GPT.init_weights(seed)`` would
-    initialise the full model (any tp gives the same weights); a model with real weights is
-    sharded as it is, so the result computes what it computed.
+    Weights: a ``model`` on the ``meta`` device stays on meta through the TP plan; the engine
+    allocates its steady-state buffers and fills them one unit (root, then each block) at a time,
+    initialised from ``config.data.seed`` exactly as ``GPT.init_weights(seed)`` would initialise
+    the full model (any tp gives the same weights), so no rank ever holds a second full copy. A
+    model with real weights is sharded as it is, so the result computes what it computed.
 
     Args:
         model: a plain ``models.gpt.GPT`` (on ``meta`` or with real fp32 weights).
@@ -50,21 +51,26 @@ def parallelize(model: GPT, grid: ProcessGrid, config: PretrainConfig,
     from hybrid.activation.apply import apply_activation_checkpointing
     from hybrid.parallel.kernels import use_fused_kernels
     from hybrid.parallel.rng import RNGTracker
-    from hybrid.parallel.tp_plan import parallelize_gpt
+    from hybrid.parallel.tp_plan import parallelize_gpt, seeded_weights
     from hybrid.zero.engine import ZeroEngine
 
     sp = config.grid.sequence_parallel
     if tracker is None and (model.config.attention_dropout > 0 or (sp and model.config.hidden_dropout > 0)):
         tracker = RNGTracker(config.data.seed, grid.tp_rank, grid.device)
     on_meta = any(p.is_meta for p in model.parameters())
-    parallelize_gpt(model, grid.tp_group, tracker=tracker, seed=config.data.seed if on_meta else None,
+    gpt_config = model.config
+    parallelize_gpt(model, grid.tp_group, tracker=tracker,
                     make_vocab_size_divisible_by=config.model.make_vocab_size_divisible_by, sequence_parallel=sp)
-    model.to(grid.device)
+    if not on_meta:
+        model.to(grid.device)
     use_fused_kernels(model, grid.device)
+    # A meta model stays on meta: the engine allocates its buffers at their final size and fills
+    # them one unit at a time from the seeded source (no second full copy, hybrid.zero.storage).
+    weights = seeded_weights(gpt_config, config.data.seed) if on_meta else None
     handle = None
     if config.activation.checkpoint_activations or config.activation.selective_recompute:
         handle = apply_activation_checkpointing(model, grid, config.activation, tracker)
-    engine = ZeroEngine(model, grid, config.zero, config.optimizer)
+    engine = ZeroEngine(model, grid, config.zero, config.optimizer, weights=weights)
     engine.activation_checkpointing = handle
     return engine
 

@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     """Console entry point; returns the exit status (2 for a configuration error)."""
     try:
         cfg = parse_config(argv)
-        derived = validate(cfg)
+        derived = validate(cfg, world_size=cfg.grid.dry_run_world_size)
     except ConfigError as e:
         if os.environ.get("LOCAL_RANK", "0") == "0":  # once per node, not once per rank
             print(f"hybrid-pretrain: error: {e}", file=sys.stderr)
@@ -148,6 +148,12 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     try:
+        if cfg.grid.dry_run_world_size:
+            from hybrid.dry_run import dry_run, format_report
+
+            print(f"hybrid-zero dry run | {derived.summary()}", flush=True)
+            print(format_report(dry_run(cfg, derived, cfg.grid.dry_run_rank)), flush=True)
+            return 0
         run(cfg, derived)["engine"].close()
         if dist.get_world_size() > 1:
             dist.barrier()  # no rank tears down while a peer still communicates

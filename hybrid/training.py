@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid.metrics import MetricsWriter, memory_mb
+from hybrid.zero.grad_norm import host_values
 from hybrid.zero.profile import NULL_TIMER
 
 if TYPE_CHECKING:
@@ -89,7 +90,7 @@ def train_step(engine: ZeroEngine, micro_batches: list[torch.Tensor], lr: float,
             loss = engine.model(tokens[:, :-1], tokens[:, 1:]).mean()
         engine.backward(loss / n, is_last_micro_batch=i == n - 1)
         losses[i] = loss.detach()
-    mean = _dp_mean(losses.mean().reshape(1), grid.dp_group, grid.dp_size).item()
+    mean = host_values(_dp_mean(losses.mean().reshape(1), grid.dp_group, grid.dp_size))[0]
     if not math.isfinite(mean):
         engine.zero_grad()
         return StepResult(mean, float("nan"), engine.loss_scale, True, True)

@@ -11,14 +11,13 @@ does not fit fails fast with an allocation error instead of pushing the shared m
 swap. Every attempt is a fresh ``hybrid.parallel.spawn.spawn_world`` of 4 ranks; in each rank:
 
 1. baseline = the process's virtual size after ``import torch`` + gloo init (reported);
-2. build under a looser *construction* cap (``--construct-mib``): the model is created on
-   ``meta`` and built by ``hybrid.parallelize.parallelize`` (materialised shard by shard, then wrapped in
-   ``ZeroEngine``, whose constructor briefly holds a full fp32 flat copy of the TP shard);
-3. cap = baseline + budget, then one optimizer step (forward, backward, AdamW) on random tokens.
+2. cap = baseline + budget, ONE cap for construction and the step: the model is created on
+   ``meta`` and the ``ZeroEngine`` builds it unit by unit from ``seeded_weights`` (as
+   ``hybrid.pretrain`` does: the construction peak is the model states plus one unit);
+3. one optimizer step (forward, backward, AdamW) on random tokens under the same cap.
 
-So the answer is "the largest model whose training state and one step fit ``budget`` above
-the process baseline"; the construction peak is reported next to it (the engine's constructor,
-not the step, is what limits ZeRO-3 when one cap covers both: see the report).
+So the answer is "the largest model that can be built and trained for one step within
+``budget`` above the process baseline"; the construction and step peaks are reported.
 
     python scripts/bench_scale.py                       # h=256, seq 64, 512 MiB per rank
     python scripts/bench_scale.py --modes "ddp zero3" --budget-mib 384 --out runs/bench
@@ -88,7 +87,7 @@ def attempt(rank: int, world: int, mode: str, model_kw: dict, seq: int, budget: 
     base = _status("VmSize")
     phase = "construction"
     try:
-        _cap(base + construct)
+        _cap(base + (construct or budget))
         cfg = GPTConfig(**model_kw, hidden_dropout=0.0, attention_dropout=0.0)
         engine = parallelize(meta_gpt(cfg), grid, PretrainConfig(
             zero=ZeroConfig(stage=stage, precision="bf16", reduce_bucket_size=bucket, allgather_bucket_size=bucket),
@@ -136,7 +135,7 @@ def try_layers(mode: str, layers: int, args, log: list) -> dict | None:
     t0 = time.time()
     try:
         res = spawn_world(4, attempt, mode, kw, args.seq_length, args.budget_mib * MIB,
-                          args.construct_mib * MIB, args.bucket, timeout_s=60)[0]
+                          args.construct_mib * MIB, args.bucket, timeout_s=args.timeout_s)[0]
         res.update(ok=True)
     except RuntimeError as err:
         text = str(err)
@@ -221,7 +220,7 @@ def report(results: dict, log: list, base: dict, args, wall: float) -> str:
             f"seq={args.seq_length}, micro-batch 1, bf16 (fp32 master and grads), 4 ranks, "
             f"budget {args.budget_mib} MiB per rank above a baseline of {base['vm'] / MIB:.0f} MiB "
             f"virtual / {base['rss'] / MIB:.0f} MiB RSS (import torch + gloo), construction cap "
-            f"{args.construct_mib} MiB, buckets {args.bucket:,} elements; {len(log)} attempts, "
+            f"{args.construct_mib or 'the same'}{' MiB' if args.construct_mib else ''}, buckets {args.bucket:,} elements; {len(log)} attempts, "
             f"{wall / 60:.1f} min")
     return head + "\n\n" + "\n".join(lines)
 
@@ -259,10 +258,13 @@ def main() -> None:
     ap.add_argument("--vocab-size", type=int, default=4096)
     ap.add_argument("--seq-length", type=int, default=64)
     ap.add_argument("--budget-mib", type=int, default=512, help="per-rank cap above the baseline")
-    ap.add_argument("--construct-mib", type=int, default=2048,
-                    help="per-rank safety cap while building the model and engine")
+    ap.add_argument("--construct-mib", type=int, default=0,
+                    help="a separate (looser) cap while building the model and engine; 0 (the "
+                         "default): the budget covers construction too")
     ap.add_argument("--bucket", type=int, default=1_000_000,
                     help="reduce / all-gather bucket elements (constant-size buffers, ZeRO §6.2)")
+    ap.add_argument("--timeout-s", type=float, default=60,
+                    help="collective timeout of each attempt's world (raise it on a loaded machine)")
     ap.add_argument("--start", type=int, default=8, help="first layer count tried")
     ap.add_argument("--max-layers", type=int, default=512)
     ap.add_argument("--resolution", type=float, default=0.07,

@@ -270,10 +270,17 @@ def test_vocab_parallel_cross_entropy_avoids_logit_gather():
 
 
 def test_constant_buffers_do_not_grow_with_the_model():
-    small = comm_buffer_bytes(10_000_000, 3, 50_000_000, 50_000_000)
-    assert small == 2 * 10_000_000 * 2 * 2  # capped at the rank's parameters
-    big = [comm_buffer_bytes(p, 2, 50_000_000, 50_000_000) for p in (10**9, 10**11)]
-    assert big[0] == big[1] == 2 * 50_000_000 * 2
+    # what ZeroEngine allocates: 2 reduce-scatter pairs of (dp + 1) x bucket/dp gradient
+    # elements and one bucket/dp all-gather staging (paper accounting: 2-byte gradients)
+    big = [comm_buffer_bytes(p, 2, 50_000_000, 50_000_000, dp=50) for p in (10**9, 10**11)]
+    assert big[0] == big[1] == 2 * 51 * 1_000_000 * 2 + 1_000_000 * 2
+    small = comm_buffer_bytes(10_000_000, 1, 50_000_000, 50_000_000, dp=4)
+    assert small == 2 * 5 * 2_500_000 * 2 + 2_500_000 * 2  # capped at the rank's partition
+    assert comm_buffer_bytes(10**9, 0, 50_000_000, 50_000_000, dp=50) == 0  # in place
+    assert comm_buffer_bytes(10**9, 2, 50_000_000, 50_000_000, dp=50, overlap=False) == 51 * 1_000_000 * 2 + 2_000_000
+    # stage 3 also holds the root unit and two blocks (current + prefetch) gathered
+    assert comm_buffer_bytes(10**9, 3, 50_000_000, 50_000_000, dp=50, largest_layer_params=7,
+                             root_params=11) == big[0] + (11 + 2 * 7) * 2
 
 
 def test_planner_picks_a_fitting_fast_layout():

@@ -18,22 +18,27 @@ def load_weights(engine: ZeroEngine, source: Callable[[str], torch.Tensor]) -> N
     """Set every parameter of ``engine.model`` (and its fp32 master copy) from ``source``.
 
     ``source(name)`` returns the full, unpadded tensor of parameter ``name`` (the
-    single-process ``GPT`` layout); it is read one parameter at a time and each rank keeps its
-    own tensor-parallel shard. The optimizer starts fresh (zero Adam moments, step 0). Works on
-    any grid; collective over the data-parallel group (every rank calls).
+    single-process ``GPT`` layout); it is read one parameter at a time, each rank keeps its own
+    tensor-parallel shard, and the engine fills one unit at a time
+    (:meth:`hybrid.zero.engine.ZeroEngine.load_weights`: the way initial weights enter, no
+    full-size staging, no collective). The optimizer starts fresh (zero Adam moments, step 0).
+    Works on any grid.
 
     Raises:
         KeyError: ``source`` has no tensor for a parameter (from ``source``).
         ValueError: the first parameter whose tensor has another shape, with both shapes.
     """
-    state = {}
-    for name, p in engine.model.named_parameters():
-        spec = get_tp_spec(p)
+    def local(name: str, param: torch.Tensor) -> torch.Tensor:
+        spec = get_tp_spec(param)
         full = source(name)
         if tuple(full.shape) != spec.full_shape:
             raise ValueError(f"{name}: the source tensor has shape {list(full.shape)}, "
                              f"the model's parameter {list(spec.full_shape)}")
-        master = spec.shard(full.float())
-        state[name] = dict(master=master, exp_avg=torch.zeros_like(master), exp_avg_sq=torch.zeros_like(master),
-                           step=torch.tensor(0.0))
-    engine.load_optimizer_state_by_name(state)
+        return spec.shard(full.float())
+
+    engine.load_weights(local)
+    engine.exp_avg.zero_()
+    engine.exp_avg_sq.zero_()
+    for state in engine.optimizer.state.values():
+        state["step"].zero_()
+    engine.optimizer_steps = 0

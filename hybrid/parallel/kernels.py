@@ -34,14 +34,19 @@ def use_fused_kernels(model: nn.Module, device: torch.device) -> int:
     for name, module in list(model.named_modules()):
         if type(module) is not nn.LayerNorm:
             continue
-        fused = cls(module.normalized_shape, eps=module.eps, elementwise_affine=True)
-        with torch.no_grad():
-            fused.weight.copy_(module.weight)
-            fused.bias.copy_(module.bias)
+        if module.weight.is_meta:  # built unit by unit later by the ZeRO engine
+            with torch.device("meta"):
+                fused = cls(module.normalized_shape, eps=module.eps, elementwise_affine=True)
+        else:
+            fused = cls(module.normalized_shape, eps=module.eps, elementwise_affine=True)
+            with torch.no_grad():
+                fused.weight.copy_(module.weight)
+                fused.bias.copy_(module.bias)
         for old, new in ((module.weight, fused.weight), (module.bias, fused.bias)):
             if hasattr(old, "tp_spec"):
                 new.tp_spec = old.tp_spec
         parent, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, leaf, fused.to(device))
+        setattr(model.get_submodule(parent) if parent else model, leaf,
+                fused if module.weight.is_meta else fused.to(device))
         swapped += 1
     return swapped

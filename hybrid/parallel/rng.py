@@ -65,11 +65,20 @@ class RNGTracker:
 
     def get_state(self) -> torch.Tensor:
         """The TP stream's state (a uint8 tensor), for checkpoints and recompute."""
-        return self._state.clone()
+        return _host_clone(self._state)
 
     def set_state(self, state: torch.Tensor) -> None:
         """Restore the TP stream from :meth:`get_state`."""
-        self._state = state.clone()
+        self._state = _host_clone(state)
+
+
+def _host_clone(state: torch.Tensor) -> torch.Tensor:
+    # Generator states are real host bytes even under a fake-tensor mode (the dry run), where
+    # a plain clone would give a tensor without data that no generator accepts.
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        return state.clone()
 
 
 def seed_everything(seed: int, device: torch.device | str = "cpu") -> None:

@@ -194,11 +194,40 @@ def init_sharded(model: GPT, seed: int) -> None:
 
     Materialises one full parameter at a time on CPU (the largest is the embedding).
     """
+    weights = seeded_weights(model.config, seed)
     for name, p in model.named_parameters():
-        spec = get_tp_spec(p)
+        p.copy_(weights(name, p))
+
+
+def seeded_weights(config, seed: int):
+    """A weight source (:mod:`hybrid.zero.storage`): ``(name, param) -> `` this TP rank's shard
+    of parameter ``name`` exactly as ``GPT.init_weights(seed)`` initialises the full model
+    (fp32, on CPU; one full parameter is drawn at a time, its shard kept)."""
+    def source(name: str, param: torch.Tensor) -> torch.Tensor:
+        spec = get_tp_spec(param)
         full = torch.empty(spec.full_shape)
-        init_parameter(name, full, model.config, parameter_generator(seed, name))
-        p.copy_(spec.shard(full))
+        init_parameter(name, full, config, parameter_generator(seed, name))
+        return spec.shard(full)
+
+    return source
+
+
+def full_weights(state_dict: dict[str, torch.Tensor]):
+    """A weight source slicing this TP rank's shard out of full (single-process) tensors.
+
+    Raises (when called):
+        KeyError: the name is missing from ``state_dict``.
+        ValueError: the full tensor's shape differs from ``param.tp_spec.full_shape``.
+    """
+    def source(name: str, param: torch.Tensor) -> torch.Tensor:
+        if name not in state_dict:
+            raise KeyError(f"{name} is missing from the weights (have {len(state_dict)} tensors)")
+        try:
+            return get_tp_spec(param).shard(state_dict[name].float())
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+
+    return source
 
 
 @torch.no_grad()

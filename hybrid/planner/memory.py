@@ -317,21 +317,27 @@ def comm_buffer_bytes(
     allgather_bucket_elements: int,
     precision: str | Precision = "bf16",
     largest_layer_params: int = 0,
+    dp: int = 1,
+    overlap: bool = True,
+    root_params: int = 0,
 ) -> int:
-    """Bytes of constant-size communication buffers (C_B, ZeRO §6.2) on one rank.
-
-    Gradients are reduced through 2 buckets (one filling while the other is in flight) of
-    ``reduce_bucket_elements`` gradient elements. Stages 1-2 all-gather the updated parameters
-    straight into the (replicated) parameter tensor, so they need nothing more; stage 3 keeps
-    2 gather buffers (current + prefetch) of max(all-gather bucket, largest layer's shard)
-    parameter elements, since a whole layer must be materialised to run it. Every buffer is
-    capped at the rank's parameter count ``params_per_rank`` (the TP shard): no bucket is larger
-    than what it carries.
+    """Bytes of constant-size communication buffers (C_B, ZeRO §6.2, arXiv:1910.02054) one rank
+    holds, as :class:`hybrid.zero.engine.ZeroEngine` allocates them. Stage 0: none (in-place
+    all-reduce). Stages 1-3: 2 (``overlap``) or 1 reduce-scatter pairs of ``dp * chunk`` +
+    ``chunk`` gradient elements, ``chunk = min(reduce_bucket // dp, ceil(params_per_rank / dp))``,
+    and one all-gather staging of ``min(allgather_bucket // dp, ...)`` parameter elements.
+    Stage 3 also gathers the ``root`` unit (``root_params``: embeddings, final norm, untied
+    head) for the whole step and two blocks of ``largest_layer_params`` (current + prefetch).
     """
     _check_stage(stage)
+    _check_positive(dp=dp)
+    if stage == 0:
+        return 0
     p = get_precision(precision)
-    reduce = 2 * min(reduce_bucket_elements, params_per_rank) * p.grad_bytes
+    partition = math.ceil(params_per_rank / dp)
+    chunk = min(max(1, reduce_bucket_elements // dp), partition)
+    staging = (2 if overlap else 1) * (dp + 1) * chunk * p.grad_bytes
+    staging += min(max(1, allgather_bucket_elements // dp), partition) * p.param_bytes
     if stage < 3:
-        return reduce
-    gather = max(allgather_bucket_elements, largest_layer_params)
-    return reduce + 2 * min(gather, params_per_rank) * p.param_bytes
+        return staging
+    return staging + (root_params + 2 * largest_layer_params) * p.param_bytes

@@ -135,6 +135,8 @@ class Training:
     """Vocabulary padded to a multiple of this * tp (Megatron §5.1)."""
     grad_reduce: str = "reduce_scatter"
     """ZeroConfig.grad_reduce: 'reduce_scatter' or 'all_reduce' (2x the gradient bytes)."""
+    overlap_comm: bool = True
+    """Two reduce-scatter staging buffers (reduction overlapped with backward) instead of one."""
 
     def __post_init__(self) -> None:
         get_precision(self.precision, self.accounting)
@@ -172,7 +174,8 @@ class Candidate:
     activations: dict
     """``memory_estimate.activation_bytes`` of one micro-batch."""
     buffers: int
-    """Constant-size communication buffers, bytes."""
+    """Constant-size communication buffers (and stage 3's gathered units at their peak), bytes:
+    ``memory.comm_buffer_bytes``, the engine's ``buffers`` (+ ``gathered_peak``)."""
     total_bytes: int
     """model states + GPU activations + buffers + reserved, bytes."""
     fits: bool
@@ -253,15 +256,11 @@ def evaluate(
     states = model_state_bytes(m, tp, dp, stage, prec, persistent)
     acts = activation_bytes(m, s, b, tp, activation, prec)
     layer_sharded, layer_replicated = layer_parameter_split(m)
-    largest = max(layer_sharded // tp + layer_replicated, m.vocab_size * m.hidden_size // tp)
-    buffers = comm_buffer_bytes(
-        psi_t,
-        stage,
-        training.reduce_bucket_elements,
-        training.allgather_bucket_elements,
-        prec,
-        largest,
-    )
+    block = layer_sharded // tp + layer_replicated
+    root = psi_t - m.num_layers * block
+    buffers = comm_buffer_bytes(psi_t, stage, training.reduce_bucket_elements,
+                                training.allgather_bucket_elements, prec, block, dp,
+                                training.overlap_comm, root)
     total = states["total"] + acts["gpu"] + buffers + int(cluster.reserved_bytes)
 
     parts = set(activation.split("+"))

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
-from hybrid.zero import state
+from hybrid.zero import state, storage
 from hybrid.zero.comm import DPComm
 from hybrid.zero.config import OptimizerConfig, ZeroConfig
 from hybrid.zero.grad_norm import clip_coefficient, global_grad_norm
@@ -79,19 +79,25 @@ class ZeroEngine:
     """ZeRO stage 0-3 over ``grid.dp_group`` for a (tensor-parallel) model.
 
     Args:
-        model: the model on ``grid.device`` with fp32 weights, every parameter carrying a
-            ``tp_spec``; its parameters become views of the engine's buffers, converted to the
-            training precision.
+        model: the (tensor-parallel) model, every parameter carrying a ``tp_spec``: on
+            ``meta`` (built unit by unit from ``weights``) or materialised on ``grid.device``;
+            its parameters become views of the engine's buffers in the training precision.
         grid: the process grid (its data-parallel group partitions, the world reduces norms).
         zero_config: stage, buckets, overlap, precision and loss scaling.
         optimizer_config: AdamW hyper-parameters and clipping.
+        weights: the initial weights (:mod:`hybrid.zero.storage`), e.g.
+            ``hybrid.parallel.tp_plan.seeded_weights(config, seed)``; None reads the model's own
+            (materialised) parameters.
+
+    Raises:
+        ValueError: a meta parameter without ``weights``, a meta buffer, a wrong source shape.
     """
 
     timer = NULL_TIMER  # the per-phase profiler (set_profiler); a no-op by default
     _push_params = refresh_params  # the master back into the parameters (hybrid.zero.refresh)
 
     def __init__(self, model: nn.Module, grid: ProcessGrid, zero_config: ZeroConfig,
-                 optimizer_config: OptimizerConfig):
+                 optimizer_config: OptimizerConfig, weights: storage.WeightSource | None = None):
         zero_config.validate()
         optimizer_config.validate()
         self.model, self.grid = model, grid
@@ -111,7 +117,7 @@ class ZeroEngine:
         self.last_comm_bytes: dict = {}
         self.activation_checkpointing = None
         """Set by ``hybrid.parallelize.parallelize``: the checkpointing handle, or None."""
-        self._build_buffers()
+        self._build_buffers(weights)
         self.reducer = GradReducer(
             self.params, L, zero_config, self.comm, zero_config.reduce_bucket_size,
             zero_config.overlap_comm, on_unit_ready=self._on_unit_ready,
@@ -137,38 +143,32 @@ class ZeroEngine:
 
     # ---- construction ------------------------------------------------------------------------
     @torch.no_grad()
-    def _build_buffers(self) -> None:
-        L, dev, zc = self.layout, self.grid.device, self.config
-        full = torch.zeros(L.total_numel, dtype=torch.float32, device=dev)
-        for s in L.slots:
-            full[s.offset:s.offset + s.numel].copy_(self.params[s.index].detach().reshape(-1))
-        if not zc.shards_optimizer_states:
-            self.master = full
-        else:
-            self.master = torch.empty(L.partition_numel, dtype=torch.float32, device=dev)
-            for u in L.units:
-                a, b = L.shard_range(u.index, self.dp_rank)
-                self.master[u.part_offset:u.part_offset + u.shard].copy_(full[a:b])
-        domain = self.master.numel()
-        self.exp_avg = torch.zeros(domain, dtype=torch.float32, device=dev)
-        self.exp_avg_sq = torch.zeros(domain, dtype=torch.float32, device=dev)
+    def _build_buffers(self, weights: storage.WeightSource | None) -> None:
+        """Steady-state buffers, filled unit by unit (:mod:`hybrid.zero.storage`): the
+        construction peak is the model states plus one unit in fp32, never a second full copy."""
+        L, dev = self.layout, self.grid.device
+        storage.check_materialised(self.model)
+        st = storage.allocate_states(L, self.stage, self.dtype, dev)
+        storage.fill_units(st, L, self.stage, self.dp_rank, self.params,
+                           weights or storage.model_weights(self.params))
+        self.params = storage.bind_parameters(self.model, L, self.params, st.unit_bufs)
+        self.master, self.exp_avg, self.exp_avg_sq = st.master, st.exp_avg, st.exp_avg_sq
+        self.param_flat, self.param_shard, self.unit_bufs = st.param_flat, st.param_shard, st.unit_bufs
         self.ag_chunk = max(1, self.config.allgather_bucket_size // self.dp)
-        self.unit_bufs: list[torch.Tensor] = []
-        self.param_shard = None
-        if not zc.shards_parameters:
-            self.param_flat = full.to(self.dtype, copy=True)
-            self.unit_bufs = [self.param_flat[u.offset:u.offset + u.padded] for u in L.units]
-        else:
-            self.param_flat = None
-            self.param_shard = self.master.to(self.dtype, copy=True)
-            self.unit_bufs = [full[u.offset:u.offset + u.padded].to(self.dtype, copy=True)
-                              for u in L.units]
-        for s in L.slots:
-            u = L.units[s.unit]
-            view = self.unit_bufs[s.unit][s.offset - u.offset:s.offset - u.offset + s.numel]
-            self.params[s.index].data = view.view(s.shape)
         self._ag_staging = (torch.empty(min(self.ag_chunk, L.partition_numel), dtype=self.dtype,
-                                        device=dev) if zc.shards_optimizer_states else None)
+                                        device=dev) if self.config.shards_optimizer_states else None)
+
+    def load_weights(self, weights: storage.WeightSource, units=None) -> None:
+        """Set the fp32 master and the compute-dtype parameters from ``weights`` one unit at a
+        time, without collectives (``units``: indices into ``layout.units``, default all); the
+        Adam moments are unchanged. ``--finetune`` weights enter this way, like initial ones.
+
+        Raises:
+            ValueError: a source tensor's shape differs from the local parameter's.
+        """
+        st = storage.FlatStates(self.master, self.exp_avg, self.exp_avg_sq, self.param_flat,
+                                self.param_shard, self.unit_bufs)
+        storage.fill_units(st, self.layout, self.stage, self.dp_rank, self.params, weights, units)
 
     def _build_optimizer(self) -> None:
         L, oc = self.layout, self.opt_config

@@ -42,10 +42,9 @@ def global_grad_norm(counted: list[torch.Tensor], held: list[torch.Tensor], grou
     for g in held:
         # max |g| is non-finite exactly when some element is inf/NaN and, unlike
         # isfinite(g).all() (measured: ~7 bytes per element of temporaries on CPU) or a
-        # float64 sum (an 8-byte copy), needs no gradient-sized temporary. Counted on the
-        # device: no host synchronisation per tensor.
+        # float64 sum (an 8-byte copy), needs no gradient-sized temporary.
         if g.numel():
-            bad += ~torch.isfinite(torch.linalg.vector_norm(g, ord=float("inf")))
+            bad += (~torch.isfinite(torch.linalg.vector_norm(g, ord=float("inf")))).double()
     t = torch.stack([sq, bad])
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         if not getattr(ledger, "skip_collectives", False):  # the benchmark's compute-only floor
@@ -53,9 +52,23 @@ def global_grad_norm(counted: list[torch.Tensor], held: list[torch.Tensor], grou
         if ledger is not None:
             n = dist.get_world_size(group)
             ledger.bytes["norm_all_reduce"] += 2 * (n - 1) / n * t.numel() * t.element_size()
-    sq_total, overflow = t.tolist()
+    sq_total, overflow = host_values(t)
     overflow = overflow > 0 or not math.isfinite(sq_total)
     return (float("inf") if overflow else math.sqrt(sq_total)), overflow
+
+
+def host_values(t: torch.Tensor) -> list[float]:
+    """The values of a small tensor on the host (one synchronisation).
+
+    A fake tensor (``FakeTensorMode``, the dry run of :mod:`hybrid.dry_run`) has no values; it
+    reads as zeros, which is the normal path everywhere they are used (a finite loss, a finite
+    norm, no overflow). Real tensors are read as they are.
+    """
+    from torch._subclasses.fake_tensor import is_fake
+
+    if is_fake(t):
+        return [0.0] * t.numel()
+    return [float(v) for v in t.reshape(-1).tolist()]
 
 
 def clip_coefficient(norm: float, max_norm: float) -> float:
