@@ -58,7 +58,7 @@ def test_resumed_job_continues_its_wandb_run_and_writes_a_compact_header(tmp_pat
     assert head[1].startswith("no checkpoint under --load") and head[2].startswith("ZeRO stage 1 fp32"), head
     assert "moved last step" not in out and '"model": {' not in out
     config = json.loads((tmp_path / "m" / "metrics.config.json").read_text())
-    assert config["optim"]["train_iters"] == 4 and config["logging"]["wandb_project"] == "resume"
+    assert config["training"]["train_iters"] == 4 and config["logging"]["wandb_project"] == "resume"
 
 
 class SilentServer:
