@@ -26,6 +26,7 @@ module, so recompute uses whatever the parameters are at backward time.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from dataclasses import dataclass
@@ -171,9 +172,30 @@ class ActivationStore:
             meta.lease = None
 
 
-def _autocast_state(device: torch.device) -> tuple[str, bool, torch.dtype]:
+def autocast_state(device: torch.device) -> tuple[str, bool, torch.dtype]:
+    """``(device type, autocast enabled, autocast dtype)`` now, for a later recompute."""
     kind = device.type
     return kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)
+
+
+@contextlib.contextmanager
+def replaying_forward(store: ActivationStore, rng: dict, autocast: tuple, device: torch.device):
+    """Run a recomputation as its forward ran: the RNG states captured then (CPU, CUDA, the TP
+    tracker's stream, so dropout draws the same masks), the same autocast, grad enabled and the
+    saved-bytes meter told it is a recompute; the current RNG states come back afterwards."""
+    now = capture_torch_rng(store.tracker, device)
+    restore_torch_rng(rng, store.tracker, device)
+    kind, enabled, dtype = autocast
+    meter = store.meter
+    if meter is not None:
+        meter.begin_recompute()
+    try:
+        with torch.enable_grad(), torch.autocast(kind, dtype=dtype, enabled=enabled):
+            yield
+    finally:
+        restore_torch_rng(now, store.tracker, device)
+        if meter is not None:
+            meter.end_recompute()
 
 
 class _CheckpointFunction(torch.autograd.Function):
@@ -182,7 +204,7 @@ class _CheckpointFunction(torch.autograd.Function):
         store = wrapper.store
         ctx.wrapper = wrapper
         ctx.rng, ctx.device = capture_torch_rng(store.tracker, x.device), x.device
-        ctx.autocast = _autocast_state(x.device)
+        ctx.autocast = autocast_state(x.device)
         with torch.no_grad():
             out = wrapper.original(x)  # the module's hooks already ran around this call
         stored, ctx.meta = store.save(wrapper.index, x)
@@ -195,19 +217,8 @@ class _CheckpointFunction(torch.autograd.Function):
         store = wrapper.store
         (stored,) = ctx.saved_tensors
         x = store.load(stored, ctx.meta).detach().requires_grad_(True)
-        now = capture_torch_rng(store.tracker, ctx.device)
-        restore_torch_rng(ctx.rng, store.tracker, ctx.device)
-        kind, enabled, dtype = ctx.autocast
-        meter = store.meter
-        if meter is not None:
-            meter.begin_recompute()
-        try:
-            with torch.enable_grad(), torch.autocast(kind, dtype=dtype, enabled=enabled):
-                out = wrapper.recompute(x)
-        finally:
-            restore_torch_rng(now, store.tracker, ctx.device)
-            if meter is not None:
-                meter.end_recompute()
+        with replaying_forward(store, ctx.rng, ctx.autocast, ctx.device):
+            out = wrapper.recompute(x)
         store.stats.recomputes += 1
         torch.autograd.backward(out, grad_out)
         store.release(ctx.meta)

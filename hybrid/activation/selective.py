@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from hybrid.parallel.rng import capture_torch_rng, restore_torch_rng
+from hybrid.activation.recompute import autocast_state, replaying_forward
+from hybrid.parallel.rng import capture_torch_rng
 
 
 class _CoreFunction(torch.autograd.Function):
@@ -25,8 +26,7 @@ class _CoreFunction(torch.autograd.Function):
         store = wrapper.store
         ctx.wrapper = wrapper
         ctx.rng = capture_torch_rng(store.tracker, q.device)
-        ctx.autocast = (q.device.type, torch.is_autocast_enabled(q.device.type),
-                        torch.get_autocast_dtype(q.device.type))
+        ctx.autocast = autocast_state(q.device)
         with torch.no_grad():
             out = wrapper.original(q, k, v)
         ctx.save_for_backward(q, k, v)
@@ -37,20 +37,8 @@ class _CoreFunction(torch.autograd.Function):
         wrapper: SelectiveCore = ctx.wrapper
         store = wrapper.store
         inputs = [t.detach().requires_grad_(True) for t in ctx.saved_tensors]
-        device = inputs[0].device
-        now = capture_torch_rng(store.tracker, device)
-        restore_torch_rng(ctx.rng, store.tracker, device)
-        kind, enabled, dtype = ctx.autocast
-        meter = store.meter
-        if meter is not None:
-            meter.begin_recompute()
-        try:
-            with torch.enable_grad(), torch.autocast(kind, dtype=dtype, enabled=enabled):
-                out = wrapper.original(*inputs)
-        finally:
-            restore_torch_rng(now, store.tracker, device)
-            if meter is not None:
-                meter.end_recompute()
+        with replaying_forward(store, ctx.rng, ctx.autocast, inputs[0].device):
+            out = wrapper.original(*inputs)
         store.stats.selective_recomputes += 1
         grads = torch.autograd.grad(out, inputs, grad_out)
         return (None, *grads)

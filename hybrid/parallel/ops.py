@@ -94,6 +94,14 @@ def all_gather_seq(x: torch.Tensor, group, ledger: TPLedger | None = None,
     return out.view(n, *x.shape).movedim(0, SEQ_DIM).flatten(SEQ_DIM, SEQ_DIM + 1)
 
 
+def _check_seq(x: torch.Tensor, n: int) -> int:
+    """``s / n`` for ``x`` of ``[b, s, ...]``; ValueError when ``n`` does not divide ``s``."""
+    s = x.shape[SEQ_DIM]
+    if s % n:
+        raise ValueError(f"sequence length {s} is not divisible by the TP size {n}")
+    return s // n
+
+
 def reduce_scatter_seq(x: torch.Tensor, group, ledger: TPLedger | None = None) -> torch.Tensor:
     """``[b, s, ...]`` partial sums -> this rank's ``[b, s/t, ...]`` of the sum; no autograd.
 
@@ -103,9 +111,7 @@ def reduce_scatter_seq(x: torch.Tensor, group, ledger: TPLedger | None = None) -
     n = dist.get_world_size(group)
     if n == 1:
         return x
-    s = x.shape[SEQ_DIM]
-    if s % n:
-        raise ValueError(f"sequence length {s} is not divisible by the TP size {n}")
+    _check_seq(x, n)
     inp = torch.stack(x.chunk(n, dim=SEQ_DIM))  # [t, b, s/t, ...], rank-major and contiguous
     out = torch.empty(inp.shape[1:], dtype=x.dtype, device=x.device)
     if ledger is not None:
@@ -123,10 +129,8 @@ def split_seq(x: torch.Tensor, group) -> torch.Tensor:
     n = dist.get_world_size(group)
     if n == 1:
         return x
-    s = x.shape[SEQ_DIM]
-    if s % n:
-        raise ValueError(f"sequence length {s} is not divisible by the TP size {n}")
-    return x.narrow(SEQ_DIM, dist.get_rank(group) * (s // n), s // n)
+    chunk = _check_seq(x, n)
+    return x.narrow(SEQ_DIM, dist.get_rank(group) * chunk, chunk)
 
 
 class _CopyToTP(torch.autograd.Function):
