@@ -38,14 +38,17 @@ def resolve_prefixes(inputs: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description="Merge indexed-dataset shards into one.")
+    p = argparse.ArgumentParser(prog="python -m data.merge", description="Merge indexed-dataset shards into one.")
     p.add_argument(
         "--input", nargs="+", required=True, help="shard prefixes or directories, in order"
     )
     p.add_argument("--output-prefix", required=True, help="writes <prefix>.bin and <prefix>.idx")
     a = p.parse_args(argv)
-    prefixes = resolve_prefixes(a.input)
-    ds = merge_datasets(prefixes, a.output_prefix)
+    try:
+        prefixes = resolve_prefixes(a.input)
+        ds = merge_datasets(prefixes, a.output_prefix)
+    except (OSError, ValueError) as e:  # a missing or unreadable shard: one line, nothing written
+        p.exit(2, f"{p.prog}: error: {e}\n")
     print(
         f"merged {len(prefixes)} shards into {a.output_prefix}: "
         f"{len(ds.document_indices) - 1} documents, {ds.num_tokens} tokens"

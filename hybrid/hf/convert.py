@@ -165,6 +165,7 @@ def hf_config_dict(config: GPTConfig, token_ids: dict[str, int] | None = None) -
     out.update(_HF_REQUIRED, resid_pdrop=config.hidden_dropout, embd_pdrop=config.hidden_dropout,
                attn_pdrop=config.attention_dropout, initializer_range=config.init_method_std,
                tie_word_embeddings=config.tied, architectures=["GPT2LMHeadModel"])
+    out.update(bos_token_id=None, eos_token_id=None)  # no tokenizer: GPT-2's 50256 may be outside the vocab
     out.update(token_ids or {})
     return out
 

@@ -25,6 +25,7 @@ def generate(hf_dir: str, prompt: str, max_new_tokens: int = 64, temperature: fl
     Raises:
         ValueError: a bad sampling setting, or prompt plus ``max_new_tokens`` longer than the
             model's position table (``n_positions``); the message gives the numbers.
+        FileNotFoundError: ``hf_dir`` is not a directory, or holds no tokenizer.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -36,6 +37,13 @@ def generate(hf_dir: str, prompt: str, max_new_tokens: int = 64, temperature: fl
     if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
         raise ValueError(f"need --temperature >= 0 (got {temperature}), --top-k >= 0 (got {top_k}, 0: off) "
                          f"and 0 < --top-p <= 1 (got {top_p})")
+    from pathlib import Path
+
+    if not Path(hf_dir).is_dir():
+        raise FileNotFoundError(f"--hf-dir {hf_dir}: no such directory (an export_hf output directory)")
+    if not (Path(hf_dir) / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"--hf-dir {hf_dir} has no tokenizer.json: the checkpoint was exported without a "
+                                "tokenizer (trained on --mock-data?); export again with --tokenizer-model")
     tok = AutoTokenizer.from_pretrained(hf_dir)
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(device).eval()
     eod = model.config.eos_token_id

@@ -234,13 +234,16 @@ def evaluate(
     """Memory, traffic and estimated step time of one layout (see the module docstring).
 
     Raises ValueError for an impossible layout (tp not dividing heads or GPUs, a global batch
-    that is not a multiple of micro batch * dp).
+    that is not a multiple of micro batch * dp, sequence parallelism with tp not dividing the
+    sequence length).
     """
     m0 = ModelShape.of(model)
     _check_tp(m0, tp, cluster)
     m = _padded(m0, tp, training)
     dp = cluster.num_gpus // tp
     s, b = training.seq_length, training.micro_batch_size
+    if "sp" in activation.split("+") and tp > 1 and s % tp:
+        raise ValueError(f"sequence parallelism needs seq_length divisible by tp: {s} % {tp} = {s % tp}")
     gbs = training.global_batch_size or b * cluster.num_gpus
     if gbs % (b * dp):
         raise ValueError(
