@@ -43,7 +43,7 @@ def formula(t: int, sp: bool, selective: bool, act: int = ACT, mask: int = MASK)
 
 
 def test_formulas_are_table2_at_16_bit():
-    # paper.md §5 item 11: s=2048, b=1, h=12288, a=96, t=8; bytes.
+    # arXiv 2205.05198 Table 2 (GPT-3 175B layer: s=2048, b=1, h=12288, a=96, t=8); bytes.
     s, b, h, a, t = 2048, 1, 12288, 96, 8
     sbh = s * b * h
     assert sbh * (34 / t + 5 * a * s / (h * t)) == 358_612_992
@@ -125,7 +125,7 @@ def test_planner_activation_modes():
     sp_sel = activation_bytes(m, s, b, t, "sp+selective")
     assert sp_sel["layers"] == 4 * 34 * sbh // t and sp_sel["checkpoints"] == 0
     sp = activation_bytes(m, s, b, t, "sp")
-    assert sp["layers"] == 4 * 179_306_496  # paper.md §5 item 11, t = 4, TP+SP
+    assert sp["layers"] == 4 * 179_306_496  # arXiv 2205.05198 Table 2 row TP+SP, sbh(34/t + 5as/(ht)) at t = 4
     full_sp = activation_bytes(m, s, b, t, "full+sp+cpu")
     assert full_sp["cpu"] == 4 * 2 * sbh // t and full_sp["layers"] == 179_306_496
     assert full_sp["non_layer"] < activation_bytes(m, s, b, t, "full+pa+cpu")["non_layer"]
