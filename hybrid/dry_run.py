@@ -27,8 +27,9 @@ import time
 
 import torch
 
+from hybrid.planner.check import STATE_KEYS
+
 GIB = 2**30
-STATE_KEYS = ("params", "grads", "master", "optimizer")
 
 
 def _total(snapshot: dict) -> int:
