@@ -11,9 +11,9 @@ has no values, so the step's few host reads (the loss and the grad norm, via
 :func:`hybrid.zero.grad_norm.host_values`) read zeros: a finite loss and no overflow, i.e. the
 normal path.
 
-Bytes are measured, not computed: torch's memory tracker
-(``torch.distributed._tools.mem_tracker.MemTracker``) follows every storage the code allocates
-(including stage 3's gathers and releases), giving the construction peak and the step peak; the
+Bytes are measured, not computed: :class:`StorageMeter` (the counting rule of torch's
+``MemTracker`` at O(1) per op) follows every storage the code allocates (including stage 3's
+gathers and releases), giving the construction peak and the step peak; the
 engine's buffers give the bytes per kind. The planner's figures for the same configuration
 (``python -m hybrid.plan --accounting engine``, :func:`hybrid.planner.plan.evaluate`) are
 printed beside them. The fake backend ignores the device: everything is counted as memory of
@@ -24,17 +24,94 @@ their own line and left out of the device total.
 from __future__ import annotations
 
 import time
+import weakref
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from hybrid.planner.check import STATE_KEYS
 
 GIB = 2**30
 
 
-def _total(snapshot: dict) -> int:
-    """Tracked bytes on every device but ``meta`` (the model's shapes before construction)."""
-    return sum(d.get("Total", 0) for dev, d in snapshot.items() if torch.device(dev).type != "meta")
+class StorageMeter(TorchDispatchMode):
+    """Bytes of the tensor storages that are alive, and their peak, at O(1) cost per op.
+
+    Every output of every op dispatched while the meter is active (and every tensor passed to
+    :meth:`track`) has its storage recorded with a weak reference: the bytes are added when the
+    storage is first seen and removed when it is freed; ``UntypedStorage.resize_`` (stage 3's
+    release and re-gather of a unit) is followed too. Meta tensors (the model's shapes before
+    construction) are not counted. Same counting rule as torch's
+    ``torch.distributed._tools.mem_tracker.MemTracker`` (no CUDA rounding: the dry run has no
+    device), without its per-module snapshots, whose cost grows with ops x modules and makes a
+    125-layer step take tens of minutes.
+
+    Attributes:
+        current: bytes alive now (int).
+        peak: the largest ``current`` seen since construction or :meth:`reset_peak` (int).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.current = 0
+        self.peak = 0
+        self._live: dict[int, list] = {}  # id(storage) -> [weakref, nbytes]
+        self._orig_resize = None
+
+    def track(self, *tensors: torch.Tensor) -> None:
+        """Count tensors allocated before the meter was entered."""
+        for t in tensors:
+            self._see(t)
+
+    def reset_peak(self) -> None:
+        """Start a new peak at the bytes alive now."""
+        self.peak = self.current
+
+    def _see(self, t) -> None:
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            return
+        st = t.untyped_storage()
+        entry = self._live.get(id(st))
+        if entry is None:
+            key = id(st)
+            self._live[key] = [weakref.ref(st, lambda _, k=key: self._freed(k)), 0]
+            entry = self._live[key]
+        self._resized(entry, st.nbytes())
+
+    def _resized(self, entry: list, nbytes: int) -> None:
+        self.current += nbytes - entry[1]
+        entry[1] = nbytes
+        self.peak = max(self.peak, self.current)
+
+    def _freed(self, key: int) -> None:
+        entry = self._live.pop(key, None)
+        if entry is not None:
+            self.current -= entry[1]
+
+    def __enter__(self):
+        self._orig_resize = orig = torch.UntypedStorage.resize_
+        meter = self
+
+        def resize_(st, size):
+            out = orig(st, size)
+            entry = meter._live.get(id(st))
+            if entry is not None:
+                meter._resized(entry, st.nbytes())
+            return out
+
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *args):
+        torch.UntypedStorage.resize_ = self._orig_resize
+        return super().__exit__(*args)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            self._see(t)
+        return out
 
 
 def _engine_tensors(engine) -> list[torch.Tensor]:
@@ -56,6 +133,23 @@ def _host_checkpoint_bytes(engine) -> int:
         if store is not None and store.in_cpu and store.arena is not None:
             return store.arena.nbytes
     return 0
+
+
+def _save_staging_peak(engine, grid) -> int:
+    """Bytes alive at the peak of staging this rank's checkpoint shard: the same entries and
+    the same staging (:func:`hybrid.checkpoint.stream.staged`) as ``save_checkpoint``, with the
+    file write left out (a fake tensor has no bytes). Counted on top of the engine's tensors."""
+    from hybrid.checkpoint.shards import shard_entries
+    from hybrid.checkpoint.stream import staged
+    from hybrid.zero import state
+
+    meter = StorageMeter()
+    meter.track(*_engine_tensors(engine))
+    with meter:
+        entries, _ = shard_entries(state.owned_state(engine), grid.tp_rank)
+        for t in staged(entries):
+            del t
+    return meter.peak
 
 
 def planner_figures(cfg, derived) -> dict:
@@ -96,7 +190,6 @@ def dry_run(cfg, derived, rank: int = 0) -> dict:
     """
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from hybrid.parallel.grid import ProcessGrid
@@ -113,31 +206,33 @@ def dry_run(cfg, derived, rank: int = 0) -> dict:
     tracker = RNGTracker(cfg.data.seed, grid.tp_rank, grid.device)
     # real inputs (the CPU RNG state an activation checkpoint saves) are converted as they come
     with FakeTensorMode(allow_non_fake_inputs=True):
-        with MemTracker() as build:
+        with StorageMeter() as build:
             engine = parallelize(meta_gpt(derived.gpt), grid, cfg, tracker)
-        construction_peak = _total(build.get_tracker_snapshot("peak"))
+        construction_peak = build.peak
         built_s = time.perf_counter() - t0
         held = engine.memory_bytes()
-        step = MemTracker()
-        step.track_external(*_engine_tensors(engine))
-        start = _total(step.get_tracker_snapshot("current"))
+        step = StorageMeter()
+        step.track(*_engine_tensors(engine))
+        start = step.current
         with step:
             tokens = torch.randint(0, derived.gpt.vocab_size,
                                    (cfg.training.micro_batch_size, cfg.model.seq_length + 1))
             train_step(engine, [tokens], cfg.optimizer.lr, grid)
-        step_peak = _total(step.get_tracker_snapshot("peak"))
+        step_peak = step.peak
+        save_peak = _save_staging_peak(engine, grid)
     host = _host_checkpoint_bytes(engine)
     gathered = engine.memory_bytes()["gathered_peak"]
     measured = {k: held[k] for k in STATE_KEYS}
     measured.update(states=sum(held[k] for k in STATE_KEYS), buffers=held["buffers"] + gathered,
                     activations=step_peak - start - gathered - host, host_checkpoints=host,
-                    total=step_peak - host, construction_peak=construction_peak,
+                    total=step_peak - host, construction_peak=construction_peak, save_peak=save_peak,
                     gathered_peak=gathered, tracked_after_build=start)
     return dict(rank=rank, world=world, tp=grid.tp_size, dp=grid.dp_size, tp_rank=grid.tp_rank,
                 dp_rank=grid.dp_rank, stage=engine.stage, precision=engine.config.precision,
                 local_params=engine.layout.numel, optimizer_steps=engine.optimizer_steps,
                 largest_param=max(sl.numel for sl in engine.layout.slots), measured=measured,
                 bound=start + 4 * max(u.padded for u in engine.layout.units),
+                save_bound=start + 12 * max(u.padded for u in engine.layout.units),
                 planned=planner_figures(cfg, derived), build_s=built_s,
                 wall_s=time.perf_counter() - t0)
 
@@ -159,6 +254,8 @@ def format_report(r: dict) -> str:
         lines.append(f"{label:<34}{m[k] / GIB:>14.3f}{p[k] / GIB:>14.3f}{diff:>9}")
     lines.append(f"{'construction peak':<34}{m['construction_peak'] / GIB:>14.3f}{'':>14}"
                  f"  (steady state + one unit in fp32: {r['bound'] / GIB:.3f})")
+    lines.append(f"{'checkpoint-save peak':<34}{m['save_peak'] / GIB:>14.3f}{'':>14}"
+                 f"  (steady state + one unit's fp32 states: {r['save_bound'] / GIB:.3f})")
     lines.append(f"{'tracked after construction':<34}{m['tracked_after_build'] / GIB:>14.3f}"
                  f"  (= model states + buffers {(m['states'] + m['buffers'] - m['gathered_peak']) / GIB:.3f})")
     return "\n".join(lines)

@@ -3,10 +3,11 @@
 ``hybrid.pretrain --dry-run-world-size 64`` builds rank 37 (tp 2 x dp 32) with the fake
 process group and fake tensors through the real ``parallelize`` and ``train_step``; each
 configuration runs in its own process (the fake group is the default group). Checks: the step
-completed (one optimizer step, not skipped); the bytes torch's MemTracker saw allocated once
+completed (one optimizer step, not skipped); the bytes the dry run's storage meter saw allocated once
 the engine was built equal the engine's model states + buffers (to 64 KiB: AdamW's 0-d step
 tensors); the construction peak is within one unit in fp32 (+ the weight source's two
-one-parameter temporaries + 1 MiB) of that; the model states equal the planner's within 1%
+one-parameter temporaries + 1 MiB) of that; staging the checkpoint shard adds at most one
+parameter's fp32 fragment; the model states equal the planner's within 1%
 (the layout pads each unit to dp * 8 elements); and the planner's buffers equal what the
 engine allocated: exactly at stage 2, within 1% at stage 3 (gathered units, padded).
 """
@@ -52,9 +53,42 @@ def test_dry_run_world_64(stage):
     assert 0 <= m["tracked_after_build"] - held <= 64 * 1024, (m["tracked_after_build"], held)
     unit = r["bound"] - m["tracked_after_build"]
     assert m["construction_peak"] <= m["tracked_after_build"] + unit + 8 * r["largest_param"] + MIB
+    # a save stages at most one fragment (fp32) beside the engine's tensors
+    assert m["tracked_after_build"] <= m["save_peak"] <= m["tracked_after_build"] + 4 * r["largest_param"] + MIB
+    assert m["save_peak"] <= r["save_bound"]
     for k in ("params", "grads", "master", "optimizer", "states"):
         assert abs(m[k] - p[k]) <= 0.01 * p[k], (k, m[k], p[k])
     if stage == 2:
         assert m["buffers"] == p["buffers"]
     else:
         assert m["gathered_peak"] > 0 and abs(m["buffers"] - p["buffers"]) <= 0.01 * p["buffers"]
+
+
+def test_storage_meter_counts_like_torch_memtracker():
+    """The dry run's O(1)-per-op meter gives the peak torch's MemTracker gives (and the one
+    counted by hand), with views, frees and ``UntypedStorage.resize_`` (stage 3's release)."""
+    import torch
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from hybrid.dry_run import StorageMeter
+
+    def work():
+        a = torch.zeros(1000)                    # 4000 B
+        b = a + 1                                # 8000
+        c = torch.empty(500)                     # 10000
+        c.untyped_storage().resize_(0)           # 8000
+        d = b.view(10, 100) * 2                  # 12000 (the view adds nothing)
+        del b                                    # 8000
+        e = torch.ones(3000)                     # 20000: the peak
+        del e                                    # 8000
+        c.untyped_storage().resize_(2000)        # 10000
+        return a, c, d
+
+    with StorageMeter() as meter:
+        kept = work()
+    assert (meter.peak, meter.current) == (20000, 10000)
+    del kept
+    assert meter.current == 0
+    with MemTracker() as mt:
+        kept = work()
+    assert meter.peak == sum(d.get("Total", 0) for d in mt.get_tracker_snapshot("peak").values())

@@ -15,7 +15,7 @@ import json
 import os
 import struct
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +40,21 @@ class Entry:
         for d in self.shape:
             n *= d
         return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+def staged(entries: Sequence[Entry]) -> Iterator[torch.Tensor]:
+    """Each entry's tensor in turn, checked against its declaration, as contiguous CPU memory
+    (what :func:`write_safetensors` writes; the dry run measures a save's staging with it).
+
+    Raises:
+        ValueError: a produced tensor's dtype or shape differs from its entry.
+    """
+    for e in entries:
+        t = e.produce()
+        if t.dtype != e.dtype or tuple(t.shape) != tuple(e.shape):
+            raise ValueError(f"{e.key}: produced {t.dtype} {tuple(t.shape)}, declared {e.dtype} {tuple(e.shape)}")
+        yield t.detach().cpu().contiguous()
+        del t
 
 
 def write_safetensors(path: str | os.PathLike, entries: Sequence[Entry], metadata: dict[str, str] | None = None) -> int:
@@ -68,11 +83,7 @@ def write_safetensors(path: str | os.PathLike, entries: Sequence[Entry], metadat
     with open(Path(path), "wb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
-        for e in entries:
-            t = e.produce()
-            if t.dtype != e.dtype or tuple(t.shape) != tuple(e.shape):
-                raise ValueError(f"{e.key}: produced {t.dtype} {tuple(t.shape)}, declared {e.dtype} {tuple(e.shape)}")
-            t = t.detach().cpu().contiguous()
+        for t in staged(entries):
             if t.numel():
                 f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
             del t
