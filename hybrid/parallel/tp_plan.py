@@ -30,6 +30,7 @@ It also moves weights between the full (single-process) and the sharded form:
 from __future__ import annotations
 
 import fnmatch
+import math
 
 import torch
 import torch.distributed as dist
@@ -199,15 +200,78 @@ def init_sharded(model: GPT, seed: int) -> None:
         p.copy_(weights(name, p))
 
 
+# Elements drawn at once when a seeded shard is drawn row block by row block (16M fp32 = 64 MiB).
+SEED_CHUNK_ELEMENTS = 1 << 24
+
+
+def _draws_normal(name: str) -> bool:
+    """Whether :func:`models.gpt.init_parameter` draws ``name`` from N(0, std) (else a fill)."""
+    return not name.endswith(("ln1.weight", "ln2.weight", "ln_f.weight", "bias"))
+
+
+def seeded_shard(name: str, spec: TPSpec, config, seed: int,
+                 chunk_elements: int = SEED_CHUNK_ELEMENTS) -> torch.Tensor:
+    """This TP rank's (zero-padded) shard of parameter ``name`` exactly as
+    ``GPT.init_weights(seed)`` draws the full parameter, holding one block of rows at a time.
+
+    The full ``[rows, cols]`` weight is drawn from its own generator in consecutive blocks of a
+    multiple of 16 rows (at most ``chunk_elements`` elements, except that a block is at least
+    16 rows); each block keeps the part of this rank's shard it holds, and drawing stops after
+    the shard's last row. Torch's CPU ``normal_`` draws one uniform per element in order and
+    transforms aligned groups of 16 (Box-Muller; a tensor whose size is not a multiple of 16
+    redraws its last 16), so blocks that start on a multiple of 16 elements and a last block of
+    at least 16 elements give exactly the values of one full draw (checked for every shape
+    kind by ``tests/test_tp_seeded_init.py``). Peak: one block plus the shard, instead of the
+    full parameter (1.6 GB for the 100B model's embedding at tp 8).
+
+    Args:
+        name: parameter name in the plain GPT (decides the init, as ``init_parameter``).
+        spec: the parameter's :class:`TPSpec` on this rank.
+        config: the ``GPTConfig``.
+        seed: the job seed of ``GPT.init_weights(seed)``.
+        chunk_elements: elements per block (tests make it small).
+
+    Returns:
+        fp32 CPU tensor of this rank's local (padded) shape.
+    """
+    full_shape = spec.full_shape
+    numel = math.prod(full_shape)
+    if spec.replicated or not _draws_normal(name) or len(full_shape) != 2 or numel < 32:
+        full = torch.empty(full_shape)
+        init_parameter(name, full, config, parameter_generator(seed, name))
+        return spec.shard(full)
+    rows, cols = full_shape
+    start, stop = spec.local_range()
+    real = spec.real_local_size()
+    shape = list(full_shape)
+    shape[spec.split_dim] = stop - start
+    out = torch.zeros(shape)
+    block = max(16, chunk_elements // cols // 16 * 16)
+    bounds = list(range(0, rows, block)) + [rows]
+    if len(bounds) > 2 and (rows - bounds[-2]) * cols < 16:  # a last block under 16 elements
+        bounds.pop(-2)                                     # draws differently: merge it
+    last_row = start + real if spec.split_dim == 0 else rows
+    gen = parameter_generator(seed, name)
+    for r0, r1 in zip(bounds[:-1], bounds[1:]):
+        if r0 >= last_row:
+            break
+        part = torch.empty(r1 - r0, cols)
+        init_parameter(name, part, config, gen)
+        if spec.split_dim == 1:
+            out[r0:r1, :real] = part[:, start:start + real]
+        else:
+            lo, hi = max(r0, start), min(r1, start + real)
+            if lo < hi:
+                out[lo - start:hi - start] = part[lo - r0:hi - r0]
+    return out
+
+
 def seeded_weights(config, seed: int):
     """A weight source (:mod:`hybrid.zero.storage`): ``(name, param) -> `` this TP rank's shard
     of parameter ``name`` exactly as ``GPT.init_weights(seed)`` initialises the full model
-    (fp32, on CPU; one full parameter is drawn at a time, its shard kept)."""
+    (fp32, on CPU; drawn block by block, :func:`seeded_shard`)."""
     def source(name: str, param: torch.Tensor) -> torch.Tensor:
-        spec = get_tp_spec(param)
-        full = torch.empty(spec.full_shape)
-        init_parameter(name, full, config, parameter_generator(seed, name))
-        return spec.shard(full)
+        return seeded_shard(name, get_tp_spec(param), config, seed)
 
     return source
 
