@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from hybrid.checkpoint.consolidate import full_tensors
 from hybrid.checkpoint.directory import IncompleteCheckpointError
 from hybrid.checkpoint.shards import CheckpointReader
+from hybrid.checkpoint.stream import Entry, write_safetensors
 from hybrid.hf.convert import (
     UnsupportedModelError,
     gpt_config_from_metadata,
@@ -32,7 +32,6 @@ from hybrid.hf.convert import (
     parameter_names,
     to_hf,
 )
-from hybrid.hf.stream import write_safetensors
 
 
 def _check_output(output: Path) -> None:
@@ -85,13 +84,13 @@ def export_hf(load: str | os.PathLike, output: str | os.PathLike, iteration: int
             token_ids = save_tokenizer(tok_path, tmp)
         hf = hf_config_dict(config, token_ids)
         GPT2Config(**hf).save_pretrained(str(tmp))
-        specs = []
+        entries = []  # one full tensor at a time (its read, then GPT-2's layout of it)
         for name in saved:
             shape = reader.meta["params"][name]["full_shape"]
-            specs.append((hf_name(name), tuple(to_hf(name, torch.empty(shape, device="meta"), config).shape),
-                          torch.float32))
-        write_safetensors(tmp / "model.safetensors", specs,
-                          ((hf_name(n), to_hf(n, t, config)) for n, t in full_tensors(reader)),
+            hf_shape = tuple(to_hf(name, torch.empty(shape, device="meta"), config).shape)
+            entries.append(Entry(hf_name(name), torch.float32, hf_shape, lambda n=name: to_hf(
+                n, reader.full_tensor(n, "master").contiguous(), config).contiguous()))
+        write_safetensors(tmp / "model.safetensors", entries,
                           metadata={"format": "pt", "iteration": str(reader.iteration)})
         if output.exists():
             output.rmdir()  # empty, checked above
@@ -103,7 +102,7 @@ def export_hf(load: str | os.PathLike, output: str | os.PathLike, iteration: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="hybrid-export-hf", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="hybrid-export-hf", description=__doc__.split("\n")[0])
     p.add_argument("--load", required=True, help="checkpoint directory (the --save of the run)")
     p.add_argument("--output", required=True, help="new Hugging Face model directory to write")
     p.add_argument("--iteration", type=int, help="which iteration (default: the latest complete one)")
