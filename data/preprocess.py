@@ -231,7 +231,7 @@ def _write_column(col, writer: IndexedDatasetWriter, ks: KeyStats) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(
+    p = argparse.ArgumentParser(allow_abbrev=False,
         prog="python -m data.preprocess",
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,

@@ -309,7 +309,7 @@ def _training_error(
 
 def main(argv: list[str] | None = None) -> None:
     """Command line; a configuration or input error exits with status 2 and one line."""
-    p = argparse.ArgumentParser(
+    p = argparse.ArgumentParser(allow_abbrev=False,
         prog="python -m data.train_tokenizer",
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,

@@ -179,7 +179,12 @@ def load_config_file(path: str) -> dict:
         else:
             put(key, value)
     if unknown:
-        raise ConfigError(f"--config {path}: unknown fields {sorted(unknown)}; valid fields: {sorted(keys)}")
+        import difflib
+
+        valid = sorted(set(keys) | set(aliases))
+        hints = [f"{k} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(k, valid, n=1)) else k
+                 for k in sorted(unknown)]
+        raise ConfigError(f"--config {path}: unknown fields {', '.join(hints)}; valid fields: {valid}")
     return flat
 
 

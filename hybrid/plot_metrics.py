@@ -86,7 +86,7 @@ def _save(fig, path: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hybrid-plot-metrics", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="hybrid-plot-metrics", description=__doc__.split("\n")[0])
     parser.add_argument("metrics", nargs="+", help="metrics JSONL file(s)")
     parser.add_argument("--output-dir", default="plots", help="where the PNGs go")
     args = parser.parse_args(argv)

@@ -88,7 +88,7 @@ def run(cfg: PretrainConfig, derived: Derived) -> dict:
     seed_everything(cfg.data.seed, grid.device)
     tracker = RNGTracker(cfg.data.seed, grid.tp_rank, grid.device)
     if grid.rank == 0:
-        print(f"hybrid-zero pretraining | {derived.summary()}", flush=True)
+        print(f"hybrid-zero pretraining | {header(cfg, derived)}", flush=True)
     engine = parallelize(meta_gpt(derived.gpt), grid, cfg, tracker)
     if cfg.logging.profile_phases:
         from hybrid.zero.profile import PhaseTimer
@@ -132,6 +132,22 @@ def run(cfg: PretrainConfig, derived: Derived) -> dict:
     return {"history": state.history, "engine": engine}
 
 
+def header(cfg, derived) -> str:
+    """The run's one-line setup: grid, batch, model, ZeRO stage and precision, and the
+    activation-memory options (sequence parallelism, recompute, ZeRO-R P_a / cpu / MD)."""
+    a = cfg.activation
+    act = ["sequence parallel"] if cfg.grid.sequence_parallel and derived.tp > 1 else []
+    if a.selective_recompute:
+        act.append("selective recompute")
+    elif a.checkpoint_activations:
+        n = a.checkpoint_num_layers
+        act.append("full recompute" + (f" of the first {n} blocks" if n else ""))
+        act += [name for name, on in (("Pa", a.partition_activations), ("cpu", a.checkpoint_in_cpu),
+                                      ("contiguous", a.contiguous_checkpointing)) if on]
+    return (f"{derived.summary()} | ZeRO-{cfg.zero.stage} {cfg.zero.precision} | activations: "
+            f"{' + '.join(act) or 'all kept'}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console entry point; returns the exit status (2 for a configuration error)."""
     try:
@@ -151,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.grid.dry_run_world_size:
             from hybrid.dry_run import dry_run, format_report
 
-            print(f"hybrid-zero dry run | {derived.summary()}", flush=True)
+            print(f"hybrid-zero dry run | {header(cfg, derived)}", flush=True)
             print(format_report(dry_run(cfg, derived, cfg.grid.dry_run_rank)), flush=True)
             return 0
         run(cfg, derived)["engine"].close()

@@ -89,7 +89,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--num-layers", type=int, default=4)
     ap.add_argument("--hidden-size", type=int, default=256)

@@ -235,7 +235,7 @@ def report(res: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     p.add_argument("--hidden-size", type=int, default=384)
     p.add_argument("--num-layers", type=int, default=8)
     p.add_argument("--num-attention-heads", type=int, default=8)

@@ -156,7 +156,7 @@ def throughput(res: dict, cfg, a: dict, peak: float | None) -> dict:
 def main(argv=None) -> int:
     import torch
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="gpt2-1.5b", help="models.presets name")
     ap.add_argument("--seq-length", type=int, default=1024)
     ap.add_argument("--micro-batch-size", type=int, default=8)

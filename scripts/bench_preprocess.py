@@ -27,7 +27,7 @@ from data.train_tokenizer import train_tokenizer  # noqa: E402
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--copies", type=int, default=4)

@@ -251,7 +251,7 @@ def plot(results: dict, path: Path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--modes", default=" ".join(MODES))
     ap.add_argument("--hidden-size", type=int, default=256)
     ap.add_argument("--num-attention-heads", type=int, default=4)

@@ -122,7 +122,7 @@ def launch(name: str, cmd: list[str], cwd: Path, env: dict, logdir: Path) -> dic
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--size", default="tiny", choices=["tiny", "medium"])
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--steps", type=int, default=None, help="default: 23 tiny, 6 medium")

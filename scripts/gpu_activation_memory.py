@@ -151,7 +151,7 @@ def run(num_layers=24, hidden_size=1024, heads=16, seq_length=1024, micro_batch_
 def main(argv=None) -> None:
     if not torch.cuda.is_available():
         sys.exit("gpu_activation_memory: needs a CUDA device")
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     env = os.environ.get
     p.add_argument("--num-layers", type=int, default=int(env("NUM_LAYERS", 24)))
     p.add_argument("--hidden-size", type=int, default=int(env("HIDDEN_SIZE", 1024)))

@@ -81,10 +81,10 @@ def test_cli_max_model(capsys):
     ("extra", "message"),
     [
         (["--tp", "3"], "tp=3 must divide num_attention_heads=16"),
-        (["--num-gpus", "12"], "num_gpus=12 is not divisible by gpus_per_node=8"),
+        (["--num-gpus", "12"], "--num-gpus 12 is not divisible by --gpus-per-node 8"),
         (["--hidden-size", "-5"], "--hidden-size must be positive, got -5"),
-        (["--micro-batch-size", "0"], "micro_batch_size must be positive, got 0"),
-        (["--device", "H100", "--gpu-memory-gb", "-1"], "gpu_memory_bytes must be positive"),
+        (["--micro-batch-size", "0"], "--micro-batch-size must be positive, got 0"),
+        (["--device", "H100", "--gpu-memory-gb", "-1"], "--gpu-memory-gb must be positive, got -1"),
     ],
 )
 def test_cli_bad_input_names_the_value(extra, message, capsys):

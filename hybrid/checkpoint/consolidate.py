@@ -55,7 +55,7 @@ def consolidate(load: str, output: str, iteration: int | None = None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hybrid.consolidate", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m hybrid.consolidate", description=__doc__.split("\n")[0])
     p.add_argument("--load", required=True, help="checkpoint directory (the --save of the run)")
     p.add_argument("--iteration", type=int, help="which iteration (default: the latest complete one)")
     p.add_argument("--output", required=True, help="output .safetensors file")

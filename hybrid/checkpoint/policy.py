@@ -85,7 +85,11 @@ def lr_schedule(cfg: PretrainConfig, derived: Derived, meta: dict | None, print_
         if cfg.checkpoint.override_opt_param_scheduler:
             print_fn(f" LR schedule from this run's flags (--override-opt-param-scheduler): {', '.join(diffs)}")
         else:
-            print_fn(f" LR schedule kept from the checkpoint, ignoring this run's {', '.join(diffs)} "
+            past = ""
+            if cfg.training.train_iters > settings["decay_iters"] and settings["style"] != "constant":
+                past = (f"; iterations after {settings['decay_iters']} (the kept schedule's end) run at "
+                        f"--min-lr {settings['min_lr']}")
+            print_fn(f" LR schedule kept from the checkpoint, ignoring this run's {', '.join(diffs)}{past} "
                      "(pass --override-opt-param-scheduler to use this run's)")
     return LRSchedule(settings["lr"], settings["min_lr"], settings["warmup_iters"], settings["decay_iters"],
                       settings["style"])

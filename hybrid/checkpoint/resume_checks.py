@@ -18,6 +18,7 @@ A resumed run reads the checkpoint's ``metadata.json`` and compares it with its 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from hybrid.config import PretrainConfig
 
@@ -37,7 +38,12 @@ class ResumeMismatch(ValueError):
 
 
 def checkpoint_metadata(load: str) -> dict | None:
-    """``metadata.json`` of the latest complete checkpoint under ``load``; None when there is none."""
+    """``metadata.json`` of the latest complete checkpoint under ``load``; None when there is none.
+
+    Raises:
+        ResumeMismatch: ``load`` is one iteration's directory (``.../iter_0000500``) rather than
+            the checkpoint root (a run would otherwise silently start from scratch).
+    """
     from pathlib import Path
 
     from hybrid.checkpoint.directory import latest_iteration, read_metadata
@@ -45,6 +51,11 @@ def checkpoint_metadata(load: str) -> dict | None:
     if not load or not Path(load).is_dir():
         return None
     latest = latest_iteration(load)
+    m = re.match(r"^iter_(\d+)$", Path(load).name)
+    if latest is None and m and (Path(load) / "metadata.json").is_file():
+        raise ResumeMismatch(f"--load {load} is one iteration's directory, not a checkpoint root: give "
+                             f"--load {Path(load).parent} (a run resumes from the root's latest complete "
+                             f"iteration, here {int(m.group(1))} or later)")
     return None if latest is None else read_metadata(load, latest)
 
 

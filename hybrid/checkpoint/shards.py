@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
@@ -132,7 +133,11 @@ class CheckpointReader(FragmentReader):
         if iteration is None:
             iteration = latest_iteration(root)
             if iteration is None:
-                raise FileNotFoundError(f"no complete checkpoint under {root} (no {root}/latest_checkpointed_iteration.txt)")
+                hint = ""
+                if (m := re.match(r"^iter_(\d+)$", Path(root).name)) and (Path(root) / "metadata.json").is_file():
+                    hint = (f"; {root} is one iteration's directory: give the checkpoint root "
+                            f"{Path(root).parent} and --iteration {int(m.group(1))}")
+                raise FileNotFoundError(f"no complete checkpoint under {root} (no {root}/latest_checkpointed_iteration.txt){hint}")
         self.root, self.iteration = Path(root), iteration
         super().__init__(self.root / f"iter_{iteration:07d}", read_metadata(root, iteration))
         self.dp = self.meta["grid"]["dp"]

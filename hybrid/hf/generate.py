@@ -65,7 +65,7 @@ def generate(hf_dir: str, prompt: str, max_new_tokens: int = 64, temperature: fl
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="hybrid-generate", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="hybrid-generate", description=__doc__.split("\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--hf-dir", help="Hugging Face model directory (from hybrid.export_hf)")
     src.add_argument("--load", help="training checkpoint directory (exported to a temporary directory)")

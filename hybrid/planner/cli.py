@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 
 from hybrid.flops import device_peak_tflops, num_parameters
@@ -49,7 +50,7 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = argparse.ArgumentParser(allow_abbrev=False,
         prog="python -m hybrid.plan",
         formatter_class=_HelpFormatter,
         epilog="Table columns: tp, dp = tensor- and data-parallel degree; z = ZeRO stage; m = "
@@ -237,7 +238,10 @@ def _cluster(args: argparse.Namespace, planning: bool) -> Cluster:
             f"--device {args.device!r} has no known peak; give --peak-tflops or a preset "
             f"({preset_names()})"
         )
-    return Cluster(
+    if memory <= 0:
+        raise ValueError(f"--gpu-memory-gb must be positive, got {memory:g}")
+    return _with_flag_names(
+        Cluster,
         num_gpus=args.num_gpus,
         gpus_per_node=args.gpus_per_node,
         gpu_memory_bytes=memory * GB,
@@ -264,8 +268,32 @@ def _device_label(args: argparse.Namespace) -> str:
     return preset.name + (f" ({' and '.join(changed)} overridden)" if changed else "")
 
 
+# Planner fields -> the flags that set them, for error messages.
+_FLAG_OF = {
+    "num_gpus": "--num-gpus", "gpus_per_node": "--gpus-per-node", "reserved_bytes": "--reserved-gb",
+    "peak_tflops": "--peak-tflops", "efficiency": "--efficiency", "intra_node_gbs": "--intra-node-gbs",
+    "inter_node_gbs": "--inter-node-gbs", "cpu_gbs": "--cpu-gbs", "seq_length": "--seq-length",
+    "micro_batch_size": "--micro-batch-size", "global_batch_size": "--global-batch-size",
+    "reduce_bucket_elements": "--reduce-bucket-size", "allgather_bucket_elements": "--allgather-bucket-size",
+    "make_vocab_size_divisible_by": "--make-vocab-size-divisible-by",
+    "param_persistence_threshold": "--param-persistence-threshold",
+}
+
+
+def _with_flag_names(kind, **kwargs):
+    """``kind(**kwargs)``, its ValueError rewritten to name flags instead of field names."""
+    try:
+        return kind(**kwargs)
+    except ValueError as e:
+        msg = str(e)
+        for field, flag in _FLAG_OF.items():
+            msg = re.sub(rf"\b{field}=?", f"{flag} ", msg)
+        raise ValueError(re.sub(r" +", " ", msg)) from None
+
+
 def _training(args: argparse.Namespace) -> Training:
-    return Training(
+    return _with_flag_names(
+        Training,
         seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size,
         global_batch_size=args.global_batch_size,
