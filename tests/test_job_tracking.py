@@ -55,6 +55,7 @@ def test_resumed_job_continues_its_wandb_run_and_writes_a_compact_header(tmp_pat
     # start-up: two header lines before the first iteration, no JSON dump, no empty traffic
     head = [line.strip() for line in out.split(" iteration ")[0].splitlines() if line.strip()]
     assert len(head) == 3 and head[0].startswith("hybrid-zero pretraining |"), head
+    assert head[0].endswith("| ZeRO-1 fp32 | activations: all kept"), head
     assert head[1].startswith("no checkpoint under --load") and head[2].startswith("ZeRO stage 1 fp32"), head
     assert "moved last step" not in out and '"model": {' not in out
     config = json.loads((tmp_path / "m" / "metrics.config.json").read_text())

@@ -73,3 +73,18 @@ def test_allowed_changes_on_resume(resumed):
     check(MOCK + ["--train-iters", "2", "--load", ck, "--finetune", "--seq-length", "64", "--seed", "9"])
     with pytest.raises(ConfigError, match="mutually exclusive"):
         check(MOCK + ["--load", ck, "--override-opt-param-scheduler", "--use-checkpoint-opt_param-scheduler"])
+
+
+@pytest.mark.timeout(200)
+def test_load_of_one_iteration_directory_names_the_root(resumed):
+    """``--load ck/iter_0000004`` would find no checkpoint under it and start from scratch."""
+    from pathlib import Path
+
+    from hybrid.checkpoint.shards import CheckpointReader
+
+    ck, _ = resumed
+    it = str(Path(ck) / "iter_0000004")
+    with pytest.raises(ConfigError, match=rf"--load {it} is one iteration's directory.*give --load {ck} "):
+        check(MOCK + ["--train-iters", "8", "--load", it])
+    with pytest.raises(FileNotFoundError, match=rf"give the checkpoint root {ck} and --iteration 4"):
+        CheckpointReader(it)
