@@ -148,8 +148,8 @@ class ZeroEngine:
         construction peak is the model states plus one unit in fp32, never a second full copy."""
         L, dev = self.layout, self.grid.device
         storage.check_materialised(self.model)
-        st = storage.allocate_states(L, self.stage, self.dtype, dev)
-        storage.fill_units(st, L, self.stage, self.dp_rank, self.params,
+        st = storage.allocate_states(L, self.config, dev)
+        storage.fill_units(st, L, self.config, self.dp_rank, self.params,
                            weights or storage.model_weights(self.params))
         self.params = storage.bind_parameters(self.model, L, self.params, st.unit_bufs)
         self.master, self.exp_avg, self.exp_avg_sq = st.master, st.exp_avg, st.exp_avg_sq
@@ -168,7 +168,7 @@ class ZeroEngine:
         """
         st = storage.FlatStates(self.master, self.exp_avg, self.exp_avg_sq, self.param_flat,
                                 self.param_shard, self.unit_bufs)
-        storage.fill_units(st, self.layout, self.stage, self.dp_rank, self.params, weights, units)
+        storage.fill_units(st, self.layout, self.config, self.dp_rank, self.params, weights, units)
 
     def _build_optimizer(self) -> None:
         L, oc = self.layout, self.opt_config
