@@ -258,3 +258,20 @@ def test_stages_on_one_cuda_device(ref):
         assert out[stage]["losses"] == pytest.approx(ref["losses"], abs=1e-4)
         _close_state(out[stage]["final"], ref["final"], tol=1e-4)
         assert all(math.isfinite(x) for x in out[(stage, "bf16")])
+
+
+def test_grad_norm_sums_large_fragments_chunk_by_chunk(monkeypatch):
+    """The float64 sum of squares runs chunk by chunk (vector_norm(dtype=float64) copies its
+    whole input to float64); one chunk gives the unchunked bits, several agree to float64
+    rounding (1e-12 relative); an inf anywhere is still an overflow."""
+    from hybrid.zero import grad_norm
+
+    g = [torch.randn(10_000, generator=torch.Generator().manual_seed(1)), torch.randn(77)]
+    want = math.sqrt(sum(torch.linalg.vector_norm(t, dtype=torch.float64).item() ** 2 for t in g))
+    one, _ = grad_norm.global_grad_norm(g, g)
+    monkeypatch.setattr(grad_norm, "NORM_CHUNK_ELEMENTS", 1000)
+    chunked, overflow = grad_norm.global_grad_norm(g, g)
+    assert one == pytest.approx(want, rel=1e-15) and chunked == pytest.approx(want, rel=1e-12)
+    assert not overflow
+    g[0][9_999] = float("inf")
+    assert grad_norm.global_grad_norm(g, g)[1]

@@ -20,6 +20,10 @@ import torch
 import torch.distributed as dist
 
 
+NORM_CHUNK_ELEMENTS = 1 << 22
+"""Elements converted to float64 at a time for the norm (a 32 MiB temporary)."""
+
+
 def global_grad_norm(counted: list[torch.Tensor], held: list[torch.Tensor], group=None,
                      ledger=None) -> tuple[float, bool]:
     """L2 norm of the global gradient and whether any rank overflowed.
@@ -36,8 +40,11 @@ def global_grad_norm(counted: list[torch.Tensor], held: list[torch.Tensor], grou
     device = (counted or held)[0].device if (counted or held) else torch.device("cpu")
     sq = torch.zeros((), dtype=torch.float64, device=device)
     for g in counted:
-        if g.numel():
-            sq += torch.linalg.vector_norm(g, dtype=torch.float64) ** 2
+        # vector_norm(dtype=float64) materialises a float64 copy of its input (measured on
+        # CPU: 2x the fp32 gradient), so a large fragment is summed in float64 chunk by chunk
+        for part in g.reshape(-1).split(NORM_CHUNK_ELEMENTS):
+            if part.numel():
+                sq += torch.linalg.vector_norm(part, dtype=torch.float64) ** 2
     bad = torch.zeros((), dtype=torch.float64, device=device)
     for g in held:
         # max |g| is non-finite exactly when some element is inf/NaN and, unlike
