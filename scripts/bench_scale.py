@@ -10,7 +10,9 @@ The cap (``--budget-mib``, per process) is enforced with ``RLIMIT_AS`` so that a
 does not fit fails fast with an allocation error instead of pushing the shared machine into
 swap. Every attempt is a fresh ``hybrid.parallel.spawn.spawn_world`` of 4 ranks; in each rank:
 
-1. baseline = the process's virtual size after ``import torch`` + gloo init (reported);
+1. baseline = the process's virtual size after ``import torch``, gloo init and one warm-up step
+   of a 1-layer model of the same mode (threads, stacks and kernels any model needs; the
+   ``import torch`` + gloo figure is reported too);
 2. cap = baseline + budget, ONE cap for construction and the step: the model is created on
    ``meta`` and the ``ZeroEngine`` builds it unit by unit from ``seeded_weights`` (as
    ``hybrid.pretrain`` does: the construction peak is the model states plus one unit);
@@ -18,9 +20,14 @@ swap. Every attempt is a fresh ``hybrid.parallel.spawn.spawn_world`` of 4 ranks;
 
 So the answer is "the largest model that can be built and trained for one step within
 ``budget`` above the process baseline"; the construction and step peaks are reported.
+Activations are the same per layer in every mode and so bound each mode's ratio to DDP at
+(18 + a) / (B + a) for B bytes of model states per parameter (DDP 18, ZeRO-1 9, ZeRO-2 6,
+ZeRO-3 4.5 at dp 4) and a activation bytes per parameter; ``--checkpoint-activations``
+(every mode) makes a small, so the ratios approach the model-state ones of ZeRO §5.
 
     python scripts/bench_scale.py                       # h=256, seq 64, 512 MiB per rank
     python scripts/bench_scale.py --modes "ddp zero3" --budget-mib 384 --out runs/bench
+    python scripts/bench_scale.py --checkpoint-activations   # model-state capacity (ZeRO §5)
 
 Env: MALLOC_MMAP_THRESHOLD_ / MALLOC_ARENA_MAX are set for the workers (every tensor its own
 mapping, so freed memory leaves the address space at once). Writes ``scale.md``, ``scale.json``
@@ -69,7 +76,7 @@ def _cap(nbytes: int | None) -> None:
 
 
 def attempt(rank: int, world: int, mode: str, model_kw: dict, seq: int, budget: int,
-            construct: int, bucket: int) -> dict:
+            construct: int, bucket: int, checkpoint_all: bool = False) -> dict:
     """One training step of ``mode`` at ``model_kw`` (see the module docstring); raises
     RuntimeError('OOM ...') when an allocation fails under the cap."""
     import torch
@@ -82,35 +89,51 @@ def attempt(rank: int, world: int, mode: str, model_kw: dict, seq: int, budget: 
     from models.gpt import GPTConfig
 
     stage, tp, ckpt = MODES[mode]
+    ckpt = ckpt or checkpoint_all
     grid = ProcessGrid(tp=tp)
+
+    def build(kw):
+        cfg = GPTConfig(**kw, hidden_dropout=0.0, attention_dropout=0.0)
+        return cfg, parallelize(meta_gpt(cfg), grid, PretrainConfig(
+            zero=ZeroConfig(stage=stage, precision="bf16", reduce_bucket_size=bucket, allgather_bucket_size=bucket),
+            optimizer=OptimizerConfig(lr=1e-4), activation=ActivationConfig(checkpoint_activations=ckpt),
+            data=DataConfig(seed=1234)))
+
+    def one_step(cfg, engine, seed):
+        g = torch.Generator().manual_seed(seed)
+        tokens = torch.randint(0, cfg.vocab_size, (1, seq + 1), generator=g)
+        loss = engine.model(tokens[:, :-1], tokens[:, 1:]).mean()
+        engine.backward(loss, is_last_micro_batch=True)
+        engine.step(1e-4)
+        return loss
+
+    # Warm-up: one step of a 1-layer model of the same mode loads what any model needs
+    # (autograd and gloo threads with their stacks, oneDNN kernels), so the baseline is the
+    # process ready to train and the budget measures what the model itself adds.
+    warm_cfg, warm = build(dict(model_kw, num_layers=1))
+    one_step(warm_cfg, warm, 0)
+    warm.close()
+    del warm
     gc.collect()
     base = _status("VmSize")
     phase = "construction"
     try:
         _cap(base + (construct or budget))
-        cfg = GPTConfig(**model_kw, hidden_dropout=0.0, attention_dropout=0.0)
-        engine = parallelize(meta_gpt(cfg), grid, PretrainConfig(
-            zero=ZeroConfig(stage=stage, precision="bf16", reduce_bucket_size=bucket, allgather_bucket_size=bucket),
-            optimizer=OptimizerConfig(lr=1e-4), activation=ActivationConfig(checkpoint_activations=ckpt),
-            data=DataConfig(seed=1234)))
+        cfg, engine = build(model_kw)
         gc.collect()
         held, construct_peak = _status("VmSize") - base, _status("VmPeak") - base
         phase = "step"
         _cap(base + budget)
         if held > budget:
             raise MemoryError(f"held {held / MIB:.0f} MiB after construction > budget")
-        g = torch.Generator().manual_seed(grid.dp_rank)
-        tokens = torch.randint(0, cfg.vocab_size, (1, seq + 1), generator=g)
-        loss = engine.model(tokens[:, :-1], tokens[:, 1:]).mean()
-        engine.backward(loss, is_last_micro_batch=True)
-        engine.step(1e-4)
+        loss = one_step(cfg, engine, grid.dp_rank)
         step_peak = _status("VmPeak") - base
         mem = engine.memory_bytes()
     except (MemoryError, RuntimeError) as err:
         _cap(None)
         text = str(err)
         # under the cap, oneDNN reports a failed allocation as "could not create a primitive"
-        if isinstance(err, MemoryError) or "allocate" in text or "could not create a primitive" in text:
+        if isinstance(err, MemoryError) or any(s in text for s in ("allocate", "bad_alloc", "could not create a primitive")):
             raise RuntimeError(f"OOM in {phase}: {text[:200]}") from None
         raise
     _cap(None)
@@ -135,7 +158,8 @@ def try_layers(mode: str, layers: int, args, log: list) -> dict | None:
     t0 = time.time()
     try:
         res = spawn_world(4, attempt, mode, kw, args.seq_length, args.budget_mib * MIB,
-                          args.construct_mib * MIB, args.bucket, timeout_s=args.timeout_s)[0]
+                          args.construct_mib * MIB, args.bucket, args.checkpoint_activations,
+                          timeout_s=args.timeout_s)[0]
         res.update(ok=True)
     except RuntimeError as err:
         text = str(err)
@@ -203,21 +227,22 @@ def report(results: dict, log: list, base: dict, args, wall: float) -> str:
     ddp = results.get("ddp")
     lines = [
         "| mode | largest L | params (M) | x DDP | first failing L | state MiB/rank | "
-        "held MiB/rank | construction peak MiB | step peak MiB | bytes/param held |",
-        "|" + "---|" * 10,
+        "held MiB/rank | construction peak MiB | step peak MiB | bytes/param held | warm baseline MiB |",
+        "|" + "---|" * 11,
     ]
     for mode, r in results.items():
         if r is None:
-            lines.append(f"| {LABELS[mode]} | none fits | | | | | | | | |")
+            lines.append(f"| {LABELS[mode]} | none fits | | | | | | | | | |")
             continue
         ratio = f"{r['params'] / ddp['params']:.2f}" if ddp else "-"
         lines.append(
             f"| {LABELS[mode]} | {r['layers']} | {r['params'] / 1e6:.1f} | {ratio} | "
             f"{r['first_failing_layers'] or '-'} | {r['states'] / MIB:.0f} | {r['held'] / MIB:.0f} | "
             f"{r['construct_peak'] / MIB:.0f} | {r['step_peak'] / MIB:.0f} | "
-            f"{r['held'] / r['params']:.2f} |")
+            f"{r['held'] / r['params']:.2f} | {r['base'] / MIB:.0f} |")
     head = (f"h={args.hidden_size}, heads={args.num_attention_heads}, vocab={args.vocab_size}, "
-            f"seq={args.seq_length}, micro-batch 1, bf16 (fp32 master and grads), 4 ranks, "
+            f"seq={args.seq_length}, micro-batch 1, activation checkpointing "
+            f"{'in every mode' if args.checkpoint_activations else 'only where the mode says'}, bf16 (fp32 master and grads), 4 ranks, "
             f"budget {args.budget_mib} MiB per rank above a baseline of {base['vm'] / MIB:.0f} MiB "
             f"virtual / {base['rss'] / MIB:.0f} MiB RSS (import torch + gloo), construction cap "
             f"{args.construct_mib or 'the same'}{' MiB' if args.construct_mib else ''}, buckets {args.bucket:,} elements; {len(log)} attempts, "
@@ -263,6 +288,11 @@ def main() -> None:
                          "default): the budget covers construction too")
     ap.add_argument("--bucket", type=int, default=1_000_000,
                     help="reduce / all-gather bucket elements (constant-size buffers, ZeRO §6.2)")
+    ap.add_argument("--checkpoint-activations", action="store_true",
+                    help="full activation checkpointing in every mode: activation memory per layer is "
+                         "the same in every mode, so without it the ratio to DDP is bounded by "
+                         "(18 + a) / (bytes per parameter of the mode + a), a = activation bytes "
+                         "per parameter")
     ap.add_argument("--timeout-s", type=float, default=60,
                     help="collective timeout of each attempt's world (raise it on a loaded machine)")
     ap.add_argument("--start", type=int, default=8, help="first layer count tried")
