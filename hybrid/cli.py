@@ -141,7 +141,13 @@ def load_config_file(path: str) -> dict:
         elif p.suffix in (".yaml", ".yml"):
             import yaml
 
-            raw = yaml.safe_load(p.read_text()) or {}
+            try:
+                raw = yaml.safe_load(p.read_text()) or {}
+            except yaml.YAMLError as e:  # e.g. a bad indent: "mapping values are not allowed here"
+                mark = getattr(e, "problem_mark", None)
+                where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+                raise ConfigError(f"--config {path}: not valid YAML{where}: "
+                                  f"{getattr(e, 'problem', None) or e}") from None
         else:
             raise ConfigError(f"--config {path}: use a .yaml, .yml or .toml file")
     except (tomllib.TOMLDecodeError, ValueError) as e:

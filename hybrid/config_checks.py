@@ -123,6 +123,11 @@ def validate(cfg: PretrainConfig, world_size: int | None = None,
     Raises:
         ConfigError: the first problem found, with the offending values in the message.
     """
+    g = cfg.grid
+    if g.dry_run_world_size is not None and g.dry_run_world_size < 1:
+        raise ConfigError(f"--dry-run-world-size {g.dry_run_world_size} must be a positive number of ranks")
+    if g.dry_run_world_size is None and g.dry_run_rank:
+        raise ConfigError(f"--dry-run-rank {g.dry_run_rank} needs --dry-run-world-size N (the job to dry-run)")
     env_world, env_local = _world_from_env()
     world = world_size or env_world
     local = local_world_size if local_world_size is not None else env_local
@@ -165,7 +170,7 @@ def validate(cfg: PretrainConfig, world_size: int | None = None,
     if cfg.activation.checkpoint_num_layers is not None and cfg.activation.checkpoint_num_layers > gpt.num_layers:
         raise ConfigError(f"--recompute-num-layers {cfg.activation.checkpoint_num_layers} exceeds the model's "
                           f"--num-layers {gpt.num_layers}")
-    _check_data(cfg)
+    _check_data(cfg, vocab)
     c = cfg.checkpoint
     if c.save_interval is not None and not c.save:
         raise ConfigError(f"--save-interval {c.save_interval} needs --save DIR")
@@ -199,7 +204,12 @@ def _check_resume(cfg: PretrainConfig, gpt: GPTConfig) -> None:
         raise ConfigError(str(e)) from None
 
 
-def _check_data(cfg: PretrainConfig) -> None:
+TOKEN_SAMPLE = 1 << 20
+"""Tokens read from the start of each dataset to check them against the vocabulary (4 MiB at
+most); the training loop checks every micro-batch too (``hybrid.pretrain.checked_tokens``)."""
+
+
+def _check_data(cfg: PretrainConfig, vocab: int) -> None:
     d = cfg.data
     from data.blended_dataset import parse_data_path
     from data.split import parse_split
@@ -227,7 +237,14 @@ def _check_data(cfg: PretrainConfig) -> None:
         missing = [s for s in (".bin", ".idx") if not Path(prefix + s).is_file()]
         if missing:
             raise ConfigError(f"--data-path {prefix}: missing {', '.join(prefix + s for s in missing)}")
-        docs = len(IndexedDataset(prefix).document_indices) - 1
+        ds = IndexedDataset(prefix)
+        docs = len(ds.document_indices) - 1
+        head = ds._bin[:TOKEN_SAMPLE]  # a mismatched tokenizer shows in the first tokens
+        if len(head) and int(head.max()) >= vocab:
+            raise ConfigError(
+                f"--data-path {prefix} holds token id {int(head.max())}, outside the vocabulary [0, {vocab}) "
+                f"of {'--tokenizer-model ' + d.tokenizer_model if d.tokenizer_model else '--vocab-size'}: "
+                "the data was preprocessed with another tokenizer (give that one, or preprocess again)")
         for name, frac, (lo, hi) in zip(SPLIT_NAMES, fractions, split_ranges(fractions, docs), strict=True):
             needed = name == "train" or cfg.eval.eval_iters > 0
             if frac > 0 and needed and hi == lo:

@@ -253,9 +253,14 @@ def format_report(r: dict) -> str:
         diff = f"{(m[k] - p[k]) / p[k]:+.1%}" if p[k] else "-"
         lines.append(f"{label:<34}{m[k] / GIB:>14.3f}{p[k] / GIB:>14.3f}{diff:>9}")
     lines.append(f"{'construction peak':<34}{m['construction_peak'] / GIB:>14.3f}{'':>14}"
-                 f"  (steady state + one unit in fp32: {r['bound'] / GIB:.3f})")
+                 f"  (bound: steady state + one unit in fp32 = {r['bound'] / GIB:.3f}; units are filled "
+                 "before the gradient and staging buffers exist, so it may equal the steady state)")
     lines.append(f"{'checkpoint-save peak':<34}{m['save_peak'] / GIB:>14.3f}{'':>14}"
-                 f"  (steady state + one unit's fp32 states: {r['save_bound'] / GIB:.3f})")
+                 f"  (bound: steady state + one unit's fp32 states = {r['save_bound'] / GIB:.3f}; a "
+                 "rank's fragments are written from the states themselves)")
     lines.append(f"{'tracked after construction':<34}{m['tracked_after_build'] / GIB:>14.3f}"
                  f"  (= model states + buffers {(m['states'] + m['buffers'] - m['gathered_peak']) / GIB:.3f})")
+    lines.append("GiB = 2^30 bytes. The planner's activations are what backward keeps (arXiv 2205.05198 "
+                 "§4); the measured peak adds the step's temporaries (a unit's gradients in the compute "
+                 "dtype before their reduction, the loss's fp32 logits and their gradient).")
     return "\n".join(lines)

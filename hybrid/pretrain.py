@@ -45,10 +45,31 @@ def build_datasets(cfg: PretrainConfig, derived: Derived):
                               cache_dir=cfg.data.data_cache_path)
 
 
-def _batches(dataset, consumed: int, cfg: PretrainConfig, grid: ProcessGrid):
+def _batches(dataset, consumed: int, cfg: PretrainConfig, grid: ProcessGrid, vocab_size: int):
     from data.loader import build_data_loader
 
-    return iter(build_data_loader(dataset, consumed, cfg.training.micro_batch_size, grid.dp_rank, grid.dp_size))
+    loader = build_data_loader(dataset, consumed, cfg.training.micro_batch_size, grid.dp_rank, grid.dp_size)
+    return checked_tokens(loader, vocab_size, cfg.data.data_path)
+
+
+def checked_tokens(batches, vocab_size: int, source):
+    """Yield ``batches`` (int64 ``[b, s + 1]`` on the host), refusing a token id outside
+    ``[0, vocab_size)``: data preprocessed with another tokenizer would otherwise be trained on
+    silently (the vocabulary-parallel embedding and loss treat an id they do not hold as
+    another rank's). One ``max``/``min`` per micro-batch on the host, before any device copy.
+
+    Raises:
+        ValueError: naming the id, the vocabulary size and the data.
+    """
+    for batch in batches:
+        hi, lo = int(batch.max()), int(batch.min())
+        if hi >= vocab_size or lo < 0:
+            bad = hi if hi >= vocab_size else lo
+            raise ValueError(f"token id {bad} in --data-path {' '.join(map(str, source or []))} is outside "
+                             f"the vocabulary [0, {vocab_size}) of this run's tokenizer/--vocab-size: the "
+                             "data was preprocessed with another tokenizer (preprocess it again with "
+                             "--tokenizer-model, or give the tokenizer it was made with)")
+        yield batch
 
 
 def engine_line(engine) -> str:
@@ -103,7 +124,7 @@ def run(cfg: PretrainConfig, derived: Derived) -> dict:
 
     def eval_batches(split):
         ds = eval_sets[split]
-        return None if ds is None else _batches(ds, 0, cfg, grid)
+        return None if ds is None else _batches(ds, 0, cfg, grid, derived.gpt.vocab_size)
 
     schedule = lr_schedule(cfg, derived, meta, print if grid.rank == 0 else None)
     progress = None
@@ -119,7 +140,7 @@ def run(cfg: PretrainConfig, derived: Derived) -> dict:
     trainer = Trainer(engine, grid, loop_settings(cfg, derived, grid), schedule, writer, eval_batches,
                       Checkpointer(cfg, derived, engine, grid, tracker, writer), progress, state)
     try:
-        trainer.train(_batches(train_ds, state.consumed_samples, cfg, grid))
+        trainer.train(_batches(train_ds, state.consumed_samples, cfg, grid, derived.gpt.vocab_size))
         trainer.checkpointer.save(state)
         if trainer.settings.eval_iters and state.iteration >= t.train_iters:
             trainer.evaluate("valid")

@@ -76,7 +76,7 @@ def _cap(nbytes: int | None) -> None:
 
 
 def attempt(rank: int, world: int, mode: str, model_kw: dict, seq: int, budget: int,
-            construct: int, bucket: int, checkpoint_all: bool = False) -> dict:
+            construct: int, bucket: int, checkpoint_all: bool = False, persistence: int = 0) -> dict:
     """One training step of ``mode`` at ``model_kw`` (see the module docstring); raises
     RuntimeError('OOM ...') when an allocation fails under the cap."""
     import torch
@@ -95,7 +95,8 @@ def attempt(rank: int, world: int, mode: str, model_kw: dict, seq: int, budget: 
     def build(kw):
         cfg = GPTConfig(**kw, hidden_dropout=0.0, attention_dropout=0.0)
         return cfg, parallelize(meta_gpt(cfg), grid, PretrainConfig(
-            zero=ZeroConfig(stage=stage, precision="bf16", reduce_bucket_size=bucket, allgather_bucket_size=bucket),
+            zero=ZeroConfig(stage=stage, precision="bf16", reduce_bucket_size=bucket, allgather_bucket_size=bucket,
+                            param_persistence_threshold=persistence),
             optimizer=OptimizerConfig(lr=1e-4), activation=ActivationConfig(checkpoint_activations=ckpt),
             data=DataConfig(seed=1234)))
 
@@ -159,7 +160,7 @@ def try_layers(mode: str, layers: int, args, log: list) -> dict | None:
     try:
         res = spawn_world(4, attempt, mode, kw, args.seq_length, args.budget_mib * MIB,
                           args.construct_mib * MIB, args.bucket, args.checkpoint_activations,
-                          timeout_s=args.timeout_s)[0]
+                          args.param_persistence_threshold, timeout_s=args.timeout_s)[0]
         res.update(ok=True)
     except RuntimeError as err:
         text = str(err)
@@ -245,7 +246,8 @@ def report(results: dict, log: list, base: dict, args, wall: float) -> str:
             f"{'in every mode' if args.checkpoint_activations else 'only where the mode says'}, bf16 (fp32 master and grads), 4 ranks, "
             f"budget {args.budget_mib} MiB per rank above a baseline of {base['vm'] / MIB:.0f} MiB "
             f"virtual / {base['rss'] / MIB:.0f} MiB RSS (import torch + gloo), construction cap "
-            f"{args.construct_mib or 'the same'}{' MiB' if args.construct_mib else ''}, buckets {args.bucket:,} elements; {len(log)} attempts, "
+            f"{args.construct_mib or 'the same'}{' MiB' if args.construct_mib else ''}, buckets {args.bucket:,} elements, "
+            f"ZeRO-3 persistence threshold {args.param_persistence_threshold}; {len(log)} attempts, "
             f"{wall / 60:.1f} min")
     return head + "\n\n" + "\n".join(lines)
 
@@ -293,6 +295,9 @@ def main() -> None:
                          "the same in every mode, so without it the ratio to DDP is bounded by "
                          "(18 + a) / (bytes per parameter of the mode + a), a = activation bytes "
                          "per parameter")
+    ap.add_argument("--param-persistence-threshold", type=int, default=0,
+                    help="ZeRO-3 keeps parameters under this many elements whole (DeepSpeed's default "
+                         "1e5 would keep every block's h x h projection at h=256: a third of the model)")
     ap.add_argument("--timeout-s", type=float, default=60,
                     help="collective timeout of each attempt's world (raise it on a loaded machine)")
     ap.add_argument("--start", type=int, default=8, help="first layer count tried")

@@ -77,6 +77,34 @@ def test_missing_data_files_and_tokenizer(tmp_path):
         check(base + ["--data-path", str(prefix), "--tokenizer-model", str(tok), "--vocab-size", "500"])
     d = check(base + ["--data-path", "1.0", str(prefix), "--tokenizer-model", str(tok)])
     assert d.gpt.vocab_size == 600
+    # data made with a larger tokenizer: refused before training on wrong ids
+    other = write_token_dataset(tmp_path / "other", [[1, 2, 3], [7, 31999, 4]] * 3)
+    with pytest.raises(ConfigError, match=r"--data-path \S+other holds token id 31999, outside the vocabulary "
+                                          r"\[0, 600\) of --tokenizer-model"):
+        check(base + ["--data-path", str(other), "--tokenizer-model", str(tok)])
+
+
+def test_training_loop_refuses_token_ids_outside_the_vocabulary():
+    """The per-micro-batch check behind the start-up sample (ids past the sample)."""
+    import torch
+
+    from hybrid.pretrain import checked_tokens
+
+    good, bad = torch.tensor([[0, 5, 9]]), torch.tensor([[1, 10, 2]])
+    assert [b.tolist() for b in checked_tokens([good, good], 10, ["ds"])] == [[[0, 5, 9]]] * 2
+    with pytest.raises(ValueError, match=r"token id 10 in --data-path ds is outside the vocabulary \[0, 10\)"):
+        list(checked_tokens([good, bad], 10, ["ds"]))
+
+
+def test_bad_yaml_and_dry_run_flags_are_one_line_errors(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("num_layers: 2\n   hidden_size: 64\n")
+    with pytest.raises(ConfigError, match=r"not valid YAML \(line 2, column 15\): mapping values"):
+        parse_config(["--config", str(bad)])
+    with pytest.raises(ConfigError, match="--dry-run-world-size 0 must be a positive number of ranks"):
+        check(BASE + ["--dry-run-world-size", "0"])
+    with pytest.raises(ConfigError, match="--dry-run-rank 3 needs --dry-run-world-size"):
+        check(BASE + ["--dry-run-rank", "3"])
 
 
 def test_config_file_yaml_and_toml(tmp_path):

@@ -212,6 +212,8 @@ def _model(args: argparse.Namespace, required: bool) -> ModelShape | None:
 
 def _cluster(args: argparse.Namespace, planning: bool) -> Cluster:
     """The cluster from ``--device`` and its overrides (``planning``: the peak is used)."""
+    if args.gpu_memory_gb is not None and args.gpu_memory_gb <= 0:
+        raise ValueError(f"--gpu-memory-gb must be positive, got {args.gpu_memory_gb:g}")
     if (
         planning
         and args.device is None
@@ -362,8 +364,9 @@ def main(argv: list[str] | None = None) -> int:
             tuple(args.zero_stage or ZERO_STAGES),
             tuple(args.activation or ACTIVATION_OPTIONS),
         )
-    except ValueError as err:
-        parser.error(str(err))
+    except ValueError as err:  # one line, like hybrid.pretrain (the usage is in --help)
+        print(f"{parser.prog}: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     chosen = best(cands)
     if args.json:
         doc = {

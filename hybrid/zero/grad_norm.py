@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 
-NORM_CHUNK_ELEMENTS = 1 << 22
-"""Elements converted to float64 at a time for the norm (a 32 MiB temporary)."""
+NORM_CHUNK_ELEMENTS = 1 << 20
+"""Elements converted to float64 at a time for the norm (an 8 MiB temporary)."""
 
 
 def global_grad_norm(counted: list[torch.Tensor], held: list[torch.Tensor], group=None,
