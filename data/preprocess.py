@@ -231,6 +231,8 @@ def _write_column(col, writer: IndexedDatasetWriter, ks: KeyStats) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    # a user's warning is a line of its own, not a source file and line of this module
+    warnings.formatwarning = lambda msg, cat, *_, **__: f"{cat.__name__}: {msg}\n"
     p = argparse.ArgumentParser(allow_abbrev=False,
         prog="python -m data.preprocess",
         description=__doc__.split("\n\n")[0],

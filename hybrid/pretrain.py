@@ -171,6 +171,10 @@ def header(cfg, derived) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point; returns the exit status (2 for a configuration error)."""
+    import warnings
+
+    # a user's warning is a line of its own, not a source file and line of this package
+    warnings.formatwarning = lambda msg, cat, *_, **__: f"{cat.__name__}: {msg}\n"
     try:
         cfg = parse_config(argv)
         derived = validate(cfg, world_size=cfg.grid.dry_run_world_size)
