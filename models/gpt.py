@@ -112,6 +112,11 @@ def parameter_generator(seed: int, name: str) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
 
 
+def draws_normal(name: str) -> bool:
+    """Whether :func:`init_parameter` draws parameter ``name`` from N(0, std) (else a fill)."""
+    return not name.endswith(("ln1.weight", "ln2.weight", "ln_f.weight", "bias"))
+
+
 @torch.no_grad()
 def init_parameter(name: str, tensor: torch.Tensor, config: GPTConfig,
                    generator: torch.Generator | None = None) -> None:
@@ -122,10 +127,8 @@ def init_parameter(name: str, tensor: torch.Tensor, config: GPTConfig,
     CPU ``generator`` the values are drawn on CPU and copied, so they do not depend on device.
     """
     std = config.init_method_std
-    if name.endswith(("ln1.weight", "ln2.weight", "ln_f.weight")):
-        tensor.fill_(1.0)
-    elif name.endswith("bias"):
-        tensor.zero_()
+    if not draws_normal(name):
+        tensor.zero_() if name.endswith("bias") else tensor.fill_(1.0)
     else:
         if name.endswith(("attn.proj.weight", "mlp.fc2.weight")):
             std = std / math.sqrt(2.0 * config.num_layers)

@@ -92,3 +92,4 @@ def test_storage_meter_counts_like_torch_memtracker():
     with MemTracker() as mt:
         kept = work()
     assert meter.peak == sum(d.get("Total", 0) for d in mt.get_tracker_snapshot("peak").values())
+    del kept

@@ -34,6 +34,13 @@ class IncompleteCheckpointError(RuntimeError):
     """A checkpoint directory lacks its metadata or one of its shards."""
 
 
+def iteration_of_dir(path: str | os.PathLike) -> int | None:
+    """The iteration N when ``path`` is one published ``iter_N`` directory (it has its
+    ``metadata.json``) rather than a checkpoint root; None otherwise."""
+    m = _ITER.match(Path(path).name)
+    return int(m.group(1)) if m and (Path(path) / "metadata.json").is_file() else None
+
+
 def iteration_dir(root: str | os.PathLike, iteration: int) -> Path:
     """``root/iter_{iteration:07d}``."""
     return Path(root) / f"iter_{iteration:07d}"

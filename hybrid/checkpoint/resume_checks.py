@@ -18,7 +18,6 @@ A resumed run reads the checkpoint's ``metadata.json`` and compares it with its 
 from __future__ import annotations
 
 import dataclasses
-import re
 
 from hybrid.config import PretrainConfig
 
@@ -46,16 +45,15 @@ def checkpoint_metadata(load: str) -> dict | None:
     """
     from pathlib import Path
 
-    from hybrid.checkpoint.directory import latest_iteration, read_metadata
+    from hybrid.checkpoint.directory import iteration_of_dir, latest_iteration, read_metadata
 
     if not load or not Path(load).is_dir():
         return None
     latest = latest_iteration(load)
-    m = re.match(r"^iter_(\d+)$", Path(load).name)
-    if latest is None and m and (Path(load) / "metadata.json").is_file():
+    if latest is None and (n := iteration_of_dir(load)) is not None:
         raise ResumeMismatch(f"--load {load} is one iteration's directory, not a checkpoint root: give "
                              f"--load {Path(load).parent} (a run resumes from the root's latest complete "
-                             f"iteration, here {int(m.group(1))} or later)")
+                             f"iteration, here {n} or later)")
     return None if latest is None else read_metadata(load, latest)
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
@@ -33,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from hybrid.checkpoint.directory import (
+    iteration_of_dir,
     latest_iteration,
     publish,
     read_metadata,
@@ -134,9 +134,9 @@ class CheckpointReader(FragmentReader):
             iteration = latest_iteration(root)
             if iteration is None:
                 hint = ""
-                if (m := re.match(r"^iter_(\d+)$", Path(root).name)) and (Path(root) / "metadata.json").is_file():
+                if (n := iteration_of_dir(root)) is not None:
                     hint = (f"; {root} is one iteration's directory: give the checkpoint root "
-                            f"{Path(root).parent} and --iteration {int(m.group(1))}")
+                            f"{Path(root).parent} and --iteration {n}")
                 raise FileNotFoundError(f"no complete checkpoint under {root} (no {root}/latest_checkpointed_iteration.txt){hint}")
         self.root, self.iteration = Path(root), iteration
         super().__init__(self.root / f"iter_{iteration:07d}", read_metadata(root, iteration))

@@ -52,7 +52,7 @@ from hybrid.parallel.layers import (
 from hybrid.parallel.ops import TPLedger
 from hybrid.parallel.rng import RNGTracker
 from hybrid.parallel.vocab import pad_vocab_size
-from models.gpt import GPT, init_parameter, parameter_generator
+from models.gpt import GPT, draws_normal, init_parameter, parameter_generator
 
 GPT_TP_PLAN: dict[str, str] = {
     "wte": "vocab_embedding",
@@ -204,11 +204,6 @@ def init_sharded(model: GPT, seed: int) -> None:
 SEED_CHUNK_ELEMENTS = 1 << 24
 
 
-def _draws_normal(name: str) -> bool:
-    """Whether :func:`models.gpt.init_parameter` draws ``name`` from N(0, std) (else a fill)."""
-    return not name.endswith(("ln1.weight", "ln2.weight", "ln_f.weight", "bias"))
-
-
 def seeded_shard(name: str, spec: TPSpec, config, seed: int,
                  chunk_elements: int = SEED_CHUNK_ELEMENTS) -> torch.Tensor:
     """This TP rank's (zero-padded) shard of parameter ``name`` exactly as
@@ -236,7 +231,7 @@ def seeded_shard(name: str, spec: TPSpec, config, seed: int,
     """
     full_shape = spec.full_shape
     numel = math.prod(full_shape)
-    if spec.replicated or not _draws_normal(name) or len(full_shape) != 2 or numel < 32:
+    if spec.replicated or not draws_normal(name) or len(full_shape) != 2 or numel < 32:
         full = torch.empty(full_shape)
         init_parameter(name, full, config, parameter_generator(seed, name))
         return spec.shard(full)
@@ -252,7 +247,7 @@ def seeded_shard(name: str, spec: TPSpec, config, seed: int,
         bounds.pop(-2)                                     # draws differently: merge it
     last_row = start + real if spec.split_dim == 0 else rows
     gen = parameter_generator(seed, name)
-    for r0, r1 in zip(bounds[:-1], bounds[1:]):
+    for r0, r1 in zip(bounds[:-1], bounds[1:], strict=True):
         if r0 >= last_row:
             break
         part = torch.empty(r1 - r0, cols)

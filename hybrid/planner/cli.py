@@ -240,8 +240,6 @@ def _cluster(args: argparse.Namespace, planning: bool) -> Cluster:
             f"--device {args.device!r} has no known peak; give --peak-tflops or a preset "
             f"({preset_names()})"
         )
-    if memory <= 0:
-        raise ValueError(f"--gpu-memory-gb must be positive, got {memory:g}")
     return _with_flag_names(
         Cluster,
         num_gpus=args.num_gpus,

@@ -19,7 +19,6 @@ import math
 import torch
 import torch.distributed as dist
 
-
 NORM_CHUNK_ELEMENTS = 1 << 20
 """Elements converted to float64 at a time for the norm (an 8 MiB temporary)."""
 
