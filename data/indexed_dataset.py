@@ -143,6 +143,12 @@ class IndexedDataset:
         return self._bin[start : start + length]
 
     @property
+    def all_tokens(self) -> np.ndarray:
+        """Every token of ``.bin`` in file order, as one read-only memory-mapped 1-D array of
+        :attr:`dtype` (no copy; ``num_tokens`` long)."""
+        return self._bin
+
+    @property
     def num_tokens(self) -> int:
         """Total tokens in the dataset."""
         return int(self.sizes.sum(dtype=np.int64))

@@ -190,7 +190,9 @@ def load_config_file(path: str) -> dict:
         valid = sorted(set(keys) | set(aliases))
         hints = [f"{k} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(k, valid, n=1)) else k
                  for k in sorted(unknown)]
-        raise ConfigError(f"--config {path}: unknown fields {', '.join(hints)}; valid fields: {valid}")
+        tail = ("" if all("did you mean" in h for h in hints)
+                else "; valid fields are the flag names without their leading -- (see --help)")
+        raise ConfigError(f"--config {path}: unknown fields {', '.join(hints)}{tail}")
     return flat
 
 

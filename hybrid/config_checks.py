@@ -222,6 +222,10 @@ def _check_data(cfg: PretrainConfig, vocab: int) -> None:
         raise ConfigError(f"--split {d.split} gives the train split no share of the data; put a positive "
                           "train proportion first (e.g. --split 969,30,1)")
     if d.mock_data:
+        if d.data_path:
+            raise ConfigError(f"--mock-data and --data-path {' '.join(map(str, d.data_path))} both name the "
+                              "training data: drop --mock-data to train on the files, or --data-path for "
+                              "synthetic tokens")
         return
     if not d.data_path:
         raise ConfigError("give --data-path PREFIX (a preprocessed <prefix>.bin/.idx pair) or --mock-data")
@@ -239,7 +243,7 @@ def _check_data(cfg: PretrainConfig, vocab: int) -> None:
             raise ConfigError(f"--data-path {prefix}: missing {', '.join(prefix + s for s in missing)}")
         ds = IndexedDataset(prefix)
         docs = len(ds.document_indices) - 1
-        head = ds._bin[:TOKEN_SAMPLE]  # a mismatched tokenizer shows in the first tokens
+        head = ds.all_tokens[:TOKEN_SAMPLE]  # a mismatched tokenizer shows in the first tokens
         if len(head) and int(head.max()) >= vocab:
             raise ConfigError(
                 f"--data-path {prefix} holds token id {int(head.max())}, outside the vocabulary [0, {vocab}) "

@@ -121,6 +121,9 @@ def test_consolidated_file_loads_strictly_into_plain_gpt(reshard, data, tmp_path
     model.load_state_dict(state, strict=True)  # tied: only wte.weight, no lm_head
     assert "lm_head.weight" not in state
     assert all(t.abs().sum() > 0 for k, t in state.items() if not k.endswith("bias")), "a tensor is all zero"
+    before = out.read_bytes()
+    assert consolidate_main(["--load", reshard["c"], "--output", str(out)]) == 2  # never overwrites
+    assert out.read_bytes() == before
     # the same loss as the distributed model on a fixed batch: the tp1 x dp4 run that loaded
     # this checkpoint logged iteration 6's loss on the batch of samples 40..47.
     from data.gpt_dataset import build_gpt_datasets

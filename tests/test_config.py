@@ -51,6 +51,8 @@ def test_preset_with_overrides():
     (["--partition-activations"], 4, "needs --checkpoint-activations"),
     (["--preset", "gpt-5"], 4, "unknown GPT preset"),
     (["--fp16", "--initial-loss-scale", "1000"], 4, "power of two"),
+    (["--data-path", "corpus_text_document"], 4,
+     "--mock-data and --data-path corpus_text_document both name the training data"),
 ])
 def test_each_bad_setting_names_its_values(extra, world, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("+", r"\+")):

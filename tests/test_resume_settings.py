@@ -59,6 +59,9 @@ def check(argv):
     (["--seq-length", "64"], r"--seq-length 64 differs from the checkpoint's 32 .*16 consumed samples"),
     (["--split", "90,8,2"], "--split 90,8,2 differs from the checkpoint's 969,30,1"),
     (["--seed", "4"], "--seed 4 differs from the checkpoint's 3"),
+    (["--seq-length", "16", "--max-position-embeddings", "16"],
+     r"--max-position-embeddings 64 in the checkpoint, 16 here; --max-position-embeddings defaults to "
+     r"--seq-length: give --max-position-embeddings 64 "),
 ])
 def test_contradicting_the_checkpoint_fails_before_any_process_group(resumed, change, message):
     ck, _ = resumed

@@ -39,13 +39,16 @@ def consolidate(load: str, output: str, iteration: int | None = None) -> dict:
         The checkpoint's ``metadata.json`` (its ``model`` entry gives the GPTConfig fields).
 
     Raises:
+        FileExistsError: ``output`` already exists (nothing is overwritten; checked before any read).
         FileNotFoundError / IncompleteCheckpointError: no complete checkpoint to read.
     """
+    out = Path(output)
+    if out.exists() or out.is_symlink():
+        raise FileExistsError(f"--output {out} already exists; give a new file name (nothing is overwritten)")
     reader = CheckpointReader(load, iteration)
     entries = [Entry(name, torch.float32, tuple(p["full_shape"]),
                      lambda name=name: reader.full_tensor(name, "master"))
                for name, p in reader.meta["params"].items()]
-    out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".partial")
     write_safetensors(tmp, entries, metadata={"iteration": str(reader.iteration),
@@ -62,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         meta = consolidate(args.load, args.output, args.iteration)
-    except (FileNotFoundError, IncompleteCheckpointError) as e:
+    except (FileExistsError, FileNotFoundError, IncompleteCheckpointError) as e:
         print(f"consolidate: error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {args.output}: {len(meta['params'])} tensors from iteration {meta['iteration']} "

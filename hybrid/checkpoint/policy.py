@@ -58,8 +58,11 @@ class Checkpointer:
 
 def _metadata(cfg: PretrainConfig, derived: Derived) -> dict:
     import dataclasses
+    import os
 
-    return dict(config=cfg.to_dict(), model=dataclasses.asdict(derived.gpt), tokenizer=cfg.data.tokenizer_model,
+    # absolute, so that export and generation find it from any working directory
+    tok = cfg.data.tokenizer_model and os.path.abspath(cfg.data.tokenizer_model)
+    return dict(config=cfg.to_dict(), model=dataclasses.asdict(derived.gpt), tokenizer=tok,
                 padded_vocab_size=derived.padded_vocab_size, lr_schedule=run_schedule(cfg, derived))
 
 

@@ -78,6 +78,10 @@ def check_model(meta: dict, gpt, load: str) -> None:
     saved, ours = meta["model"], dataclasses.asdict(gpt)
     diffs = [f"{_flag(k)} {saved.get(k)} in the checkpoint, {ours[k]} here" for k in SHAPE_FIELDS
              if saved.get(k) != ours[k]]
+    pos = saved.get("max_position_embeddings")
+    if pos != ours["max_position_embeddings"] and pos is not None:
+        diffs.append(f"--max-position-embeddings defaults to --seq-length: give --max-position-embeddings {pos} "
+                     "to keep the checkpoint's position table at another --seq-length")
     if not diffs:
         return
     old, new = _parameter_shapes(saved), _parameter_shapes(ours)
