@@ -143,10 +143,9 @@ def preprocess(
         KeyError: a key is not a column (the existing columns are listed).
     """
     keys = list(json_keys)
-    if workers < 1 or chunk_documents < 1:
-        raise ValueError(
-            f"workers ({workers}) and chunk_documents ({chunk_documents}) must be >= 1"
-        )
+    for flag, value in (("--workers", workers), ("--chunk-documents", chunk_documents)):
+        if value < 1:
+            raise ValueError(f"{flag} {value} must be 1 or more")
     tok = Tokenizer(tokenizer_model)
     if append_eod:
         tok.eod  # noqa: B018 - raises now, not in a worker, when the model has no eos

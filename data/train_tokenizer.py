@@ -91,7 +91,7 @@ def validate_special_ids(
     if vocab_size <= needed:
         errors.append(
             f"vocab_size={vocab_size} leaves no room for learned pieces after {needed} "
-            "special, user-defined and byte-fallback pieces"
+            f"special, user-defined and byte-fallback pieces: give {needed + 1} or more"
         )
     if errors:
         raise ValueError("invalid tokenizer specials: " + "; ".join(errors))

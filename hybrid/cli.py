@@ -192,7 +192,7 @@ def load_config_file(path: str) -> dict:
                  for k in sorted(unknown)]
         tail = ("" if all("did you mean" in h for h in hints)
                 else "; valid fields are the flag names without their leading -- (see --help)")
-        raise ConfigError(f"--config {path}: unknown fields {', '.join(hints)}{tail}")
+        raise ConfigError(f"--config {path}: unknown field{'s' if len(hints) > 1 else ''} {', '.join(hints)}{tail}")
     return flat
 
 

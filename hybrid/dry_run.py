@@ -238,29 +238,34 @@ def dry_run(cfg, derived, rank: int = 0) -> dict:
 
 
 def format_report(r: dict) -> str:
-    """A table of measured vs planned bytes per kind (GiB), with the relative differences."""
+    """A table of measured vs planned bytes per kind (GiB, or MiB when the total is below 1 GiB),
+    with the relative differences."""
     m, p = r["measured"], r["planned"]
+    unit, name = (GIB, "GiB") if max(m["total"], p["total"]) >= GIB else (2**20, "MiB")
+    n = r["local_params"]
+    count = f"{n / 1e9:.3f}e9" if n >= 1e9 else f"{n / 1e6:.3f}e6" if n >= 1e6 else f"{n:,}"
     rows = [("16-bit/compute params", "params"), ("gradients (fp32)", "grads"),
             ("fp32 master", "master"), ("Adam moments", "optimizer"), ("model states", "states"),
             ("buffers (+ stage-3 gathered units)", "buffers"), ("activations + temporaries (peak)", "activations"),
             ("host checkpoints (not in total)", "host_checkpoints"), ("total at the step peak", "total")]
     lines = [f"dry run: rank {r['rank']} of {r['world']} (tp {r['tp']} x dp {r['dp']}, tp_rank "
              f"{r['tp_rank']}, dp_rank {r['dp_rank']}), ZeRO-{r['stage']} {r['precision']}, "
-             f"{r['local_params'] / 1e9:.3f}e9 local parameters; built in {r['build_s']:.0f} s, "
+             f"{count} local parameters; built in {r['build_s']:.0f} s, "
              f"{r['wall_s']:.0f} s with the step",
-             f"{'bytes per rank':<34}{'measured GiB':>14}{'planner GiB':>14}{'diff':>9}"]
+             f"{'bytes per rank':<34}{'measured ' + name:>14}{'planner ' + name:>14}{'diff':>9}"]
     for label, k in rows:
         diff = f"{(m[k] - p[k]) / p[k]:+.1%}" if p[k] else "-"
-        lines.append(f"{label:<34}{m[k] / GIB:>14.3f}{p[k] / GIB:>14.3f}{diff:>9}")
-    lines.append(f"{'construction peak':<34}{m['construction_peak'] / GIB:>14.3f}{'':>14}"
-                 f"  (bound: steady state + one unit in fp32 = {r['bound'] / GIB:.3f}; units are filled "
+        lines.append(f"{label:<34}{m[k] / unit:>14.3f}{p[k] / unit:>14.3f}{diff:>9}")
+    lines.append(f"{'construction peak':<34}{m['construction_peak'] / unit:>14.3f}{'':>14}"
+                 f"  (bound: steady state + one unit in fp32 = {r['bound'] / unit:.3f}; units are filled "
                  "before the gradient and staging buffers exist, so it may equal the steady state)")
-    lines.append(f"{'checkpoint-save peak':<34}{m['save_peak'] / GIB:>14.3f}{'':>14}"
-                 f"  (bound: steady state + one unit's fp32 states = {r['save_bound'] / GIB:.3f}; a "
+    lines.append(f"{'checkpoint-save peak':<34}{m['save_peak'] / unit:>14.3f}{'':>14}"
+                 f"  (bound: steady state + one unit's fp32 states = {r['save_bound'] / unit:.3f}; a "
                  "rank's fragments are written from the states themselves)")
-    lines.append(f"{'tracked after construction':<34}{m['tracked_after_build'] / GIB:>14.3f}"
-                 f"  (= model states + buffers {(m['states'] + m['buffers'] - m['gathered_peak']) / GIB:.3f})")
-    lines.append("GiB = 2^30 bytes. The planner's activations are what backward keeps (arXiv 2205.05198 "
+    lines.append(f"{'tracked after construction':<34}{m['tracked_after_build'] / unit:>14.3f}"
+                 f"  (= model states + communication buffers {(m['states'] + m['buffers'] - m['gathered_peak']) / unit:.3f}; "
+                 "stage 3's gathered units come and go in the step)")
+    lines.append(f"{name} = 2^{30 if unit == GIB else 20} bytes. The planner's activations are what backward keeps (arXiv 2205.05198 "
                  "§4); the measured peak adds the step's temporaries (a unit's gradients in the compute "
                  "dtype before their reduction, the loss's fp32 logits and their gradient).")
     return "\n".join(lines)

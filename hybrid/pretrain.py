@@ -75,7 +75,14 @@ def checked_tokens(batches, vocab_size: int, source):
 def engine_line(engine) -> str:
     """One start-up line: ZeRO stage, precision and this rank's bytes held per kind."""
     held = ", ".join(f"{k} {v / 2**20:.2f}" for k, v in engine.memory_bytes().items() if v)
-    return f"ZeRO stage {engine.stage} {engine.config.precision} over dp {engine.dp} | MiB held on rank 0: {held}"
+    kept = [u for u in engine.layout.units if u.persistent] if engine.config.shards_parameters else []
+    note = ""
+    if kept:  # otherwise stage 3's "params" looks unpartitioned on a small model
+        n = sum(u.numel for u in kept)
+        note = (f" (params: the shard plus {n:,} of {engine.layout.numel:,} parameters kept whole, those under "
+                f"--param-persistence-threshold {engine.config.param_persistence_threshold:,})")
+    return (f"ZeRO stage {engine.stage} {engine.config.precision} over dp {engine.dp} | MiB held on rank 0: "
+            f"{held}{note}")
 
 
 def loop_settings(cfg: PretrainConfig, derived: Derived, grid: ProcessGrid):

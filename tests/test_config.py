@@ -123,7 +123,7 @@ def test_config_file_yaml_and_toml(tmp_path):
     assert (cfg.zero.stage, cfg.grid.tensor_model_parallel_size, cfg.zero.precision) == (3, 2, "bf16")
     bad = tmp_path / "bad.yaml"
     bad.write_text("num_layer: 3\n")
-    with pytest.raises(ConfigError, match=r"unknown fields num_layer \(did you mean num_layers\?\)"):
+    with pytest.raises(ConfigError, match=r"unknown field num_layer \(did you mean num_layers\?\)"):
         parse_config(["--config", str(bad)])
 
 

@@ -212,7 +212,7 @@ def test_command_lines_skip_bad_rows_and_name_empty_files(tmp_path, model, capsy
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--workers", "0"], "workers (0) and chunk_documents (100000) must be >= 1"),
+        (["--workers", "0"], "--workers 0 must be 1 or more"),
         (
             ["--json-keys", "body"],
             "json key(s) ['body'] not in the dataset; its columns are ['text']",

@@ -85,13 +85,22 @@ def test_cli_max_model(capsys):
         (["--hidden-size", "-5"], "--hidden-size must be positive, got -5"),
         (["--micro-batch-size", "0"], "--micro-batch-size must be positive, got 0"),
         (["--device", "H100", "--gpu-memory-gb", "-1"], "--gpu-memory-gb must be positive, got -1"),
+        # nan and inf pass every comparison check: refused by the flag's type, in one line
+        (["--device", "V100-32GB", "--gpu-memory-gb", "nan"], "argument --gpu-memory-gb: 'nan' is not a finite number"),
+        (["--reserved-gb", "nan"], "argument --reserved-gb: 'nan' is not a finite number"),
+        (["--peak-tflops", "inf"], "argument --peak-tflops: 'inf' is not a finite number"),
+        (["--efficiency", "x"], "argument --efficiency: 'x' is not a number"),
+        (["--reserved-gb", "-1"], "--reserved-gb must be 0 or more (GB held back per GPU), got -1"),
+        (["--device", "V100-32GB", "--reserved-gb", "40"], "--reserved-gb 40 leaves nothing of the GPU's 32 GB"),
     ],
 )
 def test_cli_bad_input_names_the_value(extra, message, capsys):
     with pytest.raises(SystemExit) as exc:
         plan_cli.main([*DIMS, *extra])
     assert exc.value.code == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err
+    assert err.count("\n") == 1, err  # one line, no usage block
 
 
 def test_python_dash_m_entry_point():

@@ -59,7 +59,9 @@ def check(argv):
     (["--seq-length", "64"], r"--seq-length 64 differs from the checkpoint's 32 .*16 consumed samples"),
     (["--split", "90,8,2"], "--split 90,8,2 differs from the checkpoint's 969,30,1"),
     (["--seed", "4"], "--seed 4 differs from the checkpoint's 3"),
-    (["--seq-length", "16", "--max-position-embeddings", "16"],
+    # a resume names the data position first; a finetune (new data order) the position table
+    (["--seq-length", "16", "--max-position-embeddings", "16"], r"--seq-length 16 differs from the checkpoint's 32"),
+    (["--finetune", "--seq-length", "16", "--max-position-embeddings", "16"],
      r"--max-position-embeddings 64 in the checkpoint, 16 here; --max-position-embeddings defaults to "
      r"--seq-length: give --max-position-embeddings 64 "),
 ])
@@ -91,3 +93,31 @@ def test_load_of_one_iteration_directory_names_the_root(resumed):
         check(MOCK + ["--train-iters", "8", "--load", it])
     with pytest.raises(FileNotFoundError, match=rf"give the checkpoint root {ck} and --iteration 4"):
         CheckpointReader(it)
+
+
+def test_extending_a_finished_run_at_min_lr_0_needs_a_schedule_flag(tmp_path):
+    """The kept schedule decayed to --min-lr 0 would train every new iteration at lr 0
+    (Megatron-LM refuses any schedule mismatch unless a flag picks one): refused, naming both flags;
+    either flag, a non-zero min lr or a run not yet at its decay end goes ahead."""
+    import dataclasses
+
+    from hybrid.checkpoint.resume_checks import ResumeMismatch, check_resume
+
+    def meta_of(argv, iteration, decay_iters, min_lr):
+        cfg = parse_config(argv)
+        return dict(iteration=iteration, config=cfg.to_dict(), train_state=dict(consumed_samples=16),
+                    model=dataclasses.asdict(validate(cfg, world_size=1).gpt),
+                    lr_schedule=dict(lr=3e-3, min_lr=min_lr, warmup_iters=1, decay_iters=decay_iters, style="cosine"))
+
+    base = [a for a in MOCK if a not in ("--min-lr", "3e-4")]
+    saved = meta_of(base + ["--train-iters", "4"], 4, 4, 0.0)
+    run = base + ["--train-iters", "8", "--load", str(tmp_path)]
+    gpt = validate(parse_config(run), world_size=1).gpt
+    with pytest.raises(ResumeMismatch, match=r"--train-iters 8 extends the run in --load \S+ \(iteration 4\), whose "
+                                             r"LR schedule ended at iteration 4 with min lr 0.*--override-opt-param-"
+                                             r"scheduler.*--use-checkpoint-opt_param-scheduler"):
+        check_resume(parse_config(run), gpt, saved)
+    for flag in ("--override-opt-param-scheduler", "--use-checkpoint-opt_param-scheduler"):
+        check_resume(parse_config(run + [flag]), gpt, saved)
+    check_resume(parse_config(run), gpt, meta_of(base + ["--train-iters", "4"], 4, 4, 3e-4))
+    check_resume(parse_config(run), gpt, meta_of(base + ["--train-iters", "4"], 3, 4, 0.0))  # preempted mid-run

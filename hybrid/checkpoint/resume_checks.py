@@ -72,14 +72,15 @@ def _parameter_shapes(model_fields: dict) -> dict[str, tuple[int, ...]]:
     return {n: tuple(p.shape) for n, p in model.named_parameters()}
 
 
-def check_model(meta: dict, gpt, load: str) -> None:
+def check_model(meta: dict, gpt, load: str, position_hint: bool = False) -> None:
     """Raise :class:`ResumeMismatch` when ``gpt`` (a ``GPTConfig``) differs in shape from the
-    checkpoint's model, naming the differing fields and the first differing parameter."""
+    checkpoint's model, naming the differing fields and the first differing parameter;
+    ``position_hint``: say how to keep the position table at another ``--seq-length``."""
     saved, ours = meta["model"], dataclasses.asdict(gpt)
     diffs = [f"{_flag(k)} {saved.get(k)} in the checkpoint, {ours[k]} here" for k in SHAPE_FIELDS
              if saved.get(k) != ours[k]]
     pos = saved.get("max_position_embeddings")
-    if pos != ours["max_position_embeddings"] and pos is not None:
+    if position_hint and pos != ours["max_position_embeddings"] and pos is not None:
         diffs.append(f"--max-position-embeddings defaults to --seq-length: give --max-position-embeddings {pos} "
                      "to keep the checkpoint's position table at another --seq-length")
     if not diffs:
@@ -101,9 +102,37 @@ def check_resume(cfg: PretrainConfig, gpt, meta: dict) -> None:
         ResumeMismatch: the first contradiction found, with the old and the new value.
     """
     ck = cfg.checkpoint
-    check_model(meta, gpt, ck.load)
-    if ck.finetune:
+    if ck.finetune:  # a new data order: --seq-length may change, the model may not
+        check_model(meta, gpt, ck.load, position_hint=True)
         return
+    _check_data_position(cfg, meta)  # first: a changed --seq-length also changes the default max-position
+    check_model(meta, gpt, ck.load)
+    _check_extension_at_zero_lr(cfg, meta)
+
+
+def _check_extension_at_zero_lr(cfg: PretrainConfig, meta: dict) -> None:
+    """A finished run extended with a larger ``--train-iters`` keeps the checkpoint's schedule,
+    which has decayed to its min lr: with ``--min-lr 0`` every new iteration would train at
+    learning rate 0. Megatron-LM refuses any schedule mismatch unless one of the two flags says
+    which schedule to use; here only this wasteful case needs the flag."""
+    ck = cfg.checkpoint
+    saved = meta.get("lr_schedule")
+    saved_iters = meta.get("config", {}).get("training", {}).get("train_iters")
+    it = meta["iteration"]
+    if (saved is None or ck.override_opt_param_scheduler or ck.use_checkpoint_opt_param_scheduler
+            or ck.no_load_optim or saved["style"] == "constant" or saved["min_lr"] != 0
+            or it < saved["decay_iters"] or saved_iters is None or cfg.training.train_iters <= saved_iters):
+        return
+    raise ResumeMismatch(
+        f"--train-iters {cfg.training.train_iters} extends the run in --load {ck.load} (iteration {it}), whose "
+        f"LR schedule ended at iteration {saved['decay_iters']} with min lr 0: kept, it would train every new "
+        f"iteration at learning rate 0. Pass --override-opt-param-scheduler to use this run's schedule "
+        f"(--lr, --min-lr, --lr-decay-iters from iteration {it}), or --use-checkpoint-opt_param-scheduler "
+        f"to keep the checkpoint's anyway")
+
+
+def _check_data_position(cfg: PretrainConfig, meta: dict) -> None:
+    ck = cfg.checkpoint
     it = meta["iteration"]
     if cfg.training.train_iters < it:
         raise ResumeMismatch(f"--train-iters {cfg.training.train_iters} is below the iteration of the checkpoint "

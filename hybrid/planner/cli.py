@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import re
 import sys
 
@@ -39,6 +40,24 @@ from models.presets import get_preset
 _DIMS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size")
 
 
+def _finite(text: str) -> float:
+    """argparse type: a float that is a number (nan and inf would pass every comparison check)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line naming the flag, like ``hybrid.pretrain`` (the usage is in --help)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 class _HelpFormatter(argparse.HelpFormatter):
     """Appends ``(default: X)`` to every help text whose flag has a real default."""
 
@@ -50,7 +69,7 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(allow_abbrev=False,
+    p = _Parser(allow_abbrev=False,
         prog="python -m hybrid.plan",
         formatter_class=_HelpFormatter,
         epilog="Table columns: tp, dp = tensor- and data-parallel degree; z = ZeRO stage; m = "
@@ -122,25 +141,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--gpu-memory-gb",
-        type=float,
+        type=_finite,
         help="memory per GPU, GB = 1e9 bytes (default: the --device preset's)",
     )
     g.add_argument(
         "--reserved-gb",
-        type=float,
+        type=_finite,
         default=1.0,
         help="held back per GPU for the CUDA context and fragmentation, shown in the reserve "
         "column and counted in total (0 reproduces the ZeRO tables)",
     )
     g.add_argument(
         "--peak-tflops",
-        type=float,
+        type=_finite,
         help="dense peak per GPU, TFLOP/s (default: the --device preset's)",
     )
-    g.add_argument("--efficiency", type=float, default=0.45, help="fraction of peak on GEMMs")
-    g.add_argument("--intra-node-gbs", type=float, default=200.0, help="NVLink, GB/s per GPU")
-    g.add_argument("--inter-node-gbs", type=float, default=25.0, help="network, GB/s per GPU")
-    g.add_argument("--cpu-gbs", type=float, default=20.0, help="host link, GB/s per GPU")
+    g.add_argument("--efficiency", type=_finite, default=0.45, help="fraction of peak on GEMMs")
+    g.add_argument("--intra-node-gbs", type=_finite, default=200.0, help="NVLink, GB/s per GPU")
+    g.add_argument("--inter-node-gbs", type=_finite, default=25.0, help="network, GB/s per GPU")
+    g.add_argument("--cpu-gbs", type=_finite, default=20.0, help="host link, GB/s per GPU")
     g = p.add_argument_group("search")
     g.add_argument(
         "--tp",
@@ -214,6 +233,8 @@ def _cluster(args: argparse.Namespace, planning: bool) -> Cluster:
     """The cluster from ``--device`` and its overrides (``planning``: the peak is used)."""
     if args.gpu_memory_gb is not None and args.gpu_memory_gb <= 0:
         raise ValueError(f"--gpu-memory-gb must be positive, got {args.gpu_memory_gb:g}")
+    if args.reserved_gb < 0:
+        raise ValueError(f"--reserved-gb must be 0 or more (GB held back per GPU), got {args.reserved_gb:g}")
     if (
         planning
         and args.device is None
@@ -232,6 +253,9 @@ def _cluster(args: argparse.Namespace, planning: bool) -> Cluster:
                 f"--device {args.device!r} is no preset ({preset_names()}); give --gpu-memory-gb"
             )
         memory = preset.memory_gb
+    if args.reserved_gb >= memory:
+        raise ValueError(f"--reserved-gb {args.reserved_gb:g} leaves nothing of the GPU's {memory:g} GB; "
+                         "give less than that")
     peak = args.peak_tflops
     if peak is None:
         peak = preset.peak_tflops if preset else device_peak_tflops(args.device)
