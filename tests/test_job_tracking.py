@@ -38,7 +38,7 @@ def test_readers_keep_the_latest_record_per_iteration(tmp_path):
 
 MOCK = ["--mock-data", "--vocab-size", "500", "--num-layers", "1", "--hidden-size", "32",
         "--num-attention-heads", "2", "--seq-length", "16", "--micro-batch-size", "2",
-        "--log-interval", "1", "--eval-iters", "0", "--wandb-project", "resume"]
+        "--log-interval", "1", "--eval-iters", "0", "--wandb-project", "resume", "--min-lr", "1e-5"]
 
 
 @pytest.mark.timeout(200)

@@ -88,49 +88,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--vocab-size", type=int, default=None, help="default 50257 (GPT-2)")
     g.add_argument("--seq-length", type=int, default=1024, help="tokens per sample s")
     g.add_argument("--max-position-embeddings", type=int, help="default --seq-length")
-    g.add_argument(
-        "--untie-embeddings-and-output-weights",
-        action="store_true",
-        help="a separate output matrix (V x h more parameters)",
-    )
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="a separate output matrix (V x h more parameters)")
     g = p.add_argument_group("training")
-    g.add_argument(
-        "--micro-batch-size", type=int, default=1, help="samples per rank per micro-batch b"
-    )
+    g.add_argument("--micro-batch-size", type=int, default=1, help="samples per rank per micro-batch b")
     g.add_argument("--global-batch-size", type=int, help="default micro-batch * num-gpus")
-    g.add_argument(
-        "--precision", choices=sorted(PRECISIONS), default="bf16", help="training precision"
-    )
-    g.add_argument(
-        "--accounting",
-        choices=ACCOUNTINGS,
-        default="paper",
-        help="model-state bytes per param: ZeRO paper (16 mixed) or our engine (18 bf16, 20 fp32)",
-    )
-    g.add_argument(
-        "--grad-reduce",
-        choices=("reduce_scatter", "all_reduce"),
-        default="reduce_scatter",
-        help="the engine's gradient collective for ZeRO 1-3 (all_reduce: 2x the gradient bytes)",
-    )
-    g.add_argument(
-        "--param-persistence-threshold",
-        type=int,
-        default=0,
-        help="stage 3 keeps local params with fewer elements whole (the engine's default: 100000)",
-    )
-    g.add_argument(
-        "--reduce-bucket-size", type=int, default=DEFAULT_BUCKET_ELEMENTS, help="elements"
-    )
-    g.add_argument(
-        "--allgather-bucket-size", type=int, default=DEFAULT_BUCKET_ELEMENTS, help="elements"
-    )
-    g.add_argument(
-        "--make-vocab-size-divisible-by",
-        type=int,
-        default=128,
-        help="vocabulary padded to a multiple of this times tp (Megatron-LM)",
-    )
+    g.add_argument("--precision", choices=sorted(PRECISIONS), default="bf16", help="training precision")
+    g.add_argument("--accounting", choices=ACCOUNTINGS, default="paper",
+                   help="model-state bytes per param: ZeRO paper (16 mixed) or our engine (18 bf16, 20 fp32)")
+    g.add_argument("--grad-reduce", choices=("reduce_scatter", "all_reduce"), default="reduce_scatter",
+                   help="the engine's gradient collective for ZeRO 1-3 (all_reduce: 2x the gradient bytes)")
+    g.add_argument("--param-persistence-threshold", type=int, default=0,
+                   help="stage 3 keeps local params with fewer elements whole (the engine's default: 100000)")
+    g.add_argument("--reduce-bucket-size", type=int, default=DEFAULT_BUCKET_ELEMENTS, help="elements")
+    g.add_argument("--allgather-bucket-size", type=int, default=DEFAULT_BUCKET_ELEMENTS, help="elements")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="vocabulary padded to a multiple of this times tp (Megatron-LM)")
     g = p.add_argument_group("cluster")
     g.add_argument("--num-gpus", type=int, default=8, help="GPUs in the job (tp * dp)")
     g.add_argument("--gpus-per-node", type=int, default=8, help="tp never crosses a node")
@@ -139,11 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"GPU preset, memory and dense bf16/fp16 peak from the datasheet: {preset_names()} "
         f"(default: {DEFAULT_DEVICE}); another name (V100S, H100 PCIe...) gives only the peak",
     )
-    g.add_argument(
-        "--gpu-memory-gb",
-        type=_finite,
-        help="memory per GPU, GB = 1e9 bytes (default: the --device preset's)",
-    )
+    g.add_argument("--gpu-memory-gb", type=_finite,
+                   help="memory per GPU, GB = 1e9 bytes (default: the --device preset's)")
     g.add_argument(
         "--reserved-gb",
         type=_finite,
@@ -151,11 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="held back per GPU for the CUDA context and fragmentation, shown in the reserve "
         "column and counted in total (0 reproduces the ZeRO tables)",
     )
-    g.add_argument(
-        "--peak-tflops",
-        type=_finite,
-        help="dense peak per GPU, TFLOP/s (default: the --device preset's)",
-    )
+    g.add_argument("--peak-tflops", type=_finite,
+                   help="dense peak per GPU, TFLOP/s (default: the --device preset's)")
     g.add_argument("--efficiency", type=_finite, default=0.45, help="fraction of peak on GEMMs")
     g.add_argument("--intra-node-gbs", type=_finite, default=200.0, help="NVLink, GB/s per GPU")
     g.add_argument("--inter-node-gbs", type=_finite, default=25.0, help="network, GB/s per GPU")
