@@ -28,6 +28,10 @@ ZeRO-3 4.5 at dp 4) and a activation bytes per parameter; ``--checkpoint-activat
     python scripts/bench_scale.py                       # h=256, seq 64, 512 MiB per rank
     python scripts/bench_scale.py --modes "ddp zero3" --budget-mib 384 --out runs/bench
     python scripts/bench_scale.py --checkpoint-activations   # model-state capacity (ZeRO §5)
+    # per-rank constants (staging, gathered units, gloo, Python objects per layer) are ~1/4 as
+    # large a share of 2 GiB as of 512 MiB: ZeRO-2 / ZeRO-3 reach 2.9x / 3.8x DDP (about 75 min)
+    python scripts/bench_scale.py --checkpoint-activations --resolution 0 --budget-mib 2048 \
+        --modes "ddp zero2 zero3" --max-layers 1024
 
 Env: MALLOC_MMAP_THRESHOLD_ / MALLOC_ARENA_MAX are set for the workers (every tensor its own
 mapping, so freed memory leaves the address space at once). Writes ``scale.md``, ``scale.json``
