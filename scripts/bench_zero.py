@@ -80,9 +80,11 @@ def worker(stage: int, tp: int, floor: bool, profile: bool) -> None:
     torch.distributed.barrier()
     t_init = time.time() - C.T_PROC_START
     times, losses, state = [], [], None
+    recorded: list = []
     for step in range(steps):
         if step == warmup and profile:
             timer.reset()
+        engine.comm.recorder = recorded if step == warmup and not floor else None
         x, y = C.batch(c, step, grid.dp_rank)
         t0 = time.perf_counter()
         with timer.phase("forward"):
@@ -95,12 +97,18 @@ def worker(stage: int, tp: int, floor: bool, profile: bool) -> None:
         times.append(time.perf_counter() - t0)
         timer.end_step() if profile else None
         losses.append(loss.item())
+    engine.comm.recorder = None
     lt = torch.tensor(losses, dtype=torch.float64)
     torch.distributed.all_reduce(lt)
     name = f"hybrid_z{stage}" + (f"_tp{tp}" if tp > 1 else "") + ("_floor" if floor else "")
     extra = {"memory_bytes_rank0": engine.memory_bytes()}
     if profile:
         extra["profile_ms"] = {k: round(v, 2) for k, v in timer.per_step_ms().items()}
+    if recorded:  # the data-parallel collectives of one step again, with no compute around them
+        from hybrid.zero.comm import replay
+
+        extra["dp_collectives_alone_ms"] = round(1e3 * statistics.median(replay(engine.comm, recorded, 5)), 2)
+        extra["dp_collectives_per_step"] = len(recorded)
     C.report(name, rank, world, grid.dp_size, c, times, warmup, (lt / world).tolist(), t_init, state,
              extra=extra)
     torch.distributed.destroy_process_group()
@@ -252,6 +260,18 @@ def write_report(results: dict, out: Path, args, steps: int, warmup: int) -> Non
         lines += ["", "Per-phase profile of rank 0, ms per timed step (exclusive times; "
                   "`hybrid.zero.profile`; `_floor`: every data-parallel collective skipped):", ""]
         lines += format_profile(prof)
+    alone = {n: r for n, r in results.items() if "dp_collectives_alone_ms" in r and n + "_floor" in results}
+    if alone:
+        lines += ["", "Step against its compute-only floor plus the same step's data-parallel collectives "
+                  "replayed alone (synchronous, no compute; `hybrid.zero.comm.replay`). A ratio near 1: "
+                  "the step costs exactly its compute plus its collectives, so on this machine, where the "
+                  "ranks' cores are all busy computing, only fewer bytes (not overlap) could make it faster:",
+                  "", "| config | ms/step | floor | collectives alone (count) | floor + collectives | "
+                  "step / (floor + collectives) |", "|---|---|---|---|---|---|"]
+        for n, r in alone.items():
+            fl, co = results[n + "_floor"]["ms_step_median"], r["dp_collectives_alone_ms"]
+            lines.append(f"| {n} | {r['ms_step_median']:.1f} | {fl:.1f} | {co:.1f} "
+                         f"({r['dp_collectives_per_step']}) | {fl + co:.1f} | {r['ms_step_median'] / (fl + co):.2f} |")
     head = (f"# Throughput vs peers ({args.size}, world {args.world}, {steps} steps, {warmup} warm-up)"
             f"\n\n`python scripts/bench_zero.py {' '.join(sys.argv[1:])}`\n\nours: grad_reduce "
             f"{args.grad_reduce} (auto: all_reduce on gloo), reduce bucket {args.reduce_bucket_size} "

@@ -40,6 +40,7 @@ def _profiled_steps(rank: int, world: int) -> dict:
     from hybrid.config import PretrainConfig
     from hybrid.parallel.grid import ProcessGrid
     from hybrid.parallelize import parallelize
+    from hybrid.zero.comm import replay
     from hybrid.zero.config import OptimizerConfig, ZeroConfig
     from models.gpt import GPT, GPTConfig
 
@@ -57,8 +58,9 @@ def _profiled_steps(rank: int, world: int) -> dict:
             timer = PhaseTimer()
             engine.set_profiler(timer)
             x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(rank))
-            wall = 0.0
-            for _ in range(3):
+            wall, recorded = 0.0, []
+            for i in range(3):
+                engine.comm.recorder = recorded if i == 2 and not floor else None
                 t0 = time.perf_counter()
                 with timer.phase("forward"):
                     loss = engine.model(x, x).mean()
@@ -66,8 +68,10 @@ def _profiled_steps(rank: int, world: int) -> dict:
                 info = engine.step(1e-3)
                 wall += time.perf_counter() - t0
                 timer.end_step()
+            engine.comm.recorder = None
             out[(stage, floor)] = dict(ms=timer.per_step_ms(), wall_ms=1e3 * wall / 3,
-                                       comm=info.comm_bytes)
+                                       comm=info.comm_bytes, recorded=recorded,
+                                       replayed=replay(engine.comm, recorded, 2) if recorded else [])
     return out
 
 
@@ -89,6 +93,17 @@ def test_engine_phases_add_up_to_the_step(profiled, stage, floor):
         assert sum(ms.values()) == pytest.approx(r["wall_ms"], rel=0.05, abs=2.0)
         # The floor skips the collectives but still accounts their bytes like the real run.
         assert set(r["comm"]) == {"reduce_scatter", "all_gather", "norm_all_reduce"}
+        if floor:
+            assert r["recorded"] == [] and r["replayed"] == []
+            continue
+        # The recorder saw exactly the collectives the byte ledger counted in that step
+        # (ring volumes, n = 2), and replaying them alone is timed once per repeat.
+        factor = {"all_reduce": 2 * 1 / 2, "reduce_scatter": 1 / 2, "all_gather": 1 / 2 * 2}
+        seen = {}
+        for op, numel, dtype in r["recorded"]:
+            seen[op] = seen.get(op, 0.0) + factor[op] * numel * dtype.itemsize
+        assert seen == {k: v for k, v in r["comm"].items() if k != "norm_all_reduce"}
+        assert len(r["replayed"]) == 2 and all(t > 0 for t in r["replayed"])
 
 
 def test_pretrain_profile_phases_flag_logs_phases_and_keeps_the_losses():

@@ -17,6 +17,10 @@ nothing: each rank only does local work (an all-reduce leaves ``t``, a reduce-sc
 rank's own chunk of its input, an all-gather writes the rank's own chunk into every slot, so
 gathered parameters stay finite). The numbers are then wrong; only the time without
 data-parallel communication is of interest.
+
+``recorder`` (the benchmark's *collectives alone*): when a list, every collective appends
+``(op, input elements, dtype)``; :func:`replay` issues the same collectives again with no compute
+around them, so a step's time can be compared with its compute-only floor plus its collectives.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ class DPComm:
 
     skip_collectives = False
     """Compute-only floor: count but do not communicate (see the module docstring)."""
+    recorder: list | None = None
+    """When a list: ``(op, input elements, dtype)`` of every collective (see :func:`replay`)."""
 
     def __init__(self, group):
         self.group = group
@@ -56,6 +62,8 @@ class DPComm:
     def all_reduce(self, t: torch.Tensor, async_op: bool = False):
         """Sum ``t`` in place over the group."""
         self._count("all_reduce", t.numel() * t.element_size(), 2.0)
+        if self.recorder is not None:
+            self.recorder.append(("all_reduce", t.numel(), t.dtype))
         if self.size == 1 or self.skip_collectives:
             return _Done()
         return dist.all_reduce(t, group=self.group, async_op=async_op) or _Done()
@@ -63,6 +71,8 @@ class DPComm:
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
         """``out`` (n times smaller) = this rank's chunk of the sum of ``inp`` over the group."""
         self._count("reduce_scatter", inp.numel() * inp.element_size())
+        if self.recorder is not None:
+            self.recorder.append(("reduce_scatter", inp.numel(), inp.dtype))
         if self.size == 1 or self.skip_collectives:
             n = out.numel()
             out.copy_(inp[self.rank * n:(self.rank + 1) * n])
@@ -73,6 +83,8 @@ class DPComm:
         """``out``: one tensor of n x ``inp`` elements (rank-major) or a list of n tensors;
         ``kind`` names the ledger entry."""
         self._count(kind, inp.numel() * inp.element_size() * self.size)
+        if self.recorder is not None:
+            self.recorder.append(("all_gather", inp.numel(), inp.dtype))
         if self.size == 1 or self.skip_collectives:  # the floor writes its chunk everywhere
             for o in (out if isinstance(out, list) else out.view(self.size, -1)):
                 o.copy_(inp.view_as(o))
@@ -86,3 +98,37 @@ class DPComm:
 
     def reset(self) -> None:
         self.bytes.clear()
+
+
+def replay(comm: DPComm, recorded: list, repeats: int = 3, device: str | torch.device = "cpu") -> list[float]:
+    """Issue ``recorded`` (a :attr:`DPComm.recorder` list, identical on every rank of the group)
+    again ``repeats`` times, each collective synchronous and flat (an all-gather into a list runs
+    as one into a flat tensor), on zero-filled buffers (one per op, size and dtype, allocated
+    before timing); returns the seconds of each repeat, between barriers.
+    Collective over ``comm``'s group; nothing is counted in its byte ledger."""
+    import time
+
+    n = comm.size
+    bufs = {}
+    for op, numel, dtype in recorded:
+        if (op, numel, dtype) not in bufs:
+            out = numel * n if op == "all_gather" else numel // n if op == "reduce_scatter" else 0
+            bufs[op, numel, dtype] = (torch.zeros(numel, dtype=dtype, device=device),
+                                      torch.zeros(out, dtype=dtype, device=device))
+    times = []
+    for _ in range(repeats):
+        dist.barrier(group=comm.group)
+        t0 = time.perf_counter()
+        for op, numel, dtype in recorded:
+            inp, out = bufs[op, numel, dtype]
+            if n == 1:
+                continue
+            if op == "all_reduce":
+                dist.all_reduce(inp, group=comm.group)
+            elif op == "reduce_scatter":
+                reduce_scatter_flat(out, inp, comm.group)
+            else:
+                all_gather_flat(out, inp, comm.group)
+        dist.barrier(group=comm.group)
+        times.append(time.perf_counter() - t0)
+    return times
