@@ -62,6 +62,10 @@ def _world_from_env() -> tuple[int, int | None]:
 
 def _vocab_size(cfg: PretrainConfig) -> int:
     d, m = cfg.data, cfg.model
+    if d.mock_data and d.data_path:  # before the vocabulary: the conflict is the first thing to fix
+        raise ConfigError(f"--mock-data and --data-path {' '.join(map(str, d.data_path))} both name the "
+                          "training data: drop --mock-data to train on the files, or --data-path for "
+                          "synthetic tokens")
     if d.tokenizer_model:
         if not Path(d.tokenizer_model).is_file():
             raise ConfigError(f"--tokenizer-model {d.tokenizer_model}: file not found")
@@ -78,6 +82,9 @@ def _vocab_size(cfg: PretrainConfig) -> int:
     if m.vocab_size is None:
         if d.mock_data:
             raise ConfigError("--mock-data without --tokenizer-model needs --vocab-size")
+        if not d.data_path:
+            raise ConfigError("no training data given: give --data-path PREFIX with --tokenizer-model "
+                              "(a preprocessed <prefix>.bin/.idx pair), or --mock-data --vocab-size N")
         raise ConfigError("--tokenizer-model is required with --data-path (or give --mock-data --vocab-size N)")
     return m.vocab_size
 
@@ -181,7 +188,7 @@ def validate(cfg: PretrainConfig, world_size: int | None = None,
     if c.load and Path(c.load).exists() and not Path(c.load).is_dir():
         raise ConfigError(f"--load {c.load} is not a directory")
     if c.override_opt_param_scheduler and c.use_checkpoint_opt_param_scheduler:
-        raise ConfigError("--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler are mutually "
+        raise ConfigError("--override-opt-param-scheduler and --use-checkpoint-opt_param-scheduler are mutually "
                           "exclusive: take the LR schedule from this run's flags or from the checkpoint")
     _check_resume(cfg, gpt)
     return Derived(
@@ -221,11 +228,7 @@ def _check_data(cfg: PretrainConfig, vocab: int) -> None:
     if train_share <= 0:
         raise ConfigError(f"--split {d.split} gives the train split no share of the data; put a positive "
                           "train proportion first (e.g. --split 969,30,1)")
-    if d.mock_data:
-        if d.data_path:
-            raise ConfigError(f"--mock-data and --data-path {' '.join(map(str, d.data_path))} both name the "
-                              "training data: drop --mock-data to train on the files, or --data-path for "
-                              "synthetic tokens")
+    if d.mock_data:  # with --data-path too: refused by _vocab_size, which runs first
         return
     if not d.data_path:
         raise ConfigError("give --data-path PREFIX (a preprocessed <prefix>.bin/.idx pair) or --mock-data")

@@ -244,7 +244,7 @@ def format_report(r: dict) -> str:
     unit, name = (GIB, "GiB") if max(m["total"], p["total"]) >= GIB else (2**20, "MiB")
     n = r["local_params"]
     count = f"{n / 1e9:.3f}e9" if n >= 1e9 else f"{n / 1e6:.3f}e6" if n >= 1e6 else f"{n:,}"
-    rows = [("16-bit/compute params", "params"), ("gradients (fp32)", "grads"),
+    rows = [(f"compute params ({r['precision']})", "params"), ("gradients (fp32)", "grads"),
             ("fp32 master", "master"), ("Adam moments", "optimizer"), ("model states", "states"),
             ("buffers (+ stage-3 gathered units)", "buffers"), ("activations + temporaries (peak)", "activations"),
             ("host checkpoints (not in total)", "host_checkpoints"), ("total at the step peak", "total")]
@@ -263,8 +263,8 @@ def format_report(r: dict) -> str:
                  f"  (bound: steady state + one unit's fp32 states = {r['save_bound'] / unit:.3f}; a "
                  "rank's fragments are written from the states themselves)")
     lines.append(f"{'tracked after construction':<34}{m['tracked_after_build'] / unit:>14.3f}"
-                 f"  (= model states + communication buffers {(m['states'] + m['buffers'] - m['gathered_peak']) / unit:.3f}; "
-                 "stage 3's gathered units come and go in the step)")
+                 f"  (= model states {m['states'] / unit:.3f} + communication buffers "
+                 f"{(m['buffers'] - m['gathered_peak']) / unit:.3f}; stage 3's gathered units come and go in the step)")
     lines.append(f"{name} = 2^{30 if unit == GIB else 20} bytes. The planner's activations are what backward keeps (arXiv 2205.05198 "
                  "§4); the measured peak adds the step's temporaries (a unit's gradients in the compute "
                  "dtype before their reduction, the loss's fp32 logits and their gradient).")

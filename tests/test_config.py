@@ -66,6 +66,10 @@ def test_tp_group_spanning_nodes():
 
 def test_missing_data_files_and_tokenizer(tmp_path):
     base = BASE[:-3]  # without --mock-data --vocab-size
+    with pytest.raises(ConfigError, match=r"no training data given: give --data-path PREFIX .* or --mock-data"):
+        check(base)
+    with pytest.raises(ConfigError, match="--mock-data and --data-path x both name"):  # before the vocabulary
+        check(base + ["--mock-data", "--data-path", "x"])
     with pytest.raises(ConfigError, match="--tokenizer-model is required"):
         check(base + ["--data-path", str(tmp_path / "x")])
     tok = tiny_tokenizer(tmp_path)

@@ -90,6 +90,8 @@ def test_cli_max_model(capsys):
         (["--reserved-gb", "nan"], "argument --reserved-gb: 'nan' is not a finite number"),
         (["--peak-tflops", "inf"], "argument --peak-tflops: 'inf' is not a finite number"),
         (["--efficiency", "x"], "argument --efficiency: 'x' is not a number"),
+        (["--efficiency", "2"], "--efficiency is a fraction of peak in (0, 1], got 2"),
+        (["--reserved", "1"], "unrecognized arguments: --reserved 1; --reserved: did you mean --reserved-gb?"),
         (["--reserved-gb", "-1"], "--reserved-gb must be 0 or more (GB held back per GPU), got -1"),
         (["--device", "V100-32GB", "--reserved-gb", "40"], "--reserved-gb 40 leaves nothing of the GPU's 32 GB"),
     ],

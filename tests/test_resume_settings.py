@@ -61,6 +61,9 @@ def check(argv):
     (["--seed", "4"], "--seed 4 differs from the checkpoint's 3"),
     # a resume names the data position first; a finetune (new data order) the position table
     (["--seq-length", "16", "--max-position-embeddings", "16"], r"--seq-length 16 differs from the checkpoint's 32"),
+    (["--finetune", "--seq-length", "128", "--max-position-embeddings", "128"],
+     r"--seq-length 128 is longer than the position table of the model in --load \S+ \(64 positions.*"
+     r"give --seq-length 64 or less"),
     (["--finetune", "--seq-length", "16", "--max-position-embeddings", "16"],
      r"--max-position-embeddings 64 in the checkpoint, 16 here; --max-position-embeddings defaults to "
      r"--seq-length: give --max-position-embeddings 64 "),
@@ -117,6 +120,8 @@ def test_extending_a_finished_run_at_min_lr_0_needs_a_schedule_flag(tmp_path):
                                              r"LR schedule ended at iteration 4 with min lr 0.*--override-opt-param-"
                                              r"scheduler.*--use-checkpoint-opt_param-scheduler"):
         check_resume(parse_config(run), gpt, saved)
+    with pytest.raises(ResumeMismatch, match=r"learning rate 0 \(this run's --min-lr 0.0001 is not used while"):
+        check_resume(parse_config(run + ["--min-lr", "1e-4"]), gpt, saved)
     for flag in ("--override-opt-param-scheduler", "--use-checkpoint-opt_param-scheduler"):
         check_resume(parse_config(run + [flag]), gpt, saved)
     check_resume(parse_config(run), gpt, meta_of(base + ["--train-iters", "4"], 4, 4, 3e-4))

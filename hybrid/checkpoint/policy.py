@@ -86,14 +86,15 @@ def lr_schedule(cfg: PretrainConfig, derived: Derived, meta: dict | None, print_
     settings, diffs = resumed_schedule(run_schedule(cfg, derived), meta, cfg.checkpoint.override_opt_param_scheduler)
     if diffs and print_fn is not None:
         if cfg.checkpoint.override_opt_param_scheduler:
-            print_fn(f" LR schedule from this run's flags (--override-opt-param-scheduler): {', '.join(diffs)}")
+            print_fn(f" LR schedule from this run's flags (--override-opt-param-scheduler; checkpoint -> this "
+                     f"run: {', '.join(diffs)})")
         else:
             past = ""
             if cfg.training.train_iters > settings["decay_iters"] and settings["style"] != "constant":
-                past = (f"; iterations after {settings['decay_iters']} (the kept schedule's end) run at "
-                        f"--min-lr {settings['min_lr']}")
-            print_fn(f" LR schedule kept from the checkpoint, ignoring this run's {', '.join(diffs)}{past} "
-                     "(pass --override-opt-param-scheduler to use this run's)")
+                past = (f"; iterations after {settings['decay_iters']} (the kept schedule's end) run at the "
+                        f"checkpoint's min lr {settings['min_lr']:g}")
+            print_fn(f" LR schedule kept from the checkpoint (checkpoint -> this run's flags, not used: "
+                     f"{', '.join(diffs)}){past} (pass --override-opt-param-scheduler to use this run's)")
     return LRSchedule(settings["lr"], settings["min_lr"], settings["warmup_iters"], settings["decay_iters"],
                       settings["style"])
 

@@ -102,6 +102,13 @@ def check_resume(cfg: PretrainConfig, gpt, meta: dict) -> None:
         ResumeMismatch: the first contradiction found, with the old and the new value.
     """
     ck = cfg.checkpoint
+    positions = meta.get("model", {}).get("max_position_embeddings")
+    if positions is not None and cfg.model.seq_length > positions:
+        raise ResumeMismatch(
+            f"--seq-length {cfg.model.seq_length} is longer than the position table of the model in --load "
+            f"{ck.load} ({positions} positions, --max-position-embeddings): neither a resume nor --finetune "
+            f"can train it on more than {positions} tokens per sample; give --seq-length {positions} or less "
+            f"(a resume also needs the checkpoint's --seq-length {meta.get('config', {}).get('model', {}).get('seq_length', '?')})")
     if ck.finetune:  # a new data order: --seq-length may change, the model may not
         check_model(meta, gpt, ck.load, position_hint=True)
         return
@@ -123,10 +130,12 @@ def _check_extension_at_zero_lr(cfg: PretrainConfig, meta: dict) -> None:
             or ck.no_load_optim or saved["style"] == "constant" or saved["min_lr"] != 0
             or it < saved["decay_iters"] or saved_iters is None or cfg.training.train_iters <= saved_iters):
         return
+    ignored = (f" (this run's --min-lr {cfg.training.min_lr:g} is not used while the checkpoint's schedule is kept)"
+               if cfg.training.min_lr != 0 else "")
     raise ResumeMismatch(
         f"--train-iters {cfg.training.train_iters} extends the run in --load {ck.load} (iteration {it}), whose "
         f"LR schedule ended at iteration {saved['decay_iters']} with min lr 0: kept, it would train every new "
-        f"iteration at learning rate 0. Pass --override-opt-param-scheduler to use this run's schedule "
+        f"iteration at learning rate 0{ignored}. Pass --override-opt-param-scheduler to use this run's schedule "
         f"(--lr, --min-lr, --lr-decay-iters from iteration {it}), or --use-checkpoint-opt_param-scheduler "
         f"to keep the checkpoint's anyway")
 

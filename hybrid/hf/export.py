@@ -72,7 +72,8 @@ def export_hf(load: str | os.PathLike, output: str | os.PathLike, iteration: int
                                     f"checkpoint lacks GPT-2 parameters: {sorted(set(expected) - set(saved))}")
     tok_path = tokenizer_model or reader.meta.get("tokenizer")
     if tok_path and not Path(tok_path).is_file():
-        raise FileNotFoundError(f"tokenizer {tok_path} not found (give --tokenizer-model)")
+        raise FileNotFoundError(f"--tokenizer-model {tok_path}: file not found" if tokenizer_model else
+                                f"tokenizer {tok_path} (named by the checkpoint) not found: give --tokenizer-model")
     tmp = output.with_name(output.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

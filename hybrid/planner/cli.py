@@ -55,7 +55,12 @@ class _Parser(argparse.ArgumentParser):
     """Usage errors in one line naming the flag, like ``hybrid.pretrain`` (the usage is in --help)."""
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+        import difflib
+
+        flags = [s for a in self._actions for s in a.option_strings if s.startswith("--")]
+        hints = [f"{bad}: did you mean {close[0]}?" for bad in re.findall(r"(?<![\w-])(--[\w-]+)", message)
+                 if bad not in flags and (close := difflib.get_close_matches(bad, flags, n=1, cutoff=0.5))]
+        self.exit(2, f"{self.prog}: error: {'; '.join([message, *hints])} (see --help)\n")
 
 
 class _HelpFormatter(argparse.HelpFormatter):

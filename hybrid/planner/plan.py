@@ -105,7 +105,7 @@ class Cluster:
                 f"num_gpus={self.num_gpus} is not divisible by gpus_per_node={self.gpus_per_node}"
             )
         if self.efficiency > 1:
-            raise ValueError(f"efficiency is a fraction of peak, got {self.efficiency}")
+            raise ValueError(f"efficiency is a fraction of peak in (0, 1], got {self.efficiency:g}")
 
 
 @dataclass(frozen=True)
