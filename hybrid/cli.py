@@ -21,7 +21,7 @@ from pathlib import Path
 import tomllib
 
 from hybrid.config import PretrainConfig
-from hybrid.config_fields import ConfigError, flag_of
+from hybrid.config_fields import ConfigError, flag_hints, flag_of
 
 LEGACY_SECTIONS = ("parallel", "optim")
 """Section names of config files written before the tree had one section per component; their
@@ -73,18 +73,8 @@ class _Parser(argparse.ArgumentParser):
     of printing the whole usage on every rank, and names the closest valid flag."""
 
     def error(self, message: str):
-        import difflib
-        import re
-
         flags = [s for a in self._actions for s in a.option_strings if s.startswith("--")]
-        hints = []
-        for bad in re.findall(r"(?<![\w-])(--?[A-Za-z][\w-]*)", message.split(":", 1)[-1]):
-            if bad in flags:
-                continue
-            close = difflib.get_close_matches(bad.split("=")[0], flags, n=1, cutoff=0.5)
-            if close:
-                hints.append(f"{bad}: did you mean {close[0]}?")
-        raise ConfigError("; ".join([message, *hints]) + " (see --help)")
+        raise ConfigError("; ".join([message, *flag_hints(message, flags)]) + " (see --help)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -60,6 +60,10 @@ def _world_from_env() -> tuple[int, int | None]:
     return world, int(local) if local else None
 
 
+NO_DATA = ("no training data given: give --data-path PREFIX (a preprocessed <prefix>.bin/.idx pair) with "
+           "--tokenizer-model, or --mock-data --vocab-size N")
+
+
 def _vocab_size(cfg: PretrainConfig) -> int:
     d, m = cfg.data, cfg.model
     if d.mock_data and d.data_path:  # before the vocabulary: the conflict is the first thing to fix
@@ -83,8 +87,7 @@ def _vocab_size(cfg: PretrainConfig) -> int:
         if d.mock_data:
             raise ConfigError("--mock-data without --tokenizer-model needs --vocab-size")
         if not d.data_path:
-            raise ConfigError("no training data given: give --data-path PREFIX with --tokenizer-model "
-                              "(a preprocessed <prefix>.bin/.idx pair), or --mock-data --vocab-size N")
+            raise ConfigError(NO_DATA)
         raise ConfigError("--tokenizer-model is required with --data-path (or give --mock-data --vocab-size N)")
     return m.vocab_size
 
@@ -231,7 +234,7 @@ def _check_data(cfg: PretrainConfig, vocab: int) -> None:
     if d.mock_data:  # with --data-path too: refused by _vocab_size, which runs first
         return
     if not d.data_path:
-        raise ConfigError("give --data-path PREFIX (a preprocessed <prefix>.bin/.idx pair) or --mock-data")
+        raise ConfigError(NO_DATA)
     try:
         _, prefixes = parse_data_path(d.data_path)
     except ValueError as e:

@@ -79,3 +79,19 @@ def check_choice(obj, name: str, choices) -> None:
     """Field ``name`` must be one of ``choices``."""
     if getattr(obj, name) not in choices:
         fail(obj, name, f"valid values are {', '.join(map(str, choices))}")
+
+
+def flag_hints(message: str, flags: list[str]) -> list[str]:
+    """``["--bad: did you mean --good?"]`` for every flag in an argparse error ``message`` that
+    is not one of ``flags`` but close to one (difflib ratio >= 0.5); shared by every CLI."""
+    import difflib
+    import re
+
+    hints = []
+    for bad in re.findall(r"(?<![\w-])(--?[A-Za-z][\w-]*)", message.split(":", 1)[-1]):
+        if bad in flags:
+            continue
+        close = difflib.get_close_matches(bad.split("=")[0], flags, n=1, cutoff=0.5)
+        if close:
+            hints.append(f"{bad}: did you mean {close[0]}?")
+    return hints

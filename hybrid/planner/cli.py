@@ -19,6 +19,7 @@ import math
 import re
 import sys
 
+from hybrid.config_fields import flag_hints
 from hybrid.flops import device_peak_tflops, num_parameters
 from hybrid.model_shape import ModelShape
 from hybrid.planner.devices import DEFAULT_DEVICE, device_preset, preset_names
@@ -55,12 +56,8 @@ class _Parser(argparse.ArgumentParser):
     """Usage errors in one line naming the flag, like ``hybrid.pretrain`` (the usage is in --help)."""
 
     def error(self, message: str):
-        import difflib
-
         flags = [s for a in self._actions for s in a.option_strings if s.startswith("--")]
-        hints = [f"{bad}: did you mean {close[0]}?" for bad in re.findall(r"(?<![\w-])(--[\w-]+)", message)
-                 if bad not in flags and (close := difflib.get_close_matches(bad, flags, n=1, cutoff=0.5))]
-        self.exit(2, f"{self.prog}: error: {'; '.join([message, *hints])} (see --help)\n")
+        self.exit(2, f"{self.prog}: error: {'; '.join([message, *flag_hints(message, flags)])} (see --help)\n")
 
 
 class _HelpFormatter(argparse.HelpFormatter):

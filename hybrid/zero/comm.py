@@ -54,25 +54,24 @@ class DPComm:
         self.rank = dist.get_rank(group)
         self.bytes: dict[str, float] = defaultdict(float)
 
-    def _count(self, kind: str, nbytes: int, factor: float = 1.0, size: int | None = None):
-        n = self.size if size is None else size
-        if n > 1:
-            self.bytes[kind] += factor * (n - 1) / n * nbytes
+    def _count(self, op: str, t: torch.Tensor, factor: float = 1.0, kind: str | None = None):
+        """One collective on input ``t``: its ring volume (``factor`` x (n-1)/n x ``t``'s bytes)
+        into the ledger under ``kind`` (default ``op``) and, with a recorder, ``(op, elements, dtype)``."""
+        if self.recorder is not None:
+            self.recorder.append((op, t.numel(), t.dtype))
+        if self.size > 1:
+            self.bytes[kind or op] += factor * (self.size - 1) / self.size * t.numel() * t.element_size()
 
     def all_reduce(self, t: torch.Tensor, async_op: bool = False):
         """Sum ``t`` in place over the group."""
-        self._count("all_reduce", t.numel() * t.element_size(), 2.0)
-        if self.recorder is not None:
-            self.recorder.append(("all_reduce", t.numel(), t.dtype))
+        self._count("all_reduce", t, 2.0)
         if self.size == 1 or self.skip_collectives:
             return _Done()
         return dist.all_reduce(t, group=self.group, async_op=async_op) or _Done()
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
         """``out`` (n times smaller) = this rank's chunk of the sum of ``inp`` over the group."""
-        self._count("reduce_scatter", inp.numel() * inp.element_size())
-        if self.recorder is not None:
-            self.recorder.append(("reduce_scatter", inp.numel(), inp.dtype))
+        self._count("reduce_scatter", inp)
         if self.size == 1 or self.skip_collectives:
             n = out.numel()
             out.copy_(inp[self.rank * n:(self.rank + 1) * n])
@@ -82,9 +81,7 @@ class DPComm:
     def all_gather(self, out, inp: torch.Tensor, async_op: bool = False, kind: str = "all_gather"):
         """``out``: one tensor of n x ``inp`` elements (rank-major) or a list of n tensors;
         ``kind`` names the ledger entry."""
-        self._count(kind, inp.numel() * inp.element_size() * self.size)
-        if self.recorder is not None:
-            self.recorder.append(("all_gather", inp.numel(), inp.dtype))
+        self._count("all_gather", inp, self.size, kind)
         if self.size == 1 or self.skip_collectives:  # the floor writes its chunk everywhere
             for o in (out if isinstance(out, list) else out.view(self.size, -1)):
                 o.copy_(inp.view_as(o))
@@ -109,6 +106,8 @@ def replay(comm: DPComm, recorded: list, repeats: int = 3, device: str | torch.d
     import time
 
     n = comm.size
+    if n == 1:
+        return [0.0] * repeats
     bufs = {}
     for op, numel, dtype in recorded:
         if (op, numel, dtype) not in bufs:
@@ -121,8 +120,6 @@ def replay(comm: DPComm, recorded: list, repeats: int = 3, device: str | torch.d
         t0 = time.perf_counter()
         for op, numel, dtype in recorded:
             inp, out = bufs[op, numel, dtype]
-            if n == 1:
-                continue
             if op == "all_reduce":
                 dist.all_reduce(inp, group=comm.group)
             elif op == "reduce_scatter":
