@@ -66,15 +66,14 @@ def worker(stage: int, tp: int, floor: bool, profile: bool) -> None:
     model = GPT(GPTConfig(num_layers=c.layers, hidden_size=c.hidden, num_attention_heads=c.heads,
                           vocab_size=c.vocab, max_position_embeddings=c.seq, hidden_dropout=0.0,
                           attention_dropout=0.0, untie_embeddings_and_output_weights=True))
-    grad_reduce = os.environ.get("HYBRID_GRAD_REDUCE", "auto")
-    if grad_reduce == "auto":  # gloo's reduce-scatter costs ~1.5x its all-reduce (issue 14)
-        grad_reduce = "all_reduce" if grid.backend == "gloo" else "reduce_scatter"
+    grad_reduce = os.environ.get("HYBRID_GRAD_REDUCE", "reduce_scatter")
     bucket = int(os.environ.get("HYBRID_REDUCE_BUCKET", "50000000"))
     engine = parallelize(model, grid, PretrainConfig(
         zero=ZeroConfig(stage=stage, precision="fp32", grad_reduce=grad_reduce, reduce_bucket_size=bucket),
         optimizer=OptimizerConfig(lr=1e-3, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8,
                                   clip_grad=0.0)))
     engine.comm.skip_collectives = floor
+    engine.comm.composed &= os.environ.get("HYBRID_NATIVE_COLLECTIVES") != "1"
     timer = PhaseTimer(grid.device) if profile else NULL_TIMER
     engine.set_profiler(timer)
     torch.distributed.barrier()
@@ -142,8 +141,11 @@ def main() -> None:
     ap.add_argument("--logdir", default=f"{os.environ.get('TMPDIR', '/tmp')}/hybrid-bench-zero")
     ap.add_argument("--out", default=str(REPO / "runs" / "bench"), help="markdown + PNG report dir")
     ap.add_argument("--no-profile", action="store_true", help="no per-phase profile of ours")
-    ap.add_argument("--grad-reduce", default="auto", choices=["auto", "reduce_scatter", "all_reduce"],
-                    help="our ZeroConfig.grad_reduce; auto: all_reduce on gloo, reduce_scatter on NCCL")
+    ap.add_argument("--grad-reduce", default="reduce_scatter", choices=["reduce_scatter", "all_reduce"],
+                    help="our ZeroConfig.grad_reduce")
+    ap.add_argument("--native-collectives", action="store_true",
+                    help="ours with gloo's own reduce-scatter and all-gather instead of the composed "
+                         "ones (hybrid.zero.comm: all-to-all + sum, broadcasts)")
     ap.add_argument("--reduce-bucket-size", type=int, default=50_000_000,
                     help="our ZeroConfig.reduce_bucket_size (elements)")
     ap.add_argument("--no-floor", action="store_true",
@@ -162,6 +164,7 @@ def main() -> None:
     env = dict(os.environ, PEER_SIZE=args.size, PEER_STEPS=str(steps), PEER_WARMUP=str(warmup),
                OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1",
                GLOO_SOCKET_IFNAME="lo", PEER_TP="2", HYBRID_GRAD_REDUCE=args.grad_reduce,
+               HYBRID_NATIVE_COLLECTIVES=str(int(args.native_collectives)),
                HYBRID_REDUCE_BUCKET=str(args.reduce_bucket_size))
     logdir = Path(args.logdir) / args.size
     logdir.mkdir(parents=True, exist_ok=True)
@@ -274,8 +277,11 @@ def write_report(results: dict, out: Path, args, steps: int, warmup: int) -> Non
                          f"({r['dp_collectives_per_step']}) | {fl + co:.1f} | {r['ms_step_median'] / (fl + co):.2f} |")
     head = (f"# Throughput vs peers ({args.size}, world {args.world}, {steps} steps, {warmup} warm-up)"
             f"\n\n`python scripts/bench_zero.py {' '.join(sys.argv[1:])}`\n\nours: grad_reduce "
-            f"{args.grad_reduce} (auto: all_reduce on gloo), reduce bucket {args.reduce_bucket_size} "
-            "elements. fp32, gloo, "
+            f"{args.grad_reduce}, reduce bucket {args.reduce_bucket_size} elements, "
+            + ("gloo's native collectives" if getattr(args, "native_collectives", False) else
+               "gloo's reduce-scatter as all-to-all + sum and large all-gathers as broadcasts "
+               "(`hybrid.zero.comm`)") + ". "
+            "fp32, gloo, "
             "OMP_NUM_THREADS=1, one launch each in sequence; run-to-run noise on this VM is "
             "about 15-25% (the peers' own repeated runs).\n\n")
     picture = _plot_ratios(rat, peers, stem, args) if rat else None

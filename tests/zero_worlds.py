@@ -115,6 +115,12 @@ VARIANTS = {
                          param_persistence_threshold=0),
     "all_reduce": dict(reduce_bucket_size=20_000, allgather_bucket_size=20_000,
                        param_persistence_threshold=100, grad_reduce="all_reduce"),
+    # gloo's native reduce-scatter / all-gather (what NCCL runs) instead of the composed ones
+    "native_collectives": dict(reduce_bucket_size=20_000, allgather_bucket_size=20_000,
+                               param_persistence_threshold=100, comm=dict(composed=False)),
+    # every all-gather composed from broadcasts (the tiny model's are below the size that is)
+    "broadcast_gathers": dict(reduce_bucket_size=3_000, allgather_bucket_size=3_000,
+                              param_persistence_threshold=100, comm=dict(broadcast_min_numel=0)),
 }
 
 
@@ -122,7 +128,11 @@ def _parity(grid, rank0: bool) -> dict:
     out = {}
     for stage in range(4):
         for name, kw in VARIANTS.items():
-            r = train(build(grid, ZeroConfig(stage=stage, **kw)), grid)
+            kw = dict(kw)
+            comm = kw.pop("comm", {})
+            engine = build(grid, ZeroConfig(stage=stage, **kw))
+            vars(engine.comm).update(comm)
+            r = train(engine, grid)
             out[(stage, name)] = r if rank0 else None
     return out
 
@@ -283,4 +293,42 @@ def world_gpu(rank: int, world: int) -> dict:
                           device=str(e.master.device))
         b = build(grid, ZeroConfig(precision="bf16", **kw))
         out[(stage, "bf16")] = train(b, grid, steps=3)["losses"]
+    return out
+
+
+def comm_world(rank: int, world: int) -> dict:
+    """Composed gloo collectives (``DPComm.composed``) against gloo's native ones on random data:
+    reduce-scatter (sync, async, with and without scratch) and all-gather (flat and into a list),
+    plus which torch.distributed collectives each path called."""
+    from unittest import mock
+
+    from hybrid.zero.comm import DPComm
+    comm = DPComm(None)
+    comm.broadcast_min_numel = 0
+    g = torch.Generator().manual_seed(rank)
+    inp = torch.randn(world * 1000, generator=g)
+    shard = torch.randn(777, generator=g)
+    out = {}
+    calls: list[str] = []
+    for composed in (False, True):
+        comm.composed = composed
+        wrapped = {n: mock.patch.object(dist, n, side_effect=lambda *a, _f=getattr(dist, n), _n=n, **k:
+                                        (calls.append(_n), _f(*a, **k))[1])
+                   for n in ("all_to_all_single", "broadcast")}
+        for p in wrapped.values():
+            p.start()
+        try:
+            rs_sync, rs_async = torch.empty(1000), torch.empty(1000)
+            comm.reduce_scatter(rs_sync, inp)
+            comm.reduce_scatter(rs_async, inp, async_op=True, scratch=torch.empty(world * 1000 + 5)).wait()
+            ag_flat = torch.empty(world * 777)
+            comm.all_gather(ag_flat, shard)
+            ag_list = [torch.empty(777) for _ in range(world)]
+            comm.all_gather(ag_list, shard, async_op=True).wait()
+        finally:
+            for p in wrapped.values():
+                p.stop()
+        out[composed] = dict(rs_sync=rs_sync, rs_async=rs_async, ag_flat=ag_flat,
+                             ag_list=torch.cat(ag_list), calls=sorted(set(calls)))
+        calls.clear()
     return out

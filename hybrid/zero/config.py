@@ -35,9 +35,9 @@ class ZeroConfig:
     reduce_bucket_size: int = arg(50_000_000, "gradient reduce bucket size, in elements (all ranks' chunks together)")
     allgather_bucket_size: int = arg(50_000_000, "parameter all-gather bucket size, in elements (all ranks' chunks)")
     grad_reduce: str = arg(
-        "reduce_scatter", "ZeRO 1-3 gradient collective: reduce_scatter (the ZeRO paper's Psi per step) or "
-                          "all_reduce keeping the owned slices (2 Psi; faster with gloo on one host, keep NCCL on "
-                          "reduce_scatter)", choices=GRAD_REDUCE_OPS)
+        "reduce_scatter", "ZeRO 1-3 gradient collective: reduce_scatter (the ZeRO paper's Psi per step; on gloo "
+                          "an all-to-all + sum) or all_reduce keeping the owned slices (2 Psi)",
+        choices=GRAD_REDUCE_OPS)
     overlap_comm: bool = arg(True, "overlap gradient communication with backward (off: reduce after backward)")
     param_persistence_threshold: int = arg(
         100_000, "ZeRO-3 keeps parameters with fewer local elements than this unpartitioned (0: none)")

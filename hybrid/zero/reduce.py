@@ -20,7 +20,8 @@ Reductions run in fp32 and are pre-divided by the data-parallel size (a mean ove
 On NCCL an asynchronous collective runs on the process group's own stream, ordered after the
 staging copies on the compute stream; ``wait()`` only makes the compute stream wait for it, so
 overlapped reductions never block the host.
-With ``grad_reduce="all_reduce"`` stage 1 all-reduces its full flat buffer in place (the stage-0
+On gloo each staging buffer has a scratch twin that receives the composed reduce-scatter's
+all-to-all (``hybrid.zero.comm``). With ``grad_reduce="all_reduce"`` stage 1 all-reduces its full flat buffer in place (the stage-0
 plan: no staging) and stages 2/3 all-reduce the staged bucket and keep their own chunk of it.
 """
 
@@ -135,9 +136,10 @@ class GradReducer:
                     q += length
                 self.buckets.append(ReduceBucket(a, b, tuple(units), tuple(ins), tuple(outs)))
         nstage = 2 if overlap else 1
+        scratch = dp * chunk if comm.needs_scratch and not self.all_reduce else 0
         self.staging = [] if self.in_place else [
-            (torch.zeros(dp * chunk, dtype=torch.float32, device=dev),
-             torch.zeros(chunk, dtype=torch.float32, device=dev)) for _ in range(nstage)]
+            tuple(torch.zeros(k, dtype=torch.float32, device=dev) for k in (dp * chunk, chunk, scratch))
+            for _ in range(nstage)]
         self.unit_buckets = [0] * len(L.units)
         for bucket in self.buckets:
             for u in bucket.units:
@@ -224,6 +226,7 @@ class GradReducer:
             k = self.launched % len(self.staging)
             n = b - a
             inp, out = self.staging[k][0][:self.comm.size * n], self.staging[k][1][:n]
+            scratch = self.staging[k][2] if self.staging[k][2].numel() else None
             with self.timer.phase("copies"):
                 if not self.partitioned:
                     for c in bucket.copy_in:
@@ -242,7 +245,7 @@ class GradReducer:
                     work = self.comm.all_reduce(inp, async_op=self.overlap)
                     out = inp[self.comm.rank * n:(self.comm.rank + 1) * n]
                 else:
-                    work = self.comm.reduce_scatter(out, inp, async_op=self.overlap)
+                    work = self.comm.reduce_scatter(out, inp, async_op=self.overlap, scratch=scratch)
             self.inflight.append((work, bucket, out))
         self.launched += 1
         if not self.overlap:
