@@ -87,6 +87,7 @@ def test_huge_logits_finite_and_correct(world, tp):
     torch.testing.assert_close(out["loss"], expect.detach(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out["grad"][..., :1001], full.grad, rtol=1e-5, atol=1e-6)
     assert out["grad"][..., 1001:].abs().sum() == 0
+    assert "retain_graph=True" in out["twice"]
 
 
 @pytest.mark.parametrize("tp", TPS)

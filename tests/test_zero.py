@@ -263,7 +263,7 @@ def test_stages_on_one_cuda_device(ref):
 def test_grad_norm_sums_large_fragments_chunk_by_chunk(monkeypatch):
     """The float64 sum of squares runs chunk by chunk (vector_norm(dtype=float64) copies its
     whole input to float64); one chunk gives the unchunked bits, several agree to float64
-    rounding (1e-12 relative); an inf anywhere is still an overflow."""
+    rounding (1e-12 relative); an inf in a counted or an uncounted tensor is an overflow."""
     from hybrid.zero import grad_norm
 
     g = [torch.randn(10_000, generator=torch.Generator().manual_seed(1)), torch.randn(77)]
@@ -274,7 +274,11 @@ def test_grad_norm_sums_large_fragments_chunk_by_chunk(monkeypatch):
     assert one == pytest.approx(want, rel=1e-15) and chunked == pytest.approx(want, rel=1e-12)
     assert not overflow
     g[0][9_999] = float("inf")
-    assert grad_norm.global_grad_norm(g, g)[1]
+    assert grad_norm.global_grad_norm(g, [])[1]
+    assert grad_norm.global_grad_norm([], g)[1]
+    assert grad_norm.global_grad_norm(g[1:], g[:1]) == (float("inf"), True)
+    g[0][9_999] = float("nan")
+    assert grad_norm.global_grad_norm(g, [])[1] and grad_norm.global_grad_norm(g[1:], g)[1]
 
 
 def test_composed_gloo_collectives_match_native():

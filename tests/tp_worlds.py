@@ -66,10 +66,15 @@ def _huge_logits(grid: ProcessGrid) -> dict:
     per = vp // tp
     local = padded[..., grid.tp_rank * per:(grid.tp_rank + 1) * per].clone().requires_grad_(True)
     loss = vocab_parallel_cross_entropy(local, labels, grid.tp_rank * per, v, grid.tp_group, 0.1)
-    loss.sum().backward()
+    loss.sum().backward(retain_graph=True)
+    try:  # the backward reuses the saved softmax in place, so a second one must refuse
+        loss.sum().backward()
+        twice = None
+    except RuntimeError as e:
+        twice = str(e)
     grad = [torch.empty_like(local.grad) for _ in range(tp)]
     dist.all_gather(grad, local.grad, group=grid.tp_group)
-    return dict(loss=loss.detach(), grad=torch.cat(grad, -1), full=full, labels=labels)
+    return dict(loss=loss.detach(), grad=torch.cat(grad, -1), full=full, labels=labels, twice=twice)
 
 
 def _dropout_checks(grid: ProcessGrid) -> dict:

@@ -130,9 +130,10 @@ class ZeroEngine:
         counted = [f for f in self.own
                    if not L.slots[f.slot].tp_replicated or grid.tp_rank == 0]
         self._norm_counted = [self.reducer.grad_view(f) for f in counted]
-        # Overflow check: an inf/NaN in stage 1's non-owned (local) slices reaches the owner.
-        stage1 = zero_config.shards_optimizer_states and not zero_config.shards_gradients
-        self._norm_held = [self.reducer.grad_view(f) for f in self.own] if stage1 else [self.reducer.buffer]
+        # Overflow check of the rest of what this rank owns: an inf/NaN anywhere reaches an
+        # owner (the reduction sums it into the owner's slice; stage 0 all-reduces everywhere).
+        self._norm_uncounted = [self.reducer.grad_view(f) for f in self.own
+                                if L.slots[f.slot].tp_replicated and grid.tp_rank != 0]
         fp16 = zero_config.precision == "fp16"
         self.scaler = LossScaler(
             zero_config.loss_scale if zero_config.loss_scale is not None
@@ -246,7 +247,7 @@ class ZeroEngine:
         self._grads_ready = False
         scale = self.scaler.scale if self._scale_loss else 1.0
         with self.timer.phase("grad_norm"):
-            norm, overflow = global_grad_norm(self._norm_counted, self._norm_held,
+            norm, overflow = global_grad_norm(self._norm_counted, self._norm_uncounted,
                                               group=self.grid.world_group, ledger=self.comm)
         if self._scale_loss:
             self.scaler.update(overflow)

@@ -8,8 +8,12 @@ counted exactly once (otherwise a TP-replicated parameter would count tp times a
 one twice).
 
 The same all-reduce carries the overflow flag: a rank that sees a non-finite value in *any*
-gradient element it holds (counted or not, so an inf on TP rank 1 is not missed) raises it, and
-every rank of the world agrees on skipping the step.
+gradient element it owns (counted or not, so an inf on TP rank 1 is not missed) raises it, and
+every rank of the world agrees on skipping the step. The float64 sum of squares is itself the
+check (an inf or NaN element makes it non-finite, and fp32 values cannot overflow it), so the
+counted elements are read once; the uncounted ones get a float64 sum of squares of their own.
+A separate ``max |g|`` pass would cost 4x the sum of squares on CPU (measured: 22 vs 5.3 ms for
+7M fp32 elements, one thread).
 """
 
 from __future__ import annotations
@@ -23,34 +27,35 @@ NORM_CHUNK_ELEMENTS = 1 << 20
 """Elements converted to float64 at a time for the norm (an 8 MiB temporary)."""
 
 
-def global_grad_norm(counted: list[torch.Tensor], held: list[torch.Tensor], group=None,
+def _sum_of_squares(tensors: list[torch.Tensor], device) -> torch.Tensor:
+    """float64 ``sum ||g||^2`` over ``tensors``; vector_norm(dtype=float64) materialises a float64
+    copy of its input (measured on CPU: 2x the fp32 gradient), so a large tensor is summed chunk
+    by chunk."""
+    sq = torch.zeros((), dtype=torch.float64, device=device)
+    for g in tensors:
+        for part in g.reshape(-1).split(NORM_CHUNK_ELEMENTS):
+            if part.numel():
+                sq += torch.linalg.vector_norm(part, dtype=torch.float64) ** 2
+    return sq
+
+
+def global_grad_norm(counted: list[torch.Tensor], uncounted: list[torch.Tensor], group=None,
                      ledger=None) -> tuple[float, bool]:
     """L2 norm of the global gradient and whether any rank overflowed.
 
     Args:
         counted: this rank's gradient tensors whose elements it alone counts (see module doc).
-        held: every gradient tensor this rank holds, checked for inf / NaN.
+        uncounted: the other gradient tensors this rank owns (e.g. TP-replicated ones on TP
+            ranks > 0), only checked for inf / NaN.
         group: the group to sum over (default: the world).
         ledger: optional ``DPComm`` whose ``bytes["norm_all_reduce"]`` records the traffic.
 
     Returns:
         ``(norm, overflow)``; ``norm`` is ``inf`` / ``nan`` when ``overflow``.
     """
-    device = (counted or held)[0].device if (counted or held) else torch.device("cpu")
-    sq = torch.zeros((), dtype=torch.float64, device=device)
-    for g in counted:
-        # vector_norm(dtype=float64) materialises a float64 copy of its input (measured on
-        # CPU: 2x the fp32 gradient), so a large fragment is summed in float64 chunk by chunk
-        for part in g.reshape(-1).split(NORM_CHUNK_ELEMENTS):
-            if part.numel():
-                sq += torch.linalg.vector_norm(part, dtype=torch.float64) ** 2
-    bad = torch.zeros((), dtype=torch.float64, device=device)
-    for g in held:
-        # max |g| is non-finite exactly when some element is inf/NaN and, unlike
-        # isfinite(g).all() (measured: ~7 bytes per element of temporaries on CPU) or a
-        # float64 sum (an 8-byte copy), needs no gradient-sized temporary.
-        if g.numel():
-            bad += (~torch.isfinite(torch.linalg.vector_norm(g, ord=float("inf")))).double()
+    device = (counted or uncounted)[0].device if (counted or uncounted) else torch.device("cpu")
+    sq = _sum_of_squares(counted, device)
+    bad = (~torch.isfinite(_sum_of_squares(uncounted, device))).double()
     t = torch.stack([sq, bad])
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         if not getattr(ledger, "skip_collectives", False):  # the benchmark's compute-only floor
