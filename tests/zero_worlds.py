@@ -310,11 +310,17 @@ def comm_world(rank: int, world: int) -> dict:
     shard = torch.randn(777, generator=g)
     out = {}
     calls: list[str] = []
+    def counting(name):
+        real = getattr(dist, name)
+
+        def call(*a, **k):
+            calls.append(name)
+            return real(*a, **k)
+        return mock.patch.object(dist, name, side_effect=call)
+
     for composed in (False, True):
         comm.composed = composed
-        wrapped = {n: mock.patch.object(dist, n, side_effect=lambda *a, _f=getattr(dist, n), _n=n, **k:
-                                        (calls.append(_n), _f(*a, **k))[1])
-                   for n in ("all_to_all_single", "broadcast")}
+        wrapped = {n: counting(n) for n in ("all_to_all_single", "broadcast")}
         for p in wrapped.values():
             p.start()
         try:

@@ -21,12 +21,12 @@ data-parallel communication is of interest.
 On gloo two collectives are composed from faster ones (measured on 4 CPU ranks, torch 2.13,
 gloo 32 MiB fp32, median ms: ``reduce_scatter_tensor`` 156, ``all_reduce`` 102,
 ``all_to_all_single`` + a local sum 48; ``all_gather_into_tensor`` 98, one ``broadcast`` per rank
-39): a reduce-scatter is an all-to-all of the input's chunks followed by the sum of the n received
-chunks, in rank order, into ``out``; an all-gather of at least
-:attr:`DPComm.broadcast_min_numel` output elements is n broadcasts, one from each rank's chunk. Each rank sends the same (n-1)/n N bytes as
-in the ring, so the ledger is unchanged. NCCL (and the dry run's fake backend) keep their native
-collectives. ``DPComm.compose_on_gloo = False`` (before the engine is built) or
-``engine.comm.composed = False`` turns this off.
+39): a reduce-scatter is an all-to-all of the input's chunks followed by the sum of the n
+received chunks, in rank order, into ``out``; an all-gather of at least
+:attr:`DPComm.broadcast_min_numel` output elements is n broadcasts, one from each rank's chunk.
+Each rank sends the same (n-1)/n N bytes as in the ring, so the ledger is unchanged. NCCL (and
+the dry run's fake backend) keep their native collectives. ``DPComm.compose_on_gloo = False``
+(before the engine is built) or ``engine.comm.composed = False`` turns this off.
 
 ``recorder`` (the benchmark's *collectives alone*): when a list, every collective appends
 ``(op, input elements, dtype)``; :func:`replay` issues the same collectives again with no compute
@@ -167,9 +167,10 @@ class DPComm:
 
 def replay(comm: DPComm, recorded: list, repeats: int = 3, device: str | torch.device = "cpu") -> list[float]:
     """Issue ``recorded`` (a :attr:`DPComm.recorder` list, identical on every rank of the group)
-    again ``repeats`` times, each collective synchronous and flat (an all-gather into a list runs
-    as one into a flat tensor) and implemented as ``comm`` implements it, on zero-filled buffers (one per op, size and dtype, allocated
-    before timing); returns the seconds of each repeat, between barriers.
+    again ``repeats`` times, each collective synchronous, flat (an all-gather into a list runs as
+    one into a flat tensor) and implemented as ``comm`` implements it, on zero-filled buffers (one
+    per op, size and dtype, allocated before timing); returns the seconds of each repeat, between
+    barriers.
     Collective over ``comm``'s group; nothing is counted in its byte ledger."""
     import time
 

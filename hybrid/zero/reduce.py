@@ -21,7 +21,8 @@ On NCCL an asynchronous collective runs on the process group's own stream, order
 staging copies on the compute stream; ``wait()`` only makes the compute stream wait for it, so
 overlapped reductions never block the host.
 On gloo each staging buffer has a scratch twin that receives the composed reduce-scatter's
-all-to-all (``hybrid.zero.comm``). With ``grad_reduce="all_reduce"`` stage 1 all-reduces its full flat buffer in place (the stage-0
+all-to-all (``hybrid.zero.comm``).
+With ``grad_reduce="all_reduce"`` stage 1 all-reduces its full flat buffer in place (the stage-0
 plan: no staging) and stages 2/3 all-reduce the staged bucket and keep their own chunk of it.
 """
 
