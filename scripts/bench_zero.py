@@ -32,6 +32,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -123,8 +125,11 @@ def launch(name: str, cmd: list[str], cwd: Path, env: dict, logdir: Path) -> dic
             res = json.loads(line[7:])
             res["wall_s"] = round(time.time() - t0, 1)
             return res
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-    print(f"# {name}: FAILED ({tail[0][:160]})", flush=True)
+    lines = [ln.strip() for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip()]
+    # torchrun ends with a box of '=' lines: show the exception itself
+    errors = [ln for ln in lines if re.search(r"\w(Error|Exception): ", ln) and "ChildFailedError" not in ln]
+    first = (errors or lines[-1:] or ["no output"])[0]
+    print(f"# {name}: FAILED ({first[:200]}; log {logdir / (name + '.log')})", flush=True)
     return None
 
 
@@ -134,11 +139,13 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--steps", type=int, default=None, help="default: 23 tiny, 6 medium")
     ap.add_argument("--warmup", type=int, default=None, help="default: 3 tiny, 1 medium")
-    ap.add_argument("--stages", default="1 2 3", help="our ZeRO stages")
-    ap.add_argument("--tp", default="1 2", help="our tensor-parallel sizes (dp = world / tp)")
+    ap.add_argument("--stages", default="1 2 3", help="our ZeRO stages (0-3), space- or comma-separated")
+    ap.add_argument("--tp", default="1 2", help="our tensor-parallel sizes, each dividing --world "
+                                                "(dp = world / tp), space- or comma-separated")
     ap.add_argument("--peers", default="ddp fsdp2 fsdp2_noreshard tp2d deepspeed_z1 deepspeed_z2 deepspeed_z3")
     ap.add_argument("--venv", default=os.environ.get("PEERS_VENV", f"{os.environ.get('TMPDIR', '/tmp')}/hybrid-peers-venv"))
-    ap.add_argument("--logdir", default=f"{os.environ.get('TMPDIR', '/tmp')}/hybrid-bench-zero")
+    ap.add_argument("--logdir", default=None, help="every launch's log and results.jsonl (default: "
+                                                   "<--out>/logs)")
     ap.add_argument("--out", default=str(REPO / "runs" / "bench"), help="markdown + PNG report dir")
     ap.add_argument("--no-profile", action="store_true", help="no per-phase profile of ours")
     ap.add_argument("--grad-reduce", default="reduce_scatter", choices=["reduce_scatter", "all_reduce"],
@@ -158,6 +165,20 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker:
         return worker(*args.worker, floor=args.floor, profile=not args.no_profile)
+    args.stages, args.tp = _int_list(ap, "--stages", args.stages), _int_list(ap, "--tp", args.tp)
+    if args.world < 1:
+        ap.error(f"--world {args.world}: give 1 or more ranks")
+    if bad := [s for s in args.stages if s not in (0, 1, 2, 3)]:
+        ap.error(f"--stages: {bad[0]} is no ZeRO stage; give values from 0 to 3")
+    if bad := [t for t in args.tp if t < 1 or args.world % t]:
+        ap.error(f"--tp {bad[0]}: a tensor-parallel size must divide --world {args.world}")
+    if not (PEERS / "common.py").is_file():
+        ap.error(f"the peers' workload {PEERS / 'common.py'} is missing (our runs use its model, data "
+                 "and reporting too); set PEERS_DIR to the folder holding common.py")
+    if args.peers.split() and not Path(args.venv, "bin", "torchrun").is_file():
+        ap.error(f"--venv {args.venv}: no bin/torchrun there; build the peers' environment with "
+                 f"{PEERS / 'setup.sh'} (PEERS_VENV), or run ours only with --peers ''")
+    args.logdir = args.logdir or str(Path(args.out) / "logs")
 
     steps = args.steps or (6 if args.size == "medium" else 23)
     warmup = args.warmup if args.warmup is not None else (1 if args.size == "medium" else 3)
@@ -177,10 +198,8 @@ def main() -> None:
         else:
             runs.append((p, torchrun + ["peer_torch.py", p], PEERS))
     ours = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", n]
-    for tp in map(int, args.tp.split()):
-        if args.world % tp:
-            continue
-        for s in map(int, args.stages.split()):
+    for tp in args.tp:
+        for s in args.stages:
             name = f"hybrid_z{s}" + (f"_tp{tp}" if tp > 1 else "")
             cmd = ours + [str(Path(__file__).resolve()), "--worker", str(s), str(tp)]
             cmd += ["--no-profile"] if args.no_profile else []
@@ -202,6 +221,19 @@ def main() -> None:
             f.write(json.dumps(r) + "\n")
     print_table(results)
     write_report(results, Path(args.out), args, steps, warmup)
+    if failed := [name for name, _, _ in runs if name not in results]:
+        sys.exit(f"failed: {', '.join(failed)} (logs in {logdir})")
+
+
+def _int_list(ap, flag: str, text: str) -> list[int]:
+    """``"1 2"`` or ``"1,2"`` -> ``[1, 2]``; an argparse error names the flag otherwise."""
+    try:
+        out = [int(x) for x in text.replace(",", " ").split()]
+    except ValueError:
+        ap.error(f"{flag} {text!r}: give whole numbers separated by spaces or commas")
+    if not out:
+        ap.error(f"{flag}: give at least one value")
+    return out
 
 
 def merge_repeats(rs: list[dict]) -> dict:
@@ -249,10 +281,11 @@ def write_report(results: dict, out: Path, args, steps: int, warmup: int) -> Non
         lines.append(f"| {name} | {r['dp']} | {r['ms_step_median']:.1f} | {spread} | {r['tokens_per_s']:.0f} | "
                      f"{max(r['peak_rss_mib_per_rank']):.0f} | {max(r['state_mib_per_rank'] or [0]):.1f} | "
                      f"{r['loss_final']:.4f} |")
-    rat = ratios(results)
+    rat = {n: v for n, v in ratios(results).items() if v}
     peers = sorted({p for v in rat.values() for p in v})
-    lines += ["", "Our ms/step divided by the peer's (below 1: we are faster):", "",
-              "| ours | " + " | ".join(peers) + " |", "|---|" + "---|" * len(peers)]
+    if rat:
+        lines += ["", "Our ms/step divided by the peer's (below 1: we are faster):", "",
+                  "| ours | " + " | ".join(peers) + " |", "|---|" + "---|" * len(peers)]
     for name, v in rat.items():
         lines.append(f"| {name} | " + " | ".join(f"{v[p]:.2f}" if p in v else "-" for p in peers) + " |")
     prof = {n: r["profile_ms"] for n, r in results.items() if "profile_ms" in r}
@@ -276,7 +309,7 @@ def write_report(results: dict, out: Path, args, steps: int, warmup: int) -> Non
             lines.append(f"| {n} | {r['ms_step_median']:.1f} | {fl:.1f} | {co:.1f} "
                          f"({r['dp_collectives_per_step']}) | {fl + co:.1f} | {r['ms_step_median'] / (fl + co):.2f} |")
     head = (f"# Throughput vs peers ({args.size}, world {args.world}, {steps} steps, {warmup} warm-up)"
-            f"\n\n`python scripts/bench_zero.py {' '.join(sys.argv[1:])}`\n\nours: grad_reduce "
+            f"\n\n`python scripts/bench_zero.py {shlex.join(sys.argv[1:])}`\n\nours: grad_reduce "
             f"{args.grad_reduce}, reduce bucket {args.reduce_bucket_size} elements, "
             + ("gloo's native collectives" if getattr(args, "native_collectives", False) else
                "gloo's reduce-scatter as all-to-all + sum and large all-gathers as broadcasts "
