@@ -300,6 +300,7 @@ def comm_world(rank: int, world: int) -> dict:
     """Composed gloo collectives (``DPComm.composed``) against gloo's native ones on random data:
     reduce-scatter (sync, async, with and without scratch) and all-gather (flat and into a list),
     plus which torch.distributed collectives each path called."""
+    import contextlib
     from unittest import mock
 
     from hybrid.zero.comm import DPComm
@@ -310,6 +311,7 @@ def comm_world(rank: int, world: int) -> dict:
     shard = torch.randn(777, generator=g)
     out = {}
     calls: list[str] = []
+
     def counting(name):
         real = getattr(dist, name)
 
@@ -320,10 +322,9 @@ def comm_world(rank: int, world: int) -> dict:
 
     for composed in (False, True):
         comm.composed = composed
-        wrapped = {n: counting(n) for n in ("all_to_all_single", "broadcast")}
-        for p in wrapped.values():
-            p.start()
-        try:
+        with contextlib.ExitStack() as patched:
+            for n in ("all_to_all_single", "broadcast"):
+                patched.enter_context(counting(n))
             rs_sync, rs_async = torch.empty(1000), torch.empty(1000)
             comm.reduce_scatter(rs_sync, inp)
             comm.reduce_scatter(rs_async, inp, async_op=True, scratch=torch.empty(world * 1000 + 5)).wait()
@@ -331,9 +332,6 @@ def comm_world(rank: int, world: int) -> dict:
             comm.all_gather(ag_flat, shard)
             ag_list = [torch.empty(777) for _ in range(world)]
             comm.all_gather(ag_list, shard, async_op=True).wait()
-        finally:
-            for p in wrapped.values():
-                p.stop()
         out[composed] = dict(rs_sync=rs_sync, rs_async=rs_async, ag_flat=ag_flat,
                              ag_list=torch.cat(ag_list), calls=sorted(set(calls)))
         calls.clear()

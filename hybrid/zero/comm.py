@@ -43,18 +43,12 @@ import torch.distributed as dist
 from hybrid.parallel.ops import all_gather_flat, reduce_scatter_flat
 
 
-class _Done:
-    """Stands in for a work handle when nothing was communicated."""
+class _Work:
+    """Work handle of a collective that ran synchronously or was skipped (no parts), or of a
+    composed one: ``wait`` waits for its parts, then runs ``finish`` once."""
 
-    def wait(self):
-        return True
-
-
-class _Then:
-    """Work handle of a composed collective: waits for its parts, then runs ``finish``."""
-
-    def __init__(self, works, finish=None):
-        self.works, self.finish = works, finish
+    def __init__(self, works=(), finish=None):
+        self.works, self.finish = list(works), finish
 
     def wait(self):
         for w in self.works:
@@ -64,6 +58,9 @@ class _Then:
             self.finish()
             self.finish = None
         return True
+
+
+_Done = _Work
 
 
 class DPComm:
@@ -87,8 +84,7 @@ class DPComm:
         self.bytes: dict[str, float] = defaultdict(float)
         self.composed = self.compose_on_gloo and self.size > 1 and dist.get_backend(group) == "gloo"
         """Compose reduce-scatter and large all-gathers from faster gloo collectives."""
-        self.global_ranks = [dist.get_global_rank(group, r) if group is not None else r
-                             for r in range(self.size)] if self.size > 1 else [0]
+        self.global_ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
 
     def _count(self, op: str, t: torch.Tensor, factor: float = 1.0, kind: str | None = None):
         """One collective on input ``t``: its ring volume (``factor`` x (n-1)/n x ``t``'s bytes)
@@ -127,7 +123,7 @@ class DPComm:
             return reduce_scatter_flat(out, inp, self.group, async_op=async_op) or _Done()
         recv = torch.empty_like(inp) if scratch is None else scratch[:inp.numel()]
         work = dist.all_to_all_single(recv, inp, group=self.group, async_op=True)
-        done = _Then([work], lambda: torch.sum(recv.view(self.size, -1), 0, out=out))
+        done = _Work([work], lambda: torch.sum(recv.view(self.size, -1), 0, out=out))
         if not async_op:
             done.wait()
         return done
@@ -150,7 +146,7 @@ class DPComm:
             own = slots[self.rank]
             if own.data_ptr() != inp.data_ptr():
                 own.copy_(inp.view_as(own))
-            done = _Then(works)
+            done = _Work(works)
             if not async_op:
                 done.wait()
             return done
