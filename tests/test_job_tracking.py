@@ -50,8 +50,10 @@ def test_resumed_job_continues_its_wandb_run_and_writes_a_compact_header(tmp_pat
                 timeout_s=60)
     out = capfd.readouterr().out
     run_id = read_metadata(ck, latest_iteration(ck))["wandb_run_id"]
-    runs = sorted(p.name for p in (wb / "wandb").glob("offline-run-*"))
-    assert len(runs) == 2 and all(r.endswith("-" + run_id) for r in runs), (runs, run_id)
+    # one folder per launch, each logging the same run; wandb appends "-1" to the folder's name
+    # when both launches start within the same second, so the run id is read from the log file's name
+    runs = sorted((wb / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all((r / f"run-{run_id}.wandb").is_file() for r in runs), (runs, run_id)
     # start-up: two header lines before the first iteration, no JSON dump, no empty traffic
     head = [line.strip() for line in out.split(" iteration ")[0].splitlines() if line.strip()]
     assert len(head) == 3 and head[0].startswith("hybrid-zero pretraining |"), head
