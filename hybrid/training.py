@@ -43,9 +43,10 @@ class TrainState:
     successful_steps: int = 0
     """Steps that updated the weights: the LR schedule's index."""
     skipped_iterations: int = 0
-    """Steps skipped for fp16 overflow or a NaN/inf loss."""
+    """Steps skipped for fp16 overflow or a NaN/inf loss, since the start of training; the log
+    records count them per log interval, as Megatron-LM does."""
     nan_iterations: int = 0
-    """Steps whose loss was NaN/inf."""
+    """Steps whose loss was NaN/inf, since the start of training (per log interval in the records)."""
     consecutive_nan: int = 0
     history: list = field(default_factory=list)
 
@@ -180,7 +181,8 @@ class Trainer:
         """
         self.engine.train()
         s, state, grid = self.settings, self.state, self.grid
-        window_t0, window_steps, window_losses = time.perf_counter(), 0, []
+        # per log interval, as Megatron-LM logs them: steps, mean loss, skipped and NaN iterations
+        window_t0, window_steps, window_losses, window_skipped, window_nan = time.perf_counter(), 0, [], 0, 0
         last = None
         while state.iteration < s.train_iters:
             lr = self.schedule(state.successful_steps)
@@ -190,6 +192,7 @@ class Trainer:
             state.consumed_samples += s.global_batch_size
             if last.nan_loss:
                 state.nan_iterations += 1
+                window_nan += 1
                 state.consecutive_nan += 1
                 if state.consecutive_nan >= s.max_nan_iterations:
                     raise TooManyNaNIterations(
@@ -200,6 +203,7 @@ class Trainer:
                 window_losses.append(last.loss)
             if last.skipped:
                 state.skipped_iterations += 1
+                window_skipped += 1
             else:
                 state.successful_steps += 1
             window_steps += 1
@@ -216,8 +220,8 @@ class Trainer:
                     iteration=state.iteration, consumed_samples=state.consumed_samples,
                     lm_loss=sum(window_losses) / len(window_losses) if window_losses else float("nan"),
                     lr=lr, global_batch_size=s.global_batch_size, grad_norm=last.grad_norm,
-                    loss_scale=last.loss_scale, skipped_iterations=state.skipped_iterations,
-                    nan_iterations=state.nan_iterations, elapsed_ms=1000 * elapsed,
+                    loss_scale=last.loss_scale, skipped_iterations=window_skipped,
+                    nan_iterations=window_nan, elapsed_ms=1000 * elapsed,
                     tokens_per_sec=tokens_per_sec, tflops_per_device=tflops,
                     mfu=tflops / s.peak_tflops if s.peak_tflops else None, memory_mb=memory_mb(grid.device),
                 )
@@ -226,7 +230,7 @@ class Trainer:
                     timer.reset()
                 self.writer.train(record, s.train_iters)
                 state.history.append(record)
-                window_t0, window_steps, window_losses = time.perf_counter(), 0, []
+                window_t0, window_steps, window_losses, window_skipped, window_nan = time.perf_counter(), 0, [], 0, 0
             paused = time.perf_counter()  # evaluation and checkpoints are not training time
             if s.eval_iters and state.iteration % s.eval_interval == 0 and state.iteration < s.train_iters:
                 self.evaluate("valid")

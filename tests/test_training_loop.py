@@ -78,6 +78,15 @@ def test_nan_loss_skips_the_step_and_does_not_advance_the_schedule():
     assert lrs[1] == lrs[2]  # the skipped iteration did not move the LR schedule
 
 
+def test_log_records_count_skipped_and_nan_iterations_per_log_interval():
+    # Megatron-LM's "number of skipped iterations" counts the log interval, not the whole run
+    nan = float("nan")
+    state, _ = run([5.0, nan, 4.0, nan, nan, 2.0], log=3, eval=100)
+    records = [r for r in state.history if "split" not in r]
+    assert [(r["skipped_iterations"], r["nan_iterations"]) for r in records] == [(1, 1), (2, 2)]
+    assert (state.skipped_iterations, state.nan_iterations) == (3, 3)
+
+
 def test_too_many_nan_iterations_stop_with_a_clear_error():
     import pytest
 

@@ -234,7 +234,9 @@ def test_loss_scaler_state_machine():
 @pytest.mark.parametrize("kw, word", [
     (dict(stage=4), "stage"), (dict(precision="fp8"), "precision"),
     (dict(reduce_bucket_size=0), "reduce_bucket_size"), (dict(hysteresis=0), "hysteresis"),
-    (dict(loss_scale=-1.0), "loss_scale"), (dict(param_persistence_threshold=-1), "param_persistence"),
+    (dict(loss_scale=-1.0, precision="fp16"), "loss_scale"), (dict(param_persistence_threshold=-1), "param_persistence"),
+    (dict(loss_scale=128.0, precision="bf16"), "--loss-scale 128.0 .*fp16 only; precision is bf16"),
+    (dict(precision="fp16", initial_loss_scale=4.0, min_loss_scale=8.0), "--min-loss-scale 8.0 .*<= --initial"),
 ])
 def test_zero_config_validation_names_the_field(kw, word):
     with pytest.raises(ValueError, match=word):

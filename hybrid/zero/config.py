@@ -89,6 +89,12 @@ class ZeroConfig:
         if not (isinstance(s, int | float) and math.isfinite(s) and s >= 1 and 2 ** round(math.log2(s)) == s):
             fail(self, "initial_loss_scale", "must be a power of two >= 1")
         check_number(self, "min_loss_scale", 0.0, strict=True)
+        if self.loss_scale is not None and self.precision != "fp16":
+            fail(self, "loss_scale", f"a loss scale applies to fp16 only; precision is {self.precision}, "
+                 "which trains without one (drop --loss-scale, or use --fp16)")
+        if self.loss_scale is None and self.min_loss_scale > self.initial_loss_scale:
+            fail(self, "min_loss_scale", f"must be <= --initial-loss-scale {self.initial_loss_scale!r}, "
+                 "where the dynamic loss scale starts")
         check_choice(self, "grad_reduce", GRAD_REDUCE_OPS)
 
 
