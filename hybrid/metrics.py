@@ -5,9 +5,11 @@ record keeps full float precision; the resolved config goes beside the JSONL fil
 (:func:`config_path`) and to wandb. wandb is optional: without the package, or when it fails to
 start, training goes on with a warning; with no credentials it runs offline (no network); when
 its server cannot be reached within ``--wandb-init-timeout`` it falls back to offline mode.
-A resumed job appends to the same JSONL file, so it can hold an iteration twice (the crashed
-run's and the resumed run's); readers keep the latest record per iteration
-(:func:`hybrid.plot_metrics.read_metrics`).
+Every launch appends to the JSONL file, first a ``{"kind": "start", "iteration": k}`` record
+(k: the iteration it resumed from, 0 for a fresh run), so nothing an earlier launch wrote is
+lost; readers (:func:`hybrid.plot_metrics.read_metrics`) drop the records after k that came
+before the marker: a resumed job's file reads as its own history, and a fresh run reusing the
+file does not inherit an older run's later iterations.
 """
 
 from __future__ import annotations
@@ -71,12 +73,14 @@ class MetricsWriter:
         config: resolved config dict (for wandb).
         wandb_project, wandb_exp_name, wandb_save_dir: wandb settings; no project, no wandb.
         print_fn: where log lines go (``print`` or a progress bar's ``write``).
+        start_iteration: the iteration this launch starts from (0 fresh, else the loaded
+            checkpoint's); written as the file's ``start`` record.
     """
 
     def __init__(self, rank: int, metrics_file: str | None, config: dict,
                  wandb_project: str | None = None, wandb_exp_name: str | None = None,
                  wandb_save_dir: str | None = None, print_fn=print, wandb_init_timeout: float = 30.0,
-                 wandb_run_id: str | None = None):
+                 wandb_run_id: str | None = None, start_iteration: int = 0):
         self.active = rank == 0
         self.print = print_fn
         self._file = None
@@ -87,6 +91,7 @@ class MetricsWriter:
         if metrics_file:
             Path(metrics_file).parent.mkdir(parents=True, exist_ok=True)
             self._file = open(metrics_file, "a", buffering=1)
+            self._file.write(json.dumps({"kind": "start", "iteration": start_iteration}) + "\n")
             self.config_file = config_path(metrics_file)
             self.config_file.write_text(json.dumps(config, indent=2, default=str) + "\n")
         if wandb_project:

@@ -16,8 +16,11 @@ from pathlib import Path
 
 def read_metrics(path: str | Path) -> tuple[list[dict], list[dict]]:
     """``(train_records, eval_records)`` of one JSONL file, each sorted by iteration, keeping
-    the latest record per iteration (and eval split): a job that crashed at iteration 6 and
-    resumed from a checkpoint at 4 appends 5..8 after 1..6, and the resumed run's 5 and 6 win.
+    the latest record per iteration (and eval split). A ``start`` record at iteration k (written
+    by every launch) drops the earlier records after k: a job that crashed at iteration 6 and
+    resumed from a checkpoint at 4 appends a start at 4 and 5..8 after 1..6, and reads as 1..8
+    with the resumed run's 5 and 6; a fresh run (start at 0) reusing the file hides the older
+    run's records, which stay in the file.
 
     Raises:
         FileNotFoundError: no such file.
@@ -32,6 +35,9 @@ def read_metrics(path: str | Path) -> tuple[list[dict], list[dict]]:
                 r = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{n}: not a JSON record ({e})") from None
+            if r.get("kind") == "start":  # a launch from iteration k: what came after k is superseded
+                latest = {key: v for key, v in latest.items() if v.get("iteration", 0) <= r["iteration"]}
+                continue
             kind = "eval" if r.get("kind") == "eval" else "train"
             latest[(kind, r.get("split"), r.get("iteration"))] = r  # a later line replaces an earlier one
     records = sorted(latest.items(), key=lambda kv: kv[1].get("iteration", 0))

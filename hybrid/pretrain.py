@@ -141,7 +141,8 @@ def run(cfg: PretrainConfig, derived: Derived) -> dict:
         progress = tqdm(total=t.train_iters, initial=state.iteration, desc="train", unit="it", dynamic_ncols=True)
     writer = MetricsWriter(grid.rank, lg.metrics_file, cfg.to_dict(), lg.wandb_project, lg.wandb_exp_name,
                            lg.wandb_save_dir, print_fn=progress.write if progress else print,
-                           wandb_init_timeout=lg.wandb_init_timeout, wandb_run_id=(meta or {}).get("wandb_run_id"))
+                           wandb_init_timeout=lg.wandb_init_timeout, wandb_run_id=(meta or {}).get("wandb_run_id"),
+                           start_iteration=state.iteration)
     if grid.rank == 0:
         writer.print(engine_line(engine) + (f" | resolved config: {writer.config_file}" if writer.config_file else ""))
     trainer = Trainer(engine, grid, loop_settings(cfg, derived, grid), schedule, writer, eval_batches,

@@ -178,13 +178,14 @@ def test_sigterm_saves_exits_zero_and_resumes_identically(tmp_path):
     def losses(metrics):
         import json
 
-        return {r["iteration"]: r["lm_loss"] for r in map(json.loads, metrics.read_text().splitlines())}
+        return {r["iteration"]: r["lm_loss"] for r in map(json.loads, metrics.read_text().splitlines())
+                if r["kind"] == "train"}
 
     ck = tmp_path / "ck"
     m1 = tmp_path / "m1.jsonl"
     proc = launch(["--train-iters", "10000", "--save", str(ck)], m1)
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and (not m1.exists() or len(m1.read_text().splitlines()) < 3):
+    while time.monotonic() < deadline and (not m1.exists() or m1.read_text().count('"train"') < 3):
         time.sleep(0.2)
     workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
     assert len(workers) == 2, workers

@@ -21,19 +21,34 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_readers_keep_the_latest_record_per_iteration(tmp_path):
-    # crashed after 6 (last checkpoint at 4), resumed from 4 to 8: 1..6 then 5..8 in one file
-    lines = [dict(kind="train", iteration=i, lm_loss=10.0 - i) for i in range(1, 7)]
+    # crashed after 7 (last checkpoint at 4), resumed from 4 and crashed again after 6:
+    # 1..7 then 5..6 in one file; the first launch's 7 and its eval at 6 are not the job's history
+    lines = [dict(kind="start", iteration=0)]
+    lines += [dict(kind="train", iteration=i, lm_loss=10.0 - i) for i in range(1, 8)]
     lines += [dict(kind="eval", split="valid", iteration=4, lm_loss=7.0),
               dict(kind="eval", split="valid", iteration=6, lm_loss=99.0)]
-    lines += [dict(kind="train", iteration=i, lm_loss=20.0 - i) for i in range(5, 9)]
-    lines += [dict(kind="eval", split="valid", iteration=6, lm_loss=6.5),
-              dict(kind="eval", split="valid", iteration=8, lm_loss=6.0)]
+    lines += [dict(kind="start", iteration=4)]
+    lines += [dict(kind="train", iteration=i, lm_loss=20.0 - i) for i in range(5, 7)]
     path = tmp_path / "metrics.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+
+    def write(records):
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    write(lines)
     train, evals = read_metrics(path)
     assert [(r["iteration"], r["lm_loss"]) for r in train] == [
-        (1, 9.0), (2, 8.0), (3, 7.0), (4, 6.0), (5, 15.0), (6, 14.0), (7, 13.0), (8, 12.0)]
-    assert [(r["iteration"], r["lm_loss"]) for r in evals] == [(4, 7.0), (6, 6.5), (8, 6.0)]
+        (1, 9.0), (2, 8.0), (3, 7.0), (4, 6.0), (5, 15.0), (6, 14.0)]
+    assert [(r["iteration"], r["lm_loss"]) for r in evals] == [(4, 7.0)]
+    # a file without start records (older versions): the latest record per iteration wins
+    write([r for r in lines if r["kind"] != "start"])
+    train, evals = read_metrics(path)
+    assert [r["lm_loss"] for r in train] == [9.0, 8.0, 7.0, 6.0, 15.0, 14.0, 3.0]
+    assert [(r["iteration"], r["lm_loss"]) for r in evals] == [(4, 7.0), (6, 99.0)]
+    # a fresh run reusing the file: the older run's records stay in it but are not read
+    write(lines + [dict(kind="start", iteration=0), dict(kind="train", iteration=1, lm_loss=1.5)])
+    train, evals = read_metrics(path)
+    assert [(r["iteration"], r["lm_loss"]) for r in train] == [(1, 1.5)] and evals == []
+    assert len(path.read_text().splitlines()) == len(lines) + 2
 
 
 MOCK = ["--mock-data", "--vocab-size", "500", "--num-layers", "1", "--hidden-size", "32",
@@ -60,6 +75,10 @@ def test_resumed_job_continues_its_wandb_run_and_writes_a_compact_header(tmp_pat
     assert head[0].endswith("| ZeRO-1 fp32 | activations: all kept"), head
     assert head[1].startswith("no checkpoint under --load") and head[2].startswith("ZeRO stage 1 fp32"), head
     assert "moved last step" not in out and '"model": {' not in out
+    train, _ = read_metrics(metrics)
+    assert [r["iteration"] for r in train] == [1, 2, 3, 4]
+    starts = [json.loads(line)["iteration"] for line in metrics.read_text().splitlines() if '"start"' in line]
+    assert starts == [0, 2]
     config = json.loads((tmp_path / "m" / "metrics.config.json").read_text())
     assert config["training"]["train_iters"] == 4 and config["logging"]["wandb_project"] == "resume"
 
