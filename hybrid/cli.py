@@ -56,18 +56,32 @@ def _default(f: dataclasses.Field):
 
 
 class _Alias(argparse.Action):
-    """``--bf16``-style flag: sets the field to a constant; two different ones conflict."""
+    """``--bf16``-style flag: sets the field to a constant; another alias or the field's own flag
+    (``--precision``) with a different value conflicts, in either order (see :func:`_check_aliases`)."""
 
-    def __init__(self, option_strings, dest, const, **kwargs):
+    def __init__(self, option_strings, dest, const, main_flag: str = "", **kwargs):
         super().__init__(option_strings, dest, nargs=0, const=const, **kwargs)
+        self.main_flag = main_flag
 
     def __call__(self, parser, namespace, values, option_string=None):
         set_by = namespace.__dict__.setdefault("_set_by", {})
-        previous = set_by.get(self.dest)
-        if previous is not None and getattr(namespace, self.dest) != self.const:
+        if hasattr(namespace, self.dest) and getattr(namespace, self.dest) != self.const:
+            previous = set_by.get(self.dest, (f"{self.main_flag} {getattr(namespace, self.dest)}", None))[0]
             raise ConfigError(f"{previous} and {option_string} are mutually exclusive")
-        set_by[self.dest] = option_string
+        set_by[self.dest] = (option_string, self.const, self.main_flag)
         setattr(namespace, self.dest, self.const)
+
+
+def _check_aliases(ns: dict) -> None:
+    """An alias flag followed by its field's own flag with another value (``--fp16 --precision
+    bf16``) conflicts as the other order does.
+
+    Raises:
+        ConfigError: naming both flags.
+    """
+    for dest, (alias, const, main_flag) in ns.pop("_set_by", {}).items():
+        if ns.get(dest) != const:
+            raise ConfigError(f"{alias} and {main_flag} {ns[dest]} are mutually exclusive")
 class _Parser(argparse.ArgumentParser):
     """Raises :class:`ConfigError` (one short line, printed once per node by ``main``) instead
     of printing the whole usage on every rank, and names the closest valid flag."""
@@ -106,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             g.add_argument(flag_of(f), dest=key, type=kind, help=help_, **meta)
         for alias, const in f.metadata.get("aliases", {}).items():
-            g.add_argument(alias, dest=key, action=_Alias, const=const,
+            g.add_argument(alias, dest=key, action=_Alias, const=const, main_flag=flag_of(f),
                            help=f"same as {flag_of(f)} {const}")
     return parser
 
@@ -197,7 +211,7 @@ def parse_config(argv: list[str] | None = None) -> PretrainConfig:
             prints the usage and exits 0.
     """
     ns = vars(build_parser().parse_args(argv))
-    ns.pop("_set_by", None)
+    _check_aliases(ns)
     values = load_config_file(ns.pop("config")) if "config" in ns else {}
     values.update(ns)
     n = values.get("checkpoint_num_layers")

@@ -5,9 +5,9 @@ record keeps full float precision; the resolved config goes beside the JSONL fil
 (:func:`config_path`) and to wandb. wandb is optional: without the package, or when it fails to
 start, training goes on with a warning; with no credentials it runs offline (no network); when
 its server cannot be reached within ``--wandb-init-timeout`` it falls back to offline mode.
-Every launch appends to the JSONL file, first a ``{"kind": "start", "iteration": k}`` record
-(k: the iteration it resumed from, 0 for a fresh run), so nothing an earlier launch wrote is
-lost; readers (:func:`hybrid.plot_metrics.read_metrics`) drop the records after k that came
+Every launch appends to the JSONL file, with its first record a ``{"kind": "start",
+"iteration": k}`` record (k: the iteration it resumed from, 0 for a fresh run; a launch that
+logs nothing writes none), so nothing an earlier launch wrote is lost; readers (:func:`hybrid.plot_metrics.read_metrics`) drop the records after k that came
 before the marker: a resumed job's file reads as its own history, and a fresh run reusing the
 file does not inherit an older run's later iterations.
 """
@@ -84,14 +84,18 @@ class MetricsWriter:
         self.active = rank == 0
         self.print = print_fn
         self._file = None
+        self._start: dict | None = None  # written before this launch's first record
         self._wandb = None
         self.config_file: Path | None = None
         if not self.active:
             return
         if metrics_file:
             Path(metrics_file).parent.mkdir(parents=True, exist_ok=True)
+            torn = _ends_without_newline(metrics_file)  # a record cut short by a crash stays its own line
             self._file = open(metrics_file, "a", buffering=1)
-            self._file.write(json.dumps({"kind": "start", "iteration": start_iteration}) + "\n")
+            if torn:
+                self._file.write("\n")
+            self._start = {"kind": "start", "iteration": start_iteration}
             self.config_file = config_path(metrics_file)
             self.config_file.write_text(json.dumps(config, indent=2, default=str) + "\n")
         if wandb_project:
@@ -120,6 +124,9 @@ class MetricsWriter:
 
     def _write(self, record: dict, step: int, wandb_prefix: str = "") -> None:
         if self._file:
+            if self._start is not None:
+                self._file.write(json.dumps(self._start) + "\n")
+                self._start = None
             self._file.write(json.dumps(record) + "\n")
         if self._wandb is not None:
             try:
@@ -139,6 +146,18 @@ class MetricsWriter:
             except Exception as e:
                 warnings.warn(f"wandb.finish failed: {e}", stacklevel=2)
             self._wandb = None
+
+
+def _ends_without_newline(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            if f.tell() == 0:
+                return False
+            f.seek(-1, os.SEEK_END)
+            return f.read(1) != b"\n"
+    except FileNotFoundError:
+        return False
 
 
 def wandb_mode() -> str:

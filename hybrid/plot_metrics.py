@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from pathlib import Path
 
 
@@ -22,11 +23,16 @@ def read_metrics(path: str | Path) -> tuple[list[dict], list[dict]]:
     with the resumed run's 5 and 6; a fresh run (start at 0) reusing the file hides the older
     run's records, which stay in the file.
 
+    A line that is not a JSON record (a record cut short by a crash) is skipped with a warning
+    naming its line number.
+
     Raises:
         FileNotFoundError: no such file.
-        ValueError: a line that is not JSON (its line number is named).
+        ValueError: no line of the file is a JSON record (the first bad line is named).
     """
     latest: dict[tuple, dict] = {}
+    bad: list[str] = []
+    n_records = 0
     with open(path) as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
@@ -34,16 +40,41 @@ def read_metrics(path: str | Path) -> tuple[list[dict], list[dict]]:
             try:
                 r = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not a JSON record ({e})") from None
+                bad.append(f"{path}:{n}: not a JSON record ({e})")
+                continue
+            if not isinstance(r, dict):
+                bad.append(f"{path}:{n}: not a JSON record (a {type(r).__name__})")
+                continue
+            n_records += 1
             if r.get("kind") == "start":  # a launch from iteration k: what came after k is superseded
                 latest = {key: v for key, v in latest.items() if v.get("iteration", 0) <= r["iteration"]}
                 continue
             kind = "eval" if r.get("kind") == "eval" else "train"
             latest[(kind, r.get("split"), r.get("iteration"))] = r  # a later line replaces an earlier one
+    if bad and not n_records:
+        raise ValueError(bad[0])
+    for message in bad:
+        warnings.warn(f"{message}; skipped", stacklevel=2)
     records = sorted(latest.items(), key=lambda kv: kv[1].get("iteration", 0))
     train = [r for (kind, _, _), r in records if kind == "train"]
     evals = [r for (kind, _, _), r in records if kind == "eval"]
     return train, evals
+
+
+def run_labels(paths: list[str]) -> list[str]:
+    """One legend label per file: its name without suffix, or as many parent folders as make the
+    labels distinct (``a/metrics``, ``b/metrics``); a file given twice gets ``#2``."""
+    stems = [Path(p).with_suffix("").parts for p in paths]
+    for k in range(1, max(map(len, stems), default=1) + 1):
+        labels = ["/".join(parts[-k:]) for parts in stems]
+        if len(set(labels)) == len(labels):
+            return labels
+    seen: dict[str, int] = {}
+    out = []
+    for label in labels:
+        seen[label] = seen.get(label, 0) + 1
+        out.append(label if seen[label] == 1 else f"{label} #{seen[label]}")
+    return out
 
 
 def plot(paths: list[str], output_dir: str) -> list[Path]:
@@ -55,7 +86,7 @@ def plot(paths: list[str], output_dir: str) -> list[Path]:
 
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    runs = {Path(p).stem: read_metrics(p) for p in paths}
+    runs = dict(zip(run_labels(paths), map(read_metrics, paths), strict=True))
     written = []
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, (train, evals) in runs.items():

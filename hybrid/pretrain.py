@@ -22,16 +22,27 @@ from hybrid.config_checks import ConfigError, Derived, validate  # noqa: E402
 
 if TYPE_CHECKING:
     from hybrid.parallel.grid import ProcessGrid
+    from hybrid.training import TrainState
 
 
-def build_datasets(cfg: PretrainConfig, derived: Derived):
-    """``(train, valid, test)`` datasets sized for the run (None for an empty split)."""
+def build_datasets(cfg: PretrainConfig, derived: Derived, state: TrainState | None = None):
+    """``(train, valid, test)`` datasets sized for the run (None for an empty split).
+
+    The training split holds ``train_iters x global batch`` samples (Megatron-LM's size), or
+    more when a resumed job (``state``: its loaded counters) needs more: its consumed samples
+    plus the remaining iterations at this run's global batch, which is larger when the global
+    batch grew since the checkpoint or when the consumed samples came at a larger one.
+    """
     from data.split import parse_split
 
     gbs, seq = derived.global_batch_size, cfg.model.seq_length
     fractions = parse_split(cfg.data.split)
     eval_samples = cfg.eval.eval_iters * gbs
-    counts = (cfg.training.train_iters * gbs,
+    train_samples = cfg.training.train_iters * gbs
+    if state is not None:
+        remaining = max(0, cfg.training.train_iters - state.iteration)
+        train_samples = max(train_samples, state.consumed_samples + remaining * gbs)
+    counts = (train_samples,
               eval_samples if fractions[1] > 0 else 0,
               eval_samples if fractions[2] > 0 else 0)
     if cfg.data.mock_data:
@@ -126,7 +137,7 @@ def run(cfg: PretrainConfig, derived: Derived) -> dict:
     meta = resume(cfg, engine, grid, tracker, state) if cfg.checkpoint.load else None
     if not cfg.checkpoint.load and cfg.checkpoint.init_from_hf:
         init_from_hf(cfg, engine, grid)
-    train_ds, valid_ds, test_ds = build_datasets(cfg, derived)
+    train_ds, valid_ds, test_ds = build_datasets(cfg, derived, state)
     eval_sets = {"valid": valid_ds, "test": test_ds}
 
     def eval_batches(split):
@@ -178,7 +189,8 @@ def header(cfg, derived) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Console entry point; returns the exit status (2 for a configuration error)."""
+    """Console entry point; returns the exit status (2 for a configuration error, 1 when
+    ``--max-nan-iterations`` consecutive NaN/inf losses stopped training)."""
     import warnings
 
     # a user's warning is a line of its own, not a source file and line of this package
@@ -196,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import torch.distributed as dist
 
+    from hybrid.training import TooManyNaNIterations
+
     try:
         if cfg.grid.dry_run_world_size:
             from hybrid.dry_run import dry_run, format_report
@@ -203,7 +217,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"hybrid-zero dry run | {header(cfg, derived)}", flush=True)
             print(format_report(dry_run(cfg, derived, cfg.grid.dry_run_rank)), flush=True)
             return 0
-        run(cfg, derived)["engine"].close()
+        try:
+            run(cfg, derived)["engine"].close()
+        except TooManyNaNIterations as e:  # every rank sees the same data-parallel mean loss
+            if dist.get_rank() == 0:
+                print(f"hybrid-pretrain: error: {e}", file=sys.stderr, flush=True)
+            return 1
         if dist.get_world_size() > 1:
             dist.barrier()  # no rank tears down while a peer still communicates
     finally:

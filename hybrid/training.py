@@ -181,9 +181,12 @@ class Trainer:
         """
         self.engine.train()
         s, state, grid = self.settings, self.state, self.grid
-        # per log interval, as Megatron-LM logs them: steps, mean loss, skipped and NaN iterations
-        window_t0, window_steps, window_losses, window_skipped, window_nan = time.perf_counter(), 0, [], 0, 0
-        last = None
+        # per log interval, as Megatron-LM logs them: steps, the mean loss of the steps that updated
+        # the weights (those of finite-loss skipped steps in a window where every step was skipped,
+        # e.g. the fp16 loss-scale search), skipped and NaN iterations
+        window_t0, window_steps, window_skipped, window_nan = time.perf_counter(), 0, 0, 0
+        window_losses, skipped_losses = [], []
+        last, too_many_nan = None, False
         while state.iteration < s.train_iters:
             lr = self.schedule(state.successful_steps)
             batches = [next(train_batches) for _ in range(s.grad_accum_steps)]
@@ -194,13 +197,10 @@ class Trainer:
                 state.nan_iterations += 1
                 window_nan += 1
                 state.consecutive_nan += 1
-                if state.consecutive_nan >= s.max_nan_iterations:
-                    raise TooManyNaNIterations(
-                        f"{state.consecutive_nan} consecutive iterations had a NaN/inf loss (last at iteration "
-                        f"{state.iteration}); lower --lr, enable --clip-grad or check the data")
+                too_many_nan = state.consecutive_nan >= s.max_nan_iterations
             else:
                 state.consecutive_nan = 0
-                window_losses.append(last.loss)
+                (skipped_losses if last.skipped else window_losses).append(last.loss)
             if last.skipped:
                 state.skipped_iterations += 1
                 window_skipped += 1
@@ -212,13 +212,14 @@ class Trainer:
                 timer.end_step()
             if self.progress is not None:
                 self.progress.update(1)
-            if state.iteration % s.log_interval == 0 or state.iteration == s.train_iters:
+            if state.iteration % s.log_interval == 0 or state.iteration == s.train_iters or too_many_nan:
+                losses = window_losses or skipped_losses
                 elapsed = (time.perf_counter() - window_t0) / window_steps
                 tokens_per_sec = s.tokens_per_step / elapsed
                 tflops = s.flops_per_step / elapsed / grid.world_size / 1e12
                 record = dict(
                     iteration=state.iteration, consumed_samples=state.consumed_samples,
-                    lm_loss=sum(window_losses) / len(window_losses) if window_losses else float("nan"),
+                    lm_loss=sum(losses) / len(losses) if losses else float("nan"),
                     lr=lr, global_batch_size=s.global_batch_size, grad_norm=last.grad_norm,
                     loss_scale=last.loss_scale, skipped_iterations=window_skipped,
                     nan_iterations=window_nan, elapsed_ms=1000 * elapsed,
@@ -230,7 +231,12 @@ class Trainer:
                     timer.reset()
                 self.writer.train(record, s.train_iters)
                 state.history.append(record)
-                window_t0, window_steps, window_losses, window_skipped, window_nan = time.perf_counter(), 0, [], 0, 0
+                window_t0, window_steps, window_skipped, window_nan = time.perf_counter(), 0, 0, 0
+                window_losses, skipped_losses = [], []
+            if too_many_nan:  # after logging the window that holds them
+                raise TooManyNaNIterations(
+                    f"{state.consecutive_nan} consecutive iterations had a NaN/inf loss (last at iteration "
+                    f"{state.iteration}); lower --lr, enable --clip-grad or check the data")
             paused = time.perf_counter()  # evaluation and checkpoints are not training time
             if s.eval_iters and state.iteration % s.eval_interval == 0 and state.iteration < s.train_iters:
                 self.evaluate("valid")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -13,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from hybrid.checkpoint.directory import latest_iteration, read_metadata
+from hybrid.metrics import MetricsWriter
 from hybrid.parallel.spawn import spawn_world
-from hybrid.plot_metrics import read_metrics
+from hybrid.plot_metrics import read_metrics, run_labels
 from tests.pretrain_worlds import run_configs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,6 +53,31 @@ def test_readers_keep_the_latest_record_per_iteration(tmp_path):
     assert len(path.read_text().splitlines()) == len(lines) + 2
 
 
+def test_a_torn_last_line_stays_its_own_line_and_is_skipped_with_a_warning(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps(dict(kind="train", iteration=1, lm_loss=5.0)) + '\n{"kind": "train", "itera')
+    w = MetricsWriter(0, str(path), {}, print_fn=lambda *_: None, start_iteration=1)
+    w.close()  # a launch that logged nothing (it failed before training) adds no start record
+    assert path.read_text().endswith('"itera\n')
+    w = MetricsWriter(0, str(path), {}, print_fn=lambda *_: None, start_iteration=1)
+    w.eval(dict(split="valid", iteration=1, lm_loss=4.0))
+    w.close()
+    lines = path.read_text().splitlines()
+    assert len(lines) == 4 and json.loads(lines[2]) == {"kind": "start", "iteration": 1}
+    with pytest.warns(UserWarning, match=r"metrics.jsonl:2: not a JSON record .*; skipped"):
+        train, evals = read_metrics(path)
+    assert [r["lm_loss"] for r in train + evals] == [5.0, 4.0]
+    path.write_text("iteration 1 | lm loss 5.0\n")
+    with pytest.raises(ValueError, match="metrics.jsonl:1: not a JSON record"):
+        read_metrics(path)
+
+
+def test_plot_labels_tell_files_of_the_same_name_apart():
+    assert run_labels(["a/m.jsonl", "b/n.jsonl"]) == ["m", "n"]
+    assert run_labels(["runs/a/metrics.jsonl", "runs/b/metrics.jsonl"]) == ["a/metrics", "b/metrics"]
+    assert run_labels(["x/m.jsonl", "x/m.jsonl"]) == ["x/m", "x/m #2"]
+
+
 MOCK = ["--mock-data", "--vocab-size", "500", "--num-layers", "1", "--hidden-size", "32",
         "--num-attention-heads", "2", "--seq-length", "16", "--micro-batch-size", "2",
         "--log-interval", "1", "--eval-iters", "0", "--wandb-project", "resume", "--min-lr", "1e-5"]
@@ -81,6 +108,19 @@ def test_resumed_job_continues_its_wandb_run_and_writes_a_compact_header(tmp_pat
     assert starts == [0, 2]
     config = json.loads((tmp_path / "m" / "metrics.config.json").read_text())
     assert config["training"]["train_iters"] == 4 and config["logging"]["wandb_project"] == "resume"
+
+
+@pytest.mark.timeout(200)
+def test_a_resume_at_a_smaller_global_batch_sizes_its_dataset_from_the_consumed_samples(tmp_path):
+    # 3 iterations at global batch 4 consume 12 samples; 3 more at global batch 2 need 18, more than
+    # train_iters x global batch = 12 (the dataset's size before, which ended the run with an error)
+    ck = str(tmp_path / "ck")
+    common = MOCK + ["--save", ck, "--load", ck, "--lr-decay-style", "constant"]
+    first, resumed = spawn_world(1, run_configs, [common + ["--train-iters", "3", "--micro-batch-size", "4"],
+                                                  common + ["--train-iters", "6"]], timeout_s=60)[0]
+    assert [(r["iteration"], r["consumed_samples"]) for r in resumed if "split" not in r] == [(4, 14), (5, 16), (6, 18)]
+    assert all(math.isfinite(r["lm_loss"]) for r in first + resumed if "split" not in r)
+    assert read_metadata(ck, latest_iteration(ck))["train_state"]["consumed_samples"] == 18
 
 
 class SilentServer:

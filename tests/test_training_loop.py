@@ -15,7 +15,7 @@ class FakeEngine:
 
     def __init__(self, clock, losses):
         self.clock, self.losses, self.loss_scale, self.evaluating = clock, iter(losses), 1.0, False
-        self.steps, self.zeroed = 0, 0
+        self.steps, self.zeroed, self.overflow = 0, 0, set()
 
     def model(self, x, y):
         self.clock[0] += 100.0 if self.evaluating else 1.0
@@ -25,8 +25,9 @@ class FakeEngine:
         pass
 
     def step(self, lr):
-        self.steps += 1
-        return SimpleNamespace(skipped=False, grad_norm=1.0, loss_scale=1.0)
+        self.steps += 1  # an fp16 overflow at the step numbers in self.overflow
+        skipped = self.steps in self.overflow
+        return SimpleNamespace(skipped=skipped, grad_norm=float("inf") if skipped else 1.0, loss_scale=1.0)
 
     def zero_grad(self):
         self.zeroed += 1
@@ -42,6 +43,7 @@ def run(losses, **kw):
     clock = [0.0]
     training.time = SimpleNamespace(perf_counter=lambda: clock[0])
     engine = FakeEngine(clock, losses)
+    engine.overflow = kw.get("overflow", set())
     grid = SimpleNamespace(device=torch.device("cpu"), dp_group=None, dp_size=1, world_size=1)
     settings = LoopSettings(train_iters=kw.get("iters", 6), grad_accum_steps=1, global_batch_size=2,
                             tokens_per_step=8, log_interval=kw.get("log", 3), eval_interval=kw.get("eval", 2),
@@ -52,6 +54,7 @@ def run(losses, **kw):
     trainer = Trainer(engine, grid, settings, LRSchedule(1.0, 0.1, 0, 6), writer,
                       lambda split: iter([torch.zeros(2, 5, dtype=torch.long)]))
     state = trainer.state
+    state.history = kw.get("history", state.history)
     try:
         trainer.train(batches)
     finally:
@@ -87,9 +90,18 @@ def test_log_records_count_skipped_and_nan_iterations_per_log_interval():
     assert (state.skipped_iterations, state.nan_iterations) == (3, 3)
 
 
-def test_too_many_nan_iterations_stop_with_a_clear_error():
+def test_the_logged_loss_averages_the_steps_that_updated_the_weights():
+    # as Megatron-LM's training_log: fp16-skipped steps are left out of the window's mean loss,
+    # unless every step of the window was skipped (then their forward losses are all there is)
+    state, _ = run([5.0, 4.0, 3.0, 3.0, 1.0, 2.0], log=3, eval=100, overflow={1, 2, 4, 5, 6})
+    records = [r for r in state.history if "split" not in r]
+    assert [(r["lm_loss"], r["skipped_iterations"]) for r in records] == [(3.0, 2), (2.0, 3)]
+
+
+def test_too_many_nan_iterations_stop_with_a_clear_error_after_logging_them():
     import pytest
 
     nan = float("nan")
     with pytest.raises(training.TooManyNaNIterations, match="3 consecutive iterations had a NaN/inf loss"):
-        run([1.0, nan, nan, nan, 1.0, 1.0], max_nan=3, eval=100)
+        run([1.0, nan, nan, nan, 1.0, 1.0], max_nan=3, eval=100, log=10, history=(history := []))
+    assert [(r["iteration"], r["nan_iterations"]) for r in history] == [(4, 3)]
