@@ -210,8 +210,8 @@ def _check_resume(cfg: PretrainConfig, gpt: GPTConfig) -> None:
         meta = checkpoint_metadata(cfg.checkpoint.load)
         if meta is not None:
             check_resume(cfg, gpt, meta)
-    except (ResumeMismatch, IncompleteCheckpointError) as e:
-        raise ConfigError(str(e)) from None
+    except (ResumeMismatch, IncompleteCheckpointError, FileNotFoundError) as e:  # the pointer names no directory
+        raise ConfigError(f"--load {cfg.checkpoint.load}: {e}" if isinstance(e, FileNotFoundError) else str(e)) from None
 
 
 TOKEN_SAMPLE = 1 << 20

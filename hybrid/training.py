@@ -236,7 +236,7 @@ class Trainer:
             if too_many_nan:  # after logging the window that holds them
                 raise TooManyNaNIterations(
                     f"{state.consecutive_nan} consecutive iterations had a NaN/inf loss (last at iteration "
-                    f"{state.iteration}); lower --lr, enable --clip-grad or check the data")
+                    f"{state.iteration}); lower --lr, check --clip-grad or check the data")
             paused = time.perf_counter()  # evaluation and checkpoints are not training time
             if s.eval_iters and state.iteration % s.eval_interval == 0 and state.iteration < s.train_iters:
                 self.evaluate("valid")

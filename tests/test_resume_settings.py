@@ -98,6 +98,12 @@ def test_load_of_one_iteration_directory_names_the_root(resumed):
         CheckpointReader(it)
 
 
+def test_a_pointer_to_a_missing_iteration_is_a_config_error(tmp_path):
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("99\n")
+    with pytest.raises(ConfigError, match=rf"--load {tmp_path}: no checkpoint for iteration 99 .*available: \[\]"):
+        check(MOCK + ["--train-iters", "8", "--load", str(tmp_path)])
+
+
 def test_extending_a_finished_run_at_min_lr_0_needs_a_schedule_flag(tmp_path):
     """The kept schedule decayed to --min-lr 0 would train every new iteration at lr 0
     (Megatron-LM refuses any schedule mismatch unless a flag picks one): refused, naming both flags;

@@ -231,6 +231,28 @@ def test_loss_scaler_state_machine():
     assert LossScaler(1.0, True).state_dict()["scale"] == 1.0
 
 
+def test_a_resumed_loss_scaler_keeps_its_state_and_this_runs_settings():
+    saved = LossScaler(2.0**10, dynamic=True, window=1000, hysteresis=2)
+    saved.update(True)
+    saved.update(True)
+    saved.update(False)
+    state = saved.state_dict()  # scale 512, hysteresis left 1, one clean step
+    s = LossScaler(2.0**16, dynamic=True, window=2, hysteresis=1, min_scale=4.0)
+    s.load_state_dict(state)    # the state continues; window and hysteresis are this run's flags
+    assert (s.scale, s.hysteresis_left, s.clean_steps, s.window, s.hysteresis) == (512.0, 1, 1, 2, 1)
+    s.update(False)
+    assert s.scale == 1024.0
+    static = LossScaler(128.0, dynamic=False)   # --loss-scale 128 on resume: a static 128
+    static.load_state_dict(state)
+    assert (static.scale, static.dynamic) == (128.0, False)
+    fresh = LossScaler(2.0**16, dynamic=True)   # --fp16 resuming an fp32 / bf16 checkpoint
+    fresh.load_state_dict(LossScaler(1.0, dynamic=False).state_dict())
+    assert (fresh.scale, fresh.dynamic) == (2.0**16, True)
+    floor = LossScaler(2.0**16, dynamic=True, min_scale=1024.0)  # never below this run's minimum
+    floor.load_state_dict(state)
+    assert floor.scale == 1024.0
+
+
 @pytest.mark.parametrize("kw, word", [
     (dict(stage=4), "stage"), (dict(precision="fp8"), "precision"),
     (dict(reduce_bucket_size=0), "reduce_bucket_size"), (dict(hysteresis=0), "hysteresis"),

@@ -255,7 +255,7 @@ class ZeroEngine:
             self.skipped_steps += 1
             with self.timer.phase("zeroing"):
                 self.reducer.zero()
-            return StepInfo(True, norm, self.scaler.scale, self._close_comm())
+            return StepInfo(True, norm, self.loss_scale, self._close_comm())
         norm /= scale
         coef = clip_coefficient(norm, self.opt_config.clip_grad) / scale
         with self.timer.phase("optimizer"):
@@ -269,7 +269,7 @@ class ZeroEngine:
         with self.timer.phase("zeroing"):
             self.reducer.zero()
         self.optimizer_steps += 1
-        return StepInfo(False, norm, self.scaler.scale, self._close_comm())
+        return StepInfo(False, norm, self.loss_scale, self._close_comm())
 
     def zero_grad(self) -> None:
         """Discard the accumulated gradients without stepping (after a NaN/inf loss)."""

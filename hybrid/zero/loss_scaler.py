@@ -57,5 +57,18 @@ class LossScaler:
                     hysteresis_left=self.hysteresis_left, clean_steps=self.clean_steps)
 
     def load_state_dict(self, state: dict) -> None:
-        for k, v in state.items():
-            setattr(self, k, v)
+        """Continue a saved dynamic scaler's state: its scale (not below this run's minimum),
+        hysteresis left (at most this run's hysteresis) and clean steps. The settings stay this
+        run's flags, as in Megatron-LM's ``DynamicGradScaler.load_state_dict``: static or dynamic,
+        window, hysteresis, minimum. A static scaler keeps its scale, and a dynamic one resuming
+        a checkpoint whose scaler was not dynamic (fp32, bf16, a static fp16 scale) starts at
+        its own initial scale.
+
+        Args:
+            state: a :meth:`state_dict` (from a checkpoint's JSON metadata).
+        """
+        if not (self.dynamic and state.get("dynamic")):
+            return
+        self.scale = max(float(state["scale"]), self.min_scale)
+        self.hysteresis_left = max(1, min(int(state["hysteresis_left"]), self.hysteresis))
+        self.clean_steps = min(int(state["clean_steps"]), self.window - 1)
