@@ -82,6 +82,8 @@ def _check_aliases(ns: dict) -> None:
     for dest, (alias, const, main_flag) in ns.pop("_set_by", {}).items():
         if ns.get(dest) != const:
             raise ConfigError(f"{alias} and {main_flag} {ns[dest]} are mutually exclusive")
+
+
 class _Parser(argparse.ArgumentParser):
     """Raises :class:`ConfigError` (one short line, printed once per node by ``main``) instead
     of printing the whole usage on every rank, and names the closest valid flag."""

@@ -7,9 +7,10 @@ start, training goes on with a warning; with no credentials it runs offline (no 
 its server cannot be reached within ``--wandb-init-timeout`` it falls back to offline mode.
 Every launch appends to the JSONL file, with its first record a ``{"kind": "start",
 "iteration": k}`` record (k: the iteration it resumed from, 0 for a fresh run; a launch that
-logs nothing writes none), so nothing an earlier launch wrote is lost; readers (:func:`hybrid.plot_metrics.read_metrics`) drop the records after k that came
-before the marker: a resumed job's file reads as its own history, and a fresh run reusing the
-file does not inherit an older run's later iterations.
+logs nothing writes none), so nothing an earlier launch wrote is lost; readers
+(:func:`hybrid.plot_metrics.read_metrics`) drop the records after k that came before the
+marker: a resumed job's file reads as its own history, and a fresh run reusing the file does
+not inherit an older run's later iterations.
 """
 
 from __future__ import annotations
