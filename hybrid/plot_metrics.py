@@ -28,7 +28,8 @@ def read_metrics(path: str | Path) -> tuple[list[dict], list[dict]]:
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: no line of the file is a JSON record (the first bad line is named).
+        ValueError: no line of the file is a JSON record (the first bad line is named), or the
+            file is empty.
     """
     latest: dict[tuple, dict] = {}
     bad: list[str] = []
@@ -53,6 +54,8 @@ def read_metrics(path: str | Path) -> tuple[list[dict], list[dict]]:
             latest[(kind, r.get("split"), r.get("iteration"))] = r  # a later line replaces an earlier one
     if bad and not n_records:
         raise ValueError(bad[0])
+    if not n_records:
+        raise ValueError(f"{path}: no metrics records (the file is empty)")
     for message in bad:
         warnings.warn(f"{message}; skipped", stacklevel=2)
     records = sorted(latest.items(), key=lambda kv: kv[1].get("iteration", 0))
@@ -63,12 +66,13 @@ def read_metrics(path: str | Path) -> tuple[list[dict], list[dict]]:
 
 def run_labels(paths: list[str]) -> list[str]:
     """One legend label per file: its name without suffix, or as many parent folders as make the
-    labels distinct (``a/metrics``, ``b/metrics``); a file given twice gets ``#2``."""
-    stems = [Path(p).with_suffix("").parts for p in paths]
-    for k in range(1, max(map(len, stems), default=1) + 1):
-        labels = ["/".join(parts[-k:]) for parts in stems]
-        if len(set(labels)) == len(labels):
-            return labels
+    labels distinct (``a/metrics``, ``b/metrics``), with the suffix when only it differs; a file
+    given twice gets ``#2``."""
+    for names in ([Path(p).with_suffix("").parts for p in paths], [Path(p).parts for p in paths]):
+        for k in range(1, max(map(len, names), default=1) + 1):
+            labels = ["/".join(parts[-k:]) for parts in names]
+            if len(set(labels)) == len(labels):
+                return labels
     seen: dict[str, int] = {}
     out = []
     for label in labels:

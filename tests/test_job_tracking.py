@@ -70,12 +70,16 @@ def test_a_torn_last_line_stays_its_own_line_and_is_skipped_with_a_warning(tmp_p
     path.write_text("iteration 1 | lm loss 5.0\n")
     with pytest.raises(ValueError, match="metrics.jsonl:1: not a JSON record"):
         read_metrics(path)
+    path.write_text("")
+    with pytest.raises(ValueError, match="metrics.jsonl: no metrics records"):
+        read_metrics(path)
 
 
 def test_plot_labels_tell_files_of_the_same_name_apart():
     assert run_labels(["a/m.jsonl", "b/n.jsonl"]) == ["m", "n"]
     assert run_labels(["runs/a/metrics.jsonl", "runs/b/metrics.jsonl"]) == ["a/metrics", "b/metrics"]
-    assert run_labels(["x/m.jsonl", "x/m.jsonl"]) == ["x/m", "x/m #2"]
+    assert run_labels(["x/m.jsonl", "x/m.jsonl"]) == ["x/m.jsonl", "x/m.jsonl #2"]
+    assert run_labels(["x/m.jsonl", "x/m.old"]) == ["m.jsonl", "m.old"]
 
 
 MOCK = ["--mock-data", "--vocab-size", "500", "--num-layers", "1", "--hidden-size", "32",
