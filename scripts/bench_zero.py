@@ -311,7 +311,7 @@ def write_report(results: dict, out: Path, args, steps: int, warmup: int) -> Non
     head = (f"# Throughput vs peers ({args.size}, world {args.world}, {steps} steps, {warmup} warm-up)"
             f"\n\n`python scripts/bench_zero.py {shlex.join(sys.argv[1:])}`\n\nours: grad_reduce "
             f"{args.grad_reduce}, reduce bucket {args.reduce_bucket_size} elements, "
-            + ("gloo's native collectives" if getattr(args, "native_collectives", False) else
+            + ("gloo's native collectives" if args.native_collectives else
                "gloo's reduce-scatter as all-to-all + sum and large all-gathers as broadcasts "
                "(`hybrid.zero.comm`)") + ". "
             "fp32, gloo, "

@@ -64,8 +64,9 @@ def test_bench_zero_report_without_matplotlib(tmp_path, monkeypatch, capsys):
     run = dict(dp=4, ms_step_median=10.0, tokens_per_s=100.0, peak_rss_mib_per_rank=[300.0],
                state_mib_per_rank=[5.0], loss_final=6.0)
     results = {"ddp": run, "hybrid_z1": dict(run, ms_step_median=8.0)}
-    bench.write_report(results, tmp_path, types.SimpleNamespace(size="tiny", world=4, grad_reduce="reduce_scatter",
-                                                                         reduce_bucket_size=50_000_000), 3, 1)
+    args = types.SimpleNamespace(size="tiny", world=4, grad_reduce="reduce_scatter", native_collectives=False,
+                                 reduce_bucket_size=50_000_000)
+    bench.write_report(results, tmp_path, args, 3, 1)
     report = (tmp_path / "throughput_tiny_w4.md").read_text()
     assert "| hybrid_z1 | 0.80 |" in report and ".png" not in report
     assert "matplotlib is not installed" in capsys.readouterr().out

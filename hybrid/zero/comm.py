@@ -60,8 +60,6 @@ class _Work:
         return True
 
 
-_Done = _Work
-
 
 class DPComm:
     """Collectives over one group that count their bytes (see the module docstring)."""
@@ -98,8 +96,8 @@ class DPComm:
         """Sum ``t`` in place over the group."""
         self._count("all_reduce", t, 2.0)
         if self.size == 1 or self.skip_collectives:
-            return _Done()
-        return dist.all_reduce(t, group=self.group, async_op=async_op) or _Done()
+            return _Work()
+        return dist.all_reduce(t, group=self.group, async_op=async_op) or _Work()
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False,
                        scratch: torch.Tensor | None = None):
@@ -110,7 +108,7 @@ class DPComm:
         if self.size == 1 or self.skip_collectives:
             n = out.numel()
             out.copy_(inp[self.rank * n:(self.rank + 1) * n])
-            return _Done()
+            return _Work()
         return self._reduce_scatter(out, inp, async_op, scratch)
 
     @property
@@ -120,7 +118,7 @@ class DPComm:
 
     def _reduce_scatter(self, out, inp, async_op, scratch=None):
         if not self.composed:
-            return reduce_scatter_flat(out, inp, self.group, async_op=async_op) or _Done()
+            return reduce_scatter_flat(out, inp, self.group, async_op=async_op) or _Work()
         recv = torch.empty_like(inp) if scratch is None else scratch[:inp.numel()]
         work = dist.all_to_all_single(recv, inp, group=self.group, async_op=True)
         done = _Work([work], lambda: torch.sum(recv.view(self.size, -1), 0, out=out))
@@ -135,7 +133,7 @@ class DPComm:
         if self.size == 1 or self.skip_collectives:  # the floor writes its chunk everywhere
             for o in (out if isinstance(out, list) else out.view(self.size, -1)):
                 o.copy_(inp.view_as(o))
-            return _Done()
+            return _Work()
         return self._all_gather(out, inp, async_op)
 
     def _all_gather(self, out, inp, async_op):
@@ -151,8 +149,8 @@ class DPComm:
                 done.wait()
             return done
         if isinstance(out, list):
-            return dist.all_gather(out, inp, group=self.group, async_op=async_op) or _Done()
-        return all_gather_flat(out, inp, self.group, async_op=async_op) or _Done()
+            return dist.all_gather(out, inp, group=self.group, async_op=async_op) or _Work()
+        return all_gather_flat(out, inp, self.group, async_op=async_op) or _Work()
 
     def snapshot(self) -> dict[str, float]:
         return dict(self.bytes)
