@@ -119,6 +119,26 @@ def evaluate(engine: ZeroEngine, batches: Iterator[torch.Tensor], num_micro_batc
 
 
 @dataclass
+class _LogWindow:
+    """The iterations since the last log record, as Megatron-LM's log line counts them."""
+
+    t0: float = field(default_factory=lambda: time.perf_counter())  # looked up per call (tests patch time)
+    steps: int = 0
+    skipped: int = 0
+    nan: int = 0
+    losses: list[float] = field(default_factory=list)
+    """Losses of the iterations that updated the weights."""
+    skipped_losses: list[float] = field(default_factory=list)
+    """Finite losses of skipped iterations (fp16 overflow)."""
+
+    def mean_loss(self) -> float:
+        """Mean loss of the updating iterations; of the skipped ones in a window where every
+        iteration was skipped (the fp16 loss-scale search); NaN when none was finite."""
+        losses = self.losses or self.skipped_losses
+        return sum(losses) / len(losses) if losses else float("nan")
+
+
+@dataclass
 class LoopSettings:
     """What :func:`train` needs from the config (all counts in optimizer steps)."""
 
@@ -181,11 +201,7 @@ class Trainer:
         """
         self.engine.train()
         s, state, grid = self.settings, self.state, self.grid
-        # per log interval, as Megatron-LM logs them: steps, the mean loss of the steps that updated
-        # the weights (those of finite-loss skipped steps in a window where every step was skipped,
-        # e.g. the fp16 loss-scale search), skipped and NaN iterations
-        window_t0, window_steps, window_skipped, window_nan = time.perf_counter(), 0, 0, 0
-        window_losses, skipped_losses = [], []
+        window = _LogWindow()
         last, too_many_nan = None, False
         while state.iteration < s.train_iters:
             lr = self.schedule(state.successful_steps)
@@ -195,34 +211,33 @@ class Trainer:
             state.consumed_samples += s.global_batch_size
             if last.nan_loss:
                 state.nan_iterations += 1
-                window_nan += 1
+                window.nan += 1
                 state.consecutive_nan += 1
                 too_many_nan = state.consecutive_nan >= s.max_nan_iterations
             else:
                 state.consecutive_nan = 0
-                (skipped_losses if last.skipped else window_losses).append(last.loss)
+                (window.skipped_losses if last.skipped else window.losses).append(last.loss)
             if last.skipped:
                 state.skipped_iterations += 1
-                window_skipped += 1
+                window.skipped += 1
             else:
                 state.successful_steps += 1
-            window_steps += 1
+            window.steps += 1
             timer = getattr(self.engine, "timer", NULL_TIMER)
             if timer.enabled:
                 timer.end_step()
             if self.progress is not None:
                 self.progress.update(1)
             if state.iteration % s.log_interval == 0 or state.iteration == s.train_iters or too_many_nan:
-                losses = window_losses or skipped_losses
-                elapsed = (time.perf_counter() - window_t0) / window_steps
+                elapsed = (time.perf_counter() - window.t0) / window.steps
                 tokens_per_sec = s.tokens_per_step / elapsed
                 tflops = s.flops_per_step / elapsed / grid.world_size / 1e12
                 record = dict(
                     iteration=state.iteration, consumed_samples=state.consumed_samples,
-                    lm_loss=sum(losses) / len(losses) if losses else float("nan"),
+                    lm_loss=window.mean_loss(),
                     lr=lr, global_batch_size=s.global_batch_size, grad_norm=last.grad_norm,
-                    loss_scale=last.loss_scale, skipped_iterations=window_skipped,
-                    nan_iterations=window_nan, elapsed_ms=1000 * elapsed,
+                    loss_scale=last.loss_scale, skipped_iterations=window.skipped,
+                    nan_iterations=window.nan, elapsed_ms=1000 * elapsed,
                     tokens_per_sec=tokens_per_sec, tflops_per_device=tflops,
                     mfu=tflops / s.peak_tflops if s.peak_tflops else None, memory_mb=memory_mb(grid.device),
                 )
@@ -231,8 +246,7 @@ class Trainer:
                     timer.reset()
                 self.writer.train(record, s.train_iters)
                 state.history.append(record)
-                window_t0, window_steps, window_skipped, window_nan = time.perf_counter(), 0, 0, 0
-                window_losses, skipped_losses = [], []
+                window = _LogWindow()
             if too_many_nan:  # after logging the window that holds them
                 raise TooManyNaNIterations(
                     f"{state.consecutive_nan} consecutive iterations had a NaN/inf loss (last at iteration "
@@ -241,7 +255,7 @@ class Trainer:
             if s.eval_iters and state.iteration % s.eval_interval == 0 and state.iteration < s.train_iters:
                 self.evaluate("valid")
             stop = self.checkpointer is not None and self.checkpointer.after_iteration(state)
-            window_t0 += time.perf_counter() - paused
+            window.t0 += time.perf_counter() - paused
             if stop:
                 break
         return state
