@@ -5,10 +5,10 @@ sections (``cfg.zero`` is the :class:`hybrid.zero.config.ZeroConfig` the engine 
 ``cfg.optimizer`` its :class:`OptimizerConfig`, ``cfg.activation`` the
 :class:`ActivationConfig` of activation checkpointing). Every field is declared once with
 :func:`hybrid.config_fields.arg` (default, one-line help, Megatron-LM flag name, aliases); the
-CLI (``hybrid.cli``) and ``--help`` are generated from them, and a YAML/TOML ``--config`` file
+CLI (``hybrid.job.cli``) and ``--help`` are generated from them, and a YAML/TOML ``--config`` file
 can supply the same fields. Each section validates its own fields when built; the checks that
 involve two sections, the files the config names or the world size live only in
-``hybrid.config_checks``.
+``hybrid.job.config_checks``.
 """
 
 from __future__ import annotations

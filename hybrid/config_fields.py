@@ -2,7 +2,7 @@
 
 Every section of :class:`hybrid.config.PretrainConfig` (``ZeroConfig``, ``OptimizerConfig``,
 ``ActivationConfig``, ...) declares its fields with :func:`arg`, so the one-line help, the
-Megatron-LM flag name and any alias flags live next to the default, and ``hybrid.cli`` generates
+Megatron-LM flag name and any alias flags live next to the default, and ``hybrid.job.cli`` generates
 ``--help`` from them. This module imports nothing from the project, so every subpackage can use
 it without an import cycle.
 """

@@ -23,7 +23,7 @@ from hybrid.zero.grad_norm import host_values
 from hybrid.zero.profile import NULL_TIMER
 
 if TYPE_CHECKING:
-    from hybrid.checkpoint.policy import Checkpointer
+    from hybrid.job.checkpointing import Checkpointer
     from hybrid.parallel.grid import ProcessGrid
     from hybrid.zero.engine import ZeroEngine
 

@@ -1,4 +1,4 @@
-"""World function of the Hugging Face tests: train or import through ``hybrid.pretrain.run``,
+"""World function of the Hugging Face tests: train or import through ``hybrid.job.pretrain.run``,
 then evaluate the distributed model on a fixed batch."""
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ def _logits_and_loss(engine, grid, tokens: torch.Tensor) -> tuple[torch.Tensor, 
 def run_and_evaluate(rank: int, world: int, argvs: list[list[str]], tokens: torch.Tensor) -> list[dict]:
     """For each argv: run ``hybrid.pretrain`` to the end, then the fixed-batch logits and losses
     (returned from global rank 0 only; the others return their logged history)."""
-    from hybrid.cli import parse_config
-    from hybrid.config_checks import validate
-    from hybrid.pretrain import run
+    from hybrid.job.cli import parse_config
+    from hybrid.job.config_checks import validate
+    from hybrid.job.pretrain import run
 
     out = []
     for argv in argvs:

@@ -23,9 +23,9 @@ def prepare_data(directory: Path) -> tuple[str, str]:
 
 def run_configs(rank: int, world: int, argvs: list[list[str]]) -> list[list[dict]]:
     """Run ``hybrid.pretrain`` in this spawned world once per argv; return each history."""
-    from hybrid.cli import parse_config
-    from hybrid.config_checks import validate
-    from hybrid.pretrain import run
+    from hybrid.job.cli import parse_config
+    from hybrid.job.config_checks import validate
+    from hybrid.job.pretrain import run
 
     out = []
     for argv in argvs:
@@ -74,9 +74,9 @@ def engine_lifetime(rank: int, world: int, argv: list[str]) -> tuple[bool, bool]
     import gc
     import weakref
 
-    from hybrid.cli import parse_config
-    from hybrid.config_checks import validate
-    from hybrid.pretrain import run
+    from hybrid.job.cli import parse_config
+    from hybrid.job.config_checks import validate
+    from hybrid.job.pretrain import run
 
     cfg = parse_config(argv)
     out = []

@@ -4,8 +4,8 @@ import pytest
 
 from hybrid.activation.apply import ActivationConfig
 from hybrid.activation.recompute import partition_range
-from hybrid.cli import build_parser, parse_config
 from hybrid.config_fields import ConfigError
+from hybrid.job.cli import build_parser, parse_config
 
 
 def parse(*argv):
@@ -78,7 +78,7 @@ def test_recompute_granularity_and_sequence_parallel_flags():
         ActivationConfig(checkpoint_activations=True, recompute_granularity="selective")
     with pytest.raises(ConfigError, match="invalid choice: 'block'"):  # names the valid choices
         parse("--recompute-granularity", "block")
-    from hybrid.config_checks import validate
+    from hybrid.job.config_checks import validate
 
     base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--mock-data",
             "--vocab-size", "500", "--tensor-model-parallel-size", "4", "--sequence-parallel"]

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from hybrid.cli import parse_config
-from hybrid.config_checks import ConfigError, validate
-from hybrid.pretrain import main
+from hybrid.job.cli import parse_config
+from hybrid.job.config_checks import ConfigError, validate
+from hybrid.job.pretrain import main
 from tests.data_helpers import tiny_tokenizer, write_token_dataset
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
@@ -97,7 +97,7 @@ def test_training_loop_refuses_token_ids_outside_the_vocabulary():
     """The per-micro-batch check behind the start-up sample (ids past the sample)."""
     import torch
 
-    from hybrid.pretrain import checked_tokens
+    from hybrid.job.pretrain import checked_tokens
 
     good, bad = torch.tensor([[0, 5, 9]]), torch.tensor([[1, 10, 2]])
     assert [b.tolist() for b in checked_tokens([good, good], 10, ["ds"])] == [[[0, 5, 9]]] * 2
@@ -166,7 +166,7 @@ def test_split_that_leaves_a_split_empty(tmp_path):
 
 def test_component_configs_are_the_sections_and_flags_keep_megatron_names():
     from hybrid.activation.config import ActivationConfig
-    from hybrid.cli import build_parser
+    from hybrid.job.cli import build_parser
     from hybrid.zero.config import OptimizerConfig, ZeroConfig
 
     cfg = parse_config(BASE + ["--bf16", "--zero-stage", "3", "--lr", "1e-3", "--adam-beta2", "0.95",

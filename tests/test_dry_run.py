@@ -26,9 +26,9 @@ FLAGS = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "
          "--checkpoint-activations", "--dry-run-world-size", "64", "--dry-run-rank", "37"]
 CODE = """
 import json, sys
-from hybrid.cli import parse_config
-from hybrid.config_checks import validate
-from hybrid.dry_run import dry_run
+from hybrid.job.cli import parse_config
+from hybrid.job.config_checks import validate
+from hybrid.job.dry_run import dry_run
 cfg = parse_config(sys.argv[1:])
 print("RESULT " + json.dumps(dry_run(cfg, validate(cfg, world_size=64), 37)))
 """
@@ -70,7 +70,7 @@ def test_storage_meter_counts_like_torch_memtracker():
     import torch
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from hybrid.dry_run import StorageMeter
+    from hybrid.job.dry_run import StorageMeter
 
     def work():
         a = torch.zeros(1000)                    # 4000 B

@@ -24,8 +24,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LM
 from data.tokenizer import Tokenizer  # noqa: E402
 from data.train_tokenizer import train_tokenizer  # noqa: E402
 from hybrid.checkpoint.directory import latest_iteration  # noqa: E402
-from hybrid.cli import parse_config  # noqa: E402
-from hybrid.config_checks import ConfigError, validate  # noqa: E402
 from hybrid.hf.convert import (  # noqa: E402
     UnsupportedModelError,
     check_hf_config,
@@ -40,6 +38,8 @@ from hybrid.hf.export import main as export_main  # noqa: E402
 from hybrid.hf.generate import main as generate_main  # noqa: E402
 from hybrid.hf.tokenizer import build_tokenizer, save_tokenizer  # noqa: E402
 from hybrid.hf.weights import HFWeights  # noqa: E402
+from hybrid.job.cli import parse_config  # noqa: E402
+from hybrid.job.config_checks import ConfigError, validate  # noqa: E402
 from hybrid.parallel.spawn import spawn_world  # noqa: E402
 from models.gpt import GPT, GPTConfig  # noqa: E402
 from tests.data_helpers import tiny_corpus  # noqa: E402
@@ -189,7 +189,7 @@ def test_nothing_outside_hybrid_hf_imports_transformers():
              and any(line.lstrip().startswith(("import transformers", "from transformers"))
                      for line in p.read_text().splitlines())]
     assert sorted(users) == ["hybrid/hf/export.py", "hybrid/hf/generate.py", "hybrid/hf/tokenizer.py"]
-    code = ("import sys, hybrid.pretrain, hybrid.hf.weights, hybrid.checkpoint.policy, hybrid.config_checks; "
+    code = ("import sys, hybrid.pretrain, hybrid.hf.weights, hybrid.job.checkpointing, hybrid.job.config_checks; "
             "assert 'transformers' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env={"PYTHONPATH": str(ROOT)})
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hybrid.checkpoint.preemption import StopSignal
+from hybrid.job.preemption import StopSignal
 from hybrid.parallel.spawn import spawn_world
 from tests.pretrain_worlds import run_configs, sigterm_at
 
@@ -24,7 +24,7 @@ MOCK = ["--mock-data", "--vocab-size", "500", "--num-layers", "1", "--hidden-siz
 
 
 def test_the_limit_counts_from_the_process_start():
-    code = ("import time; time.sleep(1.5); from hybrid.checkpoint.preemption import process_start; "
+    code = ("import time; time.sleep(1.5); from hybrid.job.preemption import process_start; "
             "print(time.monotonic() - process_start())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          env=dict(os.environ, PYTHONPATH=str(ROOT)), check=True)

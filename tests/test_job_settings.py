@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from hybrid.cli import parse_config
-from hybrid.config_checks import ConfigError, validate
+from hybrid.job.cli import parse_config
+from hybrid.job.config_checks import ConfigError, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
@@ -87,7 +87,7 @@ def test_flags_are_never_abbreviated_and_a_typo_names_the_closest_flag(argv, mes
 
 @pytest.mark.parametrize("local_rank,lines", [("0", 1), ("1", 0)])
 def test_a_bad_flag_is_one_line_once_per_node(monkeypatch, capsys, local_rank, lines):
-    from hybrid.pretrain import main
+    from hybrid.job.pretrain import main
 
     monkeypatch.setenv("LOCAL_RANK", local_rank)
     assert main(BASE + ["--zero", "3"]) == 2

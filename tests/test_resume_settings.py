@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from hybrid.cli import parse_config
-from hybrid.config_checks import ConfigError, validate
+from hybrid.job.cli import parse_config
+from hybrid.job.config_checks import ConfigError, validate
 from hybrid.parallel.spawn import spawn_world
 from hybrid.schedule import LRSchedule
 from tests.pretrain_worlds import run_configs
@@ -110,7 +110,7 @@ def test_extending_a_finished_run_at_min_lr_0_needs_a_schedule_flag(tmp_path):
     either flag, a non-zero min lr or a run not yet at its decay end goes ahead."""
     import dataclasses
 
-    from hybrid.checkpoint.resume_checks import ResumeMismatch, check_resume
+    from hybrid.job.resume_checks import ResumeMismatch, check_resume
 
     def meta_of(argv, iteration, decay_iters, min_lr):
         cfg = parse_config(argv)

@@ -204,7 +204,7 @@ def validate(cfg: PretrainConfig, world_size: int | None = None,
 
 def _check_resume(cfg: PretrainConfig, gpt: GPTConfig) -> None:
     from hybrid.checkpoint.directory import IncompleteCheckpointError
-    from hybrid.checkpoint.resume_checks import ResumeMismatch, check_resume, checkpoint_metadata
+    from hybrid.job.resume_checks import ResumeMismatch, check_resume, checkpoint_metadata
 
     try:
         meta = checkpoint_metadata(cfg.checkpoint.load)
@@ -216,7 +216,7 @@ def _check_resume(cfg: PretrainConfig, gpt: GPTConfig) -> None:
 
 TOKEN_SAMPLE = 1 << 20
 """Tokens read from the start of each dataset to check them against the vocabulary (4 MiB at
-most); the training loop checks every micro-batch too (``hybrid.pretrain.checked_tokens``)."""
+most); the training loop checks every micro-batch too (``hybrid.job.pretrain.checked_tokens``)."""
 
 
 def _check_data(cfg: PretrainConfig, vocab: int) -> None:

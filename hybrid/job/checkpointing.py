@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from hybrid.config import PretrainConfig
-from hybrid.config_checks import Derived
+from hybrid.job.config_checks import Derived
 
 if TYPE_CHECKING:
     from hybrid.metrics import MetricsWriter
@@ -22,7 +22,7 @@ class Checkpointer:
 
     def __init__(self, cfg: PretrainConfig, derived: Derived, engine: ZeroEngine, grid: ProcessGrid,
                  tracker: RNGTracker | None, writer: MetricsWriter):
-        from hybrid.checkpoint.preemption import StopSignal
+        from hybrid.job.preemption import StopSignal
 
         self.ck, self.engine, self.grid, self.tracker, self.writer = cfg.checkpoint, engine, grid, tracker, writer
         self.metadata = dict(_metadata(cfg, derived), wandb_run_id=writer.wandb_run_id)
@@ -68,7 +68,7 @@ def _metadata(cfg: PretrainConfig, derived: Derived) -> dict:
 
 def run_schedule(cfg: PretrainConfig, derived: Derived) -> dict:
     """This run's LR schedule settings (as stored with each checkpoint)."""
-    from hybrid.checkpoint.resume_checks import schedule_settings
+    from hybrid.job.resume_checks import schedule_settings
 
     t = cfg.training
     return schedule_settings(cfg.optimizer.lr, t.min_lr, derived.warmup_iters, derived.decay_iters, t.lr_decay_style)
@@ -78,7 +78,7 @@ def lr_schedule(cfg: PretrainConfig, derived: Derived, meta: dict | None, print_
     """The run's :class:`hybrid.schedule.LRSchedule`: the checkpoint's on a resume unless
     ``--override-opt-param-scheduler`` or ``--no-load-optim``; ``print_fn`` (rank 0) is told
     which values differ."""
-    from hybrid.checkpoint.resume_checks import resumed_schedule
+    from hybrid.job.resume_checks import resumed_schedule
     from hybrid.schedule import LRSchedule
 
     if cfg.checkpoint.no_load_optim:  # as Megatron-LM: no optimizer state, no scheduler state

@@ -1,0 +1,254 @@
+"""GPT pretraining entry point: ``torchrun --nproc-per-node N -m hybrid.pretrain [flags]``.
+
+parse -> validate (before any process group) -> grid -> ``parallelize`` (TP plan -> activation
+checkpointing -> ZeRO) -> data -> train -> test evaluation -> close. Flags: ``--help``.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+from typing import TYPE_CHECKING
+
+from hybrid.job.preemption import process_start
+
+process_start()  # --exit-duration-in-mins counts from here at the latest (before torch loads)
+
+
+from hybrid.config import PretrainConfig  # noqa: E402
+from hybrid.job.cli import parse_config  # noqa: E402
+from hybrid.job.config_checks import ConfigError, Derived, validate  # noqa: E402
+
+if TYPE_CHECKING:
+    from hybrid.parallel.grid import ProcessGrid
+    from hybrid.training import TrainState
+
+
+def build_datasets(cfg: PretrainConfig, derived: Derived, state: TrainState | None = None):
+    """``(train, valid, test)`` datasets sized for the run (None for an empty split).
+
+    The training split holds ``train_iters x global batch`` samples (Megatron-LM's size), or
+    more when a resumed job (``state``: its loaded counters) needs more: its consumed samples
+    plus the remaining iterations at this run's global batch, which is larger when the global
+    batch grew since the checkpoint or when the consumed samples came at a larger one.
+    """
+    from data.split import parse_split
+
+    gbs, seq = derived.global_batch_size, cfg.model.seq_length
+    fractions = parse_split(cfg.data.split)
+    eval_samples = cfg.eval.eval_iters * gbs
+    train_samples = cfg.training.train_iters * gbs
+    if state is not None:
+        remaining = max(0, cfg.training.train_iters - state.iteration)
+        train_samples = max(train_samples, state.consumed_samples + remaining * gbs)
+    counts = (train_samples,
+              eval_samples if fractions[1] > 0 else 0,
+              eval_samples if fractions[2] > 0 else 0)
+    if cfg.data.mock_data:
+        from data.mock_dataset import MockGPTDataset
+
+        return tuple(MockGPTDataset(n, seq, derived.gpt.vocab_size, cfg.data.seed + 7919 * i) if n else None
+                     for i, n in enumerate(counts))
+    from data.gpt_dataset import build_gpt_datasets
+
+    return build_gpt_datasets(cfg.data.data_path, cfg.data.split, seq, cfg.data.seed, counts,
+                              cache_dir=cfg.data.data_cache_path)
+
+
+def _batches(dataset, consumed: int, cfg: PretrainConfig, grid: ProcessGrid, vocab_size: int):
+    from data.loader import build_data_loader
+
+    loader = build_data_loader(dataset, consumed, cfg.training.micro_batch_size, grid.dp_rank, grid.dp_size)
+    return checked_tokens(loader, vocab_size, cfg.data.data_path)
+
+
+def checked_tokens(batches, vocab_size: int, source):
+    """Yield ``batches`` (int64 ``[b, s + 1]`` on the host), refusing a token id outside
+    ``[0, vocab_size)``: data preprocessed with another tokenizer would otherwise be trained on
+    silently (the vocabulary-parallel embedding and loss treat an id they do not hold as
+    another rank's). One ``max``/``min`` per micro-batch on the host, before any device copy.
+
+    Raises:
+        ValueError: naming the id, the vocabulary size and the data.
+    """
+    for batch in batches:
+        hi, lo = int(batch.max()), int(batch.min())
+        if hi >= vocab_size or lo < 0:
+            bad = hi if hi >= vocab_size else lo
+            raise ValueError(f"token id {bad} in --data-path {' '.join(map(str, source or []))} is outside "
+                             f"the vocabulary [0, {vocab_size}) of this run's tokenizer/--vocab-size: the "
+                             "data was preprocessed with another tokenizer (preprocess it again with "
+                             "--tokenizer-model, or give the tokenizer it was made with)")
+        yield batch
+
+
+def engine_line(engine) -> str:
+    """One start-up line: ZeRO stage, precision and this rank's bytes held per kind."""
+    held = ", ".join(f"{k} {v / 2**20:.2f}" for k, v in engine.memory_bytes().items() if v)
+    kept = [u for u in engine.layout.units if u.persistent] if engine.config.shards_parameters else []
+    note = ""
+    if kept:  # otherwise stage 3's "params" looks unpartitioned on a small model
+        n = sum(u.numel for u in kept)
+        note = (f" (params: the shard plus {n:,} of {engine.layout.numel:,} parameters kept whole, those under "
+                f"--param-persistence-threshold {engine.config.param_persistence_threshold:,})")
+    return (f"ZeRO stage {engine.stage} {engine.config.precision} over dp {engine.dp} | MiB held on rank 0: "
+            f"{held}{note}")
+
+
+def loop_settings(cfg: PretrainConfig, derived: Derived, grid: ProcessGrid):
+    """The loop's counts and the FLOPs per step for TFLOP/s and MFU (2205.05198 Eq. 7)."""
+    from hybrid.flops import device_peak_tflops, flops_per_iteration
+    from hybrid.training import LoopSettings
+
+    o = cfg.training
+    return LoopSettings(
+        train_iters=o.train_iters, grad_accum_steps=derived.grad_accum_steps,
+        global_batch_size=derived.global_batch_size, tokens_per_step=derived.tokens_per_step,
+        log_interval=cfg.logging.log_interval, eval_interval=cfg.eval.eval_interval,
+        eval_iters=cfg.eval.eval_iters, max_nan_iterations=o.max_nan_iterations,
+        flops_per_step=flops_per_iteration(derived.gpt, derived.global_batch_size, cfg.model.seq_length),
+        peak_tflops=device_peak_tflops() if grid.device.type == "cuda" else None,
+    )
+
+
+def run(cfg: PretrainConfig, derived: Derived) -> dict:
+    """Train with an already validated config; returns ``{"history": records, "engine": engine}``."""
+    from hybrid.job.checkpointing import Checkpointer, init_from_hf, lr_schedule, resume
+    from hybrid.metrics import MetricsWriter
+    from hybrid.parallel.grid import ProcessGrid, init_distributed
+    from hybrid.parallel.rng import RNGTracker, seed_everything
+    from hybrid.parallelize import meta_gpt, parallelize
+    from hybrid.training import Trainer, TrainState
+
+    t, lg = cfg.training, cfg.logging
+    init_distributed(timeout_s=60 * cfg.grid.distributed_timeout_minutes)
+    grid = ProcessGrid(tp=cfg.grid.tensor_model_parallel_size)
+    seed_everything(cfg.data.seed, grid.device)
+    tracker = RNGTracker(cfg.data.seed, grid.tp_rank, grid.device)
+    if grid.rank == 0:
+        print(f"hybrid-zero pretraining | {header(cfg, derived)}", flush=True)
+    engine = parallelize(meta_gpt(derived.gpt), grid, cfg, tracker)
+    if cfg.logging.profile_phases:
+        from hybrid.zero.profile import PhaseTimer
+
+        engine.set_profiler(PhaseTimer(grid.device))
+    state = TrainState()
+    meta = resume(cfg, engine, grid, tracker, state) if cfg.checkpoint.load else None
+    if not cfg.checkpoint.load and cfg.checkpoint.init_from_hf:
+        init_from_hf(cfg, engine, grid)
+    train_ds, valid_ds, test_ds = build_datasets(cfg, derived, state)
+    eval_sets = {"valid": valid_ds, "test": test_ds}
+
+    def eval_batches(split):
+        ds = eval_sets[split]
+        return None if ds is None else _batches(ds, 0, cfg, grid, derived.gpt.vocab_size)
+
+    schedule = lr_schedule(cfg, derived, meta, print if grid.rank == 0 else None)
+    progress = None
+    if grid.rank == 0 and sys.stderr.isatty():
+        from tqdm import tqdm
+
+        progress = tqdm(total=t.train_iters, initial=state.iteration, desc="train", unit="it", dynamic_ncols=True)
+    writer = MetricsWriter(grid.rank, lg.metrics_file, cfg.to_dict(), lg.wandb_project, lg.wandb_exp_name,
+                           lg.wandb_save_dir, print_fn=progress.write if progress else print,
+                           wandb_init_timeout=lg.wandb_init_timeout, wandb_run_id=(meta or {}).get("wandb_run_id"),
+                           start_iteration=state.iteration)
+    if grid.rank == 0:
+        writer.print(engine_line(engine) + (f" | resolved config: {writer.config_file}" if writer.config_file else ""))
+    trainer = Trainer(engine, grid, loop_settings(cfg, derived, grid), schedule, writer, eval_batches,
+                      Checkpointer(cfg, derived, engine, grid, tracker, writer), progress, state)
+    try:
+        trainer.train(_batches(train_ds, state.consumed_samples, cfg, grid, derived.gpt.vocab_size))
+        trainer.checkpointer.save(state)
+        if trainer.settings.eval_iters and state.iteration >= t.train_iters:
+            trainer.evaluate("valid")
+            trainer.evaluate("test")
+    finally:
+        if progress is not None:
+            progress.close()
+        writer.close()
+        trainer.checkpointer.close()
+    return {"history": state.history, "engine": engine}
+
+
+def header(cfg, derived) -> str:
+    """The run's one-line setup: grid, batch, model, ZeRO stage and precision, and the
+    activation-memory options (sequence parallelism, recompute, ZeRO-R P_a / cpu / MD)."""
+    a = cfg.activation
+    act = ["sequence parallel"] if cfg.grid.sequence_parallel and derived.tp > 1 else []
+    if a.selective_recompute:
+        act.append("selective recompute")
+    elif a.checkpoint_activations:
+        n = a.checkpoint_num_layers
+        act.append("full recompute" + (f" of the first {n} blocks" if n else ""))
+        act += [name for name, on in (("Pa", a.partition_activations), ("cpu", a.checkpoint_in_cpu),
+                                      ("contiguous", a.contiguous_checkpointing)) if on]
+    return (f"{derived.summary()} | ZeRO-{cfg.zero.stage} {cfg.zero.precision} | activations: "
+            f"{' + '.join(act) or 'all kept'}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point; returns the exit status (2 for a configuration error, 1 when
+    ``--max-nan-iterations`` consecutive NaN/inf losses stopped training)."""
+    import warnings
+
+    # a user's warning is a line of its own, not a source file and line of this package
+    warnings.formatwarning = lambda msg, cat, *_, **__: f"{cat.__name__}: {msg}\n"
+    try:
+        cfg = parse_config(argv)
+        derived = validate(cfg, world_size=cfg.grid.dry_run_world_size)
+    except ConfigError as e:
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # once per node, not once per rank
+            print(f"hybrid-pretrain: error: {e}", file=sys.stderr)
+        else:  # torchrun stops the whole node when the first worker exits: let local rank 0 report first
+            import time
+
+            time.sleep(3)
+        return 2
+    import torch.distributed as dist
+
+    from hybrid.training import TooManyNaNIterations
+
+    try:
+        if cfg.grid.dry_run_world_size:
+            from hybrid.job.dry_run import dry_run, format_report
+
+            print(f"hybrid-zero dry run | {header(cfg, derived)}", flush=True)
+            print(format_report(dry_run(cfg, derived, cfg.grid.dry_run_rank)), flush=True)
+            return 0
+        try:
+            run(cfg, derived)["engine"].close()
+        except TooManyNaNIterations as e:  # every rank sees the same data-parallel mean loss
+            if dist.get_rank() == 0:
+                print(f"hybrid-pretrain: error: {e}", file=sys.stderr, flush=True)
+            return 1
+        if dist.get_world_size() > 1:
+            dist.barrier()  # no rank tears down while a peer still communicates
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        gc.collect()  # free the process groups (joining gloo's threads) while the interpreter is whole
+    return 0
+
+
+def exit_now(status: int) -> None:
+    """Flush everything and end the process without interpreter finalization.
+
+    gloo's worker threads can outlive ``destroy_process_group`` (a process group that something
+    still references is only shut down, not destroyed); interpreter finalization and C++ static
+    destructors then race with them, and one rank in a few dies with ``terminate called without
+    an active exception`` (SIGABRT) after a finished run. Every file, metric and wandb record is
+    closed by then, so nothing is lost by skipping finalization.
+    """
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    exit_now(main())
