@@ -156,11 +156,12 @@ def run(cfg: PretrainConfig, derived: Derived) -> dict:
                            start_iteration=state.iteration)
     if grid.rank == 0:
         writer.print(engine_line(engine) + (f" | resolved config: {writer.config_file}" if writer.config_file else ""))
+    checkpointer = Checkpointer(cfg, derived, engine, grid, tracker, writer)
     trainer = Trainer(engine, grid, loop_settings(cfg, derived, grid), schedule, writer, eval_batches,
-                      Checkpointer(cfg, derived, engine, grid, tracker, writer), progress, state)
+                      checkpointer.after_iteration, progress, state)
     try:
         trainer.train(_batches(train_ds, state.consumed_samples, cfg, grid, derived.gpt.vocab_size))
-        trainer.checkpointer.save(state)
+        checkpointer.save(state)
         if trainer.settings.eval_iters and state.iteration >= t.train_iters:
             trainer.evaluate("valid")
             trainer.evaluate("test")
@@ -168,7 +169,7 @@ def run(cfg: PretrainConfig, derived: Derived) -> dict:
         if progress is not None:
             progress.close()
         writer.close()
-        trainer.checkpointer.close()
+        checkpointer.close()
     return {"history": state.history, "engine": engine}
 
 
