@@ -31,7 +31,7 @@ def run_and_evaluate(rank: int, world: int, argvs: list[list[str]], tokens: torc
     out = []
     for argv in argvs:
         cfg = parse_config(argv)
-        result = run(cfg, validate(cfg))
+        result = run(validate(cfg))
         logits, losses = _logits_and_loss(result["engine"], result["engine"].grid, tokens)
         out.append(dict(history=result["history"], logits=logits if rank == 0 else None,
                         losses=losses if rank == 0 else None))

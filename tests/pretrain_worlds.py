@@ -30,7 +30,7 @@ def run_configs(rank: int, world: int, argvs: list[list[str]]) -> list[list[dict
     out = []
     for argv in argvs:
         cfg = parse_config(argv)
-        out.append(run(cfg, validate(cfg))["history"])
+        out.append(run(validate(cfg))["history"])
     return out
 
 
@@ -81,7 +81,7 @@ def engine_lifetime(rank: int, world: int, argv: list[str]) -> tuple[bool, bool]
     cfg = parse_config(argv)
     out = []
     for close in (False, True):
-        engine = run(cfg, validate(cfg))["engine"]
+        engine = run(validate(cfg))["engine"]
         if close:
             engine.close()
         ref = weakref.ref(engine)

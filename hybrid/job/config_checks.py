@@ -1,4 +1,5 @@
-"""Cross-field validation of a :class:`hybrid.config.PretrainConfig` and the derived values.
+"""Cross-field validation of a :class:`hybrid.config.PretrainConfig` into a :class:`Job`: the
+config together with the values derived from it and the world.
 
 Runs in every process before any process group starts, from the config and the launcher's
 environment alone (``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``), so a bad setting fails fast on every
@@ -21,10 +22,12 @@ from models.presets import get_preset
 
 
 @dataclass(frozen=True)
-class Derived:
-    """Values computed from the config and the world (printed at start).
+class Job:
+    """A validated run: its config and the values derived from it and the world (printed at
+    start). Made once, by :func:`validate`; everything after validation takes this one object.
 
     Attributes:
+        cfg: the parsed configuration, every cross-section check passed.
         gpt: the model's :class:`GPTConfig` (real, unpadded vocabulary).
         world_size, tp, dp: grid sizes.
         global_batch_size: samples per optimizer step.
@@ -35,6 +38,7 @@ class Derived:
         warmup_iters, decay_iters: resolved LR schedule lengths (steps).
     """
 
+    cfg: PretrainConfig
     gpt: GPTConfig
     world_size: int
     tp: int
@@ -47,11 +51,14 @@ class Derived:
     decay_iters: int
 
     def summary(self) -> str:
+        """One line: grid, batch arithmetic, tokens per step, vocabulary, parameters, schedule."""
+        micro = self.global_batch_size // (self.grad_accum_steps * self.dp)
         return (f"world {self.world_size} = tp {self.tp} x dp {self.dp} | global batch "
-                f"{self.global_batch_size} = micro batch {self.global_batch_size // (self.grad_accum_steps * self.dp)}"
-                f" x accumulation {self.grad_accum_steps} x dp {self.dp} | tokens per step "
-                f"{self.tokens_per_step:,} | vocab {self.gpt.vocab_size} padded to {self.padded_vocab_size} | "
-                f"parameters {self.gpt.num_parameters():,} | LR warmup {self.warmup_iters} decay {self.decay_iters}")
+                f"{self.global_batch_size} = micro batch {micro} x accumulation "
+                f"{self.grad_accum_steps} x dp {self.dp} | tokens per step "
+                f"{self.tokens_per_step:,} | vocab {self.gpt.vocab_size} padded to "
+                f"{self.padded_vocab_size} | parameters {self.gpt.num_parameters():,} | LR warmup "
+                f"{self.warmup_iters} decay {self.decay_iters}")
 
 
 def _world_from_env() -> tuple[int, int | None]:
@@ -122,9 +129,9 @@ def _model_config(cfg: PretrainConfig, vocab: int) -> GPTConfig:
 
 
 def validate(cfg: PretrainConfig, world_size: int | None = None,
-             local_world_size: int | None = None) -> Derived:
+             local_world_size: int | None = None) -> Job:
     """Check ``cfg``'s sections against each other, the files they name and the world; return
-    the derived values. (Each section already checked its own fields when it was built.)
+    the :class:`Job`. (Each section already checked its own fields when it was built.)
 
     Args:
         cfg: the parsed configuration.
@@ -133,43 +140,76 @@ def validate(cfg: PretrainConfig, world_size: int | None = None,
     Raises:
         ConfigError: the first problem found, with the offending values in the message.
     """
+    world, dp = _check_world(cfg, world_size, local_world_size)
+    vocab = _vocab_size(cfg)
+    gpt = _model_config(cfg, vocab)
+    _check_model_split(cfg, gpt)
+    t, m, tp = cfg.training, cfg.model, cfg.grid.tensor_model_parallel_size
+    gbs = t.global_batch_size or t.micro_batch_size * dp
+    if gbs % (t.micro_batch_size * dp):
+        raise ConfigError(f"--global-batch-size {gbs} is not divisible by --micro-batch-size "
+                          f"{t.micro_batch_size} x data-parallel size {dp} = "
+                          f"{t.micro_batch_size * dp}")
+    warmup, decay = _lr_schedule_lengths(cfg)
+    recomputed = cfg.activation.checkpoint_num_layers
+    if recomputed is not None and recomputed > gpt.num_layers:
+        raise ConfigError(f"--recompute-num-layers {recomputed} exceeds the model's --num-layers "
+                          f"{gpt.num_layers}")
+    _check_data(cfg, vocab)
+    _check_checkpoint(cfg, gpt)
+    return Job(
+        cfg=cfg, gpt=gpt, world_size=world, tp=tp, dp=dp, global_batch_size=gbs,
+        grad_accum_steps=gbs // (t.micro_batch_size * dp), tokens_per_step=gbs * m.seq_length,
+        padded_vocab_size=pad_vocab_size(vocab, tp, m.make_vocab_size_divisible_by),
+        warmup_iters=warmup, decay_iters=decay,
+    )
+
+
+def _check_world(cfg: PretrainConfig, world_size: int | None,
+                 local_world_size: int | None) -> tuple[int, int]:
+    """``(world size, data-parallel size)``: the dry run's ranks, or the launcher's world, split
+    into the grid."""
     g = cfg.grid
     if g.dry_run_world_size is not None and g.dry_run_world_size < 1:
-        raise ConfigError(f"--dry-run-world-size {g.dry_run_world_size} must be a positive number of ranks")
+        raise ConfigError(f"--dry-run-world-size {g.dry_run_world_size} must be a positive number "
+                          "of ranks")
     if g.dry_run_world_size is None and g.dry_run_rank:
-        raise ConfigError(f"--dry-run-rank {g.dry_run_rank} needs --dry-run-world-size N (the job to dry-run)")
+        raise ConfigError(f"--dry-run-rank {g.dry_run_rank} needs --dry-run-world-size N (the job "
+                          "to dry-run)")
     env_world, env_local = _world_from_env()
     world = world_size or env_world
     local = local_world_size if local_world_size is not None else env_local
-    t, m = cfg.training, cfg.model
-    tp = cfg.grid.tensor_model_parallel_size
     try:
-        shape = validate_grid(world, tp, 1, local)
+        shape = validate_grid(world, g.tensor_model_parallel_size, 1, local)
     except (ValueError, NotImplementedError) as e:
         raise ConfigError(str(e)) from None
-    g = cfg.grid
     if g.dry_run_world_size is not None and not 0 <= g.dry_run_rank < g.dry_run_world_size:
         raise ConfigError(f"--dry-run-rank {g.dry_run_rank} must be in [0, --dry-run-world-size "
                           f"{g.dry_run_world_size})")
-    vocab = _vocab_size(cfg)
-    gpt = _model_config(cfg, vocab)
+    return world, shape.dp
+
+
+def _check_model_split(cfg: PretrainConfig, gpt: GPTConfig) -> None:
+    """The model splits over ``tp`` (heads, FFN, and the sequence under SP) and its position
+    table holds ``--seq-length``."""
+    tp, seq = cfg.grid.tensor_model_parallel_size, cfg.model.seq_length
     if gpt.num_attention_heads % tp:
         raise ConfigError(f"--num-attention-heads {gpt.num_attention_heads} is not divisible by "
                           f"--tensor-model-parallel-size {tp}")
     if gpt.ffn_hidden_size % tp:
         raise ConfigError(f"--ffn-hidden-size {gpt.ffn_hidden_size} is not divisible by "
                           f"--tensor-model-parallel-size {tp}")
-    if cfg.grid.sequence_parallel and m.seq_length % tp:
-        raise ConfigError(f"--sequence-parallel needs --seq-length divisible by --tensor-model-parallel-size: "
-                          f"{m.seq_length} % {tp} = {m.seq_length % tp}")
-    if m.seq_length > gpt.max_position_embeddings:
-        raise ConfigError(f"--seq-length {m.seq_length} must be in [1, --max-position-embeddings "
+    if cfg.grid.sequence_parallel and seq % tp:
+        raise ConfigError(f"--sequence-parallel needs --seq-length divisible by "
+                          f"--tensor-model-parallel-size: {seq} % {tp} = {seq % tp}")
+    if seq > gpt.max_position_embeddings:
+        raise ConfigError(f"--seq-length {seq} must be in [1, --max-position-embeddings "
                           f"{gpt.max_position_embeddings}]")
-    gbs = t.global_batch_size or t.micro_batch_size * shape.dp
-    if gbs % (t.micro_batch_size * shape.dp):
-        raise ConfigError(f"--global-batch-size {gbs} is not divisible by --micro-batch-size "
-                          f"{t.micro_batch_size} x data-parallel size {shape.dp} = {t.micro_batch_size * shape.dp}")
-    lr = cfg.optimizer.lr
+
+
+def _lr_schedule_lengths(cfg: PretrainConfig) -> tuple[int, int]:
+    """``(warmup, decay)`` steps of the LR schedule, after checking ``--min-lr <= --lr``."""
+    t, lr = cfg.training, cfg.optimizer.lr
     if t.min_lr > lr:
         raise ConfigError(f"need 0 <= --min-lr ({t.min_lr}) <= --lr ({lr})")
     decay = t.lr_decay_iters if t.lr_decay_iters is not None else t.train_iters
@@ -177,10 +217,12 @@ def validate(cfg: PretrainConfig, world_size: int | None = None,
               if t.lr_warmup_fraction is not None else t.lr_warmup_iters)
     if warmup > decay:
         raise ConfigError(f"--lr-warmup-iters {warmup} must be in [0, --lr-decay-iters {decay}]")
-    if cfg.activation.checkpoint_num_layers is not None and cfg.activation.checkpoint_num_layers > gpt.num_layers:
-        raise ConfigError(f"--recompute-num-layers {cfg.activation.checkpoint_num_layers} exceeds the model's "
-                          f"--num-layers {gpt.num_layers}")
-    _check_data(cfg, vocab)
+    return warmup, decay
+
+
+def _check_checkpoint(cfg: PretrainConfig, gpt: GPTConfig) -> None:
+    """The checkpoint flags agree with each other, and what ``--load`` / ``--init-from-hf`` name
+    fits this run."""
     c = cfg.checkpoint
     if c.save_interval is not None and not c.save:
         raise ConfigError(f"--save-interval {c.save_interval} needs --save DIR")
@@ -191,15 +233,10 @@ def validate(cfg: PretrainConfig, world_size: int | None = None,
     if c.load and Path(c.load).exists() and not Path(c.load).is_dir():
         raise ConfigError(f"--load {c.load} is not a directory")
     if c.override_opt_param_scheduler and c.use_checkpoint_opt_param_scheduler:
-        raise ConfigError("--override-opt-param-scheduler and --use-checkpoint-opt_param-scheduler are mutually "
-                          "exclusive: take the LR schedule from this run's flags or from the checkpoint")
+        raise ConfigError("--override-opt-param-scheduler and --use-checkpoint-opt_param-scheduler "
+                          "are mutually exclusive: take the LR schedule from this run's flags or "
+                          "from the checkpoint")
     _check_resume(cfg, gpt)
-    return Derived(
-        gpt=gpt, world_size=world, tp=tp, dp=shape.dp, global_batch_size=gbs,
-        grad_accum_steps=gbs // (t.micro_batch_size * shape.dp), tokens_per_step=gbs * m.seq_length,
-        padded_vocab_size=pad_vocab_size(vocab, tp, m.make_vocab_size_divisible_by),
-        warmup_iters=warmup, decay_iters=decay,
-    )
 
 
 def _check_resume(cfg: PretrainConfig, gpt: GPTConfig) -> None:

@@ -152,8 +152,10 @@ def _save_staging_peak(engine, grid) -> int:
     return meter.peak
 
 
-def planner_figures(cfg, derived) -> dict:
-    """The planner's per-rank bytes for the job (``accounting='engine'``)."""
+def planner_figures(job) -> dict:
+    """The planner's per-rank bytes for the job (a :class:`hybrid.job.config_checks.Job`;
+    ``accounting='engine'``)."""
+    cfg, derived = job.cfg, job
     from hybrid.planner.plan import Cluster, Training, evaluate
 
     a, z = cfg.activation, cfg.zero
@@ -180,10 +182,11 @@ def planner_figures(cfg, derived) -> dict:
     return out
 
 
-def dry_run(cfg, derived, rank: int = 0) -> dict:
-    """Build rank ``rank`` of ``derived.world_size`` ranks and run one step; returns the
-    measured and planned bytes (see the module docstring). Initialises the default process
-    group with the fake backend (destroy it before starting a real one in the same process).
+def dry_run(job, rank: int = 0) -> dict:
+    """Build rank ``rank`` of ``job.world_size`` ranks of ``job`` (a
+    :class:`hybrid.job.config_checks.Job`) and run one step; returns the measured and planned
+    bytes (see the module docstring). Initialises the default process group with the fake
+    backend (destroy it before starting a real one in the same process).
 
     Raises:
         ValueError: ``rank`` outside ``[0, world_size)``.
@@ -197,17 +200,17 @@ def dry_run(cfg, derived, rank: int = 0) -> dict:
     from hybrid.parallelize import meta_gpt, parallelize
     from hybrid.training import train_step
 
-    world = derived.world_size
+    cfg, world = job.cfg, job.world_size
     if not 0 <= rank < world:
         raise ValueError(f"--dry-run-rank {rank} must be in [0, {world})")
     t0 = time.perf_counter()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    grid = ProcessGrid(tp=derived.tp, device=torch.device("cpu"))
+    grid = ProcessGrid(tp=job.tp, device=torch.device("cpu"))
     tracker = RNGTracker(cfg.data.seed, grid.tp_rank, grid.device)
     # real inputs (the CPU RNG state an activation checkpoint saves) are converted as they come
     with FakeTensorMode(allow_non_fake_inputs=True):
         with StorageMeter() as build:
-            engine = parallelize(meta_gpt(derived.gpt), grid, cfg, tracker)
+            engine = parallelize(meta_gpt(job.gpt), grid, cfg, tracker)
         construction_peak = build.peak
         built_s = time.perf_counter() - t0
         held = engine.memory_bytes()
@@ -215,7 +218,7 @@ def dry_run(cfg, derived, rank: int = 0) -> dict:
         step.track(*_engine_tensors(engine))
         start = step.current
         with step:
-            tokens = torch.randint(0, derived.gpt.vocab_size,
+            tokens = torch.randint(0, job.gpt.vocab_size,
                                    (cfg.training.micro_batch_size, cfg.model.seq_length + 1))
             train_step(engine, [tokens], cfg.optimizer.lr, grid)
         step_peak = step.peak
@@ -233,7 +236,7 @@ def dry_run(cfg, derived, rank: int = 0) -> dict:
                 largest_param=max(sl.numel for sl in engine.layout.slots), measured=measured,
                 bound=start + 4 * max(u.padded for u in engine.layout.units),
                 save_bound=start + 12 * max(u.padded for u in engine.layout.units),
-                planned=planner_figures(cfg, derived), build_s=built_s,
+                planned=planner_figures(job), build_s=built_s,
                 wall_s=time.perf_counter() - t0)
 
 

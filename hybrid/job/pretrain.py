@@ -16,16 +16,17 @@ from hybrid.job.preemption import process_start
 process_start()  # --exit-duration-in-mins counts from here at the latest (before torch loads)
 
 
-from hybrid.config import PretrainConfig  # noqa: E402
 from hybrid.job.cli import parse_config  # noqa: E402
-from hybrid.job.config_checks import ConfigError, Derived, validate  # noqa: E402
+from hybrid.job.config_checks import ConfigError, Job, validate  # noqa: E402
 
 if TYPE_CHECKING:
     from hybrid.parallel.grid import ProcessGrid
+    from hybrid.parallel.rng import RNGTracker
     from hybrid.training import TrainState
+    from hybrid.zero.engine import ZeroEngine
 
 
-def build_datasets(cfg: PretrainConfig, derived: Derived, state: TrainState | None = None):
+def build_datasets(job: Job, state: TrainState | None = None):
     """``(train, valid, test)`` datasets sized for the run (None for an empty split).
 
     The training split holds ``train_iters x global batch`` samples (Megatron-LM's size), or
@@ -35,8 +36,8 @@ def build_datasets(cfg: PretrainConfig, derived: Derived, state: TrainState | No
     """
     from data.split import parse_split
 
-    gbs, seq = derived.global_batch_size, cfg.model.seq_length
-    fractions = parse_split(cfg.data.split)
+    cfg, gbs = job.cfg, job.global_batch_size
+    seq, fractions = cfg.model.seq_length, parse_split(cfg.data.split)
     eval_samples = cfg.eval.eval_iters * gbs
     train_samples = cfg.training.train_iters * gbs
     if state is not None:
@@ -48,19 +49,21 @@ def build_datasets(cfg: PretrainConfig, derived: Derived, state: TrainState | No
     if cfg.data.mock_data:
         from data.mock_dataset import MockGPTDataset
 
-        return tuple(MockGPTDataset(n, seq, derived.gpt.vocab_size, cfg.data.seed + 7919 * i) if n else None
-                     for i, n in enumerate(counts))
+        return tuple(MockGPTDataset(n, seq, job.gpt.vocab_size, cfg.data.seed + 7919 * i) if n
+                     else None for i, n in enumerate(counts))
     from data.gpt_dataset import build_gpt_datasets
 
     return build_gpt_datasets(cfg.data.data_path, cfg.data.split, seq, cfg.data.seed, counts,
                               cache_dir=cfg.data.data_cache_path)
 
 
-def _batches(dataset, consumed: int, cfg: PretrainConfig, grid: ProcessGrid, vocab_size: int):
+def _batches(dataset, consumed: int, job: Job, grid: ProcessGrid):
     from data.loader import build_data_loader
 
-    loader = build_data_loader(dataset, consumed, cfg.training.micro_batch_size, grid.dp_rank, grid.dp_size)
-    return checked_tokens(loader, vocab_size, cfg.data.data_path)
+    cfg = job.cfg
+    loader = build_data_loader(dataset, consumed, cfg.training.micro_batch_size, grid.dp_rank,
+                               grid.dp_size)
+    return checked_tokens(loader, job.gpt.vocab_size, cfg.data.data_path)
 
 
 def checked_tokens(batches, vocab_size: int, source):
@@ -76,93 +79,113 @@ def checked_tokens(batches, vocab_size: int, source):
         hi, lo = int(batch.max()), int(batch.min())
         if hi >= vocab_size or lo < 0:
             bad = hi if hi >= vocab_size else lo
-            raise ValueError(f"token id {bad} in --data-path {' '.join(map(str, source or []))} is outside "
-                             f"the vocabulary [0, {vocab_size}) of this run's tokenizer/--vocab-size: the "
-                             "data was preprocessed with another tokenizer (preprocess it again with "
-                             "--tokenizer-model, or give the tokenizer it was made with)")
+            raise ValueError(f"token id {bad} in --data-path {' '.join(map(str, source or []))} "
+                             f"is outside the vocabulary [0, {vocab_size}) of this run's "
+                             "tokenizer/--vocab-size: the data was preprocessed with another "
+                             "tokenizer (preprocess it again with --tokenizer-model, or give the "
+                             "tokenizer it was made with)")
         yield batch
 
 
 def engine_line(engine) -> str:
     """One start-up line: ZeRO stage, precision and this rank's bytes held per kind."""
     held = ", ".join(f"{k} {v / 2**20:.2f}" for k, v in engine.memory_bytes().items() if v)
-    kept = [u for u in engine.layout.units if u.persistent] if engine.config.shards_parameters else []
+    config, layout = engine.config, engine.layout
+    kept = [u for u in layout.units if u.persistent] if config.shards_parameters else []
     note = ""
     if kept:  # otherwise stage 3's "params" looks unpartitioned on a small model
         n = sum(u.numel for u in kept)
-        note = (f" (params: the shard plus {n:,} of {engine.layout.numel:,} parameters kept whole, those under "
-                f"--param-persistence-threshold {engine.config.param_persistence_threshold:,})")
-    return (f"ZeRO stage {engine.stage} {engine.config.precision} over dp {engine.dp} | MiB held on rank 0: "
-            f"{held}{note}")
+        note = (f" (params: the shard plus {n:,} of {layout.numel:,} parameters kept whole, "
+                f"those under --param-persistence-threshold "
+                f"{config.param_persistence_threshold:,})")
+    return (f"ZeRO stage {engine.stage} {config.precision} over dp {engine.dp} | MiB held on "
+            f"rank 0: {held}{note}")
 
 
-def loop_settings(cfg: PretrainConfig, derived: Derived, grid: ProcessGrid):
+def loop_settings(job: Job, grid: ProcessGrid):
     """The loop's counts and the FLOPs per step for TFLOP/s and MFU (2205.05198 Eq. 7)."""
     from hybrid.flops import device_peak_tflops, flops_per_iteration
     from hybrid.training import LoopSettings
 
-    o = cfg.training
+    cfg, o = job.cfg, job.cfg.training
     return LoopSettings(
-        train_iters=o.train_iters, grad_accum_steps=derived.grad_accum_steps,
-        global_batch_size=derived.global_batch_size, tokens_per_step=derived.tokens_per_step,
+        train_iters=o.train_iters, grad_accum_steps=job.grad_accum_steps,
+        global_batch_size=job.global_batch_size, tokens_per_step=job.tokens_per_step,
         log_interval=cfg.logging.log_interval, eval_interval=cfg.eval.eval_interval,
         eval_iters=cfg.eval.eval_iters, max_nan_iterations=o.max_nan_iterations,
-        flops_per_step=flops_per_iteration(derived.gpt, derived.global_batch_size, cfg.model.seq_length),
+        flops_per_step=flops_per_iteration(job.gpt, job.global_batch_size, cfg.model.seq_length),
         peak_tflops=device_peak_tflops() if grid.device.type == "cuda" else None,
     )
 
 
-def run(cfg: PretrainConfig, derived: Derived) -> dict:
-    """Train with an already validated config; returns ``{"history": records, "engine": engine}``."""
-    from hybrid.job.checkpointing import Checkpointer, init_from_hf, lr_schedule, resume
-    from hybrid.metrics import MetricsWriter
+def _build(job: Job) -> tuple[ProcessGrid, RNGTracker, ZeroEngine]:
+    """Start the process groups and build the parallel model and its ZeRO engine."""
     from hybrid.parallel.grid import ProcessGrid, init_distributed
     from hybrid.parallel.rng import RNGTracker, seed_everything
     from hybrid.parallelize import meta_gpt, parallelize
-    from hybrid.training import Trainer, TrainState
 
-    t, lg = cfg.training, cfg.logging
+    cfg = job.cfg
     init_distributed(timeout_s=60 * cfg.grid.distributed_timeout_minutes)
     grid = ProcessGrid(tp=cfg.grid.tensor_model_parallel_size)
     seed_everything(cfg.data.seed, grid.device)
     tracker = RNGTracker(cfg.data.seed, grid.tp_rank, grid.device)
     if grid.rank == 0:
-        print(f"hybrid-zero pretraining | {header(cfg, derived)}", flush=True)
-    engine = parallelize(meta_gpt(derived.gpt), grid, cfg, tracker)
+        print(f"hybrid-zero pretraining | {header(job)}", flush=True)
+    engine = parallelize(meta_gpt(job.gpt), grid, cfg, tracker)
     if cfg.logging.profile_phases:
         from hybrid.zero.profile import PhaseTimer
 
         engine.set_profiler(PhaseTimer(grid.device))
-    state = TrainState()
-    meta = resume(cfg, engine, grid, tracker, state) if cfg.checkpoint.load else None
-    if not cfg.checkpoint.load and cfg.checkpoint.init_from_hf:
-        init_from_hf(cfg, engine, grid)
-    train_ds, valid_ds, test_ds = build_datasets(cfg, derived, state)
-    eval_sets = {"valid": valid_ds, "test": test_ds}
+    return grid, tracker, engine
 
-    def eval_batches(split):
-        ds = eval_sets[split]
-        return None if ds is None else _batches(ds, 0, cfg, grid, derived.gpt.vocab_size)
 
-    schedule = lr_schedule(cfg, derived, meta, print if grid.rank == 0 else None)
+def _metrics(job: Job, grid: ProcessGrid, state: TrainState, meta: dict | None):
+    """``(writer, progress)``: the metrics path (continuing a resumed run's wandb run) and, on
+    rank 0 at a terminal, a progress bar (None otherwise)."""
+    from hybrid.metrics import MetricsWriter
+
+    cfg, lg = job.cfg, job.cfg.logging
     progress = None
     if grid.rank == 0 and sys.stderr.isatty():
         from tqdm import tqdm
 
-        progress = tqdm(total=t.train_iters, initial=state.iteration, desc="train", unit="it", dynamic_ncols=True)
-    writer = MetricsWriter(grid.rank, lg.metrics_file, cfg.to_dict(), lg.wandb_project, lg.wandb_exp_name,
-                           lg.wandb_save_dir, print_fn=progress.write if progress else print,
-                           wandb_init_timeout=lg.wandb_init_timeout, wandb_run_id=(meta or {}).get("wandb_run_id"),
-                           start_iteration=state.iteration)
+        progress = tqdm(total=cfg.training.train_iters, initial=state.iteration, desc="train",
+                        unit="it", dynamic_ncols=True)
+    writer = MetricsWriter(
+        grid.rank, lg.metrics_file, cfg.to_dict(), lg.wandb_project, lg.wandb_exp_name,
+        lg.wandb_save_dir, print_fn=progress.write if progress else print,
+        wandb_init_timeout=lg.wandb_init_timeout,
+        wandb_run_id=(meta or {}).get("wandb_run_id"), start_iteration=state.iteration)
+    return writer, progress
+
+
+def run(job: Job) -> dict:
+    """Train a validated job; returns ``{"history": records, "engine": engine}``."""
+    from hybrid.job.checkpointing import Checkpointer, lr_schedule, start_from
+    from hybrid.training import Trainer, TrainState
+
+    grid, tracker, engine = _build(job)
+    state = TrainState()
+    meta = start_from(job, engine, grid, tracker, state)
+    train_ds, valid_ds, test_ds = build_datasets(job, state)
+    eval_sets = {"valid": valid_ds, "test": test_ds}
+
+    def eval_batches(split):
+        ds = eval_sets[split]
+        return None if ds is None else _batches(ds, 0, job, grid)
+
+    schedule = lr_schedule(job, meta, print if grid.rank == 0 else None)
+    writer, progress = _metrics(job, grid, state, meta)
     if grid.rank == 0:
-        writer.print(engine_line(engine) + (f" | resolved config: {writer.config_file}" if writer.config_file else ""))
-    checkpointer = Checkpointer(cfg, derived, engine, grid, tracker, writer)
-    trainer = Trainer(engine, grid, loop_settings(cfg, derived, grid), schedule, writer, eval_batches,
+        where = f" | resolved config: {writer.config_file}" if writer.config_file else ""
+        writer.print(engine_line(engine) + where)
+    checkpointer = Checkpointer(job, engine, grid, tracker, writer)
+    trainer = Trainer(engine, grid, loop_settings(job, grid), schedule, writer, eval_batches,
                       checkpointer.after_iteration, progress, state)
     try:
-        trainer.train(_batches(train_ds, state.consumed_samples, cfg, grid, derived.gpt.vocab_size))
+        trainer.train(_batches(train_ds, state.consumed_samples, job, grid))
         checkpointer.save(state)
-        if trainer.settings.eval_iters and state.iteration >= t.train_iters:
+        if trainer.settings.eval_iters and state.iteration >= job.cfg.training.train_iters:
             trainer.evaluate("valid")
             trainer.evaluate("test")
     finally:
@@ -173,9 +196,10 @@ def run(cfg: PretrainConfig, derived: Derived) -> dict:
     return {"history": state.history, "engine": engine}
 
 
-def header(cfg, derived) -> str:
+def header(job: Job) -> str:
     """The run's one-line setup: grid, batch, model, ZeRO stage and precision, and the
     activation-memory options (sequence parallelism, recompute, ZeRO-R P_a / cpu / MD)."""
+    cfg, derived = job.cfg, job
     a = cfg.activation
     act = ["sequence parallel"] if cfg.grid.sequence_parallel and derived.tp > 1 else []
     if a.selective_recompute:
@@ -185,7 +209,7 @@ def header(cfg, derived) -> str:
         act.append("full recompute" + (f" of the first {n} blocks" if n else ""))
         act += [name for name, on in (("Pa", a.partition_activations), ("cpu", a.checkpoint_in_cpu),
                                       ("contiguous", a.contiguous_checkpointing)) if on]
-    return (f"{derived.summary()} | ZeRO-{cfg.zero.stage} {cfg.zero.precision} | activations: "
+    return (f"{job.summary()} | ZeRO-{cfg.zero.stage} {cfg.zero.precision} | activations: "
             f"{' + '.join(act) or 'all kept'}")
 
 
@@ -198,11 +222,11 @@ def main(argv: list[str] | None = None) -> int:
     warnings.formatwarning = lambda msg, cat, *_, **__: f"{cat.__name__}: {msg}\n"
     try:
         cfg = parse_config(argv)
-        derived = validate(cfg, world_size=cfg.grid.dry_run_world_size)
+        job = validate(cfg, world_size=cfg.grid.dry_run_world_size)
     except ConfigError as e:
         if os.environ.get("LOCAL_RANK", "0") == "0":  # once per node, not once per rank
             print(f"hybrid-pretrain: error: {e}", file=sys.stderr)
-        else:  # torchrun stops the whole node when the first worker exits: let local rank 0 report first
+        else:  # torchrun stops the whole node when the first worker exits: rank 0 reports first
             import time
 
             time.sleep(3)
@@ -215,11 +239,11 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.grid.dry_run_world_size:
             from hybrid.job.dry_run import dry_run, format_report
 
-            print(f"hybrid-zero dry run | {header(cfg, derived)}", flush=True)
-            print(format_report(dry_run(cfg, derived, cfg.grid.dry_run_rank)), flush=True)
+            print(f"hybrid-zero dry run | {header(job)}", flush=True)
+            print(format_report(dry_run(job, cfg.grid.dry_run_rank)), flush=True)
             return 0
         try:
-            run(cfg, derived)["engine"].close()
+            run(job)["engine"].close()
         except TooManyNaNIterations as e:  # every rank sees the same data-parallel mean loss
             if dist.get_rank() == 0:
                 print(f"hybrid-pretrain: error: {e}", file=sys.stderr, flush=True)
@@ -229,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-        gc.collect()  # free the process groups (joining gloo's threads) while the interpreter is whole
+        # free the process groups (joining gloo's threads) while the interpreter is whole
+        gc.collect()
     return 0
 
 
