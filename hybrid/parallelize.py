@@ -46,7 +46,7 @@ def parallelize(model: GPT, grid: ProcessGrid, config: PretrainConfig,
 
     Raises:
         ValueError: tp does not divide the heads or the MLP width, or the activation options do
-            not fit the model (e.g. ``checkpoint_num_layers`` > layers).
+            not fit the model (e.g. ``--recompute-num-layers`` > layers).
     """
     from hybrid.activation.apply import apply_activation_checkpointing
     from hybrid.parallel.kernels import use_fused_kernels

@@ -29,6 +29,7 @@ smoothing; dropout is set per check."""
 B, S = 2, 16
 
 ON = dict(checkpoint_activations=True)
+BLOCK = dict(ON, recompute_granularity="full", recompute_method="block")  # + the first N blocks
 VARIANTS: dict[str, dict] = {
     "checkpoint": ON,
     "pa": dict(ON, partition_activations=True),
@@ -37,8 +38,8 @@ VARIANTS: dict[str, dict] = {
     "pa_arena": dict(ON, partition_activations=True, contiguous_checkpointing=True),
     "pa_cpu_arena": dict(ON, partition_activations=True, checkpoint_in_cpu=True,
                          contiguous_checkpointing=True),
-    "first_2_blocks": dict(ON, partition_activations=True, contiguous_checkpointing=True,
-                           checkpoint_num_layers=2),
+    "first_2_blocks": dict(BLOCK, recompute_num_layers=2, partition_activations=True,
+                           contiguous_checkpointing=True),
 }
 ALL_ON = VARIANTS["pa_cpu_arena"]
 DROPOUTS = (0.0, 0.1)
@@ -367,12 +368,12 @@ def handle_api(grid: ProcessGrid) -> dict:
         res["double_apply"] = str(e)
     handle.remove()
     res["removed"] = all("forward" not in b.__dict__ for b in model.layers)
-    handle = apply_activation_checkpointing(model, grid, ActivationConfig(**ON, checkpoint_num_layers=1))
+    handle = apply_activation_checkpointing(model, grid, ActivationConfig(**BLOCK, recompute_num_layers=1))
     res["found_tracker"] = handle.store.tracker is tracker  # picked up from the TP dropout
     handle.remove()
     errors = {}
     for key, cfg, trk in (("foreign_tracker", ON, RNGTracker(1, grid.tp_rank)),
-                          ("too_many_layers", dict(ON, checkpoint_num_layers=L_MAX + 1), None)):
+                          ("too_many_layers", dict(BLOCK, recompute_num_layers=L_MAX + 1), None)):
         try:
             apply_activation_checkpointing(model, grid, ActivationConfig(**cfg), trk)
         except ValueError as e:

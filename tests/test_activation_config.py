@@ -16,7 +16,7 @@ def test_defaults_are_off():
     c = ActivationConfig()
     assert not (c.checkpoint_activations or c.partition_activations or c.checkpoint_in_cpu
                 or c.contiguous_checkpointing)
-    assert c.checkpoint_num_layers is None and c.num_checkpointed(12) == 0
+    assert c.first_blocks is None and c.num_checkpointed(12) == 0
 
 
 @pytest.mark.parametrize("field", ["partition_activations", "checkpoint_in_cpu",
@@ -26,17 +26,20 @@ def test_options_need_checkpointing(field):
         ActivationConfig(**{field: True})
 
 
+BLOCK = dict(recompute_granularity="full", recompute_method="block")
+
+
 @pytest.mark.parametrize("bad", [0, -1, 2.5, True, "3"])
 def test_bad_num_layers(bad):
-    with pytest.raises(ValueError, match=r"ActivationConfig.checkpoint_num_layers\): must be an integer >= 1"):
-        ActivationConfig(checkpoint_activations=True, checkpoint_num_layers=bad)
+    with pytest.raises(ValueError, match=r"ActivationConfig.recompute_num_layers\): must be an integer >= 1"):
+        ActivationConfig(**BLOCK, recompute_num_layers=bad)
 
 
 def test_num_layers_needs_checkpointing_and_fits_model():
-    with pytest.raises(ValueError, match="checkpoint_num_layers=2 needs checkpoint_activations"):
-        ActivationConfig(checkpoint_num_layers=2)
-    c = ActivationConfig(checkpoint_activations=True, checkpoint_num_layers=2)
-    assert c.num_checkpointed(12) == 2
+    with pytest.raises(ValueError, match="--recompute-num-layers 2 needs --recompute-granularity full"):
+        ActivationConfig(recompute_method="block", recompute_num_layers=2)
+    c = ActivationConfig(**BLOCK, recompute_num_layers=2)
+    assert c.checkpoint_activations and c.first_blocks == 2 and c.num_checkpointed(12) == 2
     with pytest.raises(ValueError, match="exceeds the model's num_layers=1"):
         c.validate(num_layers=1)
     assert ActivationConfig(checkpoint_activations=True).num_checkpointed(12) == 12
@@ -48,7 +51,7 @@ def test_flags():
               "--recompute-num-layers", "6")
     assert c == ActivationConfig(True, True, True, True, recompute_granularity="full", recompute_method="block",
                                  recompute_num_layers=6)
-    assert (c.checkpoint_num_layers, c.num_checkpointed(12)) == (6, 6)
+    assert (c.first_blocks, c.num_checkpointed(12)) == (6, 6)
     assert parse() == ActivationConfig()
     with pytest.raises(ConfigError, match="needs --checkpoint-activations"):
         parse("--partition-activations")

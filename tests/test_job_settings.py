@@ -133,10 +133,9 @@ def test_megatron_core_recompute_flags(flags, checkpointed):
 
 
 @pytest.mark.parametrize("flags,message", [
-    ("--checkpoint-activations --checkpoint-num-layers 2",
-     "--checkpoint-num-layers 2 is no longer accepted: it meant 'checkpoint the first N blocks' here but 'chunks "
-     "of N layers' in Megatron-LM and DeepSpeed. Use Megatron-core's flags: --recompute-granularity full "
-     "--recompute-method block --recompute-num-layers 2"),
+    ("--checkpoint-activations --checkpoint-num-layers 2",  # not a flag: an unknown one
+     "unrecognized arguments: --checkpoint-num-layers 2; --checkpoint-num-layers: did you mean "
+     "--recompute-num-layers?"),
     ("--recompute-granularity full --recompute-method uniform --recompute-num-layers 2",
      "--recompute-method uniform --recompute-num-layers 2 (one checkpoint per chunk of 2 blocks) is not implemented"),
     ("--recompute-method block --recompute-num-layers 2",

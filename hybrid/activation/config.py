@@ -17,12 +17,11 @@ RECOMPUTE_METHODS = ("uniform", "block")
 class ActivationConfig:
     """Activation checkpointing and ZeRO-R P_a / P_a+cpu / M_D (arXiv 1910.02054 §6.1, §6.3).
 
-    ``checkpoint_num_layers = N`` checkpoints the first N blocks and keeps every activation of
-    the others: Megatron-core's ``--recompute-granularity full --recompute-method block
-    --recompute-num-layers N`` (the memory/compute trade-off when a few blocks fit without
-    recompute). The old ``--checkpoint-num-layers`` flag is refused (Megatron-LM and DeepSpeed
-    used that name for chunks of N layers). DeepSpeed's equivalent knob is
-    ``number_checkpoints``, which also sizes its contiguous buffers, as N sizes our arena.
+    Megatron-core's ``--recompute-granularity full --recompute-method block
+    --recompute-num-layers N`` checkpoints the first N blocks and keeps every activation of the
+    others (the memory/compute trade-off when a few blocks fit without recompute; N is
+    :attr:`first_blocks`). DeepSpeed's equivalent knob is ``number_checkpoints``, which also
+    sizes its contiguous buffers, as N sizes our arena.
     """
 
     checkpoint_activations: bool = arg(False, "recompute each transformer block in backward (full activation "
@@ -30,9 +29,6 @@ class ActivationConfig:
     partition_activations: bool = arg(False, "keep only this TP rank's 1/tp slice of each checkpoint (ZeRO-R Pa)")
     checkpoint_in_cpu: bool = arg(False, "keep the partitioned checkpoint slices in host memory (ZeRO-R Pa+cpu)")
     contiguous_checkpointing: bool = arg(False, "write checkpoints into one preallocated arena (ZeRO-R MD)")
-    checkpoint_num_layers: int | None = arg(
-        None, "removed as a flag (its meaning differed between Megatron-LM, DeepSpeed and this project): use "
-              "--recompute-method block|uniform --recompute-num-layers N; in code, the first N blocks are checkpointed")
     recompute_granularity: str | None = arg(
         None, "'full' recomputes whole blocks (= --checkpoint-activations, see --recompute-method); 'selective' "
               "recomputes only each block's attention core (arXiv 2205.05198 §5)", choices=RECOMPUTE_GRANULARITIES)
@@ -51,7 +47,7 @@ class ActivationConfig:
         self.validate()
 
     def _apply_recompute_method(self) -> None:
-        """Megatron-core's ``--recompute-method``/``--recompute-num-layers`` -> the first N blocks."""
+        """Check Megatron-core's ``--recompute-method``/``--recompute-num-layers``."""
         given = [f"--{k.replace('_', '-')} {getattr(self, k)}" for k in ("recompute_method", "recompute_num_layers")
                  if getattr(self, k) is not None]
         if not given:
@@ -68,8 +64,12 @@ class ActivationConfig:
                     f"--recompute-method uniform --recompute-num-layers {n} (one checkpoint per chunk of {n} blocks) "
                     f"is not implemented; use --recompute-num-layers 1 (every block) or --recompute-method block "
                     f"--recompute-num-layers {n} (only the first {n} blocks)")
-        elif n is not None:
-            self.checkpoint_num_layers = n
+
+    @property
+    def first_blocks(self) -> int | None:
+        """N of ``--recompute-method block --recompute-num-layers N``: only the first N blocks are
+        checkpointed; None: every block is (when checkpointing at all)."""
+        return self.recompute_num_layers if self.recompute_method == "block" else None
 
     @property
     def selective_recompute(self) -> bool:
@@ -77,13 +77,12 @@ class ActivationConfig:
         return self.recompute_granularity == "selective"
 
     def validate(self, num_layers: int | None = None) -> None:
-        """Check field combinations (and ``checkpoint_num_layers`` against ``num_layers``).
+        """Check field combinations (and :attr:`first_blocks` against ``num_layers``).
 
         Raises:
             ConfigError: naming the offending field and value.
         """
-        check_int(self, "checkpoint_num_layers", 1, optional=True)
-        n = self.checkpoint_num_layers
+        n = self.first_blocks
         if self.recompute_granularity not in (None, "full", "selective"):
             raise ConfigError(f"--recompute-granularity {self.recompute_granularity!r}: valid values are 'full', "
                               "'selective'")
@@ -95,15 +94,13 @@ class ActivationConfig:
                 if getattr(self, name):
                     raise ConfigError(f"{name}=True needs checkpoint_activations=True "
                                       f"(--{name.replace('_', '-')} needs --checkpoint-activations)")
-            if n is not None:
-                raise ConfigError(f"checkpoint_num_layers={n} needs checkpoint_activations=True")
         if self.checkpoint_in_cpu and not self.partition_activations:
             raise ConfigError("--checkpoint-in-cpu offloads the partitioned checkpoints: add --partition-activations")
         if num_layers is not None and n is not None and n > num_layers:
-            raise ConfigError(f"checkpoint_num_layers={n} exceeds the model's num_layers={num_layers}")
+            raise ConfigError(f"--recompute-num-layers {n} exceeds the model's num_layers={num_layers}")
 
     def num_checkpointed(self, num_layers: int) -> int:
         """How many of ``num_layers`` blocks are checkpointed."""
         if not self.checkpoint_activations:
             return 0
-        return num_layers if self.checkpoint_num_layers is None else self.checkpoint_num_layers
+        return num_layers if self.first_blocks is None else self.first_blocks

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import types
 import typing
 from pathlib import Path
@@ -22,10 +21,6 @@ import tomllib
 
 from hybrid.config import PretrainConfig
 from hybrid.config_fields import ConfigError, flag_hints, flag_of
-
-LEGACY_SECTIONS = ("parallel", "optim")
-"""Section names of config files written before the tree had one section per component; their
-fields are read by flag name."""
 
 
 def _annotation(f: dataclasses.Field):
@@ -56,8 +51,9 @@ def _default(f: dataclasses.Field):
 
 
 class _Alias(argparse.Action):
-    """``--bf16``-style flag: sets the field to a constant; another alias or the field's own flag
-    (``--precision``) with a different value conflicts, in either order (see :func:`_check_aliases`)."""
+    """``--bf16``-style flag: sets the field to a constant; another alias or the field's own
+    flag (``--precision``) with a different value conflicts, in either order (see
+    :func:`_check_aliases`)."""
 
     def __init__(self, option_strings, dest, const, main_flag: str = "", **kwargs):
         super().__init__(option_strings, dest, nargs=0, const=const, **kwargs)
@@ -66,7 +62,8 @@ class _Alias(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         set_by = namespace.__dict__.setdefault("_set_by", {})
         if hasattr(namespace, self.dest) and getattr(namespace, self.dest) != self.const:
-            previous = set_by.get(self.dest, (f"{self.main_flag} {getattr(namespace, self.dest)}", None))[0]
+            given = f"{self.main_flag} {getattr(namespace, self.dest)}"
+            previous = set_by.get(self.dest, (given, None))[0]
             raise ConfigError(f"{previous} and {option_string} are mutually exclusive")
         set_by[self.dest] = (option_string, self.const, self.main_flag)
         setattr(namespace, self.dest, self.const)
@@ -135,9 +132,47 @@ def load_config_file(path: str) -> dict:
     """Flat ``{flat field name: value}`` from a YAML (.yaml/.yml) or TOML (.toml) file.
 
     Raises:
-        ConfigError: missing file, unknown suffix, unparsable content, or an unknown field
-            (the message lists the valid names).
+        ConfigError: missing file, unknown suffix, unparsable content, or an unknown field or
+            section (the message lists the valid names).
     """
+    keys, aliases = _file_keys(), _alias_keys()
+    flat, unknown, sections = {}, [], []
+    for key, value in _entries(_read_config_file(path)):
+        if key in aliases:
+            target, const = aliases[key]
+            if value:
+                flat[target] = const
+        elif key in keys:
+            flat[key] = value
+        else:
+            (sections if isinstance(value, dict) else unknown).append(key)
+    if sections:
+        s = "s" if len(sections) > 1 else ""
+        raise ConfigError(f"--config {path}: unknown section{s} {', '.join(sorted(sections))} (the "
+                          f"sections are {', '.join(PretrainConfig.sections())}; fields can also "
+                          "be given by flag name at the top level)")
+    if unknown:
+        raise ConfigError(_unknown_fields(path, unknown, sorted(set(keys) | set(aliases))))
+    return flat
+
+
+def _entries(raw: dict):
+    """``(flat name, value)`` for each entry of a config file's mapping: a section's entries
+    (``zero: {stage: 3}``) by their field name or their flat name, the others by flat name."""
+    sections = PretrainConfig.sections()
+    for key, value in raw.items():
+        name = key.replace("-", "_")
+        if name in sections and isinstance(value, dict):
+            by_name = {f.name: _key(f) for f in dataclasses.fields(sections[name])}
+            for k, v in value.items():
+                k = k.replace("-", "_")
+                yield by_name.get(k, k), v
+        else:
+            yield name, value
+
+
+def _read_config_file(path: str) -> dict:
+    """The file's mapping as parsed (YAML or TOML by suffix), before any field is checked."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"--config {path}: file not found")
@@ -145,15 +180,7 @@ def load_config_file(path: str) -> dict:
         if p.suffix == ".toml":
             raw = tomllib.loads(p.read_text())
         elif p.suffix in (".yaml", ".yml"):
-            import yaml
-
-            try:
-                raw = yaml.safe_load(p.read_text()) or {}
-            except yaml.YAMLError as e:  # e.g. a bad indent: "mapping values are not allowed here"
-                mark = getattr(e, "problem_mark", None)
-                where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-                raise ConfigError(f"--config {path}: not valid YAML{where}: "
-                                  f"{getattr(e, 'problem', None) or e}") from None
+            raw = _read_yaml(p, path)
         else:
             raise ConfigError(f"--config {path}: use a .yaml, .yml or .toml file")
     except (tomllib.TOMLDecodeError, ValueError) as e:
@@ -162,44 +189,38 @@ def load_config_file(path: str) -> dict:
         raise ConfigError(f"--config {path}: {e}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"--config {path}: expected a mapping of field names to values")
-    sections = PretrainConfig.sections()
-    keys = _file_keys()
-    aliases = {a[2:].replace("-", "_"): (_key(f), c) for _, f in PretrainConfig.flat_fields()
-               for a, c in f.metadata.get("aliases", {}).items()}
-    flat: dict = {}
-    unknown = []
+    return raw
 
-    def put(key, value, section=None):
-        key = key.replace("-", "_")
-        if section is not None:  # a field name inside its section
-            by_name = {f.name: _key(f) for f in dataclasses.fields(sections[section])}
-            key = by_name.get(key, key)
-        if key in aliases:
-            target, const = aliases[key]
-            if value:
-                flat[target] = const
-        elif key in keys:
-            flat[key] = value
-        else:
-            unknown.append(key)
 
-    for key, value in raw.items():
-        name = key.replace("-", "_")
-        if (name in sections or name in LEGACY_SECTIONS) and isinstance(value, dict):
-            for k, v in value.items():
-                put(k, v, name if name in sections else None)
-        else:
-            put(key, value)
-    if unknown:
-        import difflib
+def _read_yaml(p: Path, path: str):
+    import yaml
 
-        valid = sorted(set(keys) | set(aliases))
-        hints = [f"{k} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(k, valid, n=1)) else k
-                 for k in sorted(unknown)]
-        tail = ("" if all("did you mean" in h for h in hints)
-                else "; valid fields are the flag names without their leading -- (see --help)")
-        raise ConfigError(f"--config {path}: unknown field{'s' if len(hints) > 1 else ''} {', '.join(hints)}{tail}")
-    return flat
+    try:
+        return yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:  # e.g. a bad indent: "mapping values are not allowed here"
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        raise ConfigError(f"--config {path}: not valid YAML{where}: "
+                          f"{getattr(e, 'problem', None) or e}") from None
+
+
+def _alias_keys() -> dict[str, tuple[str, object]]:
+    """``{alias flag's flat name: (its field's flat name, the value it sets)}`` (``bf16``)."""
+    return {a[2:].replace("-", "_"): (_key(f), c) for _, f in PretrainConfig.flat_fields()
+            for a, c in f.metadata.get("aliases", {}).items()}
+
+
+def _unknown_fields(path: str, unknown: list[str], valid: list[str]) -> str:
+    """The error for unknown fields: each with the closest ``valid`` name, if any."""
+    import difflib
+
+    hints = [f"{k} (did you mean {close[0]}?)"
+             if (close := difflib.get_close_matches(k, valid, n=1)) else k
+             for k in sorted(unknown)]
+    tail = ("" if all("did you mean" in h for h in hints)
+            else "; valid fields are the flag names without their leading -- (see --help)")
+    s = "s" if len(hints) > 1 else ""
+    return f"--config {path}: unknown field{s} {', '.join(hints)}{tail}"
 
 
 def parse_config(argv: list[str] | None = None) -> PretrainConfig:
@@ -216,16 +237,10 @@ def parse_config(argv: list[str] | None = None) -> PretrainConfig:
     _check_aliases(ns)
     values = load_config_file(ns.pop("config")) if "config" in ns else {}
     values.update(ns)
-    n = values.get("checkpoint_num_layers")
-    if n is not None:
-        raise ConfigError(
-            f"--checkpoint-num-layers {n} is no longer accepted: it meant 'checkpoint the first N blocks' here but "
-            f"'chunks of N layers' in Megatron-LM and DeepSpeed. Use Megatron-core's flags: --recompute-granularity "
-            f"full --recompute-method block --recompute-num-layers {n} (the first N blocks) or --recompute-method "
-            f"uniform (chunks)")
     sections = {}
     for name, kind in PretrainConfig.sections().items():
-        kwargs = {f.name: _coerce(f, values[_key(f)]) for f in dataclasses.fields(kind) if _key(f) in values}
+        kwargs = {f.name: _coerce(f, values[_key(f)]) for f in dataclasses.fields(kind)
+                  if _key(f) in values}
         sections[name] = kind(**kwargs)
     return PretrainConfig(**sections)
 
@@ -246,8 +261,3 @@ def _coerce(f: dataclasses.Field, value):
         return kind(value)
     except (TypeError, ValueError):
         raise ConfigError(f"{flag_of(f)}: {value!r} is not a valid {kind.__name__}") from None
-
-
-def config_json(cfg: PretrainConfig) -> str:
-    """The resolved config as indented JSON (printed at start, stored with runs)."""
-    return json.dumps(cfg.to_dict(), indent=2, sort_keys=False, default=str)

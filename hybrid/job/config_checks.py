@@ -151,7 +151,7 @@ def validate(cfg: PretrainConfig, world_size: int | None = None,
                           f"{t.micro_batch_size} x data-parallel size {dp} = "
                           f"{t.micro_batch_size * dp}")
     warmup, decay = _lr_schedule_lengths(cfg)
-    recomputed = cfg.activation.checkpoint_num_layers
+    recomputed = cfg.activation.first_blocks
     if recomputed is not None and recomputed > gpt.num_layers:
         raise ConfigError(f"--recompute-num-layers {recomputed} exceeds the model's --num-layers "
                           f"{gpt.num_layers}")

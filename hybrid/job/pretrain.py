@@ -205,7 +205,7 @@ def header(job: Job) -> str:
     if a.selective_recompute:
         act.append("selective recompute")
     elif a.checkpoint_activations:
-        n = a.checkpoint_num_layers
+        n = a.first_blocks
         act.append("full recompute" + (f" of the first {n} blocks" if n else ""))
         act += [name for name, on in (("Pa", a.partition_activations), ("cpu", a.checkpoint_in_cpu),
                                       ("contiguous", a.contiguous_checkpointing)) if on]
