@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from hybrid.config_fields import ConfigError, arg, check_int
 
 RECOMPUTE_GRANULARITIES = ("full", "selective")
-"""Megatron-LM's ``--recompute-granularity``: whole blocks, or the attention core only (2205.05198 §5)."""
+"""Megatron-LM's ``--recompute-granularity``: whole blocks, or the attention core only
+(2205.05198 §5)."""
 RECOMPUTE_METHODS = ("uniform", "block")
 """Megatron-core's ``--recompute-method`` for full recompute."""
 
@@ -24,21 +25,26 @@ class ActivationConfig:
     sizes its contiguous buffers, as N sizes our arena.
     """
 
-    checkpoint_activations: bool = arg(False, "recompute each transformer block in backward (full activation "
-                                              "checkpointing)")
-    partition_activations: bool = arg(False, "keep only this TP rank's 1/tp slice of each checkpoint (ZeRO-R Pa)")
-    checkpoint_in_cpu: bool = arg(False, "keep the partitioned checkpoint slices in host memory (ZeRO-R Pa+cpu)")
-    contiguous_checkpointing: bool = arg(False, "write checkpoints into one preallocated arena (ZeRO-R MD)")
+    checkpoint_activations: bool = arg(
+        False, "recompute each transformer block in backward (full activation checkpointing)")
+    partition_activations: bool = arg(
+        False, "keep only this TP rank's 1/tp slice of each checkpoint (ZeRO-R Pa)")
+    checkpoint_in_cpu: bool = arg(
+        False, "keep the partitioned checkpoint slices in host memory (ZeRO-R Pa+cpu)")
+    contiguous_checkpointing: bool = arg(
+        False, "write checkpoints into one preallocated arena (ZeRO-R MD)")
     recompute_granularity: str | None = arg(
-        None, "'full' recomputes whole blocks (= --checkpoint-activations, see --recompute-method); 'selective' "
-              "recomputes only each block's attention core (arXiv 2205.05198 §5)", choices=RECOMPUTE_GRANULARITIES)
+        None, "'full' recomputes whole blocks (= --checkpoint-activations, see "
+              "--recompute-method); 'selective' recomputes only each block's attention core "
+              "(arXiv 2205.05198 §5)",
+        choices=RECOMPUTE_GRANULARITIES)
     recompute_method: str | None = arg(
-        None, "with --recompute-granularity full: 'uniform' checkpoints the input of every chunk of "
-              "--recompute-num-layers blocks, 'block' checkpoints only the first --recompute-num-layers blocks "
-              "(default: uniform)", choices=RECOMPUTE_METHODS)
+        None, "with --recompute-granularity full: 'uniform' checkpoints the input of every chunk "
+              "of --recompute-num-layers blocks, 'block' checkpoints only the first "
+              "--recompute-num-layers blocks (default: uniform)", choices=RECOMPUTE_METHODS)
     recompute_num_layers: int | None = arg(
-        None, "uniform: blocks per recomputed chunk (only 1 is implemented); block: how many of the first blocks "
-              "are recomputed (default 1 for uniform, every block for block)")
+        None, "uniform: blocks per recomputed chunk (only 1 is implemented); block: how many of "
+              "the first blocks are recomputed (default 1 for uniform, every block for block)")
 
     def __post_init__(self) -> None:
         if self.recompute_granularity == "full":
@@ -48,7 +54,8 @@ class ActivationConfig:
 
     def _apply_recompute_method(self) -> None:
         """Check Megatron-core's ``--recompute-method``/``--recompute-num-layers``."""
-        given = [f"--{k.replace('_', '-')} {getattr(self, k)}" for k in ("recompute_method", "recompute_num_layers")
+        given = [f"--{k.replace('_', '-')} {getattr(self, k)}"
+                 for k in ("recompute_method", "recompute_num_layers")
                  if getattr(self, k) is not None]
         if not given:
             return
@@ -61,9 +68,10 @@ class ActivationConfig:
         if (self.recompute_method or "uniform") == "uniform":
             if n not in (None, 1):
                 raise ConfigError(
-                    f"--recompute-method uniform --recompute-num-layers {n} (one checkpoint per chunk of {n} blocks) "
-                    f"is not implemented; use --recompute-num-layers 1 (every block) or --recompute-method block "
-                    f"--recompute-num-layers {n} (only the first {n} blocks)")
+                    f"--recompute-method uniform --recompute-num-layers {n} (one checkpoint per "
+                    f"chunk of {n} blocks) is not implemented; use --recompute-num-layers 1 (every "
+                    f"block) or --recompute-method block --recompute-num-layers {n} (only the "
+                    f"first {n} blocks)")
 
     @property
     def first_blocks(self) -> int | None:
@@ -73,7 +81,8 @@ class ActivationConfig:
 
     @property
     def selective_recompute(self) -> bool:
-        """Recompute only the attention core of every block (``--recompute-granularity selective``)."""
+        """Recompute only the attention core of every block (``--recompute-granularity
+        selective``)."""
         return self.recompute_granularity == "selective"
 
     def validate(self, num_layers: int | None = None) -> None:
@@ -84,20 +93,23 @@ class ActivationConfig:
         """
         n = self.first_blocks
         if self.recompute_granularity not in (None, "full", "selective"):
-            raise ConfigError(f"--recompute-granularity {self.recompute_granularity!r}: valid values are 'full', "
-                              "'selective'")
+            raise ConfigError(f"--recompute-granularity {self.recompute_granularity!r}: valid "
+                              "values are 'full', 'selective'")
         if self.selective_recompute and self.checkpoint_activations:
-            raise ConfigError("--recompute-granularity selective and --checkpoint-activations (full recompute) "
-                              "are alternatives: give one")
+            raise ConfigError("--recompute-granularity selective and --checkpoint-activations "
+                              "(full recompute) are alternatives: give one")
         if not self.checkpoint_activations:
             for name in ("partition_activations", "checkpoint_in_cpu", "contiguous_checkpointing"):
                 if getattr(self, name):
-                    raise ConfigError(f"{name}=True needs checkpoint_activations=True "
-                                      f"(--{name.replace('_', '-')} needs --checkpoint-activations)")
+                    flag = f"--{name.replace('_', '-')}"
+                    raise ConfigError(f"{name}=True needs checkpoint_activations=True ({flag} "
+                                      "needs --checkpoint-activations)")
         if self.checkpoint_in_cpu and not self.partition_activations:
-            raise ConfigError("--checkpoint-in-cpu offloads the partitioned checkpoints: add --partition-activations")
+            raise ConfigError("--checkpoint-in-cpu offloads the partitioned checkpoints: add "
+                              "--partition-activations")
         if num_layers is not None and n is not None and n > num_layers:
-            raise ConfigError(f"--recompute-num-layers {n} exceeds the model's num_layers={num_layers}")
+            raise ConfigError(f"--recompute-num-layers {n} exceeds the model's "
+                              f"num_layers={num_layers}")
 
     def num_checkpointed(self, num_layers: int) -> int:
         """How many of ``num_layers`` blocks are checkpointed."""

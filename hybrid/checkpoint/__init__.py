@@ -1,3 +1,3 @@
 """Training checkpoints: per-rank safetensors shards of the ZeRO partitions, the atomic
-directory/publication protocol, the save policy (interval, SIGTERM, time limit), and
-consolidation into one state dict for the plain GPT."""
+directory/publication protocol, weights-only loading, and consolidation into one state dict for
+the plain GPT. When the job saves, resumes and stops is the job's (``hybrid.job``)."""

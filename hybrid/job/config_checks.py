@@ -67,16 +67,16 @@ def _world_from_env() -> tuple[int, int | None]:
     return world, int(local) if local else None
 
 
-NO_DATA = ("no training data given: give --data-path PREFIX (a preprocessed <prefix>.bin/.idx pair) with "
-           "--tokenizer-model, or --mock-data --vocab-size N")
+NO_DATA = ("no training data given: give --data-path PREFIX (a preprocessed <prefix>.bin/.idx "
+           "pair) with --tokenizer-model, or --mock-data --vocab-size N")
 
 
 def _vocab_size(cfg: PretrainConfig) -> int:
     d, m = cfg.data, cfg.model
     if d.mock_data and d.data_path:  # before the vocabulary: the conflict is the first thing to fix
-        raise ConfigError(f"--mock-data and --data-path {' '.join(map(str, d.data_path))} both name the "
-                          "training data: drop --mock-data to train on the files, or --data-path for "
-                          "synthetic tokens")
+        raise ConfigError(f"--mock-data and --data-path {' '.join(map(str, d.data_path))} both "
+                          "name the training data: drop --mock-data to train on the files, or "
+                          "--data-path for synthetic tokens")
     if d.tokenizer_model:
         if not Path(d.tokenizer_model).is_file():
             raise ConfigError(f"--tokenizer-model {d.tokenizer_model}: file not found")
@@ -87,15 +87,16 @@ def _vocab_size(cfg: PretrainConfig) -> int:
         except ValueError as e:
             raise ConfigError(f"--tokenizer-model {d.tokenizer_model}: {e}") from None
         if m.vocab_size is not None and m.vocab_size != vocab:
-            raise ConfigError(f"--vocab-size {m.vocab_size} does not match the tokenizer's vocabulary "
-                              f"of {vocab} ({d.tokenizer_model})")
+            raise ConfigError(f"--vocab-size {m.vocab_size} does not match the tokenizer's "
+                              f"vocabulary of {vocab} ({d.tokenizer_model})")
         return vocab
     if m.vocab_size is None:
         if d.mock_data:
             raise ConfigError("--mock-data without --tokenizer-model needs --vocab-size")
         if not d.data_path:
             raise ConfigError(NO_DATA)
-        raise ConfigError("--tokenizer-model is required with --data-path (or give --mock-data --vocab-size N)")
+        raise ConfigError("--tokenizer-model is required with --data-path (or give --mock-data "
+                          "--vocab-size N)")
     return m.vocab_size
 
 
@@ -105,10 +106,10 @@ def _model_config(cfg: PretrainConfig, vocab: int) -> GPTConfig:
         base = get_preset(m.preset) if m.preset else None
     except KeyError as e:
         raise ConfigError(f"--preset: {e.args[0]}") from None
-    dims = {k: getattr(m, k) for k in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size")}
+    required = ("num_layers", "hidden_size", "num_attention_heads")
+    dims = {k: getattr(m, k) for k in (*required, "ffn_hidden_size")}
     if base is None:
-        missing = [f"--{k.replace('_', '-')}" for k in ("num_layers", "hidden_size", "num_attention_heads")
-                   if dims[k] is None]
+        missing = [f"--{k.replace('_', '-')}" for k in required if dims[k] is None]
         if missing:
             raise ConfigError(f"give --preset or all of {', '.join(missing)}")
     overrides = {k: v for k, v in dims.items() if v is not None}
@@ -116,9 +117,9 @@ def _model_config(cfg: PretrainConfig, vocab: int) -> GPTConfig:
         overrides["ffn_hidden_size"] = None
     max_pos = m.max_position_embeddings or (
         max(base.max_position_embeddings, m.seq_length) if base is not None else m.seq_length)
-    common = dict(vocab_size=vocab, max_position_embeddings=max_pos, hidden_dropout=m.hidden_dropout,
-                  attention_dropout=m.attention_dropout, init_method_std=m.init_method_std,
-                  layernorm_epsilon=m.layernorm_epsilon,
+    common = dict(vocab_size=vocab, max_position_embeddings=max_pos,
+                  hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
+                  init_method_std=m.init_method_std, layernorm_epsilon=m.layernorm_epsilon,
                   untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights)
     try:
         if base is None:
@@ -247,8 +248,10 @@ def _check_resume(cfg: PretrainConfig, gpt: GPTConfig) -> None:
         meta = checkpoint_metadata(cfg.checkpoint.load)
         if meta is not None:
             check_resume(cfg, gpt, meta)
-    except (ResumeMismatch, IncompleteCheckpointError, FileNotFoundError) as e:  # the pointer names no directory
-        raise ConfigError(f"--load {cfg.checkpoint.load}: {e}" if isinstance(e, FileNotFoundError) else str(e)) from None
+    except FileNotFoundError as e:  # the pointer names no directory
+        raise ConfigError(f"--load {cfg.checkpoint.load}: {e}") from None
+    except (ResumeMismatch, IncompleteCheckpointError) as e:
+        raise ConfigError(str(e)) from None
 
 
 TOKEN_SAMPLE = 1 << 20
@@ -266,8 +269,8 @@ def _check_data(cfg: PretrainConfig, vocab: int) -> None:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if train_share <= 0:
-        raise ConfigError(f"--split {d.split} gives the train split no share of the data; put a positive "
-                          "train proportion first (e.g. --split 969,30,1)")
+        raise ConfigError(f"--split {d.split} gives the train split no share of the data; put a "
+                          "positive train proportion first (e.g. --split 969,30,1)")
     if d.mock_data:  # with --data-path too: refused by _vocab_size, which runs first
         return
     if not d.data_path:
@@ -283,21 +286,25 @@ def _check_data(cfg: PretrainConfig, vocab: int) -> None:
     for prefix in prefixes:
         missing = [s for s in (".bin", ".idx") if not Path(prefix + s).is_file()]
         if missing:
-            raise ConfigError(f"--data-path {prefix}: missing {', '.join(prefix + s for s in missing)}")
+            raise ConfigError(f"--data-path {prefix}: missing "
+                              f"{', '.join(prefix + s for s in missing)}")
         ds = IndexedDataset(prefix)
         docs = len(ds.document_indices) - 1
         head = ds.all_tokens[:TOKEN_SAMPLE]  # a mismatched tokenizer shows in the first tokens
         if len(head) and int(head.max()) >= vocab:
+            source = ("--tokenizer-model " + d.tokenizer_model if d.tokenizer_model
+                      else "--vocab-size")
             raise ConfigError(
-                f"--data-path {prefix} holds token id {int(head.max())}, outside the vocabulary [0, {vocab}) "
-                f"of {'--tokenizer-model ' + d.tokenizer_model if d.tokenizer_model else '--vocab-size'}: "
-                "the data was preprocessed with another tokenizer (give that one, or preprocess again)")
-        for name, frac, (lo, hi) in zip(SPLIT_NAMES, fractions, split_ranges(fractions, docs), strict=True):
+                f"--data-path {prefix} holds token id {int(head.max())}, outside the vocabulary "
+                f"[0, {vocab}) of {source}: the data was preprocessed with another tokenizer (give "
+                "that one, or preprocess again)")
+        ranges = split_ranges(fractions, docs)
+        for name, frac, (lo, hi) in zip(SPLIT_NAMES, fractions, ranges, strict=True):
             needed = name == "train" or cfg.eval.eval_iters > 0
             if frac > 0 and needed and hi == lo:
                 raise ConfigError(
-                    f"--split {d.split} leaves the {name} split of {prefix} ({docs} documents) empty; "
-                    f"give it a larger share (e.g. --split 90,8,2)"
+                    f"--split {d.split} leaves the {name} split of {prefix} ({docs} documents) "
+                    f"empty; give it a larger share (e.g. --split 90,8,2)"
                     + ("" if name == "train" else " or set --eval-iters 0"))
 
 
@@ -309,6 +316,7 @@ def _check_init_from_hf(c, gpt: GPTConfig) -> None:
     from hybrid.hf.weights import read_hf_config
 
     try:
-        check_hf_config(read_hf_config(c.init_from_hf), gpt, where=f"--init-from-hf {c.init_from_hf}")
+        check_hf_config(read_hf_config(c.init_from_hf), gpt,
+                        where=f"--init-from-hf {c.init_from_hf}")
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(str(e)) from None

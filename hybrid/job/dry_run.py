@@ -228,8 +228,8 @@ def dry_run(job, rank: int = 0) -> dict:
     measured = {k: held[k] for k in STATE_KEYS}
     measured.update(states=sum(held[k] for k in STATE_KEYS), buffers=held["buffers"] + gathered,
                     activations=step_peak - start - gathered - host, host_checkpoints=host,
-                    total=step_peak - host, construction_peak=construction_peak, save_peak=save_peak,
-                    gathered_peak=gathered, tracked_after_build=start)
+                    total=step_peak - host, construction_peak=construction_peak,
+                    save_peak=save_peak, gathered_peak=gathered, tracked_after_build=start)
     return dict(rank=rank, world=world, tp=grid.tp_size, dp=grid.dp_size, tp_rank=grid.tp_rank,
                 dp_rank=grid.dp_rank, stage=engine.stage, precision=engine.config.precision,
                 local_params=engine.layout.numel, optimizer_steps=engine.optimizer_steps,
@@ -249,8 +249,10 @@ def format_report(r: dict) -> str:
     count = f"{n / 1e9:.3f}e9" if n >= 1e9 else f"{n / 1e6:.3f}e6" if n >= 1e6 else f"{n:,}"
     rows = [(f"compute params ({r['precision']})", "params"), ("gradients (fp32)", "grads"),
             ("fp32 master", "master"), ("Adam moments", "optimizer"), ("model states", "states"),
-            ("buffers (+ stage-3 gathered units)", "buffers"), ("activations + temporaries (peak)", "activations"),
-            ("host checkpoints (not in total)", "host_checkpoints"), ("total at the step peak", "total")]
+            ("buffers (+ stage-3 gathered units)", "buffers"),
+            ("activations + temporaries (peak)", "activations"),
+            ("host checkpoints (not in total)", "host_checkpoints"),
+            ("total at the step peak", "total")]
     lines = [f"dry run: rank {r['rank']} of {r['world']} (tp {r['tp']} x dp {r['dp']}, tp_rank "
              f"{r['tp_rank']}, dp_rank {r['dp_rank']}), ZeRO-{r['stage']} {r['precision']}, "
              f"{count} local parameters; built in {r['build_s']:.0f} s, "
@@ -260,15 +262,19 @@ def format_report(r: dict) -> str:
         diff = f"{(m[k] - p[k]) / p[k]:+.1%}" if p[k] else "-"
         lines.append(f"{label:<34}{m[k] / unit:>14.3f}{p[k] / unit:>14.3f}{diff:>9}")
     lines.append(f"{'construction peak':<34}{m['construction_peak'] / unit:>14.3f}{'':>14}"
-                 f"  (bound: steady state + one unit in fp32 = {r['bound'] / unit:.3f}; units are filled "
-                 "before the gradient and staging buffers exist, so it may equal the steady state)")
+                 f"  (bound: steady state + one unit in fp32 = {r['bound'] / unit:.3f}; units are "
+                 "filled before the gradient and staging buffers exist, so it may equal the steady "
+                 "state)")
     lines.append(f"{'checkpoint-save peak':<34}{m['save_peak'] / unit:>14.3f}{'':>14}"
-                 f"  (bound: steady state + one unit's fp32 states = {r['save_bound'] / unit:.3f}; a "
-                 "rank's fragments are written from the states themselves)")
+                 f"  (bound: steady state + one unit's fp32 states = "
+                 f"{r['save_bound'] / unit:.3f}; a rank's fragments are written from the states "
+                 "themselves)")
     lines.append(f"{'tracked after construction':<34}{m['tracked_after_build'] / unit:>14.3f}"
                  f"  (= model states {m['states'] / unit:.3f} + communication buffers "
-                 f"{(m['buffers'] - m['gathered_peak']) / unit:.3f}; stage 3's gathered units come and go in the step)")
-    lines.append(f"{name} = 2^{30 if unit == GIB else 20} bytes. The planner's activations are what backward keeps (arXiv 2205.05198 "
-                 "§4); the measured peak adds the step's temporaries (a unit's gradients in the compute "
-                 "dtype before their reduction, the loss's fp32 logits and their gradient).")
+                 f"{(m['buffers'] - m['gathered_peak']) / unit:.3f}; stage 3's gathered units "
+                 "come and go in the step)")
+    lines.append(f"{name} = 2^{30 if unit == GIB else 20} bytes. The planner's activations are "
+                 "what backward keeps (arXiv 2205.05198 §4); the measured peak adds the step's "
+                 "temporaries (a unit's gradients in the compute dtype before their reduction, the "
+                 "loss's fp32 logits and their gradient).")
     return "\n".join(lines)

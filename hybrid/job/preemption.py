@@ -25,7 +25,8 @@ def process_start() -> float:
         try:
             with open(f"/proc/{os.getpid()}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
-            age = time.clock_gettime(time.CLOCK_BOOTTIME) - int(fields[19]) / os.sysconf("SC_CLK_TCK")
+            started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # s after boot
+            age = time.clock_gettime(time.CLOCK_BOOTTIME) - started
             _START -= max(0.0, age)
         except (OSError, ValueError, IndexError, AttributeError):
             pass
@@ -68,7 +69,8 @@ class StopSignal:
         import torch
         import torch.distributed as dist
 
-        local = self.received is not None or (self.limit_s is not None and time.monotonic() - self.start >= self.limit_s)
+        late = self.limit_s is not None and time.monotonic() - self.start >= self.limit_s
+        local = self.received is not None or late
         flag = torch.tensor([1.0 if local else 0.0], device=device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)

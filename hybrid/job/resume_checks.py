@@ -51,9 +51,9 @@ def checkpoint_metadata(load: str) -> dict | None:
         return None
     latest = latest_iteration(load)
     if latest is None and (n := iteration_of_dir(load)) is not None:
-        raise ResumeMismatch(f"--load {load} is one iteration's directory, not a checkpoint root: give "
-                             f"--load {Path(load).parent} (a run resumes from the root's latest complete "
-                             f"iteration, here {n} or later)")
+        raise ResumeMismatch(f"--load {load} is one iteration's directory, not a checkpoint root: "
+                             f"give --load {Path(load).parent} (a run resumes from the root's "
+                             f"latest complete iteration, here {n} or later)")
     return None if latest is None else read_metadata(load, latest)
 
 
@@ -81,18 +81,21 @@ def check_model(meta: dict, gpt, load: str, position_hint: bool = False) -> None
              if saved.get(k) != ours[k]]
     pos = saved.get("max_position_embeddings")
     if position_hint and pos != ours["max_position_embeddings"] and pos is not None:
-        diffs.append(f"--max-position-embeddings defaults to --seq-length: give --max-position-embeddings {pos} "
-                     "to keep the checkpoint's position table at another --seq-length")
+        diffs.append(f"--max-position-embeddings defaults to --seq-length: give "
+                     f"--max-position-embeddings {pos} to keep the checkpoint's position table at "
+                     "another --seq-length")
     if not diffs:
         return
     old, new = _parameter_shapes(saved), _parameter_shapes(ours)
-    first = next((n for n in new if old.get(n) != new[n]), None) or next(iter(sorted(set(old) - set(new))), None)
+    first = (next((n for n in new if old.get(n) != new[n]), None)
+             or next(iter(sorted(set(old) - set(new))), None))
     where = ""
     if first is not None:
-        where = (f"; first differing parameter {first}: {old.get(first, 'absent')} in the checkpoint, "
-                 f"{new.get(first, 'absent')} here")
+        where = (f"; first differing parameter {first}: {old.get(first, 'absent')} in the "
+                 f"checkpoint, {new.get(first, 'absent')} here")
     raise ResumeMismatch(f"--load {load} (iteration {meta['iteration']}) holds another model: "
-                         f"{'; '.join(diffs)}{where}. Use the checkpoint's model flags or another --load")
+                         f"{'; '.join(diffs)}{where}. Use the checkpoint's model flags or another "
+                         "--load")
 
 
 def check_resume(cfg: PretrainConfig, gpt, meta: dict) -> None:
@@ -104,15 +107,18 @@ def check_resume(cfg: PretrainConfig, gpt, meta: dict) -> None:
     ck = cfg.checkpoint
     positions = meta.get("model", {}).get("max_position_embeddings")
     if positions is not None and cfg.model.seq_length > positions:
+        saved_seq = meta.get("config", {}).get("model", {}).get("seq_length", "?")
         raise ResumeMismatch(
-            f"--seq-length {cfg.model.seq_length} is longer than the position table of the model in --load "
-            f"{ck.load} ({positions} positions, --max-position-embeddings): neither a resume nor --finetune "
-            f"can train it on more than {positions} tokens per sample; give --seq-length {positions} or less "
-            f"(a resume also needs the checkpoint's --seq-length {meta.get('config', {}).get('model', {}).get('seq_length', '?')})")
+            f"--seq-length {cfg.model.seq_length} is longer than the position table of the model "
+            f"in --load {ck.load} ({positions} positions, --max-position-embeddings): neither a "
+            f"resume nor --finetune can train it on more than {positions} tokens per sample; give "
+            f"--seq-length {positions} or less (a resume also needs the checkpoint's --seq-length "
+            f"{saved_seq})")
     if ck.finetune:  # a new data order: --seq-length may change, the model may not
         check_model(meta, gpt, ck.load, position_hint=True)
         return
-    _check_data_position(cfg, meta)  # first: a changed --seq-length also changes the default max-position
+    # first: a changed --seq-length also changes the default max-position
+    _check_data_position(cfg, meta)
     check_model(meta, gpt, ck.load)
     _check_extension_at_zero_lr(cfg, meta)
 
@@ -128,24 +134,27 @@ def _check_extension_at_zero_lr(cfg: PretrainConfig, meta: dict) -> None:
     it = meta["iteration"]
     if (saved is None or ck.override_opt_param_scheduler or ck.use_checkpoint_opt_param_scheduler
             or ck.no_load_optim or saved["style"] == "constant" or saved["min_lr"] != 0
-            or it < saved["decay_iters"] or saved_iters is None or cfg.training.train_iters <= saved_iters):
+            or it < saved["decay_iters"] or saved_iters is None
+            or cfg.training.train_iters <= saved_iters):
         return
-    ignored = (f" (this run's --min-lr {cfg.training.min_lr:g} is not used while the checkpoint's schedule is kept)"
-               if cfg.training.min_lr != 0 else "")
+    ignored = (f" (this run's --min-lr {cfg.training.min_lr:g} is not used while the checkpoint's "
+               "schedule is kept)" if cfg.training.min_lr != 0 else "")
     raise ResumeMismatch(
-        f"--train-iters {cfg.training.train_iters} extends the run in --load {ck.load} (iteration {it}), whose "
-        f"LR schedule ended at iteration {saved['decay_iters']} with min lr 0: kept, it would train every new "
-        f"iteration at learning rate 0{ignored}. Pass --override-opt-param-scheduler to use this run's schedule "
-        f"(--lr, --min-lr, --lr-decay-iters from iteration {it}), or --use-checkpoint-opt_param-scheduler "
-        f"to keep the checkpoint's anyway")
+        f"--train-iters {cfg.training.train_iters} extends the run in --load {ck.load} (iteration "
+        f"{it}), whose LR schedule ended at iteration {saved['decay_iters']} with min lr 0: kept, "
+        f"it would train every new iteration at learning rate 0{ignored}. Pass "
+        f"--override-opt-param-scheduler to use this run's schedule (--lr, --min-lr, "
+        f"--lr-decay-iters from iteration {it}), or --use-checkpoint-opt_param-scheduler to keep "
+        f"the checkpoint's anyway")
 
 
 def _check_data_position(cfg: PretrainConfig, meta: dict) -> None:
     ck = cfg.checkpoint
     it = meta["iteration"]
     if cfg.training.train_iters < it:
-        raise ResumeMismatch(f"--train-iters {cfg.training.train_iters} is below the iteration of the checkpoint "
-                             f"in --load {ck.load} ({it}); give --train-iters {it} or more to train on from it")
+        raise ResumeMismatch(f"--train-iters {cfg.training.train_iters} is below the iteration of "
+                             f"the checkpoint in --load {ck.load} ({it}); give --train-iters {it} "
+                             "or more to train on from it")
     saved_cfg = meta.get("config", {})
     for section, name in DATA_POSITION_FIELDS:
         if name not in saved_cfg.get(section, {}):
@@ -153,10 +162,11 @@ def _check_data_position(cfg: PretrainConfig, meta: dict) -> None:
         old, new = saved_cfg[section][name], getattr(getattr(cfg, section), name)
         if old != new:
             raise ResumeMismatch(
-                f"{_flag(name)} {_show(new)} differs from the checkpoint's {_show(old)} (--load {ck.load}, "
-                f"iteration {it}): the resumed data position ({meta['train_state']['consumed_samples']} "
-                f"consumed samples) would point at other samples, skipping or repeating data. Resume "
-                f"with {_flag(name)} {_show(old)}, or start a new data order with --finetune")
+                f"{_flag(name)} {_show(new)} differs from the checkpoint's {_show(old)} (--load "
+                f"{ck.load}, iteration {it}): the resumed data position "
+                f"({meta['train_state']['consumed_samples']} consumed samples) would point at "
+                f"other samples, skipping or repeating data. Resume with {_flag(name)} "
+                f"{_show(old)}, or start a new data order with --finetune")
 
 
 def _show(value) -> str:
@@ -165,9 +175,11 @@ def _show(value) -> str:
     return str(value)
 
 
-def schedule_settings(lr: float, min_lr: float, warmup_iters: int, decay_iters: int, style: str) -> dict:
+def schedule_settings(lr: float, min_lr: float, warmup_iters: int, decay_iters: int,
+                      style: str) -> dict:
     """The LR schedule's settings as stored in ``metadata.json`` (``SCHEDULE_FIELDS``)."""
-    return dict(lr=lr, min_lr=min_lr, warmup_iters=warmup_iters, decay_iters=decay_iters, style=style)
+    return dict(lr=lr, min_lr=min_lr, warmup_iters=warmup_iters, decay_iters=decay_iters,
+                style=style)
 
 
 def resumed_schedule(ours: dict, meta: dict | None, override: bool) -> tuple[dict, list[str]]:
