@@ -52,7 +52,7 @@ def run(losses, **kw):
     batches = iter([torch.zeros(2, 5, dtype=torch.long)] * 100)
     writer = MetricsWriter(0, None, {}, print_fn=lambda *_: None)
     trainer = Trainer(engine, grid, settings, LRSchedule(1.0, 0.1, 0, 6), writer,
-                      lambda split: iter([torch.zeros(2, 5, dtype=torch.long)]))
+                      lambda split: iter([torch.zeros(2, 5, dtype=torch.long)]), kw.get("after"))
     state = trainer.state
     state.history = kw.get("history", state.history)
     try:
@@ -70,6 +70,17 @@ def test_evaluation_time_is_not_counted_as_iteration_time():
     records = [r for r in state.history if "split" not in r]
     assert [r["elapsed_ms"] for r in records] == [1000.0, 1000.0]
     assert [r["tokens_per_sec"] for r in records] == [8.0, 8.0]
+
+
+def test_after_iteration_follows_each_logged_iteration_and_can_stop_the_loop():
+    seen = []
+
+    def after(state):
+        seen.append((state.iteration, len(state.history)))
+        return state.iteration == 4  # as SIGTERM would
+    state, engine = run([5.0] * 6, log=2, eval=100, after=after)
+    assert seen == [(1, 0), (2, 1), (3, 1), (4, 2)]
+    assert (state.iteration, engine.steps) == (4, 4)
 
 
 def test_nan_loss_skips_the_step_and_does_not_advance_the_schedule():
