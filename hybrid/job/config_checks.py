@@ -180,8 +180,9 @@ def _check_world(cfg: PretrainConfig, world_size: int | None,
     env_world, env_local = _world_from_env()
     world = world_size or env_world
     local = local_world_size if local_world_size is not None else env_local
+    tp = cfg.grid.tensor_model_parallel_size
     try:
-        shape = validate_grid(world, g.tensor_model_parallel_size, 1, local)
+        shape = validate_grid(world, tp, 1, local)
     except (ValueError, NotImplementedError) as e:
         raise ConfigError(str(e)) from None
     if g.dry_run_world_size is not None and not 0 <= g.dry_run_rank < g.dry_run_world_size:
