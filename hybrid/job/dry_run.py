@@ -155,9 +155,9 @@ def _save_staging_peak(engine, grid) -> int:
 def planner_figures(job) -> dict:
     """The planner's per-rank bytes for the job (a :class:`hybrid.job.config_checks.Job`;
     ``accounting='engine'``)."""
-    cfg, derived = job.cfg, job
     from hybrid.planner.plan import Cluster, Training, evaluate
 
+    cfg, derived = job.cfg, job
     a, z = cfg.activation, cfg.zero
     sp = "+sp" if cfg.grid.sequence_parallel and derived.tp > 1 else ""
     if a.checkpoint_activations:
