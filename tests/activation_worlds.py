@@ -368,7 +368,8 @@ def handle_api(grid: ProcessGrid) -> dict:
         res["double_apply"] = str(e)
     handle.remove()
     res["removed"] = all("forward" not in b.__dict__ for b in model.layers)
-    handle = apply_activation_checkpointing(model, grid, ActivationConfig(**BLOCK, recompute_num_layers=1))
+    first = ActivationConfig(**BLOCK, recompute_num_layers=1)
+    handle = apply_activation_checkpointing(model, grid, first)
     res["found_tracker"] = handle.store.tracker is tracker  # picked up from the TP dropout
     handle.remove()
     errors = {}

@@ -31,12 +31,14 @@ BLOCK = dict(recompute_granularity="full", recompute_method="block")
 
 @pytest.mark.parametrize("bad", [0, -1, 2.5, True, "3"])
 def test_bad_num_layers(bad):
-    with pytest.raises(ValueError, match=r"ActivationConfig.recompute_num_layers\): must be an integer >= 1"):
+    with pytest.raises(ValueError,
+                       match=r"ActivationConfig.recompute_num_layers\): must be an integer >= 1"):
         ActivationConfig(**BLOCK, recompute_num_layers=bad)
 
 
 def test_num_layers_needs_checkpointing_and_fits_model():
-    with pytest.raises(ValueError, match="--recompute-num-layers 2 needs --recompute-granularity full"):
+    with pytest.raises(ValueError,
+                       match="--recompute-num-layers 2 needs --recompute-granularity full"):
         ActivationConfig(recompute_method="block", recompute_num_layers=2)
     c = ActivationConfig(**BLOCK, recompute_num_layers=2)
     assert c.checkpoint_activations and c.first_blocks == 2 and c.num_checkpointed(12) == 2

@@ -170,4 +170,5 @@ def test_handle_remove_reapply_and_errors(world, tp):
     assert got["wrapped"] and got["removed"] and got["found_tracker"]
     assert "already checkpointed" in got["double_apply"]
     assert "different RNGTracker" in got["errors"]["foreign_tracker"]
-    assert "--recompute-num-layers 4 exceeds the model's num_layers=3" in got["errors"]["too_many_layers"]
+    too_many = got["errors"]["too_many_layers"]
+    assert "--recompute-num-layers 4 exceeds the model's num_layers=3" in too_many

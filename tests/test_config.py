@@ -129,8 +129,10 @@ def test_config_file_yaml_and_toml(tmp_path):
     cfg = parse_config(["--config", str(t)])
     assert (cfg.zero.stage, cfg.grid.tensor_model_parallel_size, cfg.zero.precision) == (3, 2, "bf16")
     old = tmp_path / "old.toml"  # sections of an older tree are not read by flag name
-    old.write_text('[parallel]\nzero_stage = 3\ntensor_model_parallel_size = 2\n[optim]\nbf16 = true\n')
-    with pytest.raises(ConfigError, match=r"unknown sections optim, parallel \(the sections are model, "):
+    old.write_text('[parallel]\nzero_stage = 3\ntensor_model_parallel_size = 2\n'
+                   '[optim]\nbf16 = true\n')
+    with pytest.raises(ConfigError,
+                       match=r"unknown sections optim, parallel \(the sections are model, "):
         parse_config(["--config", str(old)])
     bad = tmp_path / "bad.yaml"
     bad.write_text("num_layer: 3\n")

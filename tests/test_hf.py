@@ -189,7 +189,8 @@ def test_nothing_outside_hybrid_hf_imports_transformers():
              and any(line.lstrip().startswith(("import transformers", "from transformers"))
                      for line in p.read_text().splitlines())]
     assert sorted(users) == ["hybrid/hf/export.py", "hybrid/hf/generate.py", "hybrid/hf/tokenizer.py"]
-    code = ("import sys, hybrid.pretrain, hybrid.hf.weights, hybrid.job.checkpointing, hybrid.job.config_checks; "
+    code = ("import sys, hybrid.pretrain, hybrid.hf.weights, hybrid.job.checkpointing, "
+            "hybrid.job.config_checks; "
             "assert 'transformers' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env={"PYTHONPATH": str(ROOT)})
 
