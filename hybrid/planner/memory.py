@@ -9,7 +9,8 @@ Sources:
 - Model states: ZeRO §3.1 (2 + 2 + K bytes/param, K = 12) and §5.1-5.3 (P_os, P_os+g, P_os+g+p).
 
 Two accountings of the model states (``get_precision(name, accounting)``), same sharding rules
-(stage >= 1 shards master + Adam, >= 2 also gradients, 3 also parameters):
+(``hybrid.zero.stage.stage_plan``: stage >= 1 shards master + Adam, >= 2 also gradients, 3 also
+parameters):
 
     =========  ===================  =================================  ==========================
     accounting precision            params  grads  master  Adam (B/param, unsharded)   sum
@@ -36,7 +37,8 @@ import math
 from hybrid.flops import RECOMPUTE_MODES, parameters_per_tp_rank
 from hybrid.model_shape import ModelShape
 from hybrid.planner.precision import Precision, get_precision
-from hybrid.zero.config import ZERO_STAGES
+from hybrid.zero.stage import ZERO_STAGES as ZERO_STAGES  # re-exported for the planner
+from hybrid.zero.stage import stage_plan
 
 ACTIVATION_OPTIONS = ("none", "full", "full+pa", "full+pa+cpu", "selective", "sp", "sp+selective",
                       "full+sp", "full+sp+cpu")
@@ -45,11 +47,6 @@ partitioned checkpoints offloaded to CPU (P_a+cpu); selective recompute of the a
 sequence parallelism (``sp``, 2205.05198 §4.2.2) alone, with selective recompute, with full
 recompute (its checkpoints are already 1/t: P_a adds nothing) and with the checkpoints on CPU."""
 LAYER_RECOMPUTE = ("none", "selective", "full")
-
-
-def _check_stage(stage: int) -> None:
-    if stage not in ZERO_STAGES:
-        raise ValueError(f"ZeRO stage must be one of {ZERO_STAGES}, got {stage!r}")
 
 
 def _check_positive(**values: float) -> None:
@@ -115,17 +112,17 @@ def model_state_bytes(
     also keeps their shard, so they cost Ψ_p/N_d + Ψ_p parameter elements.
     Returns {'params', 'grads', 'master', 'optimizer', 'total'} in bytes.
     """
-    _check_stage(stage)
+    plan = stage_plan(stage)
     _check_positive(dp=dp)
     p = get_precision(precision)
     full = params_per_tp_rank(model_or_params, tp)
     shard = math.ceil(full / dp)
-    whole = persistent_params if stage >= 3 else 0
+    os_, g, ps = plan.shards_optimizer_states, plan.shards_gradients, plan.shards_parameters
     out = {
-        "params": ((shard + whole) if stage >= 3 else full) * p.param_bytes,
-        "grads": (shard if stage >= 2 else full) * p.grad_bytes,
-        "master": (shard if stage >= 1 else full) * p.master_bytes,
-        "optimizer": (shard if stage >= 1 else full) * p.optimizer_bytes,
+        "params": (shard + persistent_params if ps else full) * p.param_bytes,
+        "grads": (shard if g else full) * p.grad_bytes,
+        "master": (shard if os_ else full) * p.master_bytes,
+        "optimizer": (shard if os_ else full) * p.optimizer_bytes,
     }
     out["total"] = sum(out.values())
     return out
@@ -137,10 +134,12 @@ def state_bytes_per_param(stage: int, dp: int, precision: str | Precision = "bf1
     Mixed precision: 16, 4 + 12/N_d, 2 + 14/N_d, 16/N_d for stages 0-3. Used to invert
     ZeRO Table 2 (max model size = memory * tp / this).
     """
-    _check_stage(stage)
+    plan = stage_plan(stage)
     _check_positive(dp=dp)
     p = get_precision(precision)
-    sharded = {0: 0, 1: p.k, 2: p.k + p.grad_bytes, 3: p.state_bytes}[stage]
+    sharded = ((p.k if plan.shards_optimizer_states else 0)
+               + (p.grad_bytes if plan.shards_gradients else 0)
+               + (p.param_bytes if plan.shards_parameters else 0))
     return (p.state_bytes - sharded) + sharded / dp
 
 
@@ -329,15 +328,15 @@ def comm_buffer_bytes(
     Stage 3 also gathers the ``root`` unit (``root_params``: embeddings, final norm, untied
     head) for the whole step and two blocks of ``largest_layer_params`` (current + prefetch).
     """
-    _check_stage(stage)
+    plan = stage_plan(stage)
     _check_positive(dp=dp)
-    if stage == 0:
+    if not plan.shards_optimizer_states:
         return 0
     p = get_precision(precision)
     partition = math.ceil(params_per_rank / dp)
     chunk = min(max(1, reduce_bucket_elements // dp), partition)
     staging = (2 if overlap else 1) * (dp + 1) * chunk * p.grad_bytes
     staging += min(max(1, allgather_bucket_elements // dp), partition) * p.param_bytes
-    if stage < 3:
+    if not plan.shards_parameters:
         return staging
     return staging + (root_params + 2 * largest_layer_params) * p.param_bytes

@@ -15,8 +15,9 @@ Sources:
 
 from __future__ import annotations
 
-from hybrid.planner.memory import ZERO_STAGES, params_per_tp_rank
+from hybrid.planner.memory import params_per_tp_rank
 from hybrid.planner.precision import Precision, get_precision
+from hybrid.zero.stage import stage_plan
 
 
 def _ring(n: int, ring_factor: bool) -> float:
@@ -56,8 +57,7 @@ def dp_traffic_by_kind(
     padding). Times (dp-1)/dp when ``ring_factor`` (an all-reduce counts 2 (dp-1)/dp); all 0 when
     dp == 1.
     """
-    if stage not in ZERO_STAGES:
-        raise ValueError(f"ZeRO stage must be one of {ZERO_STAGES}, got {stage!r}")
+    plan = stage_plan(stage)
     if micro_batches_per_step <= 0:
         raise ValueError(f"micro_batches_per_step must be positive, got {micro_batches_per_step}")
     psi = params_per_tp_rank(model_or_params, tp)
@@ -67,15 +67,13 @@ def dp_traffic_by_kind(
     if grad_reduce not in ("reduce_scatter", "all_reduce"):
         raise ValueError(f"grad_reduce must be 'reduce_scatter' or 'all_reduce', got {grad_reduce!r}")
     out = {"all_reduce": 0.0, "reduce_scatter": 0.0, "all_gather": 0.0}
-    if stage == 0:
+    if not plan.shards_optimizer_states:
         out["all_reduce"] = 2 * psi
-    elif stage < 3:
-        out["reduce_scatter"] = (1 if stage == 1 else m) * psi
-        out["all_gather"] = psi
     else:
-        out["reduce_scatter"] = m * psi
-        out["all_gather"] = 2 * m * (psi - persistent_params) + persistent_params
-    if stage > 0 and grad_reduce == "all_reduce":
+        out["reduce_scatter"] = (m if plan.reduce_every_micro_batch else 1) * psi
+        out["all_gather"] = (2 * m * (psi - persistent_params) + persistent_params
+                             if plan.shards_parameters else psi)
+    if plan.shards_optimizer_states and grad_reduce == "all_reduce":
         out["all_reduce"], out["reduce_scatter"] = 2 * out["reduce_scatter"], 0.0
     return {k: v * ring for k, v in out.items()}
 

@@ -15,12 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from hybrid.config_fields import arg, check_choice, check_int, check_number, fail
+from hybrid.zero.stage import GRAD_REDUCE_OPS, ZERO_STAGES, StagePlan, stage_plan
 
-ZERO_STAGES = (0, 1, 2, 3)
-"""ZeRO stages (arXiv 1910.02054 §5.1-5.3): 0 plain data parallel, 1 P_os, 2 P_os+g, 3 P_os+g+p."""
-
-GRAD_REDUCE_OPS = ("reduce_scatter", "all_reduce")
-"""How a ZeRO 1-3 gradient bucket reaches its owner (``ZeroConfig.grad_reduce``)."""
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """Training precision name -> parameter/compute dtype (master weights and gradients stay fp32)."""
 
@@ -59,19 +55,14 @@ class ZeroConfig:
         return PRECISIONS[self.precision]
 
     @property
-    def shards_optimizer_states(self) -> bool:
-        """Stage >= 1: the fp32 master and Adam moments are partitioned over dp (P_os, §5.1)."""
-        return self.stage >= 1
-
-    @property
-    def shards_gradients(self) -> bool:
-        """Stage >= 2: gradients are reduce-scattered to their owner during every backward (P_g, §5.2)."""
-        return self.stage >= 2
+    def plan(self) -> StagePlan:
+        """What this stage partitions and how it reduces (:func:`hybrid.zero.stage.stage_plan`)."""
+        return stage_plan(self.stage, self.grad_reduce, self.param_persistence_threshold)
 
     @property
     def shards_parameters(self) -> bool:
-        """Stage 3: parameters are partitioned and gathered per unit when used (P_p, §5.3)."""
-        return self.stage >= 3
+        """``plan.shards_parameters`` (still read by ``hybrid.pretrain``)."""
+        return self.plan.shards_parameters
 
     def validate(self) -> None:
         """Check every field.
