@@ -22,9 +22,10 @@ parameters):
     =========  ===================  =================================  ==========================
 
 ``paper`` is ZeRO §3.1 and reproduces the paper's tables. ``engine`` is what
-``hybrid.zero.engine.ZeroEngine`` holds (its ``memory_bytes()``): gradients accumulate and are reduced
-in fp32 (4 B), and the fp32 master is a separate copy even in fp32 training. In both, gradients
-travel at ``grad_bytes`` and gathered parameters at ``param_bytes`` (``hybrid.planner.traffic``).
+``hybrid.zero.engine.ZeroEngine`` holds (its ``memory_bytes()``): gradients accumulate and are
+reduced in fp32 (4 B), and the fp32 master is a separate copy even in fp32 training. In both,
+gradients travel at ``grad_bytes`` and gathered parameters at ``param_bytes``
+(``hybrid.planner.traffic``).
 - Activations: Korthikanti et al. 2022 (2205.05198) §4.1 and Table 2; checkpoints and P_a:
   ZeRO §4.2, §6.1, §8; the 12hbsL rule of thumb: ZeRO §3.2 footnote.
 - Constant-size buffers C_B: ZeRO §6.2 (no size given; our defaults are in ``hybrid.planner.plan``).
@@ -76,7 +77,8 @@ def persistent_parameters(model: object, tp: int, threshold: int) -> int:
     ``threshold`` elements (LayerNorms and biases at real sizes; everything in a toy model).
     Local sizes per layer: qkv [3h/t, h] + [3h/t], proj [h, h/t] + [h], fc1 [f/t, h] + [f/t],
     fc2 [h, f/t] + [h], two LayerNorms 4 x [h]; outside: wte [V/t, h], wpe [s, h], ln_f 2 x [h],
-    untied head [V/t, h]. ``model`` must have a TP-padded vocabulary (``hybrid.parallel.vocab.pad_vocab_size``).
+    untied head [V/t, h]. ``model`` must have a TP-padded vocabulary
+    (``hybrid.parallel.vocab.pad_vocab_size``).
     """
     m = ModelShape.of(model)
     if threshold <= 0:
@@ -166,8 +168,9 @@ def layer_activation_bytes(
     attention 11sbh + 5as^2b, MLP 3sbh + 4sbf, LayerNorms 4sbh. At f = 4h, 2 bytes:
     sbh(34 + 5as/h) with t = 1, sbh(10 + 24/t + 5as/(ht)) with TP, (sbh/t)(34 + 5as/h) with TP+SP,
     minus the 5as^2b/t term with selective recompute, and 2sbh (the layer input) with full
-    recompute (Table 2; /t with SP, whose layer input is the s/t slice). Under TP the 10sbh replicated part is the two LayerNorm inputs, the QKV
-    and fc1 inputs and the two residual dropout masks. Exact integer bytes (ceil of /t).
+    recompute (Table 2; /t with SP, whose layer input is the s/t slice). Under TP the 10sbh
+    replicated part is the two LayerNorm inputs, the QKV and fc1 inputs and the two residual
+    dropout masks. Exact integer bytes (ceil of /t).
     """
     _check_positive(
         seq_length=seq_length,
@@ -238,7 +241,8 @@ def non_layer_activation_bytes(
     """
     s, b, h = seq_length, micro_batch_size, hidden_size
     sliced = s * b * h * mask_bytes + 2 * s * b * h * bytes_per_element
-    return (math.ceil(sliced / tp) if sequence_parallel else sliced) + math.ceil(4 * s * b * vocab_size / tp)
+    logits = math.ceil(4 * s * b * vocab_size / tp)
+    return (math.ceil(sliced / tp) if sequence_parallel else sliced) + logits
 
 
 def activation_bytes(
@@ -268,7 +272,8 @@ def activation_bytes(
     parts = set(option.split("+"))
     sp, full = "sp" in parts, "full" in parts
     s, b, h, a, f = seq_length, micro_batch_size, m.hidden_size, m.num_attention_heads, m.ffn
-    one_layer = layer_activation_bytes(s, b, h, a, tp, f, sp, "selective" if "selective" in parts else "none",
+    recompute = "selective" if "selective" in parts else "none"
+    one_layer = layer_activation_bytes(s, b, h, a, tp, f, sp, recompute,
                                        bytes_per_element=e, mask_bytes=mask_bytes)
     non_layer = non_layer_activation_bytes(s, b, h, m.vocab_size, tp, e, sp, mask_bytes)
     if not full:

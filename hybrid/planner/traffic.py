@@ -7,7 +7,8 @@ reduce-scatter and 2M (n-1)/n for all-reduce. ZeRO §7 drops the (n-1)/n factor;
 
 Sources:
 - Data parallel: ZeRO (1910.02054) §7.1-7.2: 2Ψ for DDP, ZeRO-1 and ZeRO-2, 3Ψ for ZeRO-3;
-  with gradient accumulation, the schedule of ``hybrid.zero.engine.ZeroEngine`` (``dp_traffic_by_kind``).
+  with gradient accumulation, the schedule of ``hybrid.zero.engine.ZeroEngine``
+  (``dp_traffic_by_kind``).
 - Tensor parallel: Megatron-LM (1909.08053) §3 / Fig. 4 (4 all-reduces per layer), Narayanan et al.
   (2104.04473) §3.2 (8bsh(t-1)/t per layer per micro-batch), ZeRO §8 (6 all-reduces with
   recompute, plus one P_a all-gather of the block input).
@@ -65,7 +66,8 @@ def dp_traffic_by_kind(
         raise ValueError(f"persistent_params must be in [0, {psi}], got {persistent_params}")
     m, ring = micro_batches_per_step, _ring(dp, ring_factor)
     if grad_reduce not in ("reduce_scatter", "all_reduce"):
-        raise ValueError(f"grad_reduce must be 'reduce_scatter' or 'all_reduce', got {grad_reduce!r}")
+        raise ValueError(
+            f"grad_reduce must be 'reduce_scatter' or 'all_reduce', got {grad_reduce!r}")
     out = {"all_reduce": 0.0, "reduce_scatter": 0.0, "all_gather": 0.0}
     if not plan.shards_optimizer_states:
         out["all_reduce"] = 2 * psi
@@ -174,7 +176,8 @@ def tp_traffic_elements(
         per_layer += 2 * bsh
     total = num_layers * per_layer
     if vocab_size is not None:
-        total += 2 * 2 * bsh + 3 * 2 * micro_batch_size * seq_length + (bsh if sequence_parallel else 0)
+        total += (2 * 2 * bsh + 3 * 2 * micro_batch_size * seq_length
+                  + (bsh if sequence_parallel else 0))
     return total * _ring(tp, ring_factor)
 
 

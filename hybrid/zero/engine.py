@@ -3,7 +3,8 @@ data-parallel group of a :class:`hybrid.parallel.grid.ProcessGrid`, on each TP r
 
 Usage (one optimizer step of ``m`` micro-batches)::
 
-    engine = ZeroEngine(model, grid, ZeroConfig(stage=2, precision="bf16"), OptimizerConfig(lr=3e-4))
+    engine = ZeroEngine(model, grid, ZeroConfig(stage=2, precision="bf16"),
+                        OptimizerConfig(lr=3e-4))
     for i, (tokens, labels) in enumerate(micro_batches):
         loss = engine.model(tokens, labels).mean() / m
         engine.backward(loss, is_last_micro_batch=(i == m - 1))
@@ -351,12 +352,13 @@ class ZeroEngine:
         """A printable account: layout, bytes held per kind, last iteration's traffic."""
         mib = {k: f"{v / 2**20:.2f} MiB" for k, v in self.memory_bytes().items()}
         traffic = {k: f"{v / 2**20:.2f} MiB" for k, v in self.last_comm_bytes.items()}
-        return (f"ZeRO stage {self.stage} {self.config.precision} dp={self.dp} rank={self.dp_rank}: "
-                f"{self.layout}\n  held: {mib}\n  moved last step: {traffic}")
+        return (f"ZeRO stage {self.stage} {self.config.precision} dp={self.dp} "
+                f"rank={self.dp_rank}: {self.layout}\n  held: {mib}\n  moved last step: {traffic}")
 
     # ---- state export (implemented in hybrid.zero.state) ------------------------------------
     def optimizer_state_by_name(self) -> dict[str, dict[str, torch.Tensor]]:
-        """See :func:`hybrid.zero.state.optimizer_state_by_name` (all-gather; not for checkpoints)."""
+        """See :func:`hybrid.zero.state.optimizer_state_by_name` (all-gather; not for
+        checkpoints)."""
         return state.optimizer_state_by_name(self)
 
     def load_optimizer_state_by_name(self, by_name: dict[str, dict[str, torch.Tensor]]) -> None:

@@ -169,7 +169,8 @@ class GradReducer:
         nstage = 2 if overlap else 1
         scratch = dp * chunk if comm.needs_scratch and not plan.grad_all_reduce else 0
         self.staging = [] if plan.grad_in_place else [
-            tuple(torch.zeros(k, dtype=torch.float32, device=dev) for k in (dp * chunk, chunk, scratch))
+            tuple(torch.zeros(k, dtype=torch.float32, device=dev)
+                  for k in (dp * chunk, chunk, scratch))
             for _ in range(nstage)]
         self.inflight: deque = deque()
         self.reduce_now = False
@@ -211,11 +212,13 @@ class GradReducer:
             with self.timer.phase("hooks"):
                 if not self.plan.shards_gradients:
                     with self.timer.phase("copies"):
-                        self.grad_flat[slot.offset:slot.offset + slot.numel].add_(p.grad.reshape(-1))
+                        flat = self.grad_flat[slot.offset:slot.offset + slot.numel]
+                        flat.add_(p.grad.reshape(-1))
                     p.grad = None
                 elif self.ready[slot.unit]:
                     raise RuntimeError(f"gradient of {slot.name} arrived twice in one backward; "
-                                       "ZeRO stage 2/3 reduces a unit once its gradients are complete")
+                                       "ZeRO stage 2/3 reduces a unit once its gradients are "
+                                       "complete")
                 self.pending[slot.unit] -= 1
                 if self.pending[slot.unit] == 0:
                     self._unit_ready(slot.unit, launch=self.overlap)
@@ -272,7 +275,8 @@ class GradReducer:
                     work = self.comm.all_reduce(inp, async_op=self.overlap)
                     out = inp[self.comm.rank * n:(self.comm.rank + 1) * n]
                 else:
-                    work = self.comm.reduce_scatter(out, inp, async_op=self.overlap, scratch=scratch)
+                    work = self.comm.reduce_scatter(out, inp, async_op=self.overlap,
+                                                    scratch=scratch)
             self.inflight.append((work, bucket, out))
         self.launched += 1
         if not self.overlap:

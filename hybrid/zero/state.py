@@ -93,7 +93,7 @@ def import_state(engine, fill: Fill, step: int, load_optim: bool = True) -> None
     engine.refresh_params()
 
 
-# ---- whole-tensor views (tests, small tools: all-gather over dp) -------------------------------------
+# ---- whole-tensor views (tests, small tools: all-gather over dp) ------------------------------
 @torch.no_grad()
 def full_flat(engine, domain: torch.Tensor) -> torch.Tensor:
     """All-gather a partition-shaped buffer into full flat order (collective over dp)."""
@@ -109,7 +109,8 @@ def full_flat(engine, domain: torch.Tensor) -> torch.Tensor:
 
 
 def _by_name(engine, flats: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
-    return {s.name: {k: v[s.offset:s.offset + s.numel].view(s.shape).clone() for k, v in flats.items()}
+    return {s.name: {k: v[s.offset:s.offset + s.numel].view(s.shape).clone()
+                     for k, v in flats.items()}
             for s in engine.layout.slots}
 
 
@@ -139,7 +140,8 @@ def load_optimizer_state_by_name(engine, state: dict[str, dict[str, torch.Tensor
     for s in engine.layout.slots:
         for k in KINDS:
             if tuple(state[s.name][k].shape) != s.shape:
-                raise ValueError(f"{s.name}.{k}: shape {tuple(state[s.name][k].shape)}, expected {s.shape}")
+                raise ValueError(f"{s.name}.{k}: shape {tuple(state[s.name][k].shape)}, "
+                                 f"expected {s.shape}")
 
     def fill(slot, spec, start, stop, kind, out):
         out.copy_(state[slot.name][kind].reshape(-1)[start:stop])
@@ -156,7 +158,8 @@ def gradients_by_name(engine) -> dict[str, torch.Tensor]:
         RuntimeError: called before a ``backward(..., is_last_micro_batch=True)``.
     """
     if not engine.grads_ready:
-        raise RuntimeError("gradients_by_name() needs a backward(..., is_last_micro_batch=True) first")
+        raise RuntimeError(
+            "gradients_by_name() needs a backward(..., is_last_micro_batch=True) first")
     grads, L = engine.reducer.buffer, engine.layout
     plan = engine.plan
     if plan.shards_optimizer_states and not plan.shards_gradients:

@@ -163,7 +163,8 @@ def bind_parameters(model: nn.Module, layout: PartitionLayout, params: list[torc
                 # ``.data =`` (not ``nn.Parameter(view)``): the parameter keeps its own version
                 # counter, so stage 3's in-place gathers into the unit buffer do not invalidate
                 # what autograd saved from it.
-                q = nn.Parameter(torch.empty(0, dtype=view.dtype, device=view.device), requires_grad=p.requires_grad)
+                q = nn.Parameter(torch.empty(0, dtype=view.dtype, device=view.device),
+                                 requires_grad=p.requires_grad)
                 q.data = view
                 q.__dict__.update({k: v for k, v in p.__dict__.items() if k not in q.__dict__})
                 new[id(p)] = q
