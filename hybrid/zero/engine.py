@@ -10,10 +10,14 @@ Usage (one optimizer step of ``m`` micro-batches)::
         engine.backward(loss, is_last_micro_batch=(i == m - 1))
     info = engine.step(lr)          # info.skipped, info.grad_norm, info.loss_scale
 
-Pieces (one concept per file): :mod:`hybrid.zero.layout` (the one partition layout),
-:mod:`hybrid.zero.reduce` (fp32 accumulation and bucketed gradient reduction),
-:mod:`hybrid.zero.stage3` (parameter gathering), :mod:`hybrid.zero.grad_norm` (the one norm),
-:mod:`hybrid.zero.loss_scaler`, :mod:`hybrid.zero.comm` (collectives with a byte ledger).
+Pieces (one concept per file): :mod:`hybrid.zero.stage` (what the stage partitions, decided
+once), :mod:`hybrid.zero.layout` (the one partition layout), :mod:`hybrid.zero.storage` (the
+flat buffers), :mod:`hybrid.zero.reduce` (fp32 accumulation and bucketed gradient reduction),
+:mod:`hybrid.zero.refresh` (the master back into the parameters), :mod:`hybrid.zero.stage3`
+(parameter gathering), :mod:`hybrid.zero.state` (state export), :mod:`hybrid.zero.grad_norm`
+(the one norm), :mod:`hybrid.zero.loss_scaler`, :mod:`hybrid.zero.comm` (collectives with a
+byte ledger). Only this file reads the engine's private attributes; the others take explicit
+arguments or the engine's public views (``states``, ``plan``, ``opt_params``).
 
 What each stage keeps on a rank, with Psi this TP rank's parameter count (padded to the layout)
 and n the data-parallel size, in bytes for 16-bit training (``memory_bytes``):
