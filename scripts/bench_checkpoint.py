@@ -173,7 +173,7 @@ def load_world(rank: int, world: int, root: str, out_root: str, model_kw: dict, 
     peak = _status("VmHWM") - before
     read = _Counting.total
     share = 0
-    for _, f in engine._opt_params:
+    for _, f in engine.opt_params:
         slot = engine.layout.slots[f.slot]
         spec = get_tp_spec(engine.params[slot.index])
         real = torch.zeros(slot.shape, dtype=torch.bool)

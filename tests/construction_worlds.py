@@ -77,12 +77,13 @@ def _compare(grid, cfg: GPTConfig, stage: int) -> dict:
         return (x.float() - y.float()).abs().max().item()
 
     def compute(e):
-        return e.param_flat if e.param_flat is not None else e.param_shard
+        return e.states.param_flat if e.states.param_flat is not None else e.states.param_shard
 
-    out = dict(master=diff(a.master, b.master), params=diff(compute(a), compute(b)))
+    out = dict(master=diff(a.states.master, b.states.master), params=diff(compute(a), compute(b)))
     ref = GPT(cfg)
     ref.init_weights(SEED + 1)
     a.load_weights(full_weights(ref.state_dict()))
     c = ZeroEngine(parallelize_gpt(ref, grid.tp_group), grid, a.config, a.opt_config)
-    out.update(loaded_master=diff(a.master, c.master), loaded_params=diff(compute(a), compute(c)))
+    out.update(loaded_master=diff(a.states.master, c.states.master),
+               loaded_params=diff(compute(a), compute(c)))
     return out

@@ -180,7 +180,8 @@ def test_component_configs_are_the_sections_and_flags_keep_megatron_names():
     assert isinstance(cfg.zero, ZeroConfig) and isinstance(cfg.optimizer, OptimizerConfig)
     assert isinstance(cfg.activation, ActivationConfig)
     assert (cfg.zero.stage, cfg.zero.precision, cfg.zero.initial_loss_scale) == (3, "bf16", 65536.0)
-    assert cfg.zero.shards_parameters and cfg.zero.shards_gradients and cfg.zero.shards_optimizer_states
+    plan = cfg.zero.plan
+    assert plan.shards_parameters and plan.shards_gradients and plan.shards_optimizer_states
     assert (cfg.optimizer.lr, cfg.optimizer.adam_beta2) == (1e-3, 0.95)
     assert parse_config(BASE + ["--fp16"]).zero.precision == "fp16"
     assert parse_config(BASE).zero.precision == "fp32"

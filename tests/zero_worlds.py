@@ -174,8 +174,9 @@ def _snapshot(engine) -> list[torch.Tensor]:
     """Master weights, Adam moments and every parameter storage the rank holds (stage 3: its
     shard and the persistent parameters; released units have no storage to compare)."""
     held = [p.detach().clone() for p in engine.params if p.untyped_storage().nbytes() > 0]
-    extra = [] if engine.param_shard is None else [engine.param_shard.clone()]
-    return held + extra + [engine.master.clone(), engine.exp_avg.clone(), engine.exp_avg_sq.clone()]
+    st = engine.states
+    extra = [] if st.param_shard is None else [st.param_shard.clone()]
+    return held + extra + [st.master.clone(), st.exp_avg.clone(), st.exp_avg_sq.clone()]
 
 
 def _fp16(grid) -> dict:
@@ -224,7 +225,7 @@ def _bf16(grid) -> dict:
                                        reduce_bucket_size=20_000, allgather_bucket_size=20_000))
             r = train(e, grid, steps=20)
             res[prec] = dict(losses=r["losses"], grad_dtype=e.reducer.buffer.dtype,
-                             master_dtype=e.master.dtype, param_dtype=e.params[0].dtype)
+                             master_dtype=e.states.master.dtype, param_dtype=e.params[0].dtype)
         out[stage] = res
     return out
 
@@ -247,7 +248,8 @@ def _export(grid, rank0: bool) -> dict:
         eval_a = a.eval().model(x, y).mean().item()
         eval_b = b.eval().model(x, y).mean().item()
     released = all(buf.untyped_storage().nbytes() == 0
-                   for u, buf in zip(a.layout.units, a.unit_bufs, strict=True) if not u.persistent)
+                   for u, buf in zip(a.layout.units, a.states.unit_bufs, strict=True)
+                   if not u.persistent)
     a.train()
     x2, y2 = micro_batch(8, grid.dp_rank, grid.dp_size, 0)
     a.backward(a.model(x2, y2).mean(), is_last_micro_batch=True)  # training resumes after eval
@@ -290,7 +292,7 @@ def world_gpu(rank: int, world: int) -> dict:
         e = build(grid, ZeroConfig(**kw))
         r = train(e, grid)
         out[stage] = dict(losses=r["losses"], final={k: v.cpu() for k, v in r["final"].items()},
-                          device=str(e.master.device))
+                          device=str(e.states.master.device))
         b = build(grid, ZeroConfig(precision="bf16", **kw))
         out[(stage, "bf16")] = train(b, grid, steps=3)["losses"]
     return out

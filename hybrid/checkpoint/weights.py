@@ -37,8 +37,8 @@ def load_weights(engine: ZeroEngine, source: Callable[[str], torch.Tensor]) -> N
         return spec.shard(full.float())
 
     engine.load_weights(local)
-    engine.exp_avg.zero_()
-    engine.exp_avg_sq.zero_()
+    engine.states.exp_avg.zero_()
+    engine.states.exp_avg_sq.zero_()
     for state in engine.optimizer.state.values():
         state["step"].zero_()
     engine.optimizer_steps = 0

@@ -116,14 +116,7 @@ class StorageMeter(TorchDispatchMode):
 
 def _engine_tensors(engine) -> list[torch.Tensor]:
     """Every long-lived tensor the engine allocated (for the step's tracker)."""
-    out = [engine.master, engine.exp_avg, engine.exp_avg_sq, engine.reducer.buffer]
-    out += [engine.param_flat] if engine.param_flat is not None else [engine.param_shard]
-    if engine.stage == 3:
-        out += [engine.unit_bufs[u.index] for u in engine.layout.units if u.persistent]
-    out += [t for pair in engine.reducer.staging for t in pair]
-    if engine._ag_staging is not None:
-        out.append(engine._ag_staging)
-    return out
+    return engine.held_tensors()
 
 
 def _host_checkpoint_bytes(engine) -> int:
@@ -170,7 +163,7 @@ def planner_figures(job) -> dict:
     training = Training(
         seq_length=cfg.model.seq_length, micro_batch_size=cfg.training.micro_batch_size,
         global_batch_size=derived.global_batch_size, precision=z.precision, accounting="engine",
-        param_persistence_threshold=z.param_persistence_threshold if z.stage == 3 else 0,
+        param_persistence_threshold=z.plan.persistence_threshold,
         reduce_bucket_elements=z.reduce_bucket_size, allgather_bucket_elements=z.allgather_bucket_size,
         make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by, overlap_comm=z.overlap_comm,
         grad_reduce=z.grad_reduce)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hybrid.planner.plan import Cluster, Training, evaluate
+from hybrid.zero.stage import stage_plan
 
 if TYPE_CHECKING:
     from hybrid.parallel.grid import ProcessGrid
@@ -51,9 +52,10 @@ class CheckRun:
 
     @property
     def name(self) -> str:
+        persist = stage_plan(self.stage, self.grad_reduce,
+                             self.param_persistence_threshold).persistence_threshold
         return (f"tp{self.tp}xdp{self.dp} z{self.stage} {self.precision} m={self.micro_batches}"
-                + (f" persist<{self.param_persistence_threshold}"
-                   if self.stage == 3 and self.param_persistence_threshold else "")
+                + (f" persist<{persist}" if persist else "")
                 + (f" {self.grad_reduce}" if self.grad_reduce != "reduce_scatter" else ""))
 
 

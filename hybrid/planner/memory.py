@@ -9,7 +9,8 @@ Sources:
 - Model states: ZeRO §3.1 (2 + 2 + K bytes/param, K = 12) and §5.1-5.3 (P_os, P_os+g, P_os+g+p).
 
 Two accountings of the model states (``get_precision(name, accounting)``), same sharding rules
-(stage >= 1 shards master + Adam, >= 2 also gradients, 3 also parameters):
+(``hybrid.zero.stage.stage_plan``: stage >= 1 shards master + Adam, >= 2 also gradients, 3 also
+parameters):
 
     =========  ===================  =================================  ==========================
     accounting precision            params  grads  master  Adam (B/param, unsharded)   sum
@@ -21,9 +22,10 @@ Two accountings of the model states (``get_precision(name, accounting)``), same 
     =========  ===================  =================================  ==========================
 
 ``paper`` is ZeRO §3.1 and reproduces the paper's tables. ``engine`` is what
-``hybrid.zero.engine.ZeroEngine`` holds (its ``memory_bytes()``): gradients accumulate and are reduced
-in fp32 (4 B), and the fp32 master is a separate copy even in fp32 training. In both, gradients
-travel at ``grad_bytes`` and gathered parameters at ``param_bytes`` (``hybrid.planner.traffic``).
+``hybrid.zero.engine.ZeroEngine`` holds (its ``memory_bytes()``): gradients accumulate and are
+reduced in fp32 (4 B), and the fp32 master is a separate copy even in fp32 training. In both,
+gradients travel at ``grad_bytes`` and gathered parameters at ``param_bytes``
+(``hybrid.planner.traffic``).
 - Activations: Korthikanti et al. 2022 (2205.05198) §4.1 and Table 2; checkpoints and P_a:
   ZeRO §4.2, §6.1, §8; the 12hbsL rule of thumb: ZeRO §3.2 footnote.
 - Constant-size buffers C_B: ZeRO §6.2 (no size given; our defaults are in ``hybrid.planner.plan``).
@@ -36,7 +38,8 @@ import math
 from hybrid.flops import RECOMPUTE_MODES, parameters_per_tp_rank
 from hybrid.model_shape import ModelShape
 from hybrid.planner.precision import Precision, get_precision
-from hybrid.zero.config import ZERO_STAGES
+from hybrid.zero.stage import ZERO_STAGES as ZERO_STAGES  # re-exported for the planner
+from hybrid.zero.stage import stage_plan
 
 ACTIVATION_OPTIONS = ("none", "full", "full+pa", "full+pa+cpu", "selective", "sp", "sp+selective",
                       "full+sp", "full+sp+cpu")
@@ -45,11 +48,6 @@ partitioned checkpoints offloaded to CPU (P_a+cpu); selective recompute of the a
 sequence parallelism (``sp``, 2205.05198 §4.2.2) alone, with selective recompute, with full
 recompute (its checkpoints are already 1/t: P_a adds nothing) and with the checkpoints on CPU."""
 LAYER_RECOMPUTE = ("none", "selective", "full")
-
-
-def _check_stage(stage: int) -> None:
-    if stage not in ZERO_STAGES:
-        raise ValueError(f"ZeRO stage must be one of {ZERO_STAGES}, got {stage!r}")
 
 
 def _check_positive(**values: float) -> None:
@@ -79,7 +77,8 @@ def persistent_parameters(model: object, tp: int, threshold: int) -> int:
     ``threshold`` elements (LayerNorms and biases at real sizes; everything in a toy model).
     Local sizes per layer: qkv [3h/t, h] + [3h/t], proj [h, h/t] + [h], fc1 [f/t, h] + [f/t],
     fc2 [h, f/t] + [h], two LayerNorms 4 x [h]; outside: wte [V/t, h], wpe [s, h], ln_f 2 x [h],
-    untied head [V/t, h]. ``model`` must have a TP-padded vocabulary (``hybrid.parallel.vocab.pad_vocab_size``).
+    untied head [V/t, h]. ``model`` must have a TP-padded vocabulary
+    (``hybrid.parallel.vocab.pad_vocab_size``).
     """
     m = ModelShape.of(model)
     if threshold <= 0:
@@ -115,17 +114,17 @@ def model_state_bytes(
     also keeps their shard, so they cost Ψ_p/N_d + Ψ_p parameter elements.
     Returns {'params', 'grads', 'master', 'optimizer', 'total'} in bytes.
     """
-    _check_stage(stage)
+    plan = stage_plan(stage)
     _check_positive(dp=dp)
     p = get_precision(precision)
     full = params_per_tp_rank(model_or_params, tp)
     shard = math.ceil(full / dp)
-    whole = persistent_params if stage >= 3 else 0
+    os_, g, ps = plan.shards_optimizer_states, plan.shards_gradients, plan.shards_parameters
     out = {
-        "params": ((shard + whole) if stage >= 3 else full) * p.param_bytes,
-        "grads": (shard if stage >= 2 else full) * p.grad_bytes,
-        "master": (shard if stage >= 1 else full) * p.master_bytes,
-        "optimizer": (shard if stage >= 1 else full) * p.optimizer_bytes,
+        "params": (shard + persistent_params if ps else full) * p.param_bytes,
+        "grads": (shard if g else full) * p.grad_bytes,
+        "master": (shard if os_ else full) * p.master_bytes,
+        "optimizer": (shard if os_ else full) * p.optimizer_bytes,
     }
     out["total"] = sum(out.values())
     return out
@@ -137,10 +136,12 @@ def state_bytes_per_param(stage: int, dp: int, precision: str | Precision = "bf1
     Mixed precision: 16, 4 + 12/N_d, 2 + 14/N_d, 16/N_d for stages 0-3. Used to invert
     ZeRO Table 2 (max model size = memory * tp / this).
     """
-    _check_stage(stage)
+    plan = stage_plan(stage)
     _check_positive(dp=dp)
     p = get_precision(precision)
-    sharded = {0: 0, 1: p.k, 2: p.k + p.grad_bytes, 3: p.state_bytes}[stage]
+    sharded = ((p.k if plan.shards_optimizer_states else 0)
+               + (p.grad_bytes if plan.shards_gradients else 0)
+               + (p.param_bytes if plan.shards_parameters else 0))
     return (p.state_bytes - sharded) + sharded / dp
 
 
@@ -167,8 +168,9 @@ def layer_activation_bytes(
     attention 11sbh + 5as^2b, MLP 3sbh + 4sbf, LayerNorms 4sbh. At f = 4h, 2 bytes:
     sbh(34 + 5as/h) with t = 1, sbh(10 + 24/t + 5as/(ht)) with TP, (sbh/t)(34 + 5as/h) with TP+SP,
     minus the 5as^2b/t term with selective recompute, and 2sbh (the layer input) with full
-    recompute (Table 2; /t with SP, whose layer input is the s/t slice). Under TP the 10sbh replicated part is the two LayerNorm inputs, the QKV
-    and fc1 inputs and the two residual dropout masks. Exact integer bytes (ceil of /t).
+    recompute (Table 2; /t with SP, whose layer input is the s/t slice). Under TP the 10sbh
+    replicated part is the two LayerNorm inputs, the QKV and fc1 inputs and the two residual
+    dropout masks. Exact integer bytes (ceil of /t).
     """
     _check_positive(
         seq_length=seq_length,
@@ -239,7 +241,8 @@ def non_layer_activation_bytes(
     """
     s, b, h = seq_length, micro_batch_size, hidden_size
     sliced = s * b * h * mask_bytes + 2 * s * b * h * bytes_per_element
-    return (math.ceil(sliced / tp) if sequence_parallel else sliced) + math.ceil(4 * s * b * vocab_size / tp)
+    logits = math.ceil(4 * s * b * vocab_size / tp)
+    return (math.ceil(sliced / tp) if sequence_parallel else sliced) + logits
 
 
 def activation_bytes(
@@ -269,7 +272,8 @@ def activation_bytes(
     parts = set(option.split("+"))
     sp, full = "sp" in parts, "full" in parts
     s, b, h, a, f = seq_length, micro_batch_size, m.hidden_size, m.num_attention_heads, m.ffn
-    one_layer = layer_activation_bytes(s, b, h, a, tp, f, sp, "selective" if "selective" in parts else "none",
+    recompute = "selective" if "selective" in parts else "none"
+    one_layer = layer_activation_bytes(s, b, h, a, tp, f, sp, recompute,
                                        bytes_per_element=e, mask_bytes=mask_bytes)
     non_layer = non_layer_activation_bytes(s, b, h, m.vocab_size, tp, e, sp, mask_bytes)
     if not full:
@@ -329,15 +333,15 @@ def comm_buffer_bytes(
     Stage 3 also gathers the ``root`` unit (``root_params``: embeddings, final norm, untied
     head) for the whole step and two blocks of ``largest_layer_params`` (current + prefetch).
     """
-    _check_stage(stage)
+    plan = stage_plan(stage)
     _check_positive(dp=dp)
-    if stage == 0:
+    if not plan.shards_optimizer_states:
         return 0
     p = get_precision(precision)
     partition = math.ceil(params_per_rank / dp)
     chunk = min(max(1, reduce_bucket_elements // dp), partition)
     staging = (2 if overlap else 1) * (dp + 1) * chunk * p.grad_bytes
     staging += min(max(1, allgather_bucket_elements // dp), partition) * p.param_bytes
-    if stage < 3:
+    if not plan.shards_parameters:
         return staging
     return staging + (root_params + 2 * largest_layer_params) * p.param_bytes

@@ -53,6 +53,7 @@ from hybrid.planner.memory import (
 )
 from hybrid.planner.precision import ACCOUNTINGS, get_precision
 from hybrid.planner.traffic import dp_traffic_bytes, tp_traffic_elements
+from hybrid.zero.stage import stage_plan
 
 __all__ = [
     "ACCOUNTINGS",
@@ -253,9 +254,8 @@ def evaluate(
     prec = get_precision(training.precision, training.accounting)
 
     psi_t = params_per_tp_rank(m, tp)
-    persistent = (
-        persistent_parameters(m, tp, training.param_persistence_threshold) if stage == 3 else 0
-    )
+    zero = stage_plan(stage, param_persistence_threshold=training.param_persistence_threshold)
+    persistent = persistent_parameters(m, tp, zero.persistence_threshold)
     states = model_state_bytes(m, tp, dp, stage, prec, persistent)
     acts = activation_bytes(m, s, b, tp, activation, prec)
     layer_sharded, layer_replicated = layer_parameter_split(m)

@@ -7,7 +7,8 @@ reduce-scatter and 2M (n-1)/n for all-reduce. ZeRO §7 drops the (n-1)/n factor;
 
 Sources:
 - Data parallel: ZeRO (1910.02054) §7.1-7.2: 2Ψ for DDP, ZeRO-1 and ZeRO-2, 3Ψ for ZeRO-3;
-  with gradient accumulation, the schedule of ``hybrid.zero.engine.ZeroEngine`` (``dp_traffic_by_kind``).
+  with gradient accumulation, the schedule of ``hybrid.zero.engine.ZeroEngine``
+  (``dp_traffic_by_kind``).
 - Tensor parallel: Megatron-LM (1909.08053) §3 / Fig. 4 (4 all-reduces per layer), Narayanan et al.
   (2104.04473) §3.2 (8bsh(t-1)/t per layer per micro-batch), ZeRO §8 (6 all-reduces with
   recompute, plus one P_a all-gather of the block input).
@@ -15,8 +16,9 @@ Sources:
 
 from __future__ import annotations
 
-from hybrid.planner.memory import ZERO_STAGES, params_per_tp_rank
+from hybrid.planner.memory import params_per_tp_rank
 from hybrid.planner.precision import Precision, get_precision
+from hybrid.zero.stage import stage_plan
 
 
 def _ring(n: int, ring_factor: bool) -> float:
@@ -56,8 +58,7 @@ def dp_traffic_by_kind(
     padding). Times (dp-1)/dp when ``ring_factor`` (an all-reduce counts 2 (dp-1)/dp); all 0 when
     dp == 1.
     """
-    if stage not in ZERO_STAGES:
-        raise ValueError(f"ZeRO stage must be one of {ZERO_STAGES}, got {stage!r}")
+    plan = stage_plan(stage)
     if micro_batches_per_step <= 0:
         raise ValueError(f"micro_batches_per_step must be positive, got {micro_batches_per_step}")
     psi = params_per_tp_rank(model_or_params, tp)
@@ -65,17 +66,16 @@ def dp_traffic_by_kind(
         raise ValueError(f"persistent_params must be in [0, {psi}], got {persistent_params}")
     m, ring = micro_batches_per_step, _ring(dp, ring_factor)
     if grad_reduce not in ("reduce_scatter", "all_reduce"):
-        raise ValueError(f"grad_reduce must be 'reduce_scatter' or 'all_reduce', got {grad_reduce!r}")
+        raise ValueError(
+            f"grad_reduce must be 'reduce_scatter' or 'all_reduce', got {grad_reduce!r}")
     out = {"all_reduce": 0.0, "reduce_scatter": 0.0, "all_gather": 0.0}
-    if stage == 0:
+    if not plan.shards_optimizer_states:
         out["all_reduce"] = 2 * psi
-    elif stage < 3:
-        out["reduce_scatter"] = (1 if stage == 1 else m) * psi
-        out["all_gather"] = psi
     else:
-        out["reduce_scatter"] = m * psi
-        out["all_gather"] = 2 * m * (psi - persistent_params) + persistent_params
-    if stage > 0 and grad_reduce == "all_reduce":
+        out["reduce_scatter"] = (m if plan.reduce_every_micro_batch else 1) * psi
+        out["all_gather"] = (2 * m * (psi - persistent_params) + persistent_params
+                             if plan.shards_parameters else psi)
+    if plan.shards_optimizer_states and grad_reduce == "all_reduce":
         out["all_reduce"], out["reduce_scatter"] = 2 * out["reduce_scatter"], 0.0
     return {k: v * ring for k, v in out.items()}
 
@@ -176,7 +176,8 @@ def tp_traffic_elements(
         per_layer += 2 * bsh
     total = num_layers * per_layer
     if vocab_size is not None:
-        total += 2 * 2 * bsh + 3 * 2 * micro_batch_size * seq_length + (bsh if sequence_parallel else 0)
+        total += (2 * 2 * bsh + 3 * 2 * micro_batch_size * seq_length
+                  + (bsh if sequence_parallel else 0))
     return total * _ring(tp, ring_factor)
 
 

@@ -86,11 +86,13 @@ class DPComm:
 
     def _count(self, op: str, t: torch.Tensor, factor: float = 1.0, kind: str | None = None):
         """One collective on input ``t``: its ring volume (``factor`` x (n-1)/n x ``t``'s bytes)
-        into the ledger under ``kind`` (default ``op``) and, with a recorder, ``(op, elements, dtype)``."""
+        into the ledger under ``kind`` (default ``op``) and, with a recorder,
+        ``(op, elements, dtype)``."""
         if self.recorder is not None:
             self.recorder.append((op, t.numel(), t.dtype))
         if self.size > 1:
-            self.bytes[kind or op] += factor * (self.size - 1) / self.size * t.numel() * t.element_size()
+            self.bytes[kind or op] += (factor * (self.size - 1) / self.size * t.numel()
+                                       * t.element_size())
 
     def all_reduce(self, t: torch.Tensor, async_op: bool = False):
         """Sum ``t`` in place over the group."""
@@ -159,7 +161,8 @@ class DPComm:
         self.bytes.clear()
 
 
-def replay(comm: DPComm, recorded: list, repeats: int = 3, device: str | torch.device = "cpu") -> list[float]:
+def replay(comm: DPComm, recorded: list, repeats: int = 3,
+           device: str | torch.device = "cpu") -> list[float]:
     """Issue ``recorded`` (a :attr:`DPComm.recorder` list, identical on every rank of the group)
     again ``repeats`` times, each collective synchronous, flat (an all-gather into a list runs as
     one into a flat tensor) and implemented as ``comm`` implements it, on zero-filled buffers (one

@@ -15,12 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from hybrid.config_fields import arg, check_choice, check_int, check_number, fail
+from hybrid.zero.stage import GRAD_REDUCE_OPS, ZERO_STAGES, StagePlan, stage_plan
 
-ZERO_STAGES = (0, 1, 2, 3)
-"""ZeRO stages (arXiv 1910.02054 §5.1-5.3): 0 plain data parallel, 1 P_os, 2 P_os+g, 3 P_os+g+p."""
-
-GRAD_REDUCE_OPS = ("reduce_scatter", "all_reduce")
-"""How a ZeRO 1-3 gradient bucket reaches its owner (``ZeroConfig.grad_reduce``)."""
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """Training precision name -> parameter/compute dtype (master weights and gradients stay fp32)."""
 
@@ -29,25 +25,34 @@ PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float
 class ZeroConfig:
     """ZeRO data parallelism over the grid's data-parallel group (arXiv 1910.02054 §5)."""
 
-    stage: int = arg(1, "ZeRO stage over the data-parallel group: 0 (plain data parallel), 1 (+ fp32 master and "
-                        "Adam moments partitioned), 2 (+ gradients reduce-scattered during backward), "
-                        "3 (+ parameters partitioned, gathered per transformer block)", flag="--zero-stage")
-    reduce_bucket_size: int = arg(50_000_000, "gradient reduce bucket size, in elements (all ranks' chunks together)")
-    allgather_bucket_size: int = arg(50_000_000, "parameter all-gather bucket size, in elements (all ranks' chunks)")
+    stage: int = arg(
+        1, "ZeRO stage over the data-parallel group: 0 (plain data parallel), 1 (+ fp32 master "
+           "and Adam moments partitioned), 2 (+ gradients reduce-scattered during backward), "
+           "3 (+ parameters partitioned, gathered per transformer block)", flag="--zero-stage")
+    reduce_bucket_size: int = arg(
+        50_000_000, "gradient reduce bucket size, in elements (all ranks' chunks together)")
+    allgather_bucket_size: int = arg(
+        50_000_000, "parameter all-gather bucket size, in elements (all ranks' chunks)")
     grad_reduce: str = arg(
-        "reduce_scatter", "ZeRO 1-3 gradient collective: reduce_scatter (the ZeRO paper's Psi per step; on gloo "
-                          "an all-to-all + sum) or all_reduce keeping the owned slices (2 Psi)",
+        "reduce_scatter", "ZeRO 1-3 gradient collective: reduce_scatter (the ZeRO paper's Psi "
+                          "per step; on gloo an all-to-all + sum) or all_reduce keeping the owned "
+                          "slices (2 Psi)",
         choices=GRAD_REDUCE_OPS)
-    overlap_comm: bool = arg(True, "overlap gradient communication with backward (off: reduce after backward)")
+    overlap_comm: bool = arg(
+        True, "overlap gradient communication with backward (off: reduce after backward)")
     param_persistence_threshold: int = arg(
-        100_000, "ZeRO-3 keeps parameters with fewer local elements than this unpartitioned (0: none)")
-    precision: str = arg("fp32", "parameter/compute dtype; master weights, gradient accumulation and reduction "
-                                 "stay fp32 (--bf16 / --fp16 set it)", choices=tuple(PRECISIONS),
-                         aliases={"--bf16": "bf16", "--fp16": "fp16"})
+        100_000, "ZeRO-3 keeps parameters with fewer local elements than this unpartitioned "
+                 "(0: none)")
+    precision: str = arg(
+        "fp32", "parameter/compute dtype; master weights, gradient accumulation and reduction "
+                "stay fp32 (--bf16 / --fp16 set it)", choices=tuple(PRECISIONS),
+        aliases={"--bf16": "bf16", "--fp16": "fp16"})
     loss_scale: float | None = arg(None, "static loss scale for fp16 (default: dynamic)")
     initial_loss_scale: float = arg(2.0**32, "initial dynamic fp16 loss scale (a power of two)")
-    loss_scale_window: int = arg(1000, "fp16: clean steps after the last overflow before the scale doubles")
-    hysteresis: int = arg(2, "fp16: overflows tolerated (each still skips its step) before the scale halves")
+    loss_scale_window: int = arg(
+        1000, "fp16: clean steps after the last overflow before the scale doubles")
+    hysteresis: int = arg(
+        2, "fp16: overflows tolerated (each still skips its step) before the scale halves")
     min_loss_scale: float = arg(1.0, "fp16: the dynamic loss scale never goes below this")
 
     def __post_init__(self) -> None:
@@ -59,19 +64,14 @@ class ZeroConfig:
         return PRECISIONS[self.precision]
 
     @property
-    def shards_optimizer_states(self) -> bool:
-        """Stage >= 1: the fp32 master and Adam moments are partitioned over dp (P_os, §5.1)."""
-        return self.stage >= 1
-
-    @property
-    def shards_gradients(self) -> bool:
-        """Stage >= 2: gradients are reduce-scattered to their owner during every backward (P_g, §5.2)."""
-        return self.stage >= 2
+    def plan(self) -> StagePlan:
+        """What this stage partitions and how it reduces (:func:`hybrid.zero.stage.stage_plan`)."""
+        return stage_plan(self.stage, self.grad_reduce, self.param_persistence_threshold)
 
     @property
     def shards_parameters(self) -> bool:
-        """Stage 3: parameters are partitioned and gathered per unit when used (P_p, §5.3)."""
-        return self.stage >= 3
+        """``plan.shards_parameters`` (still read by ``hybrid.pretrain``)."""
+        return self.plan.shards_parameters
 
     def validate(self) -> None:
         """Check every field.
@@ -80,21 +80,23 @@ class ZeroConfig:
             ConfigError: naming the first bad field, its flag and its value.
         """
         check_choice(self, "stage", ZERO_STAGES)
-        for name in ("reduce_bucket_size", "allgather_bucket_size", "loss_scale_window", "hysteresis"):
+        for name in ("reduce_bucket_size", "allgather_bucket_size", "loss_scale_window",
+                     "hysteresis"):
             check_int(self, name, 1)
         check_int(self, "param_persistence_threshold", 0)
         check_choice(self, "precision", tuple(PRECISIONS))
         check_number(self, "loss_scale", 0.0, strict=True, optional=True)
         s = self.initial_loss_scale
-        if not (isinstance(s, int | float) and math.isfinite(s) and s >= 1 and 2 ** round(math.log2(s)) == s):
+        if not (isinstance(s, int | float) and math.isfinite(s) and s >= 1
+                and 2 ** round(math.log2(s)) == s):
             fail(self, "initial_loss_scale", "must be a power of two >= 1")
         check_number(self, "min_loss_scale", 0.0, strict=True)
         if self.loss_scale is not None and self.precision != "fp16":
-            fail(self, "loss_scale", f"a loss scale applies to fp16 only; precision is {self.precision}, "
-                 "which trains without one (drop --loss-scale, or use --fp16)")
+            fail(self, "loss_scale", "a loss scale applies to fp16 only; precision is "
+                 f"{self.precision}, which trains without one (drop --loss-scale, or use --fp16)")
         if self.loss_scale is None and self.min_loss_scale > self.initial_loss_scale:
-            fail(self, "min_loss_scale", f"must be <= --initial-loss-scale {self.initial_loss_scale!r}, "
-                 "where the dynamic loss scale starts")
+            fail(self, "min_loss_scale", "must be <= --initial-loss-scale "
+                 f"{self.initial_loss_scale!r}, where the dynamic loss scale starts")
         check_choice(self, "grad_reduce", GRAD_REDUCE_OPS)
 
 
@@ -102,12 +104,15 @@ class ZeroConfig:
 class OptimizerConfig:
     """AdamW (torch.optim.AdamW, arXiv 1711.05101) with global gradient-norm clipping."""
 
-    lr: float = arg(3e-4, "peak learning rate (the schedule's; ZeroEngine.step(lr) sets it every step)")
-    weight_decay: float = arg(0.01, "AdamW decoupled weight decay (not applied to biases and norms)")
+    lr: float = arg(
+        3e-4, "peak learning rate (the schedule's; ZeroEngine.step(lr) sets it every step)")
+    weight_decay: float = arg(
+        0.01, "AdamW decoupled weight decay (not applied to biases and norms)")
     adam_beta1: float = arg(0.9, "AdamW beta1 (first-moment decay)")
     adam_beta2: float = arg(0.999, "AdamW beta2 (second-moment decay)")
     adam_eps: float = arg(1e-8, "AdamW epsilon")
-    clip_grad: float = arg(1.0, "global gradient-norm clip, L2 over every distinct element (0 disables)")
+    clip_grad: float = arg(
+        1.0, "global gradient-norm clip, L2 over every distinct element (0 disables)")
 
     def __post_init__(self) -> None:
         self.validate()

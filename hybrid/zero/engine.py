@@ -3,16 +3,21 @@ data-parallel group of a :class:`hybrid.parallel.grid.ProcessGrid`, on each TP r
 
 Usage (one optimizer step of ``m`` micro-batches)::
 
-    engine = ZeroEngine(model, grid, ZeroConfig(stage=2, precision="bf16"), OptimizerConfig(lr=3e-4))
+    engine = ZeroEngine(model, grid, ZeroConfig(stage=2, precision="bf16"),
+                        OptimizerConfig(lr=3e-4))
     for i, (tokens, labels) in enumerate(micro_batches):
         loss = engine.model(tokens, labels).mean() / m
         engine.backward(loss, is_last_micro_batch=(i == m - 1))
     info = engine.step(lr)          # info.skipped, info.grad_norm, info.loss_scale
 
-Pieces (one concept per file): :mod:`hybrid.zero.layout` (the one partition layout),
-:mod:`hybrid.zero.reduce` (fp32 accumulation and bucketed gradient reduction),
-:mod:`hybrid.zero.stage3` (parameter gathering), :mod:`hybrid.zero.grad_norm` (the one norm),
-:mod:`hybrid.zero.loss_scaler`, :mod:`hybrid.zero.comm` (collectives with a byte ledger).
+Pieces (one concept per file): :mod:`hybrid.zero.stage` (what the stage partitions, decided
+once), :mod:`hybrid.zero.layout` (the one partition layout), :mod:`hybrid.zero.storage` (the
+flat buffers), :mod:`hybrid.zero.reduce` (fp32 accumulation and bucketed gradient reduction),
+:mod:`hybrid.zero.refresh` (the master back into the parameters), :mod:`hybrid.zero.stage3`
+(parameter gathering), :mod:`hybrid.zero.state` (state export), :mod:`hybrid.zero.grad_norm`
+(the one norm), :mod:`hybrid.zero.loss_scaler`, :mod:`hybrid.zero.comm` (collectives with a
+byte ledger). Only this file reads the engine's private attributes; the others take explicit
+arguments or the engine's public views (``states``, ``plan``, ``opt_params``).
 
 What each stage keeps on a rank, with Psi this TP rank's parameter count (padded to the layout)
 and n the data-parallel size, in bytes for 16-bit training (``memory_bytes``):
@@ -40,15 +45,14 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
-from hybrid.zero import state, storage
+from hybrid.zero import refresh, state, storage
 from hybrid.zero.comm import DPComm
 from hybrid.zero.config import OptimizerConfig, ZeroConfig
 from hybrid.zero.grad_norm import clip_coefficient, global_grad_norm
-from hybrid.zero.layout import PartitionLayout
+from hybrid.zero.layout import Fragment, PartitionLayout
 from hybrid.zero.loss_scaler import LossScaler
 from hybrid.zero.profile import NULL_TIMER
 from hybrid.zero.reduce import GradReducer
-from hybrid.zero.refresh import refresh_params
 from hybrid.zero.stage3 import ParamGatherer
 
 if TYPE_CHECKING:
@@ -94,22 +98,20 @@ class ZeroEngine:
     """
 
     timer = NULL_TIMER  # the per-phase profiler (set_profiler); a no-op by default
-    _push_params = refresh_params  # the master back into the parameters (hybrid.zero.refresh)
 
     def __init__(self, model: nn.Module, grid: ProcessGrid, zero_config: ZeroConfig,
                  optimizer_config: OptimizerConfig, weights: storage.WeightSource | None = None):
-        zero_config.validate()
-        optimizer_config.validate()
         self.model, self.grid = model, grid
         self.config, self.opt_config = zero_config, optimizer_config
-        self.stage, self.dtype = zero_config.stage, zero_config.dtype
+        self.plan = zero_config.plan
+        """What the stage partitions and how it reduces (:mod:`hybrid.zero.stage`)."""
+        self.stage, self.dtype = self.plan.stage, zero_config.dtype
         self.comm = DPComm(grid.dp_group)
         self.dp, self.dp_rank = self.comm.size, self.comm.rank
         self.params = [p for _, p in model.named_parameters()]
-        threshold = zero_config.param_persistence_threshold if zero_config.shards_parameters else 0
-        self.layout = L = PartitionLayout.from_model(model, self.dp, threshold, ALIGN)
+        self.layout = L = PartitionLayout.from_model(
+            model, self.dp, self.plan.persistence_threshold, ALIGN)
         self.own = L.fragments(self.dp_rank)
-        self.opt_frags = self.own if zero_config.shards_optimizer_states else L.whole_fragments()
         self._in_backward = False
         self._grads_ready = False
         self.skipped_steps = 0
@@ -119,28 +121,15 @@ class ZeroEngine:
         """Set by ``hybrid.parallelize.parallelize``: the checkpointing handle, or None."""
         self._build_buffers(weights)
         self.reducer = GradReducer(
-            self.params, L, zero_config, self.comm, zero_config.reduce_bucket_size,
-            zero_config.overlap_comm, on_unit_ready=self._on_unit_ready,
-            grad_reduce=zero_config.grad_reduce)
+            self.params, L, self.plan, self.comm, zero_config.reduce_bucket_size,
+            zero_config.overlap_comm, on_unit_ready=self._on_unit_ready)
         self.gatherer = None
-        if zero_config.shards_parameters:
-            self.gatherer = ParamGatherer(model, L, self.unit_bufs, self.param_shard, self.comm,
-                                          self.ag_chunk, lambda: self._in_backward)
+        if self.plan.shards_parameters:
+            self.gatherer = ParamGatherer(model, L, self.states.unit_bufs, self.states.param_shard,
+                                          self.comm, self.ag_chunk, lambda: self._in_backward)
         self._build_optimizer()
-        counted = [f for f in self.own
-                   if not L.slots[f.slot].tp_replicated or grid.tp_rank == 0]
-        self._norm_counted = [self.reducer.grad_view(f) for f in counted]
-        # Overflow check of the rest of what this rank owns: an inf/NaN anywhere reaches an
-        # owner (the reduction sums it into the owner's slice; stage 0 all-reduces everywhere).
-        self._norm_uncounted = [self.reducer.grad_view(f) for f in self.own
-                                if L.slots[f.slot].tp_replicated and grid.tp_rank != 0]
-        fp16 = zero_config.precision == "fp16"
-        self.scaler = LossScaler(
-            zero_config.loss_scale if zero_config.loss_scale is not None
-            else (zero_config.initial_loss_scale if fp16 else 1.0),
-            dynamic=fp16 and zero_config.loss_scale is None, window=zero_config.loss_scale_window,
-            hysteresis=zero_config.hysteresis, min_scale=zero_config.min_loss_scale)
-        self._scale_loss = fp16
+        self._build_norm_views()
+        self._build_scaler()
 
     # ---- construction ------------------------------------------------------------------------
     @torch.no_grad()
@@ -149,15 +138,14 @@ class ZeroEngine:
         construction peak is the model states plus one unit in fp32, never a second full copy."""
         L, dev = self.layout, self.grid.device
         storage.check_materialised(self.model)
-        st = storage.allocate_states(L, self.config, dev)
-        storage.fill_units(st, L, self.config, self.dp_rank, self.params,
+        self.states = storage.allocate_states(L, self.plan, self.dtype, dev)
+        """The flat buffers this rank holds (:class:`hybrid.zero.storage.FlatStates`)."""
+        storage.fill_units(self.states, L, self.plan, self.dp_rank, self.params,
                            weights or storage.model_weights(self.params))
-        self.params = storage.bind_parameters(self.model, L, self.params, st.unit_bufs)
-        self.master, self.exp_avg, self.exp_avg_sq = st.master, st.exp_avg, st.exp_avg_sq
-        self.param_flat, self.param_shard, self.unit_bufs = st.param_flat, st.param_shard, st.unit_bufs
+        self.params = storage.bind_parameters(self.model, L, self.params, self.states.unit_bufs)
         self.ag_chunk = max(1, self.config.allgather_bucket_size // self.dp)
         self._ag_staging = (torch.empty(min(self.ag_chunk, L.partition_numel), dtype=self.dtype,
-                                        device=dev) if self.config.shards_optimizer_states else None)
+                                        device=dev) if self.plan.shards_optimizer_states else None)
 
     def load_weights(self, weights: storage.WeightSource, units=None) -> None:
         """Set the fp32 master and the compute-dtype parameters from ``weights`` one unit at a
@@ -167,34 +155,57 @@ class ZeroEngine:
         Raises:
             ValueError: a source tensor's shape differs from the local parameter's.
         """
-        st = storage.FlatStates(self.master, self.exp_avg, self.exp_avg_sq, self.param_flat,
-                                self.param_shard, self.unit_bufs)
-        storage.fill_units(st, self.layout, self.config, self.dp_rank, self.params, weights, units)
+        storage.fill_units(self.states, self.layout, self.plan, self.dp_rank, self.params,
+                           weights, units)
 
     def _build_optimizer(self) -> None:
-        L, oc = self.layout, self.opt_config
+        L, oc, st = self.layout, self.opt_config, self.states
+        frags = self.own if self.plan.shards_optimizer_states else L.whole_fragments()
         groups: dict[bool, list] = {False: [], True: []}
-        self._opt_params = []
-        for f in self.opt_frags:
-            mp = nn.Parameter(self.master[f.part_offset:f.part_offset + f.length])
+        self.opt_params: list[tuple[nn.Parameter, Fragment]] = []
+        """AdamW's parameters (1-D views of ``states.master``) with the layout fragment each
+        covers: this rank's partition (stages 1-3) or every whole parameter (stage 0)."""
+        for f in frags:
+            mp = nn.Parameter(st.master[f.part_offset:f.part_offset + f.length])
             mp.grad = self.reducer.grad_view(f)
             groups[L.slots[f.slot].no_decay].append(mp)
-            self._opt_params.append((mp, f))
+            self.opt_params.append((mp, f))
         param_groups = [{"params": groups[nd], "weight_decay": 0.0 if nd else oc.weight_decay}
                         for nd in (False, True) if groups[nd]]
         # On CUDA torch's fused AdamW: one kernel, and no partition-sized temporaries (the
         # default foreach path allocates sqrt(v) for the whole partition: 1 GB at 100B / 400
         # ranks). On CPU the single-tensor path, whose temporaries are one fragment each.
-        fused = True if self.master.device.type == "cuda" else None
-        self.optimizer = torch.optim.AdamW(param_groups, lr=oc.lr, betas=(oc.adam_beta1, oc.adam_beta2),
-                                           eps=oc.adam_eps, fused=fused)
+        fused = True if st.master.device.type == "cuda" else None
+        self.optimizer = torch.optim.AdamW(
+            param_groups, lr=oc.lr, betas=(oc.adam_beta1, oc.adam_beta2), eps=oc.adam_eps,
+            fused=fused)
         # Adam moments live in our flat partitions, so they are allocated once and exportable.
-        for mp, f in self._opt_params:
+        for mp, f in self.opt_params:
             self.optimizer.state[mp] = {
-                "step": torch.tensor(0.0, dtype=torch.float32, device=self.master.device if fused else None),
-                "exp_avg": self.exp_avg[f.part_offset:f.part_offset + f.length],
-                "exp_avg_sq": self.exp_avg_sq[f.part_offset:f.part_offset + f.length],
+                "step": torch.tensor(0.0, dtype=torch.float32,
+                                     device=st.master.device if fused else None),
+                "exp_avg": st.exp_avg[f.part_offset:f.part_offset + f.length],
+                "exp_avg_sq": st.exp_avg_sq[f.part_offset:f.part_offset + f.length],
             }
+
+    def _build_norm_views(self) -> None:
+        L, tp_rank = self.layout, self.grid.tp_rank
+        counted = [f for f in self.own if not L.slots[f.slot].tp_replicated or tp_rank == 0]
+        self._norm_counted = [self.reducer.grad_view(f) for f in counted]
+        # Overflow check of the rest of what this rank owns: an inf/NaN anywhere reaches an
+        # owner (the reduction sums it into the owner's slice; stage 0 all-reduces everywhere).
+        self._norm_uncounted = [self.reducer.grad_view(f) for f in self.own
+                                if L.slots[f.slot].tp_replicated and tp_rank != 0]
+
+    def _build_scaler(self) -> None:
+        zc = self.config
+        fp16 = zc.precision == "fp16"
+        self.scaler = LossScaler(
+            zc.loss_scale if zc.loss_scale is not None
+            else (zc.initial_loss_scale if fp16 else 1.0),
+            dynamic=fp16 and zc.loss_scale is None, window=zc.loss_scale_window,
+            hysteresis=zc.hysteresis, min_scale=zc.min_loss_scale)
+        self._scale_loss = fp16
 
     def _on_unit_ready(self, u: int) -> None:
         if self.gatherer is not None:
@@ -224,7 +235,7 @@ class ZeroEngine:
         last micro-batch's backward; stage 2/3 reduce-scatter during every backward.
         """
         with self.timer.phase("backward"):
-            self.reducer.begin_backward(self.config.shards_gradients or is_last_micro_batch)
+            self.reducer.begin_backward(self.plan.reduce_every_micro_batch or is_last_micro_batch)
             if self._scale_loss:
                 loss = loss.float() * self.scaler.scale
             self._in_backward = True
@@ -265,7 +276,7 @@ class ZeroEngine:
                 g["lr"] = lr
             self.optimizer.step()
         with self.timer.phase("refresh"):
-            self._push_params()
+            self.refresh_params()
         with self.timer.phase("zeroing"):
             self.reducer.zero()
         self.optimizer_steps += 1
@@ -284,6 +295,17 @@ class ZeroEngine:
             h.remove()
         if self.gatherer is not None:
             self.gatherer.remove()
+
+    def refresh_params(self) -> None:
+        """Copy the fp32 master into the compute-dtype parameters (collective over dp at stages
+        1-3; :func:`hybrid.zero.refresh.refresh_params`)."""
+        refresh.refresh_params(self.states, self.layout, self.plan, self.comm, self.ag_chunk,
+                               self._ag_staging)
+
+    @property
+    def grads_ready(self) -> bool:
+        """A ``backward(..., is_last_micro_batch=True)`` has run and ``step`` has not yet."""
+        return self._grads_ready
 
     @property
     def loss_scale(self) -> float:
@@ -305,26 +327,42 @@ class ZeroEngine:
         def nb(t):
             return 0 if t is None else t.numel() * t.element_size()
 
-        if not self.config.shards_parameters:
-            params = nb(self.param_flat)
+        st = self.states
+        if not self.plan.shards_parameters:
+            params = nb(st.param_flat)
         else:
-            params = nb(self.param_shard) + sum(
-                nb(self.unit_bufs[u.index]) for u in self.layout.units if u.persistent)
-        return dict(params=params, grads=nb(self.reducer.buffer), master=nb(self.master),
-                    optimizer=nb(self.exp_avg) + nb(self.exp_avg_sq),
+            params = nb(st.param_shard) + sum(
+                nb(st.unit_bufs[u.index]) for u in self.layout.units if u.persistent)
+        return dict(params=params, grads=nb(self.reducer.buffer), master=nb(st.master),
+                    optimizer=nb(st.exp_avg) + nb(st.exp_avg_sq),
                     buffers=self.reducer.staging_bytes() + nb(self._ag_staging),
                     gathered_peak=self.gatherer.peak_bytes if self.gatherer else 0)
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """Every long-lived tensor this rank allocated: the model states, the gradient buffer,
+        the compute-dtype parameters (stage 3: shard and persistent units) and the staging
+        buffers (for memory meters such as ``hybrid.dry_run``)."""
+        st = self.states
+        out = [st.master, st.exp_avg, st.exp_avg_sq, self.reducer.buffer]
+        out += [st.param_flat] if st.param_flat is not None else [st.param_shard]
+        if self.plan.shards_parameters:
+            out += [st.unit_bufs[u.index] for u in self.layout.units if u.persistent]
+        out += [t for pair in self.reducer.staging for t in pair]
+        if self._ag_staging is not None:
+            out.append(self._ag_staging)
+        return out
 
     def summary(self) -> str:
         """A printable account: layout, bytes held per kind, last iteration's traffic."""
         mib = {k: f"{v / 2**20:.2f} MiB" for k, v in self.memory_bytes().items()}
         traffic = {k: f"{v / 2**20:.2f} MiB" for k, v in self.last_comm_bytes.items()}
-        return (f"ZeRO stage {self.stage} {self.config.precision} dp={self.dp} rank={self.dp_rank}: "
-                f"{self.layout}\n  held: {mib}\n  moved last step: {traffic}")
+        return (f"ZeRO stage {self.stage} {self.config.precision} dp={self.dp} "
+                f"rank={self.dp_rank}: {self.layout}\n  held: {mib}\n  moved last step: {traffic}")
 
     # ---- state export (implemented in hybrid.zero.state) ------------------------------------
     def optimizer_state_by_name(self) -> dict[str, dict[str, torch.Tensor]]:
-        """See :func:`hybrid.zero.state.optimizer_state_by_name` (all-gather; not for checkpoints)."""
+        """See :func:`hybrid.zero.state.optimizer_state_by_name` (all-gather; not for
+        checkpoints)."""
         return state.optimizer_state_by_name(self)
 
     def load_optimizer_state_by_name(self, by_name: dict[str, dict[str, torch.Tensor]]) -> None:

@@ -178,7 +178,8 @@ class PartitionLayout:
             spec = get_tp_spec(p)
             entries.append((clean_name(name), tuple(p.shape), spec.replicated,
                             no_weight_decay(name, p), unit))
-        order = [PERSISTENT, ROOT] + [f"layers.{i}" for i in range(len(getattr(model, "layers", [])))]
+        blocks = range(len(getattr(model, "layers", [])))
+        order = [PERSISTENT, ROOT] + [f"layers.{i}" for i in blocks]
         return cls(entries, order, dp, align, persistent_units=(PERSISTENT,))
 
     # ---- ownership ------------------------------------------------------------------------

@@ -34,9 +34,9 @@ from dataclasses import dataclass
 import torch
 
 from hybrid.zero.comm import DPComm
-from hybrid.zero.config import ZeroConfig
 from hybrid.zero.layout import PartitionLayout
 from hybrid.zero.profile import NULL_TIMER
+from hybrid.zero.stage import StagePlan
 
 
 @dataclass(frozen=True)
@@ -79,72 +79,99 @@ class ReduceBucket:
     copy_out: tuple[FlatCopy, ...] = ()
 
 
+@dataclass(frozen=True)
+class ReducePlan:
+    """The static reduction plan of one rank: the same collectives in the same order on every
+    rank (only ``copy_out`` differs, by the rank's own shard)."""
+
+    buckets: tuple[ReduceBucket, ...]
+    """In launch order (last block first)."""
+    chunk: int
+    """Elements of every rank's chunk of a staged bucket (0: reduced in place, no staging)."""
+    unit_buckets: tuple[int, ...]
+    """Per layout unit, how many buckets touch it (its gradients are freed after the last)."""
+
+
+def reduce_plan(layout: PartitionLayout, plan: StagePlan, dp: int, rank: int,
+                bucket_size: int) -> ReducePlan:
+    """The buckets data-parallel rank ``rank`` of ``dp`` reduces, for the stage's ``plan``.
+
+    In place (stage 0; stage 1 by all-reduce): ranges of the full flat buffer of about
+    ``bucket_size`` elements. Otherwise every bucket is a range of the partition of ``chunk =
+    min(bucket_size // dp, partition_numel)`` elements whose reduce-scatter input gathers, for
+    each rank ``r``, rank ``r``'s shard of the same range (from the full flat gradient at stage
+    1, from the parameters' ``.grad`` at stages 2/3). No collective, no tensor.
+    """
+    L = layout
+    if plan.grad_in_place:
+        buckets = tuple(ReduceBucket(a, b, tuple(L.units_of_flat(a, b)))
+                        for a, b in L.flat_buckets(bucket_size))
+        chunk = 0
+    else:
+        chunk = min(max(1, bucket_size // dp), L.partition_numel)
+        buckets = tuple(_staged_bucket(L, a, b, dp, rank, plan.shards_gradients)
+                        for a, b in L.reduce_buckets(chunk))
+    unit_buckets = [0] * len(L.units)
+    for bucket in buckets:
+        for u in bucket.units:
+            unit_buckets[u] += 1
+    return ReducePlan(buckets, chunk, tuple(unit_buckets))
+
+
+def _staged_bucket(L: PartitionLayout, a: int, b: int, dp: int, rank: int,
+                   from_params: bool) -> ReduceBucket:
+    """Partition range ``[a, b)`` as one staged bucket: rank ``r``'s shard of it lands at
+    ``[r * (b - a), (r + 1) * (b - a))`` of the reduce-scatter input."""
+    n, ins, outs, units = b - a, [], [], []
+    q = 0
+    for pc in L.pieces(a, b):
+        u = L.units[pc.unit]
+        units.append(pc.unit)
+        length = pc.hi - pc.lo
+        for r in range(dp):
+            src = u.offset + r * u.shard + pc.lo
+            if not from_params:
+                ins.append(FlatCopy(src, r * n + q, length))
+            else:
+                ins.extend(GradCopy(s, ps, r * n + q + rel, ln)
+                           for s, ps, ln, rel in L.segments(src, length))
+        outs.append(FlatCopy(q, u.offset + rank * u.shard + pc.lo, length))
+        q += length
+    return ReduceBucket(a, b, tuple(units), tuple(ins), tuple(outs))
+
+
 class GradReducer:
     """Args:
         params: the model's parameters in layout order (``layout.slots[i]`` is ``params[i]``).
         layout: the partition layout.
-        config: the engine's ZeRO config (which states are sharded).
+        plan: the engine's stage plan (what is partitioned, which collective, in place or not).
         comm: data-parallel collectives with a byte ledger.
         bucket_size: elements per reduction bucket, all ranks' chunks together.
         overlap: reduce during backward (True) or after it.
         on_unit_ready: called with a unit index once all its gradients have accumulated in
             this backward (stage 3 releases the unit's gathered parameters there).
-        grad_reduce: "reduce_scatter" or "all_reduce" (``ZeroConfig.grad_reduce``).
     """
 
     timer = NULL_TIMER
     """A :class:`hybrid.zero.profile.PhaseTimer` while profiling (hooks, copies, grad_comm)."""
 
-    def __init__(self, params, layout: PartitionLayout, config: ZeroConfig, comm: DPComm,
-                 bucket_size: int, overlap: bool, on_unit_ready=None,
-                 grad_reduce: str = "reduce_scatter"):
-        self.params, self.layout, self.comm = params, layout, comm
-        self.scatter = config.shards_optimizer_states
-        """Reduce-scatter to owners (stages 1-3) instead of all-reduce (stage 0)."""
-        self.partitioned = config.shards_gradients
-        """Each rank keeps only its partition of the gradient (stages 2-3), reduced every backward."""
-        self.all_reduce = grad_reduce == "all_reduce"
-        self.in_place = not self.scatter or (not self.partitioned and self.all_reduce)
-        """Stage 0, and stage 1 by all-reduce: the full flat buffer is reduced in place."""
+    def __init__(self, params, layout: PartitionLayout, plan: StagePlan, comm: DPComm,
+                 bucket_size: int, overlap: bool, on_unit_ready=None):
+        self.params, self.layout, self.plan, self.comm = params, layout, plan, comm
         self.overlap, self.on_unit_ready = overlap, on_unit_ready
-        dp, rank, L = comm.size, comm.rank, layout
-        dev = params[0].device
-        if not self.partitioned:
-            self.grad_flat = torch.zeros(L.total_numel, dtype=torch.float32, device=dev)
+        dp, dev = comm.size, params[0].device
+        if not plan.shards_gradients:
+            self.grad_flat = torch.zeros(layout.total_numel, dtype=torch.float32, device=dev)
         else:
-            self.grad_part = torch.zeros(L.partition_numel, dtype=torch.float32, device=dev)
-        self.buckets: list[ReduceBucket] = []
-        if self.in_place:
-            self.buckets = [ReduceBucket(a, b, tuple(L.units_of_flat(a, b))) for a, b in L.flat_buckets(bucket_size)]
-            chunk = 0
-        else:
-            chunk = min(max(1, bucket_size // dp), L.partition_numel)
-            for a, b in L.reduce_buckets(chunk):
-                n, ins, outs, units = b - a, [], [], []
-                q = 0
-                for pc in L.pieces(a, b):
-                    u = L.units[pc.unit]
-                    units.append(pc.unit)
-                    length = pc.hi - pc.lo
-                    for r in range(dp):
-                        src = u.offset + r * u.shard + pc.lo
-                        if not self.partitioned:
-                            ins.append(FlatCopy(src, r * n + q, length))
-                        else:
-                            ins.extend(GradCopy(s, ps, r * n + q + rel, ln)
-                                       for s, ps, ln, rel in L.segments(src, length))
-                    outs.append(FlatCopy(q, u.offset + rank * u.shard + pc.lo, length))
-                    q += length
-                self.buckets.append(ReduceBucket(a, b, tuple(units), tuple(ins), tuple(outs)))
+            self.grad_part = torch.zeros(layout.partition_numel, dtype=torch.float32, device=dev)
+        rp = reduce_plan(layout, plan, dp, comm.rank, bucket_size)
+        self.buckets, self.unit_buckets, chunk = rp.buckets, rp.unit_buckets, rp.chunk
         nstage = 2 if overlap else 1
-        scratch = dp * chunk if comm.needs_scratch and not self.all_reduce else 0
-        self.staging = [] if self.in_place else [
-            tuple(torch.zeros(k, dtype=torch.float32, device=dev) for k in (dp * chunk, chunk, scratch))
+        scratch = dp * chunk if comm.needs_scratch and not plan.grad_all_reduce else 0
+        self.staging = [] if plan.grad_in_place else [
+            tuple(torch.zeros(k, dtype=torch.float32, device=dev)
+                  for k in (dp * chunk, chunk, scratch))
             for _ in range(nstage)]
-        self.unit_buckets = [0] * len(L.units)
-        for bucket in self.buckets:
-            for u in bucket.units:
-                self.unit_buckets[u] += 1
         self.inflight: deque = deque()
         self.reduce_now = False
         self._reset()
@@ -183,13 +210,15 @@ class GradReducer:
 
         def hook(p: torch.Tensor) -> None:
             with self.timer.phase("hooks"):
-                if not self.partitioned:
+                if not self.plan.shards_gradients:
                     with self.timer.phase("copies"):
-                        self.grad_flat[slot.offset:slot.offset + slot.numel].add_(p.grad.reshape(-1))
+                        flat = self.grad_flat[slot.offset:slot.offset + slot.numel]
+                        flat.add_(p.grad.reshape(-1))
                     p.grad = None
                 elif self.ready[slot.unit]:
                     raise RuntimeError(f"gradient of {slot.name} arrived twice in one backward; "
-                                       "ZeRO stage 2/3 reduces a unit once its gradients are complete")
+                                       "ZeRO stage 2/3 reduces a unit once its gradients are "
+                                       "complete")
                 self.pending[slot.unit] -= 1
                 if self.pending[slot.unit] == 0:
                     self._unit_ready(slot.unit, launch=self.overlap)
@@ -213,7 +242,7 @@ class GradReducer:
     def _launch(self, bucket: ReduceBucket) -> None:
         a, b = bucket.start, bucket.end
         inv = 1.0 / self.comm.size
-        if self.in_place:
+        if self.plan.grad_in_place:
             view = self.grad_flat[a:b]
             if inv != 1.0:
                 with self.timer.phase("copies"):
@@ -229,7 +258,7 @@ class GradReducer:
             inp, out = self.staging[k][0][:self.comm.size * n], self.staging[k][1][:n]
             scratch = self.staging[k][2] if self.staging[k][2].numel() else None
             with self.timer.phase("copies"):
-                if not self.partitioned:
+                if not self.plan.shards_gradients:
                     for c in bucket.copy_in:
                         inp[c.dst:c.dst + c.length].copy_(self.grad_flat[c.src:c.src + c.length])
                 else:
@@ -242,11 +271,12 @@ class GradReducer:
                 if inv != 1.0:
                     inp.mul_(inv)
             with self.timer.phase("grad_comm"):
-                if self.all_reduce:
+                if self.plan.grad_all_reduce:
                     work = self.comm.all_reduce(inp, async_op=self.overlap)
                     out = inp[self.comm.rank * n:(self.comm.rank + 1) * n]
                 else:
-                    work = self.comm.reduce_scatter(out, inp, async_op=self.overlap, scratch=scratch)
+                    work = self.comm.reduce_scatter(out, inp, async_op=self.overlap,
+                                                    scratch=scratch)
             self.inflight.append((work, bucket, out))
         self.launched += 1
         if not self.overlap:
@@ -257,28 +287,28 @@ class GradReducer:
         with self.timer.phase("grad_comm"):
             work.wait()
         with self.timer.phase("copies"):
-            if self.partitioned:
+            if self.plan.shards_gradients:
                 self.grad_part[bucket.start:bucket.end].add_(out)
-            elif not self.in_place:
+            elif not self.plan.grad_in_place:
                 for c in bucket.copy_out:
                     self.grad_flat[c.dst:c.dst + c.length].copy_(out[c.src:c.src + c.length])
         for u in bucket.units:
             self.left[u] -= 1
-            if self.left[u] == 0 and self.partitioned:
+            if self.left[u] == 0 and self.plan.shards_gradients:
                 for s in self.layout.units[u].slots:
                     self.params[s].grad = None
 
     # ---- views for the optimizer and the norm ---------------------------------------------
     def grad_view(self, frag) -> torch.Tensor:
         """fp32 gradient of a fragment (stage 0/1: in the full flat; 2/3: in the partition)."""
-        if not self.partitioned:
+        if not self.plan.shards_gradients:
             return self.grad_flat[frag.flat_offset:frag.flat_offset + frag.length]
         return self.grad_part[frag.part_offset:frag.part_offset + frag.length]
 
     @property
     def buffer(self) -> torch.Tensor:
         """The whole fp32 gradient buffer this rank holds."""
-        return self.grad_part if self.partitioned else self.grad_flat
+        return self.grad_part if self.plan.shards_gradients else self.grad_flat
 
     def staging_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for pair in self.staging for t in pair)

@@ -71,7 +71,8 @@ class ParamGatherer:
         self.works: list[list] = [[] for _ in layout.units]
         self.live_bytes = self.peak_bytes = 0
         index = {u.name: u.index for u in layout.units}
-        self.root = index.get(ROOT) if index.get(ROOT) is not None and self.managed[index[ROOT]] else None
+        root = index.get(ROOT)
+        self.root = root if root is not None and self.managed[root] else None
         self.blocks = []
         for i in range(len(getattr(model, "layers", []))):
             u = index.get(f"layers.{i}")
@@ -82,8 +83,10 @@ class ParamGatherer:
         self.handles = [model.register_forward_pre_hook(self._model_pre),
                         model.register_forward_hook(self._model_post)]
         for i, block in enumerate(getattr(model, "layers", [])):
-            self.handles.append(block.register_forward_pre_hook(functools.partial(self._block_pre, i)))
-            self.handles.append(block.register_forward_hook(functools.partial(self._block_post, i)))
+            self.handles.append(
+                block.register_forward_pre_hook(functools.partial(self._block_pre, i)))
+            self.handles.append(
+                block.register_forward_hook(functools.partial(self._block_post, i)))
 
     # ---- gather / release ------------------------------------------------------------------
     def _nbytes(self, u: int) -> int:

@@ -41,12 +41,12 @@ class OwnedFragment:
 
 
 def _domain_offset(engine, f: Fragment) -> int:
-    return f.part_offset if engine.config.shards_optimizer_states else f.flat_offset
+    return f.part_offset if engine.plan.shards_optimizer_states else f.flat_offset
 
 
 def _views(engine, f: Fragment) -> dict[str, torch.Tensor]:
     o = _domain_offset(engine, f)
-    return {k: getattr(engine, k)[o:o + f.length] for k in KINDS}
+    return {k: getattr(engine.states, k)[o:o + f.length] for k in KINDS}
 
 
 def owned_state(engine) -> Iterator[OwnedFragment]:
@@ -63,8 +63,8 @@ def owned_state(engine) -> Iterator[OwnedFragment]:
 
 def optimizer_step(engine) -> int:
     """AdamW's step count (the same for every parameter)."""
-    if engine._opt_params:
-        return int(engine.optimizer.state[engine._opt_params[0][0]]["step"].item())
+    if engine.opt_params:
+        return int(engine.optimizer.state[engine.opt_params[0][0]]["step"].item())
     return engine.optimizer_steps
 
 
@@ -80,7 +80,7 @@ def import_state(engine, fill: Fill, step: int, load_optim: bool = True) -> None
     for stages 1-3, like a ``step``). With ``load_optim=False`` only ``master`` is filled;
     the moments are zeroed.
     """
-    for mp, f in engine._opt_params:
+    for mp, f in engine.opt_params:
         slot = engine.layout.slots[f.slot]
         spec = get_tp_spec(engine.params[slot.index])
         for kind, view in _views(engine, f).items():
@@ -90,14 +90,14 @@ def import_state(engine, fill: Fill, step: int, load_optim: bool = True) -> None
                 view.zero_()
         engine.optimizer.state[mp]["step"].fill_(float(step))
     engine.optimizer_steps = int(step)
-    engine._push_params()
+    engine.refresh_params()
 
 
-# ---- whole-tensor views (tests, small tools: all-gather over dp) -------------------------------------
+# ---- whole-tensor views (tests, small tools: all-gather over dp) ------------------------------
 @torch.no_grad()
 def full_flat(engine, domain: torch.Tensor) -> torch.Tensor:
     """All-gather a partition-shaped buffer into full flat order (collective over dp)."""
-    if not engine.config.shards_optimizer_states:
+    if not engine.plan.shards_optimizer_states:
         return domain
     L = engine.layout
     out = torch.empty(L.total_numel, dtype=domain.dtype, device=domain.device)
@@ -109,7 +109,8 @@ def full_flat(engine, domain: torch.Tensor) -> torch.Tensor:
 
 
 def _by_name(engine, flats: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
-    return {s.name: {k: v[s.offset:s.offset + s.numel].view(s.shape).clone() for k, v in flats.items()}
+    return {s.name: {k: v[s.offset:s.offset + s.numel].view(s.shape).clone()
+                     for k, v in flats.items()}
             for s in engine.layout.slots}
 
 
@@ -117,7 +118,7 @@ def optimizer_state_by_name(engine) -> dict[str, dict[str, torch.Tensor]]:
     """``{name: {"master", "exp_avg", "exp_avg_sq", "step"}}``: fp32 tensors with the shape of
     this TP rank's local parameter (not partitioned over dp, no ZeRO padding; the TP padding of
     vocabulary rows is part of the local shape); ``step`` is a 0-d tensor. Collective over dp."""
-    out = _by_name(engine, {k: full_flat(engine, getattr(engine, k)) for k in KINDS})
+    out = _by_name(engine, {k: full_flat(engine, getattr(engine.states, k)) for k in KINDS})
     step = optimizer_step(engine)
     for entry in out.values():
         entry["step"] = torch.tensor(float(step))
@@ -139,7 +140,8 @@ def load_optimizer_state_by_name(engine, state: dict[str, dict[str, torch.Tensor
     for s in engine.layout.slots:
         for k in KINDS:
             if tuple(state[s.name][k].shape) != s.shape:
-                raise ValueError(f"{s.name}.{k}: shape {tuple(state[s.name][k].shape)}, expected {s.shape}")
+                raise ValueError(f"{s.name}.{k}: shape {tuple(state[s.name][k].shape)}, "
+                                 f"expected {s.shape}")
 
     def fill(slot, spec, start, stop, kind, out):
         out.copy_(state[slot.name][kind].reshape(-1)[start:stop])
@@ -155,23 +157,26 @@ def gradients_by_name(engine) -> dict[str, torch.Tensor]:
     Raises:
         RuntimeError: called before a ``backward(..., is_last_micro_batch=True)``.
     """
-    if not engine._grads_ready:
-        raise RuntimeError("gradients_by_name() needs a backward(..., is_last_micro_batch=True) first")
+    if not engine.grads_ready:
+        raise RuntimeError(
+            "gradients_by_name() needs a backward(..., is_last_micro_batch=True) first")
     grads, L = engine.reducer.buffer, engine.layout
-    if engine.config.shards_optimizer_states and not engine.config.shards_gradients:  # full-size buffer, only own shards hold the dp sum
+    plan = engine.plan
+    if plan.shards_optimizer_states and not plan.shards_gradients:
+        # a full-size buffer in which only the owned shards hold the dp sum
         owned = grads.new_empty(L.partition_numel)
         for u in L.units:
             start = u.offset + engine.grid.dp_rank * u.shard
             owned[u.part_offset:u.part_offset + u.shard] = grads[start:start + u.shard]
         grads = owned
-    full = full_flat(engine, grads) if engine.config.shards_optimizer_states else grads
+    full = full_flat(engine, grads) if plan.shards_optimizer_states else grads
     return {k: v["grad"] for k, v in _by_name(engine, {"grad": full}).items()}
 
 
 def model_state_dict_full(engine) -> dict[str, torch.Tensor]:
     """The full single-process fp32 state dict (from the master weights), identical on every
     rank. Collective over dp and tp."""
-    flat = full_flat(engine, engine.master)
+    flat = full_flat(engine, engine.states.master)
     return {s.name: gather_full_tensor(flat[s.offset:s.offset + s.numel].view(s.shape),
                                        get_tp_spec(engine.params[s.index]), engine.grid.tp_group)
             for s in engine.layout.slots}

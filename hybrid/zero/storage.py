@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from hybrid.zero.config import ZeroConfig
 from hybrid.zero.layout import PartitionLayout
+from hybrid.zero.stage import StagePlan
 
 WeightSource = Callable[[str, torch.Tensor], torch.Tensor]
 
@@ -69,17 +69,18 @@ def model_weights(params: list[torch.Tensor]) -> WeightSource:
 
 
 @torch.no_grad()
-def allocate_states(layout: PartitionLayout, config: ZeroConfig, device: torch.device) -> FlatStates:
-    """Zero-filled steady-state buffers in ``config``'s compute dtype; stage 3's non-persistent
-    unit buffers are created without storage (the parameter views are bound by
+def allocate_states(layout: PartitionLayout, plan: StagePlan, dtype: torch.dtype,
+                    device: torch.device) -> FlatStates:
+    """Zero-filled steady-state buffers, parameters in the compute ``dtype``; stage 3's
+    non-persistent unit buffers are created without storage (the parameter views are bound by
     :func:`bind_parameters`)."""
-    L, dtype = layout, config.dtype
-    domain = L.partition_numel if config.shards_optimizer_states else L.total_numel
+    L = layout
+    domain = L.partition_numel if plan.shards_optimizer_states else L.total_numel
     master = torch.zeros(domain, dtype=torch.float32, device=device)
     exp_avg = torch.zeros(domain, dtype=torch.float32, device=device)
     exp_avg_sq = torch.zeros(domain, dtype=torch.float32, device=device)
     param_flat = param_shard = None
-    if not config.shards_parameters:
+    if not plan.shards_parameters:
         param_flat = torch.zeros(L.total_numel, dtype=dtype, device=device)
         bufs = [param_flat[u.offset:u.offset + u.padded] for u in L.units]
     else:
@@ -96,7 +97,7 @@ def _unallocated(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tens
 
 
 @torch.no_grad()
-def fill_units(states: FlatStates, layout: PartitionLayout, config: ZeroConfig, dp_rank: int,
+def fill_units(states: FlatStates, layout: PartitionLayout, plan: StagePlan, dp_rank: int,
                params: list[torch.Tensor], source: WeightSource, units=None) -> None:
     """Set the fp32 master weights and the compute-dtype parameters of ``units`` (default:
     all, in flat order) from ``source``, one unit at a time; no collective, every rank reads
@@ -121,14 +122,14 @@ def fill_units(states: FlatStates, layout: PartitionLayout, config: ZeroConfig, 
             unit[s.offset - u.offset:s.offset - u.offset + s.numel].copy_(value.reshape(-1))
             del value
         own = unit[dp_rank * u.shard:(dp_rank + 1) * u.shard]
-        if not config.shards_optimizer_states:
+        if not plan.shards_optimizer_states:
             states.master[u.offset:u.offset + u.padded].copy_(unit)
         else:
             states.master[u.part_offset:u.part_offset + u.shard].copy_(own)
-        if config.shards_parameters:
+        if plan.shards_parameters:
             states.param_shard[u.part_offset:u.part_offset + u.shard].copy_(own)
         buf = states.unit_bufs[ui]
-        if not config.shards_parameters or u.persistent:
+        if not plan.shards_parameters or u.persistent:
             buf.copy_(unit)
         elif buf.untyped_storage().nbytes():  # a gathered stage-3 unit: keep it consistent
             buf.copy_(unit)
@@ -162,7 +163,8 @@ def bind_parameters(model: nn.Module, layout: PartitionLayout, params: list[torc
                 # ``.data =`` (not ``nn.Parameter(view)``): the parameter keeps its own version
                 # counter, so stage 3's in-place gathers into the unit buffer do not invalidate
                 # what autograd saved from it.
-                q = nn.Parameter(torch.empty(0, dtype=view.dtype, device=view.device), requires_grad=p.requires_grad)
+                q = nn.Parameter(torch.empty(0, dtype=view.dtype, device=view.device),
+                                 requires_grad=p.requires_grad)
                 q.data = view
                 q.__dict__.update({k: v for k, v in p.__dict__.items() if k not in q.__dict__})
                 new[id(p)] = q
