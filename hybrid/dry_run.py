@@ -157,7 +157,7 @@ def planner_figures(cfg, derived) -> dict:
     from hybrid.planner.plan import Cluster, Training, evaluate
 
     a, z = cfg.activation, cfg.zero
-    sp = "+sp" if cfg.grid.sequence_parallel and derived.tp > 1 else ""
+    sp = "+sp" if cfg.grid.sequence_parallel_active else ""
     if a.checkpoint_activations:
         activation = ("full" + sp + "+cpu" if sp and a.checkpoint_in_cpu else "full" + sp if sp else
                       "full+pa+cpu" if a.checkpoint_in_cpu else "full+pa" if a.partition_activations else "full")

@@ -176,7 +176,7 @@ def header(cfg, derived) -> str:
     """The run's one-line setup: grid, batch, model, ZeRO stage and precision, and the
     activation-memory options (sequence parallelism, recompute, ZeRO-R P_a / cpu / MD)."""
     a = cfg.activation
-    act = ["sequence parallel"] if cfg.grid.sequence_parallel and derived.tp > 1 else []
+    act = ["sequence parallel"] if cfg.grid.sequence_parallel_active else []
     if a.selective_recompute:
         act.append("selective recompute")
     elif a.checkpoint_activations:
