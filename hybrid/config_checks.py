@@ -144,7 +144,7 @@ def validate(cfg: PretrainConfig, world_size: int | None = None,
     t, m = cfg.training, cfg.model
     tp = cfg.grid.tensor_model_parallel_size
     try:
-        shape = validate_grid(world, tp, 1, local)
+        shape = validate_grid(world, tp, local)
     except (ValueError, NotImplementedError) as e:
         raise ConfigError(str(e)) from None
     g = cfg.grid
