@@ -184,19 +184,11 @@ def train_tokenizer(
     validate_special_ids(vocab_size, unk_id, bos_id, eos_id, pad_id, symbols, byte_fallback)
     stats = SentenceStats()
     proto = _train_model_proto(
-        iter_sentences(texts, stats, MAX_SENTENCE_BYTES, max_documents),
-        stats,
-        vocab_size=vocab_size,
-        model_type=model_type,
-        byte_fallback=byte_fallback,
-        user_defined_symbols=symbols,
-        unk_id=unk_id,
-        bos_id=bos_id,
-        eos_id=eos_id,
-        pad_id=pad_id,
-        character_coverage=character_coverage,
-        input_sentence_size=input_sentence_size,
-        num_threads=num_threads,
+        iter_sentences(texts, stats, MAX_SENTENCE_BYTES, max_documents), stats,
+        vocab_size=vocab_size, model_type=model_type, byte_fallback=byte_fallback,
+        user_defined_symbols=symbols, unk_id=unk_id, bos_id=bos_id, eos_id=eos_id,
+        pad_id=pad_id, character_coverage=character_coverage,
+        input_sentence_size=input_sentence_size, num_threads=num_threads,
     )
     _write_model(proto, model_prefix)
     return stats
@@ -215,15 +207,10 @@ def _train_model_proto(sentences: Iterator[str], stats: SentenceStats, **options
             sentence_iterator=sentences,
             model_writer=proto,
             **options,
-            shuffle_input_sentence=True,
-            max_sentence_length=MAX_SENTENCE_BYTES,
-            normalization_rule_name="identity",
-            remove_extra_whitespaces=False,
-            add_dummy_prefix=False,
-            split_digits=True,
-            allow_whitespace_only_pieces=True,
-            required_chars=WHITESPACE_PIECE,
-            minloglevel=2,
+            shuffle_input_sentence=True, max_sentence_length=MAX_SENTENCE_BYTES,
+            normalization_rule_name="identity", remove_extra_whitespaces=False,
+            add_dummy_prefix=False, split_digits=True, allow_whitespace_only_pieces=True,
+            required_chars=WHITESPACE_PIECE, minloglevel=2,
         )
     except RuntimeError as e:
         if stats.sentences == 0:
@@ -375,29 +362,13 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     try:
         check_args(a)  # before the (possibly long) corpus load
-        ds = load_text_dataset(
-            a.input,
-            keys=a.json_keys,
-            config=a.dataset_config,
-            split=a.split,
-            cache_dir=a.cache_dir,
-        )
+        ds = load_text_dataset(a.input, keys=a.json_keys, config=a.dataset_config,
+                               split=a.split, cache_dir=a.cache_dir)
         t0 = time.perf_counter()
         stats = train_tokenizer(
-            iter_texts(ds, a.json_keys),
-            a.model_prefix,
-            a.vocab_size,
-            a.model_type,
-            a.byte_fallback,
-            a.user_defined_symbols,
-            a.unk_id,
-            a.bos_id,
-            a.eos_id,
-            a.pad_id,
-            a.character_coverage,
-            a.input_sentence_size,
-            a.max_documents,
-            a.num_threads,
+            iter_texts(ds, a.json_keys), a.model_prefix, a.vocab_size, a.model_type,
+            a.byte_fallback, a.user_defined_symbols, a.unk_id, a.bos_id, a.eos_id, a.pad_id,
+            a.character_coverage, a.input_sentence_size, a.max_documents, a.num_threads,
         )
     except (ValueError, FileNotFoundError) as e:
         exit_with_error(p.prog, as_flags(str(e)))

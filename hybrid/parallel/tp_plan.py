@@ -1,6 +1,7 @@
 """The tensor-parallel plan: turns a plain ``models.gpt.GPT`` into its TP form, in place.
 
-The plan maps module-name patterns to parallel styles (arXiv 1909.08053 §3)::
+The plan maps module-name patterns to parallel styles (arXiv 1909.08053 §3), each a callable of
+:data:`hybrid.parallel.tp_styles.STYLES`::
 
     wte                      -> VocabParallelEmbedding (vocabulary padded, rows split)
     lm_head (untied only)    -> vocabulary-split output weight
@@ -31,29 +32,16 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from hybrid.parallel.cross_entropy import VocabParallelLoss
-from hybrid.parallel.layers import (
-    ColumnParallelLinear,
-    ParallelOutputLayer,
-    RowParallelLinear,
-    SequenceParallelLayerNorm,
-    SequenceParallelPositionEmbedding,
-    TPRegionDropout,
-    TPSpec,
-    VocabParallelEmbedding,
-    get_tp_spec,
-    set_tp_spec,
-)
+from hybrid.parallel.layers import TPSpec, get_tp_spec, set_tp_spec
 from hybrid.parallel.ops import TPLedger
 from hybrid.parallel.rng import RNGTracker
 from hybrid.parallel.sequence import sequence_parallel_active
+from hybrid.parallel.tp_styles import STYLES, Swap
 from hybrid.parallel.vocab import pad_vocab_size
 from models.gpt import GPT, draws_normal, init_parameter, parameter_generator
 
@@ -77,73 +65,6 @@ SEQUENCE_PARALLEL_PLAN: dict[str, str] = {
     "layers.*.drop1": "tp_dropout",
     "layers.*.drop2": "tp_dropout",
 }
-
-
-@dataclass(frozen=True)
-class _Swap:
-    """What a style needs besides the module it replaces (one per :func:`parallelize_gpt`)."""
-
-    model: GPT
-    tp_group: object
-    tracker: RNGTracker | None
-    vocab_pad: int
-    ledger: TPLedger
-    sequence_parallel: bool
-    device: torch.device
-    dtype: torch.dtype
-
-    @property
-    def kw(self) -> dict:
-        return dict(device=self.device, dtype=self.dtype)
-
-    @property
-    def sp(self) -> dict:
-        return dict(sequence_parallel=self.sequence_parallel, ledger=self.ledger)
-
-
-def _vocab_embedding(module: nn.Module, s: _Swap) -> nn.Module:
-    cfg = s.model.config
-    return VocabParallelEmbedding(cfg.vocab_size, s.vocab_pad, cfg.hidden_size, s.tp_group,
-                                  **s.kw, **s.sp)
-
-
-def _vocab_output(module: nn.Module, s: _Swap) -> nn.Module:
-    # the untied head's input is gathered by the output layer, not by this weight's owner
-    cfg = s.model.config
-    return ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, s.tp_group, bias=False,
-                                padded_out=s.vocab_pad, **s.kw, ledger=s.ledger)
-
-
-def _column(module: nn.Linear, s: _Swap) -> nn.Module:
-    return ColumnParallelLinear(module.in_features, module.out_features, s.tp_group,
-                                bias=module.bias is not None, **s.kw, **s.sp)
-
-
-def _row(module: nn.Linear, s: _Swap) -> nn.Module:
-    return RowParallelLinear(module.in_features, module.out_features, s.tp_group,
-                             bias=module.bias is not None, **s.kw, **s.sp)
-
-
-def _vocab_parallel_loss(module: nn.Module, s: _Swap) -> nn.Module:
-    # ``wte`` comes first in ``named_modules()``, so it is already vocab-parallel here
-    cfg = s.model.config
-    return VocabParallelLoss(cfg.vocab_size, s.model.wte.vocab_start, s.tp_group,
-                             cfg.label_smoothing)
-
-
-STYLES: dict[str, Callable[[nn.Module, _Swap], nn.Module]] = {
-    "vocab_embedding": _vocab_embedding,
-    "vocab_output": _vocab_output,
-    "column": _column,
-    "row": _row,
-    "tp_dropout": lambda module, s: TPRegionDropout(module.p, s.tracker),
-    "sp_layernorm": lambda module, s: SequenceParallelLayerNorm(module, s.tp_group, s.ledger),
-    "sp_positions": lambda module, s: SequenceParallelPositionEmbedding(
-        module, s.tp_group, s.ledger),
-    "parallel_output": lambda module, s: ParallelOutputLayer(s.tp_group, **s.sp),
-    "vocab_parallel_loss": _vocab_parallel_loss,
-}
-"""Style name (the values of the plans above) -> ``(module, swap) -> its TP replacement``."""
 
 
 def _set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
@@ -230,7 +151,7 @@ def parallelize_gpt(
     full = None if any(p.is_meta for p in model.parameters()) else {
         k: v.detach().clone() for k, v in model.state_dict().items()
     }
-    swap = _Swap(model, tp_group, tracker,
+    swap = Swap(model, tp_group, tracker,
                  pad_vocab_size(cfg.vocab_size, tp, make_vocab_size_divisible_by),
                  TPLedger() if ledger is None else ledger, sequence_parallel,
                  *_target(model, full, seed))

@@ -131,20 +131,14 @@ def _add_training_args(g) -> None:
 def _add_cluster_args(g) -> None:
     g.add_argument("--num-gpus", type=int, default=8, help="GPUs in the job (tp * dp)")
     g.add_argument("--gpus-per-node", type=int, default=8, help="tp never crosses a node")
-    g.add_argument(
-        "--device",
-        help=f"GPU preset, memory and dense bf16/fp16 peak from the datasheet: {preset_names()} "
-        f"(default: {DEFAULT_DEVICE}); another name (V100S, H100 PCIe...) gives only the peak",
-    )
+    g.add_argument("--device", help=f"GPU preset, memory and dense bf16/fp16 peak from the "
+                   f"datasheet: {preset_names()} (default: {DEFAULT_DEVICE}); another name "
+                   "(V100S, H100 PCIe...) gives only the peak")
     g.add_argument("--gpu-memory-gb", type=_finite,
                    help="memory per GPU, GB = 1e9 bytes (default: the --device preset's)")
-    g.add_argument(
-        "--reserved-gb",
-        type=_finite,
-        default=1.0,
-        help="held back per GPU for the CUDA context and fragmentation, shown in the reserve "
-        "column and counted in total (0 reproduces the ZeRO tables)",
-    )
+    g.add_argument("--reserved-gb", type=_finite, default=1.0,
+                   help="held back per GPU for the CUDA context and fragmentation, shown in the "
+                   "reserve column and counted in total (0 reproduces the ZeRO tables)")
     g.add_argument("--peak-tflops", type=_finite,
                    help="dense peak per GPU, TFLOP/s (default: the --device preset's)")
     g.add_argument("--efficiency", type=_finite, default=0.45, help="fraction of peak on GEMMs")
@@ -154,32 +148,16 @@ def _add_cluster_args(g) -> None:
 
 
 def _add_search_args(g) -> None:
-    g.add_argument(
-        "--tp",
-        type=int,
-        action="append",
-        help="restrict to this TP degree (repeatable; default: every divisor that fits a node)",
-    )
-    g.add_argument(
-        "--zero-stage",
-        type=int,
-        action="append",
-        choices=ZERO_STAGES,
-        help="restrict to this ZeRO stage (repeatable; default: all)",
-    )
-    g.add_argument(
-        "--activation",
-        action="append",
-        choices=ACTIVATION_OPTIONS,
-        help="restrict to this activation checkpointing (repeatable; default: all)",
-    )
+    g.add_argument("--tp", type=int, action="append", help="restrict to this TP degree "
+                   "(repeatable; default: every divisor that fits a node)")
+    g.add_argument("--zero-stage", type=int, action="append", choices=ZERO_STAGES,
+                   help="restrict to this ZeRO stage (repeatable; default: all)")
+    g.add_argument("--activation", action="append", choices=ACTIVATION_OPTIONS,
+                   help="restrict to this activation checkpointing (repeatable; default: all)")
     g.add_argument("--fitting-only", action="store_true", help="print only layouts that fit")
-    g.add_argument(
-        "--max-model",
-        action="store_true",
-        help="largest model per TP x stage (ZeRO Table 2: model states only; with model "
-        "dims also the largest layer count counting activations)",
-    )
+    g.add_argument("--max-model", action="store_true",
+                   help="largest model per TP x stage (ZeRO Table 2: model states only; with "
+                   "model dims also the largest layer count counting activations)")
 
 
 def _load_preset(name: str) -> ModelShape:

@@ -279,17 +279,8 @@ def _traffic(m: ModelShape, tp: int, dp: int, stage: int, prec, micro_batches: i
         m, dp, stage, tp, prec, micro_batches, persistent_params=persistent, by_kind=True,
         grad_reduce=training.grad_reduce,
     )
-    tp_elems = tp_traffic_elements(
-        b,
-        s,
-        m.hidden_size,
-        tp,
-        m.num_layers,
-        "full" in parts,
-        "pa" in parts,
-        m.vocab_size,
-        sequence_parallel="sp" in parts,
-    )
+    tp_elems = tp_traffic_elements(b, s, m.hidden_size, tp, m.num_layers, "full" in parts,
+                                   "pa" in parts, m.vocab_size, sequence_parallel="sp" in parts)
     tp_bytes = tp_elems * prec.activation_bytes * micro_batches
     cpu_bytes = 2 * acts["cpu"] * micro_batches
     return dp_kinds, tp_bytes, cpu_bytes
@@ -305,11 +296,8 @@ def _step_times(m: ModelShape, cluster: Cluster, gbs: int, s: int, activation: s
         m, gbs, s, "full" if recompute else "selective" if "selective" in parts else "none")
     model_flops = flops_per_iteration(m, gbs, s, "none")
     peak = cluster.num_gpus * cluster.peak_tflops * 1e12
-    dp_bw = (
-        cluster.inter_node_gbs
-        if cluster.num_gpus > cluster.gpus_per_node
-        else cluster.intra_node_gbs
-    )
+    dp_bw = (cluster.inter_node_gbs if cluster.num_gpus > cluster.gpus_per_node
+             else cluster.intra_node_gbs)
     times = {
         "compute_s": hw_flops / (peak * cluster.efficiency),
         "tp_s": tp_bytes / (cluster.intra_node_gbs * GB),
@@ -349,24 +337,11 @@ def evaluate(
     dp_bytes = sum(dp_kinds.values())
     times, mfu = _step_times(m, cluster, gbs, s, activation, dp_bytes, tp_bytes, cpu_bytes)
     return Candidate(
-        tp=tp,
-        dp=dp,
-        stage=stage,
-        activation=activation,
-        micro_batches=micro_batches,
-        params_per_rank=psi_t,
-        model_states=states,
-        activations=acts,
-        buffers=buffers,
-        total_bytes=total,
-        fits=total <= cluster.gpu_memory_bytes,
-        dp_bytes=dp_bytes,
-        tp_bytes=tp_bytes,
-        cpu_bytes=cpu_bytes,
-        times=times,
-        tokens_per_s=gbs * s / times["step_s"],
-        mfu=mfu,
-        dp_bytes_by_kind=dp_kinds,
+        tp=tp, dp=dp, stage=stage, activation=activation, micro_batches=micro_batches,
+        params_per_rank=psi_t, model_states=states, activations=acts, buffers=buffers,
+        total_bytes=total, fits=total <= cluster.gpu_memory_bytes, dp_bytes=dp_bytes,
+        tp_bytes=tp_bytes, cpu_bytes=cpu_bytes, times=times,
+        tokens_per_s=gbs * s / times["step_s"], mfu=mfu, dp_bytes_by_kind=dp_kinds,
         persistent_params=persistent,
     )
 
