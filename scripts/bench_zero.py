@@ -155,8 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--grad-reduce", default="reduce_scatter",
                     choices=["reduce_scatter", "all_reduce"], help="our ZeroConfig.grad_reduce")
     ap.add_argument("--native-collectives", action="store_true",
-                    help="ours with gloo's own reduce-scatter and all-gather instead of the composed "
-                         "ones (hybrid.zero.comm: all-to-all + sum, broadcasts)")
+                    help="ours with gloo's own reduce-scatter and all-gather instead of the "
+                         "composed ones (hybrid.zero.comm: all-to-all + sum, broadcasts)")
     ap.add_argument("--reduce-bucket-size", type=int, default=50_000_000,
                     help="our ZeroConfig.reduce_bucket_size (elements)")
     ap.add_argument("--no-floor", action="store_true",
