@@ -369,7 +369,8 @@ def plan(
     for tp in tps:
         for stage in stages:
             for act in activations:
-                if tp == 1 and (act == "full+pa" or "sp" in act.split("+")):
+                sp = "sp" in act.split("+")
+                if tp == 1 and act == "full+pa" or sp and not sequence_parallel_active(sp, tp):
                     continue
                 try:
                     out.append(evaluate(m, cluster, training, tp, stage, act))
