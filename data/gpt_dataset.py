@@ -22,6 +22,7 @@ or ``cache_dir``) under a hash of every setting (:mod:`data.index_cache`) and re
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -214,34 +215,42 @@ def build_gpt_datasets(
     what = (
         f"GPT dataset indices for {prefixes} (split {split}, seq_length {seq_length}, seed {seed})"
     )
+    return run_rank0_first(
+        functools.partial(_build_splits, prefixes, weights, fractions, split, num_samples,
+                          seq_length, seed, cache_dir),
+        what, build_timeout_s)
 
-    def build() -> tuple:
-        indexed = [IndexedDataset(p) for p in prefixes]
-        # a plain list is blended by size, i.e. concatenated in proportion
-        w = np.array([d.num_tokens for d in indexed] if weights is None else weights, np.float64)
-        w = w / w.sum()
-        out = []
-        for s, name in enumerate(SPLIT_NAMES):
-            n = int(num_samples[s])
-            if n == 0:
-                out.append(None)
-                continue
-            parts = [
-                (p, split_ranges(fractions, len(d.document_indices) - 1)[s])
-                for p, d in zip(prefixes, indexed, strict=True)
-            ]
-            extra = {"split_string": split}
-            if len(prefixes) == 1:
-                out.append(
-                    GPTDataset(
-                        parts[0][0], parts[0][1], n, seq_length, seed, name, cache_dir, extra
-                    )
+
+def _build_splits(prefixes: list[str], weights: list[float] | None,
+                  fractions: tuple[float, float, float], split: str,
+                  num_samples: Sequence[int], seq_length: int, seed: int,
+                  cache_dir: str | os.PathLike | None) -> tuple:
+    """``(train, valid, test)`` of :func:`build_gpt_datasets` (building the indices, run on
+    rank 0 first)."""
+    indexed = [IndexedDataset(p) for p in prefixes]
+    # a plain list is blended by size, i.e. concatenated in proportion
+    w = np.array([d.num_tokens for d in indexed] if weights is None else weights, np.float64)
+    w = w / w.sum()
+    out = []
+    for s, name in enumerate(SPLIT_NAMES):
+        n = int(num_samples[s])
+        if n == 0:
+            out.append(None)
+            continue
+        parts = [
+            (p, split_ranges(fractions, len(d.document_indices) - 1)[s])
+            for p, d in zip(prefixes, indexed, strict=True)
+        ]
+        extra = {"split_string": split}
+        if len(prefixes) == 1:
+            out.append(
+                GPTDataset(
+                    parts[0][0], parts[0][1], n, seq_length, seed, name, cache_dir, extra
                 )
-            else:
-                out.append(_blend(parts, w, n, seq_length, seed, name, cache_dir, extra))
-        return tuple(out)
-
-    return run_rank0_first(build, what, build_timeout_s)
+            )
+        else:
+            out.append(_blend(parts, w, n, seq_length, seed, name, cache_dir, extra))
+    return tuple(out)
 
 
 def _blend(

@@ -156,10 +156,28 @@ def preprocess(
     ds = ds.select_columns(keys)
     stats = PreprocessStats(rows=len(ds), keys={k: KeyStats() for k in keys})
     stats.unreadable = report.unreadable if report else 0
-    dtype = dtype_for_vocab(tok.vocab_size)
+    t0 = time.perf_counter()
+    _write_datasets(ds, _Encoder(tok.model_path, keys, append_eod), dtype_for_vocab(tok.vocab_size),
+                    output_prefix, workers, chunk_documents, progress, stats)
+    stats.seconds = time.perf_counter() - t0
+    skipped = {k: ks.invalid for k, ks in stats.keys.items() if ks.invalid}
+    if skipped:
+        warnings.warn(
+            f"skipped rows whose text is missing, null or not a string: {skipped} "
+            f"(of {stats.rows} rows)",
+            stacklevel=2,
+        )
+    return stats
+
+
+def _write_datasets(ds: datasets.Dataset, encoder: _Encoder, dtype,
+                    output_prefix: str | os.PathLike, workers: int, chunk_documents: int,
+                    progress: bool, stats: PreprocessStats) -> None:
+    """Tokenize ``ds`` chunk by chunk into one writer per key, counting into ``stats``; publish
+    every output only when all succeeded, abort them all otherwise (and always free the
+    scratch directory next to the outputs)."""
+    keys = encoder.keys
     writers: dict[str, IndexedDatasetWriter] = {}
-    encoder = _Encoder(tok.model_path, keys, append_eod)
-    features = datasets.Features({f"ids_{k}": datasets.List(datasets.Value("int32")) for k in keys})
     Path(output_prefix).parent.mkdir(parents=True, exist_ok=True)
     scratch = tempfile.mkdtemp(prefix=".preprocess-", dir=Path(output_prefix).parent)
     t0 = time.perf_counter()
@@ -169,17 +187,7 @@ def preprocess(
             writers[k] = IndexedDatasetWriter(output_prefix_for(output_prefix, k), dtype)
         for start in range(0, len(ds), chunk_documents):
             part = ds.select(range(start, min(start + chunk_documents, len(ds))))
-            out = part.map(
-                encoder,
-                batched=True,
-                batch_size=1000,
-                remove_columns=keys,
-                features=features,
-                num_proc=workers if workers > 1 and len(part) > 1 else None,
-                cache_file_name=os.path.join(scratch, f"chunk{start}.arrow"),
-                load_from_cache_file=False,
-                new_fingerprint=uuid.uuid4().hex,
-            )
+            out = _map_chunk(part, encoder, workers, os.path.join(scratch, f"chunk{start}.arrow"))
             for table in out.with_format("arrow").iter(batch_size=10_000):
                 for k in keys:
                     _write_column(table.column(f"ids_{k}"), writers[k], stats.keys[k])
@@ -188,13 +196,7 @@ def preprocess(
             del out, part
             for f in Path(scratch).iterdir():  # this chunk is written; free its scratch disk
                 f.unlink()
-        for k, ks in stats.keys.items():
-            if ks.documents == 0:
-                raise ValueError(
-                    f"empty result: no document for key {k!r} in {stats.rows} rows "
-                    f"({ks.invalid} missing/null/non-string, {ks.empty} empty or blank); "
-                    "nothing written"
-                )
+        _check_every_key_has_documents(stats)
         for k, w in writers.items():
             w.finalize()
             stats.outputs[k] = w.prefix
@@ -205,15 +207,35 @@ def preprocess(
     finally:
         bar.close()
         shutil.rmtree(scratch, ignore_errors=True)
-    stats.seconds = time.perf_counter() - t0
-    skipped = {k: ks.invalid for k, ks in stats.keys.items() if ks.invalid}
-    if skipped:
-        warnings.warn(
-            f"skipped rows whose text is missing, null or not a string: {skipped} "
-            f"(of {stats.rows} rows)",
-            stacklevel=2,
-        )
-    return stats
+
+
+def _map_chunk(part: datasets.Dataset, encoder: _Encoder, workers: int,
+               cache_file: str) -> datasets.Dataset:
+    """``part`` tokenized (one ``ids_<key>`` column per key), its Arrow data in ``cache_file``."""
+    features = datasets.Features(
+        {f"ids_{k}": datasets.List(datasets.Value("int32")) for k in encoder.keys})
+    return part.map(
+        encoder,
+        batched=True,
+        batch_size=1000,
+        remove_columns=encoder.keys,
+        features=features,
+        num_proc=workers if workers > 1 and len(part) > 1 else None,
+        cache_file_name=cache_file,
+        load_from_cache_file=False,
+        new_fingerprint=uuid.uuid4().hex,
+    )
+
+
+def _check_every_key_has_documents(stats: PreprocessStats) -> None:
+    """Raises ValueError ("empty result") for a key that got no document."""
+    for k, ks in stats.keys.items():
+        if ks.documents == 0:
+            raise ValueError(
+                f"empty result: no document for key {k!r} in {stats.rows} rows "
+                f"({ks.invalid} missing/null/non-string, {ks.empty} empty or blank); "
+                "nothing written"
+            )
 
 
 def _write_column(col, writer: IndexedDatasetWriter, ks: KeyStats) -> None:

@@ -113,20 +113,8 @@ def open_text_dataset(
     if len(items) == 1 and Path(items[0]).is_dir():
         return _load_directory(items[0], split, cache_dir), None
     if len(items) == 1 and _is_hub_name(items[0]):
-        try:
-            ds = datasets.load_dataset(items[0], config, split=split, cache_dir=cache_dir)
-        except Exception as e:  # offline, unknown name, ...: name both readings of the input
-            raise FileNotFoundError(
-                f"{items[0]!r} is neither a local path nor a loadable hub dataset: {e}"
-            ) from e
-        return _pick_split(ds, split, items[0]), None
-    files: list[str] = []
-    for item in items:
-        matches = sorted(glob.glob(item)) if any(c in item for c in "*?[") else [item]
-        if not matches or not all(Path(m).is_file() for m in matches):
-            missing = item if not matches else next(m for m in matches if not Path(m).is_file())
-            raise FileNotFoundError(f"input file not found: {missing}")
-        files.extend(matches)
+        return _load_hub(items[0], config, split, cache_dir), None
+    files = _local_files(items)
     builders = {_builder_for(f) for f in files}
     if None in builders:
         unknown = [f for f in files if _builder_for(f) is None]
@@ -134,16 +122,43 @@ def open_text_dataset(
     if len(builders) > 1:
         raise ValueError(f"inputs mix formats {sorted(builders)}; convert them to one format")
     ds, report = read_text_files(files, builders.pop(), list(keys), cache_dir)
+    _warn_about_skipped(report)
+    return ds, report
+
+
+def _load_hub(name: str, config: str | None, split: str, cache_dir: str | None) -> datasets.Dataset:
+    try:
+        ds = datasets.load_dataset(name, config, split=split, cache_dir=cache_dir)
+    except Exception as e:  # offline, unknown name, ...: name both readings of the input
+        raise FileNotFoundError(
+            f"{name!r} is neither a local path nor a loadable hub dataset: {e}"
+        ) from e
+    return _pick_split(ds, split, name)
+
+
+def _local_files(items: list[str]) -> list[str]:
+    """The files ``items`` name (globs expanded, sorted); FileNotFoundError names a missing one."""
+    files: list[str] = []
+    for item in items:
+        matches = sorted(glob.glob(item)) if any(c in item for c in "*?[") else [item]
+        if not matches or not all(Path(m).is_file() for m in matches):
+            missing = item if not matches else next(m for m in matches if not Path(m).is_file())
+            raise FileNotFoundError(f"input file not found: {missing}")
+        files.extend(matches)
+    return files
+
+
+def _warn_about_skipped(report: ReadReport) -> None:
+    # stacklevel 4: the line that called open_text_dataset's caller (say, preprocess's caller)
     if report.unreadable:
         warnings.warn(
             f"skipped {report.unreadable} unreadable row(s) of {report.rows + report.unreadable}: "
             + "; ".join(report.examples)
             + ("; ..." if report.unreadable > len(report.examples) else ""),
-            stacklevel=3,
+            stacklevel=4,
         )
     if report.empty_files:
-        warnings.warn(f"no documents in {', '.join(report.empty_files)}", stacklevel=3)
-    return ds, report
+        warnings.warn(f"no documents in {', '.join(report.empty_files)}", stacklevel=4)
 
 
 def _load_directory(path: str, split: str, cache_dir: str | None) -> datasets.Dataset:

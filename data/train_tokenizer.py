@@ -183,50 +183,57 @@ def train_tokenizer(
     symbols = list(user_defined_symbols or [])
     validate_special_ids(vocab_size, unk_id, bos_id, eos_id, pad_id, symbols, byte_fallback)
     stats = SentenceStats()
+    proto = _train_model_proto(
+        iter_sentences(texts, stats, MAX_SENTENCE_BYTES, max_documents), stats,
+        vocab_size=vocab_size, model_type=model_type, byte_fallback=byte_fallback,
+        user_defined_symbols=symbols, unk_id=unk_id, bos_id=bos_id, eos_id=eos_id,
+        pad_id=pad_id, character_coverage=character_coverage,
+        input_sentence_size=input_sentence_size, num_threads=num_threads,
+    )
+    _write_model(proto, model_prefix)
+    return stats
+
+
+def _train_model_proto(sentences: Iterator[str], stats: SentenceStats, **options) -> bytes:
+    """The serialized model sentencepiece trains on ``sentences`` with ``options`` (the
+    caller's settings) and this module's fixed ones (exact round trips, see the module doc).
+
+    Raises:
+        ValueError: no text at all, or sentencepiece's error in the caller's terms.
+    """
     proto = io.BytesIO()
     try:
         spm.SentencePieceTrainer.Train(
-            sentence_iterator=iter_sentences(texts, stats, MAX_SENTENCE_BYTES, max_documents),
+            sentence_iterator=sentences,
             model_writer=proto,
-            vocab_size=vocab_size,
-            model_type=model_type,
-            byte_fallback=byte_fallback,
-            user_defined_symbols=symbols,
-            unk_id=unk_id,
-            bos_id=bos_id,
-            eos_id=eos_id,
-            pad_id=pad_id,
-            character_coverage=character_coverage,
-            input_sentence_size=input_sentence_size,
-            shuffle_input_sentence=True,
-            max_sentence_length=MAX_SENTENCE_BYTES,
-            normalization_rule_name="identity",
-            remove_extra_whitespaces=False,
-            add_dummy_prefix=False,
-            split_digits=True,
-            allow_whitespace_only_pieces=True,
-            required_chars=WHITESPACE_PIECE,
-            num_threads=num_threads,
-            minloglevel=2,
+            **options,
+            shuffle_input_sentence=True, max_sentence_length=MAX_SENTENCE_BYTES,
+            normalization_rule_name="identity", remove_extra_whitespaces=False,
+            add_dummy_prefix=False, split_digits=True, allow_whitespace_only_pieces=True,
+            required_chars=WHITESPACE_PIECE, minloglevel=2,
         )
     except RuntimeError as e:
         if stats.sentences == 0:
             raise ValueError(
                 "no text to train the tokenizer on (every document empty or skipped)"
             ) from e
-        raise ValueError(
-            _training_error(str(e), vocab_size, model_type, character_coverage, stats)
-        ) from e
+        raise ValueError(_training_error(str(e), options["vocab_size"], options["model_type"],
+                                         options["character_coverage"], stats)) from e
+    return proto.getvalue()
+
+
+def _write_model(proto: bytes, model_prefix: str | os.PathLike) -> None:
+    """``<prefix>.model`` (written under a temporary name, then renamed) and ``<prefix>.vocab``
+    (one ``piece<TAB>score`` line per id)."""
     prefix = Path(os.fspath(model_prefix))
     prefix.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(f"{prefix}.model.tmp{os.getpid()}")
-    tmp.write_bytes(proto.getvalue())
+    tmp.write_bytes(proto)
     os.replace(tmp, f"{prefix}.model")
-    sp = spm.SentencePieceProcessor(model_proto=proto.getvalue())
+    sp = spm.SentencePieceProcessor(model_proto=proto)
     with open(f"{prefix}.vocab", "w", encoding="utf-8") as f:
         for i in range(sp.GetPieceSize()):
             f.write(f"{sp.IdToPiece(i)}\t{sp.GetScore(i)}\n")
-    return stats
 
 
 SPECIAL_DEFAULTS = {"unk_id": 0, "bos_id": 1, "eos_id": 2, "pad_id": 3}
@@ -307,9 +314,10 @@ def _training_error(
     return f"sentencepiece training failed (vocab_size={vocab_size}, model_type={model_type}, {read}): {error}"
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Command line; a configuration or input error exits with status 2 and one line."""
-    p = argparse.ArgumentParser(allow_abbrev=False,
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser (input flags from :func:`data.text_source.add_input_args`)."""
+    p = argparse.ArgumentParser(
+        allow_abbrev=False,
         prog="python -m data.train_tokenizer",
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -345,40 +353,30 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--num-threads", type=int, default=os.cpu_count() or 1, help="trainer threads")
     p.add_argument("--cache-dir", default=None, help="datasets cache directory")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command line; a configuration or input error exits with status 2 and one line."""
+    p = build_parser()
     a = p.parse_args(argv)
     try:
         check_args(a)  # before the (possibly long) corpus load
-        ds = load_text_dataset(
-            a.input,
-            keys=a.json_keys,
-            config=a.dataset_config,
-            split=a.split,
-            cache_dir=a.cache_dir,
-        )
+        ds = load_text_dataset(a.input, keys=a.json_keys, config=a.dataset_config,
+                               split=a.split, cache_dir=a.cache_dir)
         t0 = time.perf_counter()
         stats = train_tokenizer(
-            iter_texts(ds, a.json_keys),
-            a.model_prefix,
-            a.vocab_size,
-            a.model_type,
-            a.byte_fallback,
-            a.user_defined_symbols,
-            a.unk_id,
-            a.bos_id,
-            a.eos_id,
-            a.pad_id,
-            a.character_coverage,
-            a.input_sentence_size,
-            a.max_documents,
-            a.num_threads,
+            iter_texts(ds, a.json_keys), a.model_prefix, a.vocab_size, a.model_type,
+            a.byte_fallback, a.user_defined_symbols, a.unk_id, a.bos_id, a.eos_id, a.pad_id,
+            a.character_coverage, a.input_sentence_size, a.max_documents, a.num_threads,
         )
     except (ValueError, FileNotFoundError) as e:
         exit_with_error(p.prog, as_flags(str(e)))
     except KeyError as e:
         exit_with_error(p.prog, e.args[0])
     print(
-        f"trained {a.model_type} tokenizer, vocab {a.vocab_size}, from {stats.documents} documents / "
-        f"{stats.sentences} lines in {time.perf_counter() - t0:.1f} s; "
+        f"trained {a.model_type} tokenizer, vocab {a.vocab_size}, from {stats.documents} "
+        f"documents / {stats.sentences} lines in {time.perf_counter() - t0:.1f} s; "
         f"{stats.long_lines_split} lines longer than {MAX_SENTENCE_BYTES} bytes were split; "
         f"wrote {a.model_prefix}.model"
     )

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from hybrid.activation.config import ActivationConfig
 from hybrid.config_fields import arg, check_choice, check_int, check_number, fail
+from hybrid.parallel import sequence
 from hybrid.schedule import DECAY_STYLES
 from hybrid.zero.config import OptimizerConfig, ZeroConfig
 
@@ -65,6 +66,13 @@ class GridConfig:
     def __post_init__(self) -> None:
         check_int(self, "tensor_model_parallel_size", 1)
         check_number(self, "distributed_timeout_minutes", 0.0, strict=True)
+
+    @property
+    def sequence_parallel_active(self) -> bool:
+        """``sequence_parallel`` as it takes effect: only when tp > 1
+        (:func:`hybrid.parallel.sequence.sequence_parallel_active`)."""
+        return sequence.sequence_parallel_active(self.sequence_parallel,
+                                                 self.tensor_model_parallel_size)
 
 
 @dataclass

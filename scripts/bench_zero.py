@@ -133,26 +133,30 @@ def launch(name: str, cmd: list[str], cwd: Path, env: dict, logdir: Path) -> dic
     return None
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's flags (``--worker`` and ``--floor`` are for its own launches)."""
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--size", default="tiny", choices=["tiny", "medium"])
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--steps", type=int, default=None, help="default: 23 tiny, 6 medium")
     ap.add_argument("--warmup", type=int, default=None, help="default: 3 tiny, 1 medium")
-    ap.add_argument("--stages", default="1 2 3", help="our ZeRO stages (0-3), space- or comma-separated")
+    ap.add_argument("--stages", default="1 2 3",
+                    help="our ZeRO stages (0-3), space- or comma-separated")
     ap.add_argument("--tp", default="1 2", help="our tensor-parallel sizes, each dividing --world "
                                                 "(dp = world / tp), space- or comma-separated")
-    ap.add_argument("--peers", default="ddp fsdp2 fsdp2_noreshard tp2d deepspeed_z1 deepspeed_z2 deepspeed_z3")
-    ap.add_argument("--venv", default=os.environ.get("PEERS_VENV", f"{os.environ.get('TMPDIR', '/tmp')}/hybrid-peers-venv"))
+    ap.add_argument("--peers", default="ddp fsdp2 fsdp2_noreshard tp2d deepspeed_z1 deepspeed_z2 "
+                                       "deepspeed_z3")
+    ap.add_argument("--venv", default=os.environ.get(
+        "PEERS_VENV", f"{os.environ.get('TMPDIR', '/tmp')}/hybrid-peers-venv"))
     ap.add_argument("--logdir", default=None, help="every launch's log and results.jsonl (default: "
                                                    "<--out>/logs)")
     ap.add_argument("--out", default=str(REPO / "runs" / "bench"), help="markdown + PNG report dir")
     ap.add_argument("--no-profile", action="store_true", help="no per-phase profile of ours")
-    ap.add_argument("--grad-reduce", default="reduce_scatter", choices=["reduce_scatter", "all_reduce"],
-                    help="our ZeroConfig.grad_reduce")
+    ap.add_argument("--grad-reduce", default="reduce_scatter",
+                    choices=["reduce_scatter", "all_reduce"], help="our ZeroConfig.grad_reduce")
     ap.add_argument("--native-collectives", action="store_true",
-                    help="ours with gloo's own reduce-scatter and all-gather instead of the composed "
-                         "ones (hybrid.zero.comm: all-to-all + sum, broadcasts)")
+                    help="ours with gloo's own reduce-scatter and all-gather instead of the "
+                         "composed ones (hybrid.zero.comm: all-to-all + sum, broadcasts)")
     ap.add_argument("--reduce-bucket-size", type=int, default=50_000_000,
                     help="our ZeroConfig.reduce_bucket_size (elements)")
     ap.add_argument("--no-floor", action="store_true",
@@ -162,9 +166,11 @@ def main() -> None:
                          "shows the median and the min-max spread of the per-launch medians")
     ap.add_argument("--worker", nargs=2, type=int, metavar=("STAGE", "TP"), help=argparse.SUPPRESS)
     ap.add_argument("--floor", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.worker:
-        return worker(*args.worker, floor=args.floor, profile=not args.no_profile)
+    return ap
+
+
+def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Turn ``--stages``/``--tp`` into lists and refuse what cannot run (argparse errors)."""
     args.stages, args.tp = _int_list(ap, "--stages", args.stages), _int_list(ap, "--tp", args.tp)
     if args.world < 1:
         ap.error(f"--world {args.world}: give 1 or more ranks")
@@ -173,22 +179,17 @@ def main() -> None:
     if bad := [t for t in args.tp if t < 1 or args.world % t]:
         ap.error(f"--tp {bad[0]}: a tensor-parallel size must divide --world {args.world}")
     if not (PEERS / "common.py").is_file():
-        ap.error(f"the peers' workload {PEERS / 'common.py'} is missing (our runs use its model, data "
-                 "and reporting too); set PEERS_DIR to the folder holding common.py")
+        ap.error(f"the peers' workload {PEERS / 'common.py'} is missing (our runs use its model, "
+                 "data and reporting too); set PEERS_DIR to the folder holding common.py")
     if args.peers.split() and not Path(args.venv, "bin", "torchrun").is_file():
         ap.error(f"--venv {args.venv}: no bin/torchrun there; build the peers' environment with "
                  f"{PEERS / 'setup.sh'} (PEERS_VENV), or run ours only with --peers ''")
     args.logdir = args.logdir or str(Path(args.out) / "logs")
 
-    steps = args.steps or (6 if args.size == "medium" else 23)
-    warmup = args.warmup if args.warmup is not None else (1 if args.size == "medium" else 3)
-    env = dict(os.environ, PEER_SIZE=args.size, PEER_STEPS=str(steps), PEER_WARMUP=str(warmup),
-               OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1",
-               GLOO_SOCKET_IFNAME="lo", PEER_TP="2", HYBRID_GRAD_REDUCE=args.grad_reduce,
-               HYBRID_NATIVE_COLLECTIVES=str(int(args.native_collectives)),
-               HYBRID_REDUCE_BUCKET=str(args.reduce_bucket_size))
-    logdir = Path(args.logdir) / args.size
-    logdir.mkdir(parents=True, exist_ok=True)
+
+def _runs(args: argparse.Namespace) -> list[tuple[str, list[str], Path]]:
+    """``(name, command, working directory)`` of every launch: the peers, then ours by tp and
+    stage, each followed by its compute-only floor unless ``--no-floor``."""
     n = str(args.world)
     torchrun = [f"{args.venv}/bin/torchrun", "--standalone", "--nproc-per-node", n]
     runs: list[tuple[str, list[str], Path]] = []
@@ -206,15 +207,35 @@ def main() -> None:
             runs.append((name, cmd, REPO))
             if not args.no_floor:
                 runs.append((name + "_floor", cmd + ["--floor"], REPO))
+    return runs
 
-    print(f"# size={args.size} world={n} steps={steps} warmup={warmup} logs={logdir}", flush=True)
+
+def main() -> None:
+    ap = build_parser()
+    args = ap.parse_args()
+    if args.worker:
+        return worker(*args.worker, floor=args.floor, profile=not args.no_profile)
+    _check_args(ap, args)
+    steps = args.steps or (6 if args.size == "medium" else 23)
+    warmup = args.warmup if args.warmup is not None else (1 if args.size == "medium" else 3)
+    env = dict(os.environ, PEER_SIZE=args.size, PEER_STEPS=str(steps), PEER_WARMUP=str(warmup),
+               OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1",
+               GLOO_SOCKET_IFNAME="lo", PEER_TP="2", HYBRID_GRAD_REDUCE=args.grad_reduce,
+               HYBRID_NATIVE_COLLECTIVES=str(int(args.native_collectives)),
+               HYBRID_REDUCE_BUCKET=str(args.reduce_bucket_size))
+    logdir = Path(args.logdir) / args.size
+    logdir.mkdir(parents=True, exist_ok=True)
+    runs = _runs(args)
+    print(f"# size={args.size} world={args.world} steps={steps} warmup={warmup} logs={logdir}",
+          flush=True)
     launches: dict[str, list] = {}
     for rep in range(args.repeats):
         for name, cmd, cwd in runs:
             res = launch(name, cmd, cwd, env, logdir)
             if res is not None:
                 launches.setdefault(name, []).append(res)
-                print(f"# {name} [{rep + 1}/{args.repeats}]: {res['ms_step_median']} ms/step", flush=True)
+                print(f"# {name} [{rep + 1}/{args.repeats}]: {res['ms_step_median']} ms/step",
+                      flush=True)
     results = {name: merge_repeats(rs) for name, rs in launches.items()}
     with open(logdir / "results.jsonl", "w") as f:
         for r in results.values():

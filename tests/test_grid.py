@@ -8,7 +8,7 @@ from hybrid.parallel.grid import GridShape, ProcessGrid, validate_grid
 def test_shape_and_coords():
     shape = validate_grid(8, tp=2)
     assert shape == GridShape(tp=2, dp=4)
-    assert [shape.coords(r)[1:] for r in range(4)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [shape.coords(r) for r in range(4)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
 
 
 def test_tp_not_dividing_world_is_named():
@@ -26,11 +26,6 @@ def test_tp_group_across_hosts_is_rejected():
 def test_nonpositive_sizes(bad):
     with pytest.raises(ValueError, match="positive integer"):
         validate_grid(4, tp=bad)
-
-
-def test_pipeline_axis_reserved():
-    with pytest.raises(NotImplementedError):
-        validate_grid(4, tp=1, pp=2)
 
 
 def test_grid_needs_process_group():

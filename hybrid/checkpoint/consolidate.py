@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -23,13 +22,6 @@ import torch
 from hybrid.checkpoint.directory import IncompleteCheckpointError
 from hybrid.checkpoint.shards import CheckpointReader
 from hybrid.checkpoint.stream import Entry, write_safetensors
-
-
-def full_tensors(reader: CheckpointReader) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, full fp32 master weight)`` for every parameter of the checkpoint, one at a
-    time (names in ``metadata.json`` order; unpadded, contiguous; whatever grid saved it)."""
-    for name in reader.param_names():
-        yield name, reader.full_tensor(name, "master").contiguous()
 
 
 def consolidate(load: str, output: str, iteration: int | None = None) -> dict:

@@ -23,9 +23,11 @@ import re
 import shutil
 from pathlib import Path
 
+from hybrid.checkpoint import format1
+
 FORMAT_VERSION = 2
-"""2: each rank stores its ZeRO partition's fragments; 1: equal dp cuts of every tensor."""
-READABLE_VERSIONS = (1, 2)
+"""2: each rank stores its ZeRO partition's fragments (1: :mod:`hybrid.checkpoint.format1`)."""
+READABLE_VERSIONS = (format1.VERSION, FORMAT_VERSION)
 POINTER = "latest_checkpointed_iteration.txt"
 _ITER = re.compile(r"^iter_(\d{7,})$")
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from hybrid.checkpoint import format1
 from hybrid.checkpoint.directory import IncompleteCheckpointError
 from hybrid.parallel.layers import TPSpec
 
@@ -138,8 +139,8 @@ class FragmentReader:
             for name, e in layout.items():
                 lo, hi = e["flat_range"]
                 t = e["tp_rank"]
-                if self.meta["params"][name]["split_dim"] is None and t != 0:
-                    continue  # format 1 stored replicated parameters on every TP rank
+                if format1.redundant_fragment(self.meta["params"][name]["split_dim"], t):
+                    continue
                 if hi > lo:
                     self.index.setdefault((name, t), []).append((lo, hi, i))
         for frags in self.index.values():

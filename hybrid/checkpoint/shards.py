@@ -16,7 +16,7 @@ them, exactly the elements that overlap it, whatever (tp, dp, stage) saved the c
 reader counts the bytes. The 16/32-bit model weights are not stored: they are the master
 weights, rounded. RNG states are stored per rank and restored only on the same grid.
 Format 1 checkpoints (equal ``dp`` cuts of every parameter, written before partition-wise
-saving) are read by the same code.
+saving) are read by the same code; :mod:`hybrid.checkpoint.format1` holds what differs.
 """
 
 from __future__ import annotations

@@ -182,8 +182,8 @@ def _check_world(cfg: PretrainConfig, world_size: int | None,
     local = local_world_size if local_world_size is not None else env_local
     tp = cfg.grid.tensor_model_parallel_size
     try:
-        shape = validate_grid(world, tp, 1, local)
-    except (ValueError, NotImplementedError) as e:
+        shape = validate_grid(world, tp, local)
+    except ValueError as e:
         raise ConfigError(str(e)) from None
     if g.dry_run_world_size is not None and not 0 <= g.dry_run_rank < g.dry_run_world_size:
         raise ConfigError(f"--dry-run-rank {g.dry_run_rank} must be in [0, --dry-run-world-size "

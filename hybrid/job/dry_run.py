@@ -150,9 +150,9 @@ def planner_figures(job) -> dict:
     ``accounting='engine'``)."""
     from hybrid.planner.plan import Cluster, Training, evaluate
 
-    cfg, derived = job.cfg, job
+    cfg = job.cfg
     a, z = cfg.activation, cfg.zero
-    sp = "+sp" if cfg.grid.sequence_parallel and derived.tp > 1 else ""
+    sp = "+sp" if cfg.grid.sequence_parallel_active else ""
     if a.checkpoint_activations:
         activation = ("full" + sp + "+cpu" if sp and a.checkpoint_in_cpu else "full" + sp if sp else
                       "full+pa+cpu" if a.checkpoint_in_cpu else "full+pa" if a.partition_activations else "full")
@@ -162,13 +162,13 @@ def planner_figures(job) -> dict:
         activation = "sp" if sp else "none"
     training = Training(
         seq_length=cfg.model.seq_length, micro_batch_size=cfg.training.micro_batch_size,
-        global_batch_size=derived.global_batch_size, precision=z.precision, accounting="engine",
+        global_batch_size=job.global_batch_size, precision=z.precision, accounting="engine",
         param_persistence_threshold=z.plan.persistence_threshold,
         reduce_bucket_elements=z.reduce_bucket_size, allgather_bucket_elements=z.allgather_bucket_size,
         make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by, overlap_comm=z.overlap_comm,
         grad_reduce=z.grad_reduce)
-    cluster = Cluster(num_gpus=derived.world_size, gpus_per_node=derived.tp, reserved_bytes=0)
-    c = evaluate(derived.gpt, cluster, training, derived.tp, z.stage, activation)
+    cluster = Cluster(num_gpus=job.world_size, gpus_per_node=job.tp, reserved_bytes=0)
+    c = evaluate(job.gpt, cluster, training, job.tp, z.stage, activation)
     out = {k: c.model_states[k] for k in STATE_KEYS}
     out.update(states=c.model_states["total"], buffers=c.buffers, activations=c.activations["gpu"],
                host_checkpoints=c.activations["cpu"], total=c.total_bytes)

@@ -90,8 +90,8 @@ def checked_tokens(batches, vocab_size: int, source):
 def engine_line(engine) -> str:
     """One start-up line: ZeRO stage, precision and this rank's bytes held per kind."""
     held = ", ".join(f"{k} {v / 2**20:.2f}" for k, v in engine.memory_bytes().items() if v)
-    config, layout = engine.config, engine.layout
-    kept = [u for u in layout.units if u.persistent] if config.shards_parameters else []
+    layout = engine.layout
+    kept = [u for u in layout.units if u.persistent] if engine.plan.shards_parameters else []
     note = ""
     if kept:  # otherwise stage 3's "params" looks unpartitioned on a small model
         n = sum(u.numel for u in kept)
@@ -199,9 +199,9 @@ def run(job: Job) -> dict:
 def header(job: Job) -> str:
     """The run's one-line setup: grid, batch, model, ZeRO stage and precision, and the
     activation-memory options (sequence parallelism, recompute, ZeRO-R P_a / cpu / MD)."""
-    cfg, derived = job.cfg, job
+    cfg = job.cfg
     a = cfg.activation
-    act = ["sequence parallel"] if cfg.grid.sequence_parallel and derived.tp > 1 else []
+    act = ["sequence parallel"] if cfg.grid.sequence_parallel_active else []
     if a.selective_recompute:
         act.append("selective recompute")
     elif a.checkpoint_activations:

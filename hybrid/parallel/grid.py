@@ -1,13 +1,13 @@
 """The 2D process grid: tensor parallel (fastest, inside a node) x data parallel (across nodes).
 
-Rank layout (as Megatron-LM, arXiv 2104.04473 §3: tensor parallel inside a node), with a pipeline axis reserved for later::
+Rank layout (as Megatron-LM, arXiv 2104.04473 §3: tensor parallel inside a node)::
 
-    rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+    rank = tp_rank + tp * dp_rank
 
 so the ``tp`` ranks of one tensor-parallel group are consecutive (one node, NVLink) and a
 data-parallel group strides across nodes. The groups come from a ``DeviceMesh`` of shape
-``(pp, dp, tp)`` named ``("pp", "dp", "tp")``; one :class:`ProcessGrid` owns them all and is
-passed explicitly (no module-level state).
+``(dp, tp)`` named ``("dp", "tp")``; one :class:`ProcessGrid` owns them all and is passed
+explicitly (no module-level state).
 """
 
 from __future__ import annotations
@@ -23,53 +23,44 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 @dataclass(frozen=True)
 class GridShape:
-    """Sizes of the grid's axes; ``world = tp * dp * pp``."""
+    """Sizes of the grid's axes; ``world = tp * dp``."""
 
     tp: int
     dp: int
-    pp: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.dp * self.pp
+        return self.tp * self.dp
 
-    def coords(self, rank: int) -> tuple[int, int, int]:
-        """``(pp_rank, dp_rank, tp_rank)`` of global ``rank``."""
-        return rank // (self.tp * self.dp), (rank // self.tp) % self.dp, rank % self.tp
+    def coords(self, rank: int) -> tuple[int, int]:
+        """``(dp_rank, tp_rank)`` of global ``rank``."""
+        return rank // self.tp, rank % self.tp
 
 
-def validate_grid(
-    world_size: int, tp: int, pp: int = 1, local_world_size: int | None = None
-) -> GridShape:
+def validate_grid(world_size: int, tp: int, local_world_size: int | None = None) -> GridShape:
     """Check a requested grid against the world before any collective runs.
 
     Args:
         world_size: number of processes in the job.
         tp: tensor-model-parallel size.
-        pp: pipeline-model-parallel size (only 1 is implemented).
         local_world_size: processes per host (torchrun's ``LOCAL_WORLD_SIZE``); when given, a
             tensor-parallel group must fit inside one host.
 
     Returns:
-        The :class:`GridShape` with ``dp = world_size // (tp * pp)``.
+        The :class:`GridShape` with ``dp = world_size // tp``.
 
     Raises:
-        ValueError: a non-positive size, ``tp * pp`` not dividing the world, or a TP group that
+        ValueError: a non-positive size, ``tp`` not dividing the world, or a TP group that
             would span two hosts; the message spells out the numbers.
-        NotImplementedError: ``pp > 1``.
     """
-    for name, value in (("world size", world_size), ("tensor-model-parallel size", tp),
-                        ("pipeline-model-parallel size", pp)):
+    for name, value in (("world size", world_size), ("tensor-model-parallel size", tp)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if pp != 1:
-        raise NotImplementedError(f"pipeline-model-parallel size {pp}: only 1 is supported for now")
-    if world_size % (tp * pp):
-        product = f"tensor-model-parallel size {tp}" + (
-            f" x pipeline-model-parallel size {pp} = {tp * pp}" if pp > 1 else "")
+    if world_size % tp:
         raise ValueError(
-            f"{product} does not divide the world size {world_size}; valid tensor-model-parallel sizes: "
-            f"{[d for d in range(1, world_size + 1) if world_size % (d * pp) == 0]}"
+            f"tensor-model-parallel size {tp} does not divide the world size {world_size}; "
+            f"valid tensor-model-parallel sizes: "
+            f"{[d for d in range(1, world_size + 1) if world_size % d == 0]}"
         )
     if local_world_size is not None and local_world_size % tp:
         raise ValueError(
@@ -77,7 +68,7 @@ def validate_grid(
             f"node, so a tensor-parallel group would span two nodes; use a tp that divides "
             f"{local_world_size}"
         )
-    return GridShape(tp=tp, dp=world_size // (tp * pp), pp=pp)
+    return GridShape(tp=tp, dp=world_size // tp)
 
 
 def default_device() -> torch.device:
@@ -125,26 +116,25 @@ class ProcessGrid:
     initialising anything.
 
     Raises:
-        ValueError / NotImplementedError: see :func:`validate_grid`.
+        ValueError: see :func:`validate_grid`.
         RuntimeError: the default process group is not initialised.
     """
 
-    def __init__(self, tp: int = 1, pp: int = 1, device: torch.device | None = None):
+    def __init__(self, tp: int = 1, device: torch.device | None = None):
         if not dist.is_initialized():
             raise RuntimeError("ProcessGrid needs an initialised default process group "
                                "(call hybrid.parallel.grid.init_distributed() first)")
         world = dist.get_world_size()
         local = os.environ.get("LOCAL_WORLD_SIZE")
-        self.shape = validate_grid(world, tp, pp, int(local) if local else None)
+        self.shape = validate_grid(world, tp, int(local) if local else None)
         self.rank = dist.get_rank()
         self.world_size = world
         self.device = device or default_device()
         self.backend = dist.get_backend()
         self.mesh: DeviceMesh = init_device_mesh(
-            self.device.type, (self.shape.pp, self.shape.dp, self.shape.tp),
-            mesh_dim_names=("pp", "dp", "tp"),
+            self.device.type, (self.shape.dp, self.shape.tp), mesh_dim_names=("dp", "tp"),
         )
-        self.pp_rank, self.dp_rank, self.tp_rank = self.shape.coords(self.rank)
+        self.dp_rank, self.tp_rank = self.shape.coords(self.rank)
         assert self.mesh.get_local_rank("tp") == self.tp_rank
         assert self.mesh.get_local_rank("dp") == self.dp_rank
         self.tp_group = self.mesh.get_group("tp")
@@ -163,11 +153,6 @@ class ProcessGrid:
         """Data-parallel size."""
         return self.shape.dp
 
-    @property
-    def pp_size(self) -> int:
-        """Pipeline-model-parallel size (always 1 for now)."""
-        return self.shape.pp
-
     def tp_ranks(self) -> list[int]:
         """Global ranks of this rank's tensor-parallel group, in tp-rank order."""
         base = self.rank - self.tp_rank
@@ -175,8 +160,7 @@ class ProcessGrid:
 
     def dp_ranks(self) -> list[int]:
         """Global ranks of this rank's data-parallel group, in dp-rank order."""
-        first = self.pp_rank * self.tp_size * self.dp_size + self.tp_rank
-        return [first + i * self.tp_size for i in range(self.dp_size)]
+        return [self.tp_rank + i * self.tp_size for i in range(self.dp_size)]
 
     def __repr__(self) -> str:
         return (f"ProcessGrid(rank={self.rank}, tp={self.tp_size}, dp={self.dp_size}, "

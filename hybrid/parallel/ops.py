@@ -120,19 +120,6 @@ def reduce_scatter_seq(x: torch.Tensor, group, ledger: TPLedger | None = None) -
     return out
 
 
-def split_seq(x: torch.Tensor, group) -> torch.Tensor:
-    """This rank's ``s/t`` slice along dim 1 (a view; no communication, no autograd).
-
-    Raises:
-        ValueError: ``s`` is not divisible by the group size.
-    """
-    n = dist.get_world_size(group)
-    if n == 1:
-        return x
-    chunk = _check_seq(x, n)
-    return x.narrow(SEQ_DIM, dist.get_rank(group) * chunk, chunk)
-
-
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, ledger, kind):

@@ -10,7 +10,9 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
+import queue as queue_module
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -66,7 +68,7 @@ def spawn_world(
     timeout_s: float = 90.0,
     join_timeout_s: float | None = None,
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes and return their results.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes; their results.
 
     ``fn`` must be importable (a module-level function) and its return value picklable.
     The process group is initialised before ``fn`` runs, with a collective timeout of
@@ -84,7 +86,8 @@ def spawn_world(
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, timeout_s, queue), daemon=False)
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, timeout_s, queue),
+                    daemon=False)
         for r in range(world_size)
     ]
     for p in procs:
@@ -93,29 +96,7 @@ def spawn_world(
     results: dict[int, Any] = {}
     errors: list[str] = []
     try:
-        import queue as _q
-        import time
-
-        end = time.monotonic() + deadline
-        while len(results) + len(errors) < world_size:
-            remaining = end - time.monotonic()
-            if remaining <= 0:
-                raise RuntimeError(f"spawn_world: world of {world_size} did not finish within {deadline:.0f} s")
-            try:
-                rank, ok, payload = queue.get(timeout=min(remaining, 1.0))
-            except _q.Empty:
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead and queue.empty():
-                    time.sleep(0.5)
-                    if queue.empty():
-                        codes = {i: p.exitcode for i, p in enumerate(procs)}
-                        raise RuntimeError(f"spawn_world: a rank died without reporting (exit codes {codes})") from None
-                continue
-            if ok:
-                results[rank] = pickle.loads(payload)  # our own child's bytes, not untrusted input
-            else:
-                errors.append(f"--- rank {rank} ---\n{payload}")
-                break
+        _collect(queue, procs, deadline, results, errors)
     finally:
         for p in procs:
             p.join(timeout=5 if not errors else 1)
@@ -126,3 +107,36 @@ def spawn_world(
     if errors:
         raise RuntimeError("spawn_world: a rank failed\n" + "\n".join(errors))
     return [results[r] for r in range(world_size)]
+
+
+def _collect(queue, procs: list, deadline: float, results: dict[int, Any],
+             errors: list[str]) -> None:
+    """Fill ``results`` (rank -> value) from the ranks' reports until every rank reported or
+    one failed (its traceback goes to ``errors``).
+
+    Raises:
+        RuntimeError: ``deadline`` seconds passed, or a rank died without reporting.
+    """
+    world_size = len(procs)
+    end = time.monotonic() + deadline
+    while len(results) + len(errors) < world_size:
+        remaining = end - time.monotonic()
+        if remaining <= 0:
+            raise RuntimeError(f"spawn_world: world of {world_size} did not finish within "
+                               f"{deadline:.0f} s")
+        try:
+            rank, ok, payload = queue.get(timeout=min(remaining, 1.0))
+        except queue_module.Empty:
+            dead = [p for p in procs if p.exitcode not in (None, 0)]
+            if dead and queue.empty():
+                time.sleep(0.5)
+                if queue.empty():
+                    codes = {i: p.exitcode for i, p in enumerate(procs)}
+                    raise RuntimeError(f"spawn_world: a rank died without reporting "
+                                       f"(exit codes {codes})") from None
+            continue
+        if ok:
+            results[rank] = pickle.loads(payload)  # our own child's bytes, not untrusted input
+        else:
+            errors.append(f"--- rank {rank} ---\n{payload}")
+            break

@@ -1,6 +1,7 @@
 """The tensor-parallel plan: turns a plain ``models.gpt.GPT`` into its TP form, in place.
 
-The plan maps module-name patterns to parallel styles (arXiv 1909.08053 §3)::
+The plan maps module-name patterns to parallel styles (arXiv 1909.08053 §3), each a callable of
+:data:`hybrid.parallel.tp_styles.STYLES`::
 
     wte                      -> VocabParallelEmbedding (vocabulary padded, rows split)
     lm_head (untied only)    -> vocabulary-split output weight
@@ -36,21 +37,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from hybrid.parallel.cross_entropy import VocabParallelLoss
-from hybrid.parallel.layers import (
-    ColumnParallelLinear,
-    ParallelOutputLayer,
-    RowParallelLinear,
-    SequenceParallelLayerNorm,
-    SequenceParallelPositionEmbedding,
-    TPRegionDropout,
-    TPSpec,
-    VocabParallelEmbedding,
-    get_tp_spec,
-    set_tp_spec,
-)
+from hybrid.parallel.layers import TPSpec, get_tp_spec, set_tp_spec
 from hybrid.parallel.ops import TPLedger
 from hybrid.parallel.rng import RNGTracker
+from hybrid.parallel.sequence import sequence_parallel_active
+from hybrid.parallel.tp_styles import STYLES, Swap
 from hybrid.parallel.vocab import pad_vocab_size
 from models.gpt import GPT, draws_normal, init_parameter, parameter_generator
 
@@ -79,6 +70,46 @@ SEQUENCE_PARALLEL_PLAN: dict[str, str] = {
 def _set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
     parent, _, leaf = name.rpartition(".")
     setattr(root.get_submodule(parent) if parent else root, leaf, module)
+
+
+def _check_fits(cfg, tp: int, sequence_parallel: bool, tracker: RNGTracker | None) -> None:
+    """Raises ValueError: tp does not divide heads / MLP width; TP-region dropout, no tracker."""
+    if cfg.num_attention_heads % tp:
+        raise ValueError(f"tensor-model-parallel size {tp} does not divide num_attention_heads="
+                         f"{cfg.num_attention_heads}")
+    if cfg.ffn_hidden_size % tp:
+        raise ValueError(f"tensor-model-parallel size {tp} does not divide "
+                         f"ffn_hidden_size={cfg.ffn_hidden_size}")
+    dropout_in_tp_region = (cfg.attention_dropout > 0
+                            or sequence_parallel and cfg.hidden_dropout > 0)
+    if dropout_in_tp_region and tracker is None:
+        raise ValueError("attention_dropout > 0 (or hidden_dropout > 0 with sequence parallelism) "
+                         "needs an RNGTracker for the TP-region dropout")
+
+
+def _target(model: GPT, full: dict | None, seed: int | None) -> tuple[torch.device, torch.dtype]:
+    """Device and dtype of the TP modules: meta stays meta unless ``seed`` materialises it on
+    CPU; real weights keep their device."""
+    some = next(model.parameters())
+    device = torch.device("meta") if full is None and seed is None else (
+        some.device if full is not None else torch.device("cpu"))
+    return device, some.dtype
+
+
+def _fill_weights(model: GPT, tp_group, full: dict | None, seed: int | None,
+                  device: torch.device) -> None:
+    """Give every remaining parameter a replicated ``tp_spec``, then shard ``full`` into the
+    model or initialise it from ``seed`` (a meta model stays meta with neither)."""
+    rank, tp = dist.get_rank(tp_group), dist.get_world_size(tp_group)
+    for p in model.parameters():
+        if getattr(p, "tp_spec", None) is None:
+            set_tp_spec(p, TPSpec(None, tuple(p.shape), 0, rank, tp))
+    if full is not None:
+        load_full_state_dict(model, full)
+    elif seed is not None:
+        if any(p.is_meta for p in model.parameters()):
+            model.to_empty(device=device)
+        init_sharded(model, seed)
 
 
 def parallelize_gpt(
@@ -115,78 +146,27 @@ def parallelize_gpt(
     """
     cfg = model.config
     tp = dist.get_world_size(tp_group)
-    if cfg.num_attention_heads % tp:
-        raise ValueError(f"tensor-model-parallel size {tp} does not divide num_attention_heads="
-                         f"{cfg.num_attention_heads}")
-    if cfg.ffn_hidden_size % tp:
-        raise ValueError(f"tensor-model-parallel size {tp} does not divide ffn_hidden_size={cfg.ffn_hidden_size}")
-    sequence_parallel = sequence_parallel and tp > 1
-    if (cfg.attention_dropout > 0 or sequence_parallel and cfg.hidden_dropout > 0) and tracker is None:
-        raise ValueError("attention_dropout > 0 (or hidden_dropout > 0 with sequence parallelism) "
-                         "needs an RNGTracker for the TP-region dropout")
-    ledger = TPLedger() if ledger is None else ledger
-    plan = dict(GPT_TP_PLAN, **(SEQUENCE_PARALLEL_PLAN if sequence_parallel else {}))
-    sp = dict(sequence_parallel=sequence_parallel, ledger=ledger)
+    sequence_parallel = sequence_parallel_active(sequence_parallel, tp)
+    _check_fits(cfg, tp, sequence_parallel, tracker)
     full = None if any(p.is_meta for p in model.parameters()) else {
         k: v.detach().clone() for k, v in model.state_dict().items()
     }
-    some = next(model.parameters())
-    device = torch.device("meta") if full is None and seed is None else (
-        some.device if full is not None else torch.device("cpu"))
-    dtype = some.dtype
-    vocab_pad = pad_vocab_size(cfg.vocab_size, tp, make_vocab_size_divisible_by)
-    kw = dict(device=device, dtype=dtype)
-
+    swap = Swap(model, tp_group, tracker,
+                 pad_vocab_size(cfg.vocab_size, tp, make_vocab_size_divisible_by),
+                 TPLedger() if ledger is None else ledger, sequence_parallel,
+                 *_target(model, full, seed))
+    plan = dict(GPT_TP_PLAN, **(SEQUENCE_PARALLEL_PLAN if sequence_parallel else {}))
     for name, module in list(model.named_modules()):
         style = next((s for pat, s in plan.items() if fnmatch.fnmatchcase(name, pat)), None)
-        if style is None or module is None:
-            continue
-        if style == "vocab_embedding":
-            new = VocabParallelEmbedding(cfg.vocab_size, vocab_pad, cfg.hidden_size, tp_group, **kw, **sp)
-        elif style == "vocab_output":
-            # the untied head's input is gathered by the output layer, not by this weight's owner
-            new = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, tp_group, bias=False,
-                                       padded_out=vocab_pad, **kw, ledger=ledger)
-        elif style == "column":
-            new = ColumnParallelLinear(module.in_features, module.out_features, tp_group,
-                                       bias=module.bias is not None, **kw, **sp)
-        elif style == "row":
-            new = RowParallelLinear(module.in_features, module.out_features, tp_group,
-                                    bias=module.bias is not None, **kw, **sp)
-        elif style == "tp_dropout":
-            new = TPRegionDropout(module.p, tracker)
-        elif style == "sp_layernorm":
-            new = SequenceParallelLayerNorm(module, tp_group, ledger)
-        elif style == "sp_positions":
-            new = SequenceParallelPositionEmbedding(module, tp_group, ledger)
-        elif style == "parallel_output":
-            new = ParallelOutputLayer(tp_group, **sp)
-        else:  # vocab_parallel_loss
-            start = model.wte.vocab_start
-            new = VocabParallelLoss(cfg.vocab_size, start, tp_group, cfg.label_smoothing)
-        _set_submodule(model, name, new)
-
-    rank = dist.get_rank(tp_group)
-    for p in model.parameters():
-        if getattr(p, "tp_spec", None) is None:
-            set_tp_spec(p, TPSpec(None, tuple(p.shape), 0, rank, tp))
-    if full is not None:
-        load_full_state_dict(model, full)
-    elif seed is not None:
-        if any(p.is_meta for p in model.parameters()):
-            model.to_empty(device=device)
-        init_sharded(model, seed)
+        if style is not None and module is not None:
+            _set_submodule(model, name, STYLES[style](module, swap))
+    _fill_weights(model, tp_group, full, seed, swap.device)
     return model
 
 
 def tp_ledger(model: nn.Module) -> TPLedger | None:
     """The :class:`hybrid.parallel.ops.TPLedger` of a model made by :func:`parallelize_gpt`."""
     return next((m.ledger for m in model.modules() if isinstance(getattr(m, "ledger", None), TPLedger)), None)
-
-
-def is_sequence_parallel(model: nn.Module) -> bool:
-    """True when :func:`parallelize_gpt` applied sequence parallelism to ``model``."""
-    return any(getattr(m, "sequence_parallel", False) for m in model.modules())
 
 
 @torch.no_grad()

@@ -71,7 +71,9 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(allow_abbrev=False,
+    """The planner's argument parser (groups: model, training, cluster, search; ``--json``)."""
+    p = _Parser(
+        allow_abbrev=False,
         prog="python -m hybrid.plan",
         formatter_class=_HelpFormatter,
         epilog="Table columns: tp, dp = tensor- and data-parallel degree; z = ZeRO stage; m = "
@@ -81,7 +83,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="Per-rank memory, traffic and a step-time estimate for every TP x ZeRO x "
         "activation-checkpointing layout; picks the fastest one that fits.",
     )
-    g = p.add_argument_group("model")
+    _add_model_args(p.add_argument_group("model"))
+    _add_training_args(p.add_argument_group("training"))
+    _add_cluster_args(p.add_argument_group("cluster"))
+    _add_search_args(p.add_argument_group("search"))
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    return p
+
+
+def _add_model_args(g) -> None:
     g.add_argument("--model", help="preset name (models.presets.get_preset); dims below override")
     g.add_argument("--num-layers", type=int, help="transformer blocks (--max-model: searched)")
     g.add_argument("--hidden-size", type=int, help="model width h")
@@ -92,72 +102,62 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-position-embeddings", type=int, help="default --seq-length")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                    help="a separate output matrix (V x h more parameters)")
-    g = p.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int, default=1, help="samples per rank per micro-batch b")
+
+
+def _add_training_args(g) -> None:
+    g.add_argument("--micro-batch-size", type=int, default=1,
+                   help="samples per rank per micro-batch b")
     g.add_argument("--global-batch-size", type=int, help="default micro-batch * num-gpus")
-    g.add_argument("--precision", choices=sorted(PRECISIONS), default="bf16", help="training precision")
+    g.add_argument("--precision", choices=sorted(PRECISIONS), default="bf16",
+                   help="training precision")
     g.add_argument("--accounting", choices=ACCOUNTINGS, default="paper",
-                   help="model-state bytes per param: ZeRO paper (16 mixed) or our engine (18 bf16, 20 fp32)")
-    g.add_argument("--grad-reduce", choices=("reduce_scatter", "all_reduce"), default="reduce_scatter",
-                   help="the engine's gradient collective for ZeRO 1-3 (all_reduce: 2x the gradient bytes)")
+                   help="model-state bytes per param: ZeRO paper (16 mixed) or our engine "
+                   "(18 bf16, 20 fp32)")
+    g.add_argument("--grad-reduce", choices=("reduce_scatter", "all_reduce"),
+                   default="reduce_scatter",
+                   help="the engine's gradient collective for ZeRO 1-3 (all_reduce: 2x the "
+                   "gradient bytes)")
     g.add_argument("--param-persistence-threshold", type=int, default=0,
-                   help="stage 3 keeps local params with fewer elements whole (the engine's default: 100000)")
-    g.add_argument("--reduce-bucket-size", type=int, default=DEFAULT_BUCKET_ELEMENTS, help="elements")
-    g.add_argument("--allgather-bucket-size", type=int, default=DEFAULT_BUCKET_ELEMENTS, help="elements")
+                   help="stage 3 keeps local params with fewer elements whole (the engine's "
+                   "default: 100000)")
+    g.add_argument("--reduce-bucket-size", type=int, default=DEFAULT_BUCKET_ELEMENTS,
+                   help="elements")
+    g.add_argument("--allgather-bucket-size", type=int, default=DEFAULT_BUCKET_ELEMENTS,
+                   help="elements")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="vocabulary padded to a multiple of this times tp (Megatron-LM)")
-    g = p.add_argument_group("cluster")
+
+
+def _add_cluster_args(g) -> None:
     g.add_argument("--num-gpus", type=int, default=8, help="GPUs in the job (tp * dp)")
     g.add_argument("--gpus-per-node", type=int, default=8, help="tp never crosses a node")
-    g.add_argument(
-        "--device",
-        help=f"GPU preset, memory and dense bf16/fp16 peak from the datasheet: {preset_names()} "
-        f"(default: {DEFAULT_DEVICE}); another name (V100S, H100 PCIe...) gives only the peak",
-    )
+    g.add_argument("--device", help=f"GPU preset, memory and dense bf16/fp16 peak from the "
+                   f"datasheet: {preset_names()} (default: {DEFAULT_DEVICE}); another name "
+                   "(V100S, H100 PCIe...) gives only the peak")
     g.add_argument("--gpu-memory-gb", type=_finite,
                    help="memory per GPU, GB = 1e9 bytes (default: the --device preset's)")
-    g.add_argument(
-        "--reserved-gb",
-        type=_finite,
-        default=1.0,
-        help="held back per GPU for the CUDA context and fragmentation, shown in the reserve "
-        "column and counted in total (0 reproduces the ZeRO tables)",
-    )
+    g.add_argument("--reserved-gb", type=_finite, default=1.0,
+                   help="held back per GPU for the CUDA context and fragmentation, shown in the "
+                   "reserve column and counted in total (0 reproduces the ZeRO tables)")
     g.add_argument("--peak-tflops", type=_finite,
                    help="dense peak per GPU, TFLOP/s (default: the --device preset's)")
     g.add_argument("--efficiency", type=_finite, default=0.45, help="fraction of peak on GEMMs")
     g.add_argument("--intra-node-gbs", type=_finite, default=200.0, help="NVLink, GB/s per GPU")
     g.add_argument("--inter-node-gbs", type=_finite, default=25.0, help="network, GB/s per GPU")
     g.add_argument("--cpu-gbs", type=_finite, default=20.0, help="host link, GB/s per GPU")
-    g = p.add_argument_group("search")
-    g.add_argument(
-        "--tp",
-        type=int,
-        action="append",
-        help="restrict to this TP degree (repeatable; default: every divisor that fits a node)",
-    )
-    g.add_argument(
-        "--zero-stage",
-        type=int,
-        action="append",
-        choices=ZERO_STAGES,
-        help="restrict to this ZeRO stage (repeatable; default: all)",
-    )
-    g.add_argument(
-        "--activation",
-        action="append",
-        choices=ACTIVATION_OPTIONS,
-        help="restrict to this activation checkpointing (repeatable; default: all)",
-    )
+
+
+def _add_search_args(g) -> None:
+    g.add_argument("--tp", type=int, action="append", help="restrict to this TP degree "
+                   "(repeatable; default: every divisor that fits a node)")
+    g.add_argument("--zero-stage", type=int, action="append", choices=ZERO_STAGES,
+                   help="restrict to this ZeRO stage (repeatable; default: all)")
+    g.add_argument("--activation", action="append", choices=ACTIVATION_OPTIONS,
+                   help="restrict to this activation checkpointing (repeatable; default: all)")
     g.add_argument("--fitting-only", action="store_true", help="print only layouts that fit")
-    g.add_argument(
-        "--max-model",
-        action="store_true",
-        help="largest model per TP x stage (ZeRO Table 2: model states only; with model "
-        "dims also the largest layer count counting activations)",
-    )
-    p.add_argument("--json", action="store_true", help="print one JSON document")
-    return p
+    g.add_argument("--max-model", action="store_true",
+                   help="largest model per TP x stage (ZeRO Table 2: model states only; with "
+                   "model dims also the largest layer count counting activations)")
 
 
 def _load_preset(name: str) -> ModelShape:

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 from hybrid.flops import flops_per_iteration, layer_parameter_split
 from hybrid.model_shape import ModelShape
+from hybrid.parallel.sequence import sequence_parallel_active
 from hybrid.parallel.vocab import pad_vocab_size
 from hybrid.planner.memory import (
     ACTIVATION_OPTIONS,
@@ -229,6 +230,85 @@ def _check_tp(m: ModelShape, tp: int, cluster: Cluster) -> None:
         )
 
 
+def _check_layout(model: object, cluster: Cluster, training: Training, tp: int,
+                  activation: str) -> ModelShape:
+    """The model with its vocabulary padded for ``tp``, after checking the layout is possible.
+
+    Raises ValueError: tp does not divide the heads, the MLP width or the GPUs, or sequence
+    parallelism with tp not dividing the sequence length.
+    """
+    m0 = ModelShape.of(model)
+    _check_tp(m0, tp, cluster)
+    m = _padded(m0, tp, training)
+    s = training.seq_length
+    if sequence_parallel_active("sp" in activation.split("+"), tp) and s % tp:
+        raise ValueError(f"sequence parallelism needs seq_length divisible by tp: "
+                         f"{s} % {tp} = {s % tp}")
+    return m
+
+
+def _batch(training: Training, cluster: Cluster, dp: int) -> tuple[int, int]:
+    """``(global batch, micro-batches per rank per step)``; ValueError when they do not divide."""
+    b = training.micro_batch_size
+    gbs = training.global_batch_size or b * cluster.num_gpus
+    if gbs % (b * dp):
+        raise ValueError(
+            f"global_batch_size={gbs} is not a multiple of micro_batch_size * dp = {b} * {dp}"
+        )
+    return gbs, gbs // (b * dp)
+
+
+def _buffer_bytes(m: ModelShape, tp: int, dp: int, stage: int, prec, psi_t: int,
+                  training: Training) -> int:
+    """Communication buffers of one rank (``memory.comm_buffer_bytes``), bytes: one block's
+    local parameters bound stage 3's gather unit, the rest is the root unit."""
+    layer_sharded, layer_replicated = layer_parameter_split(m)
+    block = layer_sharded // tp + layer_replicated
+    root = psi_t - m.num_layers * block
+    return comm_buffer_bytes(psi_t, stage, training.reduce_bucket_elements,
+                             training.allgather_bucket_elements, prec, block, dp,
+                             training.overlap_comm, root)
+
+
+def _traffic(m: ModelShape, tp: int, dp: int, stage: int, prec, micro_batches: int,
+             persistent: int, activation: str, training: Training, acts: dict
+             ) -> tuple[dict, float, float]:
+    """``(dp bytes by kind, tp bytes, host bytes)`` one rank moves per optimizer step."""
+    parts = set(activation.split("+"))
+    s, b = training.seq_length, training.micro_batch_size
+    dp_kinds = dp_traffic_bytes(
+        m, dp, stage, tp, prec, micro_batches, persistent_params=persistent, by_kind=True,
+        grad_reduce=training.grad_reduce,
+    )
+    tp_elems = tp_traffic_elements(b, s, m.hidden_size, tp, m.num_layers, "full" in parts,
+                                   "pa" in parts, m.vocab_size, sequence_parallel="sp" in parts)
+    tp_bytes = tp_elems * prec.activation_bytes * micro_batches
+    cpu_bytes = 2 * acts["cpu"] * micro_batches
+    return dp_kinds, tp_bytes, cpu_bytes
+
+
+def _step_times(m: ModelShape, cluster: Cluster, gbs: int, s: int, activation: str,
+                dp_bytes: float, tp_bytes: float, cpu_bytes: float) -> tuple[dict, float]:
+    """``(times, mfu)``: the cost model's terms and their sum ``step_s`` (seconds), and the
+    model-FLOPs utilisation that step time gives (see the module docstring)."""
+    parts = set(activation.split("+"))
+    recompute = "full" in parts
+    hw_flops = flops_per_iteration(
+        m, gbs, s, "full" if recompute else "selective" if "selective" in parts else "none")
+    model_flops = flops_per_iteration(m, gbs, s, "none")
+    peak = cluster.num_gpus * cluster.peak_tflops * 1e12
+    dp_bw = (cluster.inter_node_gbs if cluster.num_gpus > cluster.gpus_per_node
+             else cluster.intra_node_gbs)
+    times = {
+        "compute_s": hw_flops / (peak * cluster.efficiency),
+        "tp_s": tp_bytes / (cluster.intra_node_gbs * GB),
+        "dp_s": dp_bytes / (dp_bw * GB),
+        "cpu_s": cpu_bytes / (cluster.cpu_gbs * GB),
+    }
+    times["step_s"] = sum(times.values())
+    return times, model_flops / (times["step_s"] * peak)
+
+
 def evaluate(
     model: object, cluster: Cluster, training: Training, tp: int, stage: int, activation: str
 ) -> Candidate:
@@ -238,19 +318,10 @@ def evaluate(
     that is not a multiple of micro batch * dp, sequence parallelism with tp not dividing the
     sequence length).
     """
-    m0 = ModelShape.of(model)
-    _check_tp(m0, tp, cluster)
-    m = _padded(m0, tp, training)
+    m = _check_layout(model, cluster, training, tp, activation)
     dp = cluster.num_gpus // tp
     s, b = training.seq_length, training.micro_batch_size
-    if "sp" in activation.split("+") and tp > 1 and s % tp:
-        raise ValueError(f"sequence parallelism needs seq_length divisible by tp: {s} % {tp} = {s % tp}")
-    gbs = training.global_batch_size or b * cluster.num_gpus
-    if gbs % (b * dp):
-        raise ValueError(
-            f"global_batch_size={gbs} is not a multiple of micro_batch_size * dp = {b} * {dp}"
-        )
-    micro_batches = gbs // (b * dp)
+    gbs, micro_batches = _batch(training, cluster, dp)
     prec = get_precision(training.precision, training.accounting)
 
     psi_t = params_per_tp_rank(m, tp)
@@ -258,70 +329,19 @@ def evaluate(
     persistent = persistent_parameters(m, tp, zero.persistence_threshold)
     states = model_state_bytes(m, tp, dp, stage, prec, persistent)
     acts = activation_bytes(m, s, b, tp, activation, prec)
-    layer_sharded, layer_replicated = layer_parameter_split(m)
-    block = layer_sharded // tp + layer_replicated
-    root = psi_t - m.num_layers * block
-    buffers = comm_buffer_bytes(psi_t, stage, training.reduce_bucket_elements,
-                                training.allgather_bucket_elements, prec, block, dp,
-                                training.overlap_comm, root)
+    buffers = _buffer_bytes(m, tp, dp, stage, prec, psi_t, training)
     total = states["total"] + acts["gpu"] + buffers + int(cluster.reserved_bytes)
 
-    parts = set(activation.split("+"))
-    recompute = "full" in parts
-    dp_kinds = dp_traffic_bytes(
-        m, dp, stage, tp, prec, micro_batches, persistent_params=persistent, by_kind=True,
-        grad_reduce=training.grad_reduce,
-    )
+    dp_kinds, tp_bytes, cpu_bytes = _traffic(m, tp, dp, stage, prec, micro_batches, persistent,
+                                             activation, training, acts)
     dp_bytes = sum(dp_kinds.values())
-    tp_elems = tp_traffic_elements(
-        b,
-        s,
-        m.hidden_size,
-        tp,
-        m.num_layers,
-        recompute,
-        "pa" in parts,
-        m.vocab_size,
-        sequence_parallel="sp" in parts,
-    )
-    tp_bytes = tp_elems * prec.activation_bytes * micro_batches
-    cpu_bytes = 2 * acts["cpu"] * micro_batches
-
-    hw_flops = flops_per_iteration(
-        m, gbs, s, "full" if recompute else "selective" if "selective" in parts else "none")
-    model_flops = flops_per_iteration(m, gbs, s, "none")
-    peak = cluster.num_gpus * cluster.peak_tflops * 1e12
-    dp_bw = (
-        cluster.inter_node_gbs
-        if cluster.num_gpus > cluster.gpus_per_node
-        else cluster.intra_node_gbs
-    )
-    times = {
-        "compute_s": hw_flops / (peak * cluster.efficiency),
-        "tp_s": tp_bytes / (cluster.intra_node_gbs * GB),
-        "dp_s": dp_bytes / (dp_bw * GB),
-        "cpu_s": cpu_bytes / (cluster.cpu_gbs * GB),
-    }
-    times["step_s"] = sum(times.values())
+    times, mfu = _step_times(m, cluster, gbs, s, activation, dp_bytes, tp_bytes, cpu_bytes)
     return Candidate(
-        tp=tp,
-        dp=dp,
-        stage=stage,
-        activation=activation,
-        micro_batches=micro_batches,
-        params_per_rank=psi_t,
-        model_states=states,
-        activations=acts,
-        buffers=buffers,
-        total_bytes=total,
-        fits=total <= cluster.gpu_memory_bytes,
-        dp_bytes=dp_bytes,
-        tp_bytes=tp_bytes,
-        cpu_bytes=cpu_bytes,
-        times=times,
-        tokens_per_s=gbs * s / times["step_s"],
-        mfu=model_flops / (times["step_s"] * peak),
-        dp_bytes_by_kind=dp_kinds,
+        tp=tp, dp=dp, stage=stage, activation=activation, micro_batches=micro_batches,
+        params_per_rank=psi_t, model_states=states, activations=acts, buffers=buffers,
+        total_bytes=total, fits=total <= cluster.gpu_memory_bytes, dp_bytes=dp_bytes,
+        tp_bytes=tp_bytes, cpu_bytes=cpu_bytes, times=times,
+        tokens_per_s=gbs * s / times["step_s"], mfu=mfu, dp_bytes_by_kind=dp_kinds,
         persistent_params=persistent,
     )
 
@@ -349,7 +369,8 @@ def plan(
     for tp in tps:
         for stage in stages:
             for act in activations:
-                if tp == 1 and (act == "full+pa" or "sp" in act.split("+")):
+                sp = "sp" in act.split("+")
+                if tp == 1 and act == "full+pa" or sp and not sequence_parallel_active(sp, tp):
                     continue
                 try:
                     out.append(evaluate(m, cluster, training, tp, stage, act))

@@ -1,7 +1,7 @@
 """Configuration of the ZeRO engine and of its AdamW optimizer: two sections of the config tree.
 
 ``PretrainConfig.zero`` and ``PretrainConfig.optimizer`` are these classes; their fields are
-also the command-line flags (``hybrid.cli``). Units: bucket sizes and thresholds are counts of
+also the command-line flags (``hybrid.job.cli``). Units: bucket sizes and thresholds are counts of
 *elements*, never bytes (as in DeepSpeed's ``reduce_bucket_size``). Validation runs in
 ``__post_init__`` and raises :class:`hybrid.config_fields.ConfigError` (a ``ValueError``)
 naming the flag, the field and the bad value, before any process group is touched.
@@ -67,11 +67,6 @@ class ZeroConfig:
     def plan(self) -> StagePlan:
         """What this stage partitions and how it reduces (:func:`hybrid.zero.stage.stage_plan`)."""
         return stage_plan(self.stage, self.grad_reduce, self.param_persistence_threshold)
-
-    @property
-    def shards_parameters(self) -> bool:
-        """``plan.shards_parameters`` (still read by ``hybrid.pretrain``)."""
-        return self.plan.shards_parameters
 
     def validate(self) -> None:
         """Check every field.

@@ -71,7 +71,7 @@ def global_grad_norm(counted: list[torch.Tensor], uncounted: list[torch.Tensor],
 def host_values(t: torch.Tensor) -> list[float]:
     """The values of a small tensor on the host (one synchronisation).
 
-    A fake tensor (``FakeTensorMode``, the dry run of :mod:`hybrid.dry_run`) has no values; it
+    A fake tensor (``FakeTensorMode``, the dry run of :mod:`hybrid.job.dry_run`) has no values; it
     reads as zeros, which is the normal path everywhere they are used (a finite loss, a finite
     norm, no overflow). Real tensors are read as they are.
     """
