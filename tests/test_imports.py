@@ -124,24 +124,3 @@ def test_no_module_over_400_lines():
                                                    *ROOT.glob("models/*.py"), *ROOT.glob("data/*.py")]
             if (n := len(p.read_text().splitlines())) > 400}
     assert not long, long
-
-
-def test_readme_layout_table_names_every_module():
-    """Each row's first cell: a full path, then names in the same folder (`hybrid/zero/a.py`, `b.py`)."""
-    readme = (ROOT / "README.md").read_text()
-    table = readme[readme.index("## Layout"):readme.index("## Tests")]
-    named = set()
-    for row in table.splitlines():
-        if not row.startswith("| `hybrid/"):
-            continue
-        folder = None
-        for path in row.split("|")[1].replace("`", "").split(","):
-            path = path.strip()
-            if "/" in path:
-                folder = path.rpartition("/")[0]
-                named.add(path)
-            else:
-                named.add(f"{folder}/{path}")
-    modules = {str(p.relative_to(ROOT)) for p in (ROOT / "hybrid").rglob("*.py") if p.name != "__init__.py"}
-    assert modules - named == set(), "modules missing from the README layout table"
-    assert named - modules == set(), "README layout table names files that do not exist"
