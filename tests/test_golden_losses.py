@@ -72,7 +72,7 @@ def test_losses_match_golden_file_bit_for_bit():
         return
     for kind, losses in golden.items():
         for name in GRIDS:
-            assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(got[name], losses[name])), (
+            assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(got[name], losses[name], strict=True)), (
                 f"{name}: losses differ from the {kind!r} record beyond a kernel difference; no record "
                 f"for this machine ({here!r}): record it at a known-good commit with --record")
 

@@ -90,7 +90,7 @@ def checked_tokens(batches, vocab_size: int, source):
 def engine_line(engine) -> str:
     """One start-up line: ZeRO stage, precision and this rank's bytes held per kind."""
     held = ", ".join(f"{k} {v / 2**20:.2f}" for k, v in engine.memory_bytes().items() if v)
-    layout = engine.layout
+    config, layout = engine.config, engine.layout
     kept = [u for u in layout.units if u.persistent] if engine.plan.shards_parameters else []
     note = ""
     if kept:  # otherwise stage 3's "params" looks unpartitioned on a small model
