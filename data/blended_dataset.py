@@ -40,7 +40,8 @@ def parse_data_path(data_path: Sequence[str | float] | str) -> tuple[list[float]
     if number(items[0]) is None:
         if any(number(x) is not None for x in items):
             raise ValueError(
-                f"--data-path {items}: mixes weights and prefixes; give a weight before every prefix"
+                f"--data-path {items}: mixes weights and prefixes; give a weight before every "
+                "prefix"
             )
         return None, [str(x) for x in items]
     if len(items) % 2:
@@ -84,8 +85,9 @@ def blending_indices(weights: np.ndarray, num_samples: int) -> tuple[np.ndarray,
 class BlendedDataset(torch.utils.data.Dataset):
     """Samples drawn from several datasets in the order given by :func:`blending_indices`.
 
-    ``len(ds) == len(dataset_index)``; ``ds[i] = datasets[dataset_index[i]][dataset_sample_index[i]]``.
-    A dataset that is never drawn may be None.
+    ``len(ds) == len(dataset_index)``;
+    ``ds[i] = datasets[dataset_index[i]][dataset_sample_index[i]]``. A dataset that is never drawn
+    may be None.
     """
 
     def __init__(

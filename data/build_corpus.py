@@ -132,7 +132,8 @@ def build_corpus(
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(allow_abbrev=False, description="Build the embedded stdlib-docstring corpus (jsonl).")
+    p = argparse.ArgumentParser(allow_abbrev=False,
+                                description="Build the embedded stdlib-docstring corpus (jsonl).")
     p.add_argument("--output", required=True, help="path of the .jsonl to write")
     p.add_argument(
         "--max-bytes", type=int, default=4_000_000, help="cap on the text size (UTF-8 bytes)"

@@ -160,7 +160,8 @@ class GPTDataset(torch.utils.data.Dataset):
         return len(self.shuffle_idx)
 
     def unshuffled_tokens(self, j: int) -> np.ndarray:
-        """Tokens of sample ``j`` in stream order (before the shuffle), ``int64[seq_length + 1]``."""
+        """Tokens of sample ``j`` in stream order (before the shuffle),
+        ``int64[seq_length + 1]``."""
         (p0, o0), (p1, o1) = self.sample_idx[j], self.sample_idx[j + 1]
         p0, o0, p1, o1 = int(p0), int(o0), int(p1), int(o1)
         if p0 == p1:
@@ -263,7 +264,8 @@ def _blend(
     cache_dir: str | os.PathLike | None,
     extra: dict,
 ) -> BlendedDataset:
-    """One split of several datasets blended by ``w``; each builds exactly the samples drawn from it."""
+    """One split of several datasets blended by ``w``; each builds exactly the samples drawn from
+    it."""
     prefixes = [os.path.abspath(p) for p, _ in parts]
     blend = load_or_build(
         cache_dir or Path(prefixes[0]).parent / "cache" / "GPTDataset_indices",

@@ -133,7 +133,8 @@ class IndexedDataset:
         return self.get(i % n)
 
     def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
-        """Tokens ``[offset, offset + length)`` of sequence ``i`` (to its end when length is None)."""
+        """Tokens ``[offset, offset + length)`` of sequence ``i`` (to its end when length is
+        None)."""
         size = int(self.sizes[i])
         if length is None:
             length = size - offset

@@ -38,7 +38,8 @@ def resolve_prefixes(inputs: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m data.merge", description="Merge indexed-dataset shards into one.")
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m data.merge",
+                                description="Merge indexed-dataset shards into one.")
     p.add_argument(
         "--input", nargs="+", required=True, help="shard prefixes or directories, in order"
     )

@@ -6,7 +6,8 @@ import torch
 
 
 class MockGPTDataset(torch.utils.data.Dataset):
-    """``num_samples`` samples of ``seq_length + 1`` uniform random token ids in ``[0, vocab_size)``.
+    """``num_samples`` samples of ``seq_length + 1`` uniform random token ids in
+    ``[0, vocab_size)``.
 
     Sample ``i`` is drawn from a generator seeded with ``seed * 1_000_003 + i``, so every rank
     and every grid sees the same sample ``i`` without any shared state.
@@ -14,9 +15,10 @@ class MockGPTDataset(torch.utils.data.Dataset):
 
     def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int):
         if num_samples < 0 or seq_length < 1 or vocab_size < 2:
-            raise ValueError(f"bad mock dataset: num_samples={num_samples}, seq_length={seq_length}, "
-                             f"vocab_size={vocab_size}")
-        self.num_samples, self.seq_length, self.vocab_size, self.seed = num_samples, seq_length, vocab_size, seed
+            raise ValueError(f"bad mock dataset: num_samples={num_samples}, "
+                             f"seq_length={seq_length}, vocab_size={vocab_size}")
+        self.num_samples, self.seq_length, self.vocab_size, self.seed = (num_samples, seq_length,
+                                                                         vocab_size, seed)
 
     def __len__(self) -> int:
         return self.num_samples

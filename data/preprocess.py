@@ -293,8 +293,9 @@ def main(argv: list[str] | None = None) -> None:
             f"({ks.invalid} invalid and {ks.empty} empty rows skipped)"
         )
     print(
-        f"{s.rows} rows ({s.unreadable} unreadable skipped), {s.tokens} tokens in {s.seconds:.1f} s: "
-        f"{s.rows / s.seconds:.0f} docs/s, {s.tokens / s.seconds:.0f} tokens/s with {a.workers} worker(s)"
+        f"{s.rows} rows ({s.unreadable} unreadable skipped), {s.tokens} tokens in {s.seconds:.1f} "
+        f"s: {s.rows / s.seconds:.0f} docs/s, {s.tokens / s.seconds:.0f} tokens/s with {a.workers} "
+        "worker(s)"
     )
 
 

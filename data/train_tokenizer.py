@@ -311,7 +311,8 @@ def _training_error(
             f"and the characters covering character_coverage={coverage} need ({read}); raise "
             "it, or lower character_coverage so that rare characters fall back to bytes"
         )
-    return f"sentencepiece training failed (vocab_size={vocab_size}, model_type={model_type}, {read}): {error}"
+    return (f"sentencepiece training failed (vocab_size={vocab_size}, model_type={model_type}, "
+            f"{read}): {error}")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -27,16 +27,19 @@ from hybrid.zero.config import OptimizerConfig, ZeroConfig
 class ModelConfig:
     """Model shape (``models.gpt.GPTConfig``) or a preset name."""
 
-    preset: str | None = arg(None, "model preset (models.presets), e.g. gpt2-124m; explicit flags override it")
+    preset: str | None = arg(None, "model preset (models.presets), e.g. gpt2-124m; explicit flags "
+                                   "override it")
     num_layers: int | None = arg(None, "number of transformer blocks")
     hidden_size: int | None = arg(None, "model width h")
     num_attention_heads: int | None = arg(None, "attention heads")
     ffn_hidden_size: int | None = arg(None, "MLP inner width (default 4 * hidden size)")
     seq_length: int = arg(1024, "tokens per training sample")
-    max_position_embeddings: int | None = arg(None, "position table size (default: seq length, or the preset's)")
-    make_vocab_size_divisible_by: int = arg(128, "pad the vocabulary to a multiple of this times the TP size")
-    vocab_size: int | None = arg(None, "vocabulary size (default: the tokenizer's; required with --mock-data "
-                                       "without a tokenizer)")
+    max_position_embeddings: int | None = arg(None, "position table size (default: seq length, or "
+                                                    "the preset's)")
+    make_vocab_size_divisible_by: int = arg(128, "pad the vocabulary to a multiple of this times "
+                                                 "the TP size")
+    vocab_size: int | None = arg(None, "vocabulary size (default: the tokenizer's; required with "
+                                       "--mock-data without a tokenizer)")
     hidden_dropout: float = arg(0.1, "dropout on embeddings and residual branches")
     attention_dropout: float = arg(0.1, "dropout on attention probabilities")
     init_method_std: float = arg(0.02, "std of the normal weight init")
@@ -44,8 +47,8 @@ class ModelConfig:
     untie_embeddings_and_output_weights: bool = arg(False, "give the output layer its own weight")
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
-                     "vocab_size"):
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+                     "max_position_embeddings", "vocab_size"):
             check_int(self, name, 1, optional=True)
         check_int(self, "seq_length", 1)
         check_int(self, "make_vocab_size_divisible_by", 1)
@@ -55,12 +58,18 @@ class ModelConfig:
 
 @dataclass
 class GridConfig:
-    """The process grid: tensor parallel inside a node, data parallel across (the rest of the world)."""
+    """The process grid: tensor parallel inside a node, data parallel across (the rest of the
+    world)."""
 
-    tensor_model_parallel_size: int = arg(1, "tensor-model-parallel size (consecutive ranks, inside one node)")
-    sequence_parallel: bool = arg(False, "shard LayerNorm/dropout activations along the sequence over the TP group (arXiv 2205.05198 §4.2.2; needs the seq length divisible by tp)")
+    tensor_model_parallel_size: int = arg(1, "tensor-model-parallel size (consecutive ranks, "
+                                             "inside one node)")
+    sequence_parallel: bool = arg(False, "shard LayerNorm/dropout activations along the sequence "
+                                         "over the TP group (arXiv 2205.05198 §4.2.2; needs the "
+                                         "seq length divisible by tp)")
     distributed_timeout_minutes: float = arg(10.0, "collective timeout, in minutes")
-    dry_run_world_size: int | None = arg(None, "dry run: build one rank of an N-rank job with a fake process group and fake tensors, run one step, print its memory (no devices, no data)")
+    dry_run_world_size: int | None = arg(None, "dry run: build one rank of an N-rank job with a "
+                                               "fake process group and fake tensors, run one step, "
+                                               "print its memory (no devices, no data)")
     dry_run_rank: int = arg(0, "the rank the dry run builds (0 .. N-1)")
 
     def __post_init__(self) -> None:
@@ -80,15 +89,18 @@ class TrainingConfig:
     """Batch, number of steps and the learning-rate schedule (its peak is ``optimizer.lr``)."""
 
     micro_batch_size: int = arg(1, "samples per rank per forward/backward")
-    global_batch_size: int | None = arg(None, "samples per optimizer step (default: micro batch x data-parallel size)")
+    global_batch_size: int | None = arg(None, "samples per optimizer step (default: micro batch x "
+                                              "data-parallel size)")
     train_iters: int = arg(100, "optimizer steps to run")
     min_lr: float = arg(0.0, "learning rate at the end of the decay")
     lr_decay_style: str = arg("cosine", "learning-rate decay after warmup", choices=DECAY_STYLES)
     lr_warmup_iters: int = arg(0, "linear warmup steps")
-    lr_warmup_fraction: float | None = arg(None, "warmup as a fraction of the decay steps (overrides "
-                                                 "--lr-warmup-iters)")
-    lr_decay_iters: int | None = arg(None, "steps over which the LR decays (default: --train-iters)")
-    max_nan_iterations: int = arg(10, "stop after this many consecutive iterations with a NaN/inf loss")
+    lr_warmup_fraction: float | None = arg(None, "warmup as a fraction of the decay steps "
+                                                 "(overrides --lr-warmup-iters)")
+    lr_decay_iters: int | None = arg(None,
+                                     "steps over which the LR decays (default: --train-iters)")
+    max_nan_iterations: int = arg(10,
+                                  "stop after this many consecutive iterations with a NaN/inf loss")
 
     def __post_init__(self) -> None:
         check_int(self, "micro_batch_size", 1)
@@ -108,11 +120,13 @@ class TrainingConfig:
 class DataConfig:
     """Training data."""
 
-    data_path: list[str] = arg([], "dataset prefixes, optionally weighted: 'A' or '0.3 A 0.7 B'", nargs="*")
+    data_path: list[str] = arg([], "dataset prefixes, optionally weighted: 'A' or '0.3 A 0.7 B'",
+                               nargs="*")
     split: str = arg("969,30,1", "train,valid,test proportions of the documents")
     tokenizer_model: str | None = arg(None, "sentencepiece .model file")
     mock_data: bool = arg(False, "synthetic random tokens instead of --data-path")
-    data_cache_path: str | None = arg(None, "where sample indices are cached (default: beside the data)")
+    data_cache_path: str | None = arg(None,
+                                      "where sample indices are cached (default: beside the data)")
     seed: int = arg(1234, "random seed for init, dropout and data shuffling")
 
 
@@ -133,39 +147,50 @@ class LoggingConfig:
     """Metrics and tracking."""
 
     log_interval: int = arg(10, "steps between log lines / metrics records")
-    metrics_file: str | None = arg(None, "JSONL file with one record per logged step and evaluation")
+    metrics_file: str | None = arg(None,
+                                   "JSONL file with one record per logged step and evaluation")
     wandb_project: str | None = arg(None, "wandb project (wandb is off when unset)")
     wandb_exp_name: str | None = arg(None, "wandb run name")
     wandb_save_dir: str | None = arg(None, "directory for wandb files (default: ./wandb)")
-    profile_phases: bool = arg(False, "time each step's phases (forward, backward, grad comm, optimizer, ...; "
-                               "hybrid.zero.profile) and log them as phase_<name>_ms per step")
+    profile_phases: bool = arg(False, "time each step's phases (forward, backward, grad comm, "
+                               "optimizer, ...; hybrid.zero.profile) and log them as "
+                               "phase_<name>_ms per step")
 
     def __post_init__(self) -> None:
         check_int(self, "log_interval", 1)
-    wandb_init_timeout: float = arg(30.0, "seconds wandb may take to reach its server before the run logs offline "
-                                          "instead (upload later with `wandb sync`)")
+    wandb_init_timeout: float = arg(30.0, "seconds wandb may take to reach its server before the "
+                                          "run logs offline instead (upload later with `wandb "
+                                          "sync`)")
 
 
 @dataclass
 class CheckpointConfig:
     """Checkpoints and graceful stops."""
 
-    save: str | None = arg(None, "directory to save checkpoints to (also where SIGTERM and the time limit save)")
-    load: str | None = arg(None, "directory to resume from (its latest complete checkpoint; none there: start fresh)")
-    save_interval: int | None = arg(None, "save every N iterations (default: only at the end and on a stop)")
+    save: str | None = arg(None, "directory to save checkpoints to (also where SIGTERM and the "
+                                 "time limit save)")
+    load: str | None = arg(None, "directory to resume from (its latest complete checkpoint; none "
+                                 "there: start fresh)")
+    save_interval: int | None = arg(None, "save every N iterations (default: only at the end and "
+                                          "on a stop)")
     save_keep_last: int | None = arg(None, "keep only the newest K checkpoints (default: all)")
     no_load_optim: bool = arg(False, "load weights but not the optimizer state / loss scaler")
     no_load_rng: bool = arg(False, "do not restore the RNG states")
-    finetune: bool = arg(False, "load weights only and start from iteration 0 (new optimizer, schedule, data order)")
-    init_from_hf: str | None = arg(None, "start from a local Hugging Face GPT-2 directory's weights, as --finetune does "
-                                   "(iteration 0, new optimizer); a checkpoint under --load wins when there is one")
+    finetune: bool = arg(False, "load weights only and start from iteration 0 (new optimizer, "
+                                "schedule, data order)")
+    init_from_hf: str | None = arg(None, "start from a local Hugging Face GPT-2 directory's "
+                                   "weights, as --finetune does (iteration 0, new optimizer); a "
+                                   "checkpoint under --load wins when there is one")
     exit_duration_in_mins: float | None = arg(
-        None, "stop (and save, with --save) at the first iteration past this many minutes from process start")
+        None, "stop (and save, with --save) at the first iteration past this many minutes from "
+              "process start")
     override_opt_param_scheduler: bool = arg(
-        False, "on --load, take the LR schedule (lr, min lr, warmup, decay) from this run's flags, not the checkpoint's",
+        False, "on --load, take the LR schedule (lr, min lr, warmup, decay) from this run's flags, "
+               "not the checkpoint's",
         aliases={"--override-opt_param-scheduler": True})
     use_checkpoint_opt_param_scheduler: bool = arg(
-        False, "on --load, take the LR schedule from the checkpoint (what happens anyway; Megatron-LM's flag)",
+        False, "on --load, take the LR schedule from the checkpoint (what happens anyway; "
+               "Megatron-LM's flag)",
         aliases={"--use-checkpoint-opt_param-scheduler": True})
 
     def __post_init__(self) -> None:

@@ -15,10 +15,12 @@ from dataclasses import field
 
 
 class ConfigError(ValueError):
-    """An inconsistent or impossible setting; the message names the flag, the field and the value."""
+    """An inconsistent or impossible setting; the message names the flag, the field and the
+    value."""
 
 
-def arg(default, help: str, *, flag: str | None = None, aliases: dict[str, object] | None = None, **extra):
+def arg(default, help: str, *, flag: str | None = None, aliases: dict[str, object] | None = None,
+        **extra):
     """A config field with its ``default`` and one-line ``help`` (also the CLI help).
 
     Args:
@@ -44,7 +46,8 @@ def flag_of(f: dataclasses.Field) -> str:
 
 
 def fail(obj, name: str, why: str):
-    """Raise :class:`ConfigError` for field ``name`` of dataclass ``obj``: flag, value, field, reason."""
+    """Raise :class:`ConfigError` for field ``name`` of dataclass ``obj``: flag, value, field,
+    reason."""
     f = next(f for f in dataclasses.fields(obj) if f.name == name)
     raise ConfigError(f"{flag_of(f)} {getattr(obj, name)!r} ({type(obj).__name__}.{name}): {why}")
 
@@ -64,7 +67,8 @@ def check_int(obj, name: str, low: int = 1, optional: bool = False) -> None:
 
 def check_number(obj, name: str, low: float = 0.0, strict: bool = False, high: float | None = None,
                  optional: bool = False) -> None:
-    """Field ``name`` must be a finite number >= ``low`` (> with ``strict``, < ``high`` if given)."""
+    """Field ``name`` must be a finite number >= ``low`` (> with ``strict``, < ``high`` if
+    given)."""
     v = getattr(obj, name)
     if optional and v is None:
         return

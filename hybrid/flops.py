@@ -97,7 +97,8 @@ def parameters_per_tp_rank(model: object, tp: int) -> int:
         ("vocab_size", m.vocab_size),
     ):
         if value % tp:
-            hint = " (pad it with hybrid.parallel.vocab.pad_vocab_size)" if name == "vocab_size" else ""
+            hint = (" (pad it with hybrid.parallel.vocab.pad_vocab_size)" if name == "vocab_size"
+                    else "")
             raise ValueError(f"tp={tp} does not divide {name}={value}{hint}")
     sharded, replicated = parameter_split(m)
     return sharded // tp + replicated

@@ -61,8 +61,8 @@ def format_train_line(r: dict, train_iters: int) -> str:
 
 def format_eval_line(r: dict) -> str:
     ppl = math.exp(min(20.0, r["lm_loss"]))
-    return (f" {r['split']} loss at iteration {r['iteration']} | lm loss value: {r['lm_loss']:.6E} | "
-            f"lm loss PPL: {ppl:.6E} |")
+    return (f" {r['split']} loss at iteration {r['iteration']} | lm loss value: {r['lm_loss']:.6E} "
+            f"| lm loss PPL: {ppl:.6E} |")
 
 
 class MetricsWriter:
@@ -80,8 +80,9 @@ class MetricsWriter:
 
     def __init__(self, rank: int, metrics_file: str | None, config: dict,
                  wandb_project: str | None = None, wandb_exp_name: str | None = None,
-                 wandb_save_dir: str | None = None, print_fn=print, wandb_init_timeout: float = 30.0,
-                 wandb_run_id: str | None = None, start_iteration: int = 0):
+                 wandb_save_dir: str | None = None, print_fn=print,
+                 wandb_init_timeout: float = 30.0, wandb_run_id: str | None = None,
+                 start_iteration: int = 0):
         self.active = rank == 0
         self.print = print_fn
         self._file = None
@@ -92,7 +93,8 @@ class MetricsWriter:
             return
         if metrics_file:
             Path(metrics_file).parent.mkdir(parents=True, exist_ok=True)
-            torn = _ends_without_newline(metrics_file)  # a record cut short by a crash stays its own line
+            # a record cut short by a crash stays its own line
+            torn = _ends_without_newline(metrics_file)
             self._file = open(metrics_file, "a", buffering=1)
             if torn:
                 self._file.write("\n")
@@ -132,7 +134,8 @@ class MetricsWriter:
         if self._wandb is not None:
             try:
                 self._wandb.log({wandb_prefix + k: v for k, v in record.items()
-                                 if isinstance(v, int | float) and not isinstance(v, bool)}, step=step)
+                                 if isinstance(v, int | float) and not isinstance(v, bool)},
+                                step=step)
             except Exception as e:  # tracking must never stop training
                 warnings.warn(f"wandb.log failed, disabling wandb: {e}", stacklevel=2)
                 self._wandb = None
@@ -178,12 +181,14 @@ def wandb_mode() -> str:
 
 
 def config_path(metrics_file: str | Path) -> Path:
-    """Where the resolved config is written beside ``metrics_file`` (``m.jsonl`` -> ``m.config.json``)."""
+    """Where the resolved config is written beside ``metrics_file`` (``m.jsonl`` ->
+    ``m.config.json``)."""
     p = Path(metrics_file)
     return p.with_name(p.stem + ".config.json")
 
 
-def _start_wandb(project, name, save_dir, config, init_timeout: float = 30.0, run_id: str | None = None):
+def _start_wandb(project, name, save_dir, config, init_timeout: float = 30.0,
+                 run_id: str | None = None):
     """``wandb.init`` with ``init_timeout`` seconds to reach the server; when it cannot (no
     network, server down), the same run is started in offline mode so that it is kept under
     ``save_dir`` for ``wandb sync``. ``run_id`` resumes that run (a resumed job). None when
@@ -191,7 +196,8 @@ def _start_wandb(project, name, save_dir, config, init_timeout: float = 30.0, ru
     try:
         import wandb
     except ImportError:
-        warnings.warn("--wandb-project is set but wandb is not installed; continuing without it", stacklevel=3)
+        warnings.warn("--wandb-project is set but wandb is not installed; continuing without it",
+                      stacklevel=3)
         return None
     save_dir = save_dir or os.getcwd()
     Path(save_dir).mkdir(parents=True, exist_ok=True)
@@ -199,17 +205,20 @@ def _start_wandb(project, name, save_dir, config, init_timeout: float = 30.0, ru
     kwargs = dict(project=project, name=name, dir=save_dir, config=config, id=run_id,
                   resume="allow" if run_id else None)
     try:
-        return wandb.init(mode=mode, settings=wandb.Settings(init_timeout=init_timeout, console="off", silent=True),
+        return wandb.init(mode=mode, settings=wandb.Settings(init_timeout=init_timeout,
+                                                             console="off", silent=True),
                           **kwargs)
     except Exception as e:
         if mode != "online":
             print(f"warning: wandb failed to start ({e}); continuing without it", file=sys.stderr)
             return None
-        print(f"warning: wandb could not reach its server within --wandb-init-timeout {init_timeout:g} s "
-              f"({str(e).splitlines()[0]}); logging offline under {save_dir}/wandb instead "
-              "(upload it later with `wandb sync`)", file=sys.stderr)
+        print("warning: wandb could not reach its server within --wandb-init-timeout "
+              f"{init_timeout:g} s ({str(e).splitlines()[0]}); logging offline under "
+              f"{save_dir}/wandb instead (upload it later with `wandb sync`)", file=sys.stderr)
     try:
-        return wandb.init(mode="offline", settings=wandb.Settings(console="off", silent=True), **kwargs)
+        return wandb.init(mode="offline", settings=wandb.Settings(console="off", silent=True),
+                          **kwargs)
     except Exception as e:
-        print(f"warning: wandb failed to start offline too ({e}); continuing without it", file=sys.stderr)
+        print(f"warning: wandb failed to start offline too ({e}); continuing without it",
+              file=sys.stderr)
         return None

@@ -1,9 +1,9 @@
 """The handful of GPT dimensions the memory planner and the FLOP arithmetic need.
 
 ``ModelShape`` is the plain-number way to describe a model. Every function of ``hybrid.flops``,
-``hybrid.planner.memory`` and ``hybrid.planner.plan`` that takes a ``model`` also accepts any object with
-the same attribute names, e.g. ``models.gpt.GPTConfig`` (duck typing; ``ModelShape.of`` does the
-conversion and validation once).
+``hybrid.planner.memory`` and ``hybrid.planner.plan`` that takes a ``model`` also accepts any object
+with the same attribute names, e.g. ``models.gpt.GPTConfig`` (duck typing; ``ModelShape.of`` does
+the conversion and validation once).
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ class ModelShape:
     num_attention_heads: int
     """Attention heads a."""
     vocab_size: int
-    """Vocabulary V as seen by the embedding (pad it first with ``hybrid.parallel.vocab.pad_vocab_size``)."""
+    """Vocabulary V as seen by the embedding (pad it first with
+    ``hybrid.parallel.vocab.pad_vocab_size``)."""
     max_position_embeddings: int
     """Rows of the learned position table (s in the parameter formula)."""
     ffn_hidden_size: int | None = None

@@ -1,4 +1,5 @@
-"""The one composition of the parallelisms: plain GPT -> TP plan -> activation checkpointing -> ZeRO.
+"""The one composition of the parallelisms: plain GPT -> TP plan -> activation checkpointing ->
+ZeRO.
 
 Every place that trains a parallel model (the pretraining job, the planner-vs-engine check,
 the benchmark scripts, the test worlds) builds it with :func:`parallelize`, so the order of
@@ -55,12 +56,14 @@ def parallelize(model: GPT, grid: ProcessGrid, config: PretrainConfig,
     from hybrid.zero.engine import ZeroEngine
 
     sp = config.grid.sequence_parallel
-    if tracker is None and (model.config.attention_dropout > 0 or (sp and model.config.hidden_dropout > 0)):
+    if tracker is None and (model.config.attention_dropout > 0
+                            or (sp and model.config.hidden_dropout > 0)):
         tracker = RNGTracker(config.data.seed, grid.tp_rank, grid.device)
     on_meta = any(p.is_meta for p in model.parameters())
     gpt_config = model.config
     parallelize_gpt(model, grid.tp_group, tracker=tracker,
-                    make_vocab_size_divisible_by=config.model.make_vocab_size_divisible_by, sequence_parallel=sp)
+                    make_vocab_size_divisible_by=config.model.make_vocab_size_divisible_by,
+                    sequence_parallel=sp)
     if not on_meta:
         model.to(grid.device)
     use_fused_kernels(model, grid.device)
@@ -76,7 +79,8 @@ def parallelize(model: GPT, grid: ProcessGrid, config: PretrainConfig,
 
 
 def meta_gpt(gpt_config) -> GPT:
-    """A ``models.gpt.GPT`` of ``gpt_config`` on the ``meta`` device (no memory; for :func:`parallelize`)."""
+    """A ``models.gpt.GPT`` of ``gpt_config`` on the ``meta`` device (no memory; for
+    :func:`parallelize`)."""
     from models.gpt import GPT
 
     with torch.device("meta"):

@@ -47,11 +47,14 @@ def read_metrics(path: str | Path) -> tuple[list[dict], list[dict]]:
                 bad.append(f"{path}:{n}: not a JSON record (a {type(r).__name__})")
                 continue
             n_records += 1
-            if r.get("kind") == "start":  # a launch from iteration k: what came after k is superseded
-                latest = {key: v for key, v in latest.items() if v.get("iteration", 0) <= r["iteration"]}
+            # a launch from iteration k: what came after k is superseded
+            if r.get("kind") == "start":
+                latest = {key: v for key, v in latest.items()
+                          if v.get("iteration", 0) <= r["iteration"]}
                 continue
             kind = "eval" if r.get("kind") == "eval" else "train"
-            latest[(kind, r.get("split"), r.get("iteration"))] = r  # a later line replaces an earlier one
+            # a later line replaces an earlier one
+            latest[(kind, r.get("split"), r.get("iteration"))] = r
     if bad and not n_records:
         raise ValueError(bad[0])
     if not n_records:
@@ -94,7 +97,8 @@ def plot(paths: list[str], output_dir: str) -> list[Path]:
     written = []
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, (train, evals) in runs.items():
-        ax.plot([r["iteration"] for r in train], [r["lm_loss"] for r in train], label=f"{name} train")
+        ax.plot([r["iteration"] for r in train], [r["lm_loss"] for r in train],
+                label=f"{name} train")
         for split, marker in (("valid", "o"), ("test", "s")):
             pts = [r for r in evals if r.get("split") == split]
             if pts:
@@ -105,7 +109,8 @@ def plot(paths: list[str], output_dir: str) -> list[Path]:
     ax.legend()
     written.append(_save(fig, out / "loss.png"))
     for fname, keys, title in (("lr.png", ("lr",), "learning rate"),
-                               ("throughput.png", ("tokens_per_sec", "tflops_per_device"), "throughput")):
+                               ("throughput.png", ("tokens_per_sec", "tflops_per_device"),
+                                "throughput")):
         fig, axes = plt.subplots(1, len(keys), figsize=(6 * len(keys), 4), squeeze=False)
         for ax, key in zip(axes[0], keys, strict=True):
             for name, (train, _) in runs.items():
@@ -127,7 +132,8 @@ def _save(fig, path: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(allow_abbrev=False, prog="hybrid-plot-metrics", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="hybrid-plot-metrics",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("metrics", nargs="+", help="metrics JSONL file(s)")
     parser.add_argument("--output-dir", default="plots", help="where the PNGs go")
     args = parser.parse_args(argv)

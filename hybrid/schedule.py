@@ -35,7 +35,8 @@ class LRSchedule:
         if self.style not in DECAY_STYLES:
             raise ValueError(f"lr decay style {self.style!r}: valid styles are {DECAY_STYLES}")
         if not 0 <= self.warmup_iters <= self.decay_iters:
-            raise ValueError(f"need 0 <= warmup_iters {self.warmup_iters} <= decay_iters {self.decay_iters}")
+            raise ValueError(f"need 0 <= warmup_iters {self.warmup_iters} <= decay_iters "
+                             f"{self.decay_iters}")
 
     def __call__(self, step: int) -> float:
         if step < self.warmup_iters:

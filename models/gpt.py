@@ -156,7 +156,8 @@ class Attention(nn.Module):
         self.attn_dropout = nn.Dropout(config.attention_dropout)
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """``dropout(softmax(q k^T / sqrt(d) + causal mask)) v``: q, k, v, output ``[b, heads, s, d]``."""
+        """``dropout(softmax(q k^T / sqrt(d) + causal mask)) v``: q, k, v, output
+        ``[b, heads, s, d]``."""
         if self.attn_dropout.p > 0 and self.training:
             # Explicit softmax so that the dropout mask comes from the (swappable) dropout module,
             # whose RNG stream the TP plan controls; SDPA would draw from the default generator.
@@ -261,7 +262,8 @@ class GPT(nn.Module):
         whatever its tp; without it, the default generator is used in parameter order.
         """
         for name, p in self.named_parameters():
-            init_parameter(name, p, self.config, parameter_generator(seed, name) if seed is not None else None)
+            init_parameter(name, p, self.config,
+                           parameter_generator(seed, name) if seed is not None else None)
 
     def output_weight(self) -> torch.Tensor:
         """The output layer's weight: ``wte.weight`` when tied, else ``lm_head.weight``."""
@@ -272,7 +274,8 @@ class GPT(nn.Module):
         s = tokens.shape[1]
         if s > self.config.max_position_embeddings:
             raise ValueError(
-                f"sequence length {s} exceeds max_position_embeddings={self.config.max_position_embeddings}"
+                f"sequence length {s} exceeds "
+                f"max_position_embeddings={self.config.max_position_embeddings}"
             )
         pos = torch.arange(s, device=tokens.device)
         return self.drop(self.wte(tokens) + self.wpe(pos))

@@ -44,7 +44,8 @@ def _status(key: str) -> int:
 
 
 def _release_freed_memory() -> None:
-    """Serve every allocation above 64 KiB by mmap (M_MMAP_THRESHOLD = -3), so freeing returns it."""
+    """Serve every allocation above 64 KiB by mmap (M_MMAP_THRESHOLD = -3), so freeing returns
+    it."""
     try:
         ctypes.CDLL("libc.so.6").mallopt(-3, 65536)
     except OSError:
@@ -68,7 +69,8 @@ def _engine(grid, model_kw: dict, stage: int, seed: int = 7):
     from hybrid.zero.config import OptimizerConfig, ZeroConfig
     from models.gpt import GPTConfig
 
-    return parallelize(meta_gpt(GPTConfig(**model_kw, hidden_dropout=0.0, attention_dropout=0.0)), grid, PretrainConfig(
+    return parallelize(meta_gpt(GPTConfig(**model_kw, hidden_dropout=0.0, attention_dropout=0.0)),
+                       grid, PretrainConfig(
         zero=ZeroConfig(stage=stage, reduce_bucket_size=2**20, allgather_bucket_size=2**20),
         optimizer=OptimizerConfig(lr=1e-3), data=DataConfig(seed=seed)))
 
@@ -87,7 +89,8 @@ def _unit_states(engine) -> int:
     return 12 * max(u.padded for u in engine.layout.units)
 
 
-def save_world(rank: int, world: int, root: str, model_kw: dict, stages: list[int], tp: int = 2) -> list[dict]:
+def save_world(rank: int, world: int, root: str, model_kw: dict, stages: list[int],
+               tp: int = 2) -> list[dict]:
     """Per stage: train one step, save under ``root/stage{s}``; this rank's save figures."""
     import torch
 
@@ -106,7 +109,8 @@ def save_world(rank: int, world: int, root: str, model_kw: dict, stages: list[in
         save_checkpoint(os.path.join(root, f"stage{stage}"), 1, engine, grid, {"iteration": 1}, {})
         peak = _status("VmHWM") - before
         mem = engine.memory_bytes()
-        out.append(dict(stage=stage, rank=rank, steady=before, save_peak=peak, unit_states=_unit_states(engine),
+        out.append(dict(stage=stage, rank=rank, steady=before, save_peak=peak,
+                        unit_states=_unit_states(engine),
                         states=sum(mem[k] for k in ("params", "grads", "master", "optimizer")),
                         all_gathered=int(engine.comm.snapshot().get("state_all_gather", 0))))
         del engine
@@ -146,7 +150,8 @@ class _Counting:
         return Slice()
 
 
-def load_world(rank: int, world: int, root: str, out_root: str, model_kw: dict, stage: int, tp: int) -> dict:
+def load_world(rank: int, world: int, root: str, out_root: str, model_kw: dict, stage: int,
+               tp: int) -> dict:
     """Load ``root`` at (tp, this world's dp, ``stage``), re-save it under ``out_root``; this
     rank's bytes read (RNG states excluded), share and load peak."""
     import importlib
@@ -160,8 +165,10 @@ def load_world(rank: int, world: int, root: str, out_root: str, model_kw: dict, 
     _release_freed_memory()
     torch.manual_seed(0)
     grid = ProcessGrid(tp=tp)
-    engine = _engine(grid, model_kw, stage, seed=99)  # other weights: the load must replace them all
-    for name in ("hybrid.checkpoint.shards", "hybrid.checkpoint.fragments"):  # this and earlier versions
+    # other weights: the load must replace them all
+    engine = _engine(grid, model_kw, stage, seed=99)
+    # this and earlier versions
+    for name in ("hybrid.checkpoint.shards", "hybrid.checkpoint.fragments"):
         try:
             mod = importlib.import_module(name)
         except ModuleNotFoundError:
@@ -177,10 +184,12 @@ def load_world(rank: int, world: int, root: str, out_root: str, model_kw: dict, 
         slot = engine.layout.slots[f.slot]
         spec = get_tp_spec(engine.params[slot.index])
         real = torch.zeros(slot.shape, dtype=torch.bool)
-        (real if spec.replicated else real.narrow(spec.split_dim, 0, spec.real_local_size())).fill_(True)
+        (real if spec.replicated else real.narrow(spec.split_dim, 0, spec.real_local_size())).fill_(
+            True)
         share += int(real.reshape(-1)[f.param_start:f.param_start + f.length].sum())
     shards.save_checkpoint(out_root, 1, engine, grid, {"iteration": 1}, {})
-    return dict(rank=rank, read=read, share=12 * share, unit_states=_unit_states(engine), load_peak=peak)
+    return dict(rank=rank, read=read, share=12 * share, unit_states=_unit_states(engine),
+                load_peak=peak)
 
 
 def measure(workdir: str, model_kw: dict, stages=(1, 2, 3)) -> dict:
@@ -193,7 +202,8 @@ def measure(workdir: str, model_kw: dict, stages=(1, 2, 3)) -> dict:
         loads[name] = spawn_world(world, load_world, os.path.join(workdir, "stage2"),
                                   os.path.join(workdir, name), model_kw, stage, 1, timeout_s=300)
     return dict(model=model_kw, saves=[r for per_rank in saves for r in per_rank], loads=loads,
-                consolidate=consolidate_peak(os.path.join(workdir, "stage2"), os.path.join(workdir, "model.safetensors")))
+                consolidate=consolidate_peak(os.path.join(workdir, "stage2"),
+                                             os.path.join(workdir, "model.safetensors")))
 
 
 def consolidate_peak(root: str, output: str) -> dict:
@@ -217,20 +227,23 @@ def _numel(shape) -> int:
 
 
 def report(res: dict) -> str:
-    lines = ["| save (tp2 x dp2) | rank | steady RSS MiB | save peak above steady MiB | one unit's states MiB "
-             "| state all-gather MiB |", "|---|---|---|---|---|---|"]
+    lines = ["| save (tp2 x dp2) | rank | steady RSS MiB | save peak above steady MiB | one unit's "
+             "states MiB | state all-gather MiB |", "|---|---|---|---|---|---|"]
     for r in sorted(res["saves"], key=lambda r: (r["stage"], r["rank"])):
-        lines.append(f"| ZeRO-{r['stage']} | {r['rank']} | {r['steady'] / MIB:.1f} | {r['save_peak'] / MIB:.1f} | "
-                     f"{r['unit_states'] / MIB:.1f} | {r['all_gathered'] / MIB:.1f} |")
-    lines += ["", "| load tp2 x dp2 ZeRO-2 -> | rank | read MiB | share MiB | read / share | load peak MiB |",
+        lines.append(f"| ZeRO-{r['stage']} | {r['rank']} | {r['steady'] / MIB:.1f} | "
+                     f"{r['save_peak'] / MIB:.1f} | {r['unit_states'] / MIB:.1f} | "
+                     f"{r['all_gathered'] / MIB:.1f} |")
+    lines += ["", "| load tp2 x dp2 ZeRO-2 -> | rank | read MiB | share MiB | read / share | load "
+                  "peak MiB |",
               "|---|---|---|---|---|---|"]
     for name, ranks in res["loads"].items():
         for r in ranks:
-            lines.append(f"| {name} | {r['rank']} | {r['read'] / MIB:.2f} | {r['share'] / MIB:.2f} | "
-                         f"{r['read'] / r['share']:.3f} | {r['load_peak'] / MIB:.1f} |")
+            lines.append(f"| {name} | {r['rank']} | {r['read'] / MIB:.2f} | {r['share'] / MIB:.2f} "
+                         f"| {r['read'] / r['share']:.3f} | {r['load_peak'] / MIB:.1f} |")
     c = res["consolidate"]
-    lines += ["", f"consolidation of the ZeRO-2 checkpoint (one process): peak {c['peak'] / MIB:.1f} MiB above "
-              f"the process before it; largest tensor {c['largest'] / MIB:.1f} MiB, whole model {c['model'] / MIB:.1f} MiB"]
+    lines += ["", "consolidation of the ZeRO-2 checkpoint (one process): peak "
+              f"{c['peak'] / MIB:.1f} MiB above the process before it; largest tensor "
+              f"{c['largest'] / MIB:.1f} MiB, whole model {c['model'] / MIB:.1f} MiB"]
     return "\n".join(lines)
 
 
@@ -242,8 +255,9 @@ def main(argv=None) -> int:
     p.add_argument("--vocab-size", type=int, default=8000)
     p.add_argument("--out", default="runs/bench_checkpoint")
     a = p.parse_args(argv)
-    kw = dict(num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
-              vocab_size=a.vocab_size, max_position_embeddings=64)
+    kw = dict(num_layers=a.num_layers, hidden_size=a.hidden_size,
+              num_attention_heads=a.num_attention_heads, vocab_size=a.vocab_size,
+              max_position_embeddings=64)
     with tempfile.TemporaryDirectory() as d:
         res = measure(d, kw)
     text = report(res)

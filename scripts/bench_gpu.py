@@ -25,7 +25,8 @@ What runs, each in its own process (so each peak is its own):
 Timing: ``--warmup`` steps, then the median of ``--steps`` timed optimizer steps (forward,
 backward, optimizer, ``torch.cuda.synchronize``). TFLOP/s = model FLOPs per step
 (``hybrid.flops.flops_per_iteration``, 2205.05198 Eq. 7, no recompute) / step time; MFU = that
-/ ``hybrid.flops.device_peak_tflops()``. Writes ``gpu.md``, ``gpu.json``, ``gpu.png`` under ``--out``.
+/ ``hybrid.flops.device_peak_tflops()``. Writes ``gpu.md``, ``gpu.json``, ``gpu.png`` under
+``--out``.
 """
 
 from __future__ import annotations
@@ -99,8 +100,8 @@ def run_ours(rank: int, world: int, a: dict) -> dict:
     grid = ProcessGrid(tp=1, device=device)
     cfg = _config(a)
     engine = parallelize(meta_gpt(cfg), grid, PretrainConfig(
-        zero=ZeroConfig(stage=0, precision="bf16"), optimizer=OptimizerConfig(lr=1e-4, clip_grad=1.0),
-        data=DataConfig(seed=1234)))
+        zero=ZeroConfig(stage=0, precision="bf16"),
+        optimizer=OptimizerConfig(lr=1e-4, clip_grad=1.0), data=DataConfig(seed=1234)))
     state = engine.memory_bytes()
 
     def step(i):
@@ -184,7 +185,8 @@ def main(argv=None) -> int:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     t0 = time.time()
     results = {}
-    for name, fn in (("ours: ZeRO stage 0 bf16", run_ours), ("torch: autocast bf16 + fused AdamW", run_torch)):
+    for name, fn in (("ours: ZeRO stage 0 bf16", run_ours),
+                     ("torch: autocast bf16 + fused AdamW", run_torch)):
         res = spawn_world(1, fn, a, timeout_s=600)[0]
         res.update(throughput(res, cfg, a, peak))
         results[name] = res
@@ -204,13 +206,15 @@ def main(argv=None) -> int:
              f"{args.micro_batch_size}, {args.steps} timed steps after {args.warmup}; device "
              f"{device}, peak {peak} TFLOP/s (bf16 dense); {wall:.0f} s",
              "",
-             "| run | ms/step | tokens/s | TFLOP/s | MFU | peak alloc GiB | state GiB | loss first -> last |",
+             "| run | ms/step | tokens/s | TFLOP/s | MFU | peak alloc GiB | state GiB | loss first "
+             "-> last |",
              "|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
         lines.append(f"| {name} | {r['step_s'] * 1e3:.1f} | {r['tokens_per_s']:,.0f} | "
                      f"{r['tflops']:.1f} | {mfu} | {r['peak_allocated'] / 2**30:.2f} | "
-                     f"{r['state_bytes'] / 2**30:.2f} | {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f} |")
+                     f"{r['state_bytes'] / 2**30:.2f} | {r['losses'][0]:.3f} -> "
+                     f"{r['losses'][-1]:.3f} |")
     ours, plain = results.values()
     lines.append(f"\nours / torch tokens/s: {ours['tokens_per_s'] / plain['tokens_per_s']:.2f}")
     if acts is not None:

@@ -42,7 +42,8 @@ def main() -> None:
         texts = [json.loads(x)["text"] for x in lines.splitlines()]
         train_tokenizer(texts, d / "tok", a.vocab_size)
         print(
-            f"corpus: {docs * a.copies} documents, {nbytes * a.copies / 1e6:.1f} MB; vocab {a.vocab_size}"
+            f"corpus: {docs * a.copies} documents, {nbytes * a.copies / 1e6:.1f} MB; vocab "
+            f"{a.vocab_size}"
         )
         preprocess(
             [str(d / "corpus.jsonl")],
@@ -67,8 +68,8 @@ def main() -> None:
                 dt = time.perf_counter() - t0
                 best = dt if best is None else min(best, dt)
             print(
-                f"workers={w}: {s.tokens} tokens in {best:.2f} s -> {s.tokens / best:,.0f} tokens/s, "
-                f"{s.rows / best:,.0f} docs/s"
+                f"workers={w}: {s.tokens} tokens in {best:.2f} s -> {s.tokens / best:,.0f} "
+                f"tokens/s, {s.rows / best:,.0f} docs/s"
             )
 
 

@@ -80,7 +80,8 @@ def _cap(nbytes: int | None) -> None:
 
 
 def attempt(rank: int, world: int, mode: str, model_kw: dict, seq: int, budget: int,
-            construct: int, bucket: int, checkpoint_all: bool = False, persistence: int = 0) -> dict:
+            construct: int, bucket: int, checkpoint_all: bool = False,
+            persistence: int = 0) -> dict:
     """One training step of ``mode`` at ``model_kw`` (see the module docstring); raises
     RuntimeError('OOM ...') when an allocation fails under the cap."""
     import torch
@@ -99,10 +100,10 @@ def attempt(rank: int, world: int, mode: str, model_kw: dict, seq: int, budget: 
     def build(kw):
         cfg = GPTConfig(**kw, hidden_dropout=0.0, attention_dropout=0.0)
         return cfg, parallelize(meta_gpt(cfg), grid, PretrainConfig(
-            zero=ZeroConfig(stage=stage, precision="bf16", reduce_bucket_size=bucket, allgather_bucket_size=bucket,
-                            param_persistence_threshold=persistence),
-            optimizer=OptimizerConfig(lr=1e-4), activation=ActivationConfig(checkpoint_activations=ckpt),
-            data=DataConfig(seed=1234)))
+            zero=ZeroConfig(stage=stage, precision="bf16", reduce_bucket_size=bucket,
+                            allgather_bucket_size=bucket, param_persistence_threshold=persistence),
+            optimizer=OptimizerConfig(lr=1e-4),
+            activation=ActivationConfig(checkpoint_activations=ckpt), data=DataConfig(seed=1234)))
 
     def one_step(cfg, engine, seed):
         g = torch.Generator().manual_seed(seed)
@@ -138,7 +139,8 @@ def attempt(rank: int, world: int, mode: str, model_kw: dict, seq: int, budget: 
         _cap(None)
         text = str(err)
         # under the cap, oneDNN reports a failed allocation as "could not create a primitive"
-        if isinstance(err, MemoryError) or any(s in text for s in ("allocate", "bad_alloc", "could not create a primitive")):
+        if isinstance(err, MemoryError) or any(s in text for s in ("allocate", "bad_alloc",
+                                                                   "could not create a primitive")):
             raise RuntimeError(f"OOM in {phase}: {text[:200]}") from None
         raise
     _cap(None)
@@ -205,7 +207,8 @@ def search(mode: str, start: int, args, log: list) -> dict | None:
             hi, n = n, n // 2
         if lo_res is None:
             return None
-    while hi is not None and hi - lo_res["layers"] > max(1, int(lo_res["layers"] * args.resolution)):
+    while hi is not None and hi - lo_res["layers"] > max(1,
+                                                         int(lo_res["layers"] * args.resolution)):
         mid = (lo_res["layers"] + hi) // 2
         res = try_layers(mode, mid, args, log)
         if res:
@@ -232,7 +235,8 @@ def report(results: dict, log: list, base: dict, args, wall: float) -> str:
     ddp = results.get("ddp")
     lines = [
         "| mode | largest L | params (M) | x DDP | first failing L | state MiB/rank | "
-        "held MiB/rank | construction peak MiB | step peak MiB | bytes/param held | warm baseline MiB |",
+        "held MiB/rank | construction peak MiB | step peak MiB | bytes/param held | warm baseline "
+        "MiB |",
         "|" + "---|" * 11,
     ]
     for mode, r in results.items():
@@ -242,17 +246,18 @@ def report(results: dict, log: list, base: dict, args, wall: float) -> str:
         ratio = f"{r['params'] / ddp['params']:.2f}" if ddp else "-"
         lines.append(
             f"| {LABELS[mode]} | {r['layers']} | {r['params'] / 1e6:.1f} | {ratio} | "
-            f"{r['first_failing_layers'] or '-'} | {r['states'] / MIB:.0f} | {r['held'] / MIB:.0f} | "
-            f"{r['construct_peak'] / MIB:.0f} | {r['step_peak'] / MIB:.0f} | "
+            f"{r['first_failing_layers'] or '-'} | {r['states'] / MIB:.0f} | {r['held'] / MIB:.0f} "
+            f"| {r['construct_peak'] / MIB:.0f} | {r['step_peak'] / MIB:.0f} | "
             f"{r['held'] / r['params']:.2f} | {r['base'] / MIB:.0f} |")
     head = (f"h={args.hidden_size}, heads={args.num_attention_heads}, vocab={args.vocab_size}, "
             f"seq={args.seq_length}, micro-batch 1, activation checkpointing "
-            f"{'in every mode' if args.checkpoint_activations else 'only where the mode says'}, bf16 (fp32 master and grads), 4 ranks, "
-            f"budget {args.budget_mib} MiB per rank above a baseline of {base['vm'] / MIB:.0f} MiB "
-            f"virtual / {base['rss'] / MIB:.0f} MiB RSS (import torch + gloo), construction cap "
-            f"{args.construct_mib or 'the same'}{' MiB' if args.construct_mib else ''}, buckets {args.bucket:,} elements, "
-            f"ZeRO-3 persistence threshold {args.param_persistence_threshold}; {len(log)} attempts, "
-            f"{wall / 60:.1f} min")
+            f"{'in every mode' if args.checkpoint_activations else 'only where the mode says'}, "
+            f"bf16 (fp32 master and grads), 4 ranks, budget {args.budget_mib} MiB per rank above a "
+            f"baseline of {base['vm'] / MIB:.0f} MiB virtual / {base['rss'] / MIB:.0f} MiB RSS "
+            "(import torch + gloo), construction cap "
+            f"{args.construct_mib or 'the same'}{' MiB' if args.construct_mib else ''}, buckets "
+            f"{args.bucket:,} elements, ZeRO-3 persistence threshold "
+            f"{args.param_persistence_threshold}; {len(log)} attempts, {wall / 60:.1f} min")
     return head + "\n\n" + "\n".join(lines)
 
 
@@ -295,15 +300,17 @@ def main() -> None:
     ap.add_argument("--bucket", type=int, default=1_000_000,
                     help="reduce / all-gather bucket elements (constant-size buffers, ZeRO §6.2)")
     ap.add_argument("--checkpoint-activations", action="store_true",
-                    help="full activation checkpointing in every mode: activation memory per layer is "
-                         "the same in every mode, so without it the ratio to DDP is bounded by "
+                    help="full activation checkpointing in every mode: activation memory per layer "
+                         "is the same in every mode, so without it the ratio to DDP is bounded by "
                          "(18 + a) / (bytes per parameter of the mode + a), a = activation bytes "
                          "per parameter")
     ap.add_argument("--param-persistence-threshold", type=int, default=0,
-                    help="ZeRO-3 keeps parameters under this many elements whole (DeepSpeed's default "
-                         "1e5 would keep every block's h x h projection at h=256: a third of the model)")
+                    help="ZeRO-3 keeps parameters under this many elements whole (DeepSpeed's "
+                         "default 1e5 would keep every block's h x h projection at h=256: a third "
+                         "of the model)")
     ap.add_argument("--timeout-s", type=float, default=60,
-                    help="collective timeout of each attempt's world (raise it on a loaded machine)")
+                    help="collective timeout of each attempt's world (raise it on a loaded "
+                         "machine)")
     ap.add_argument("--start", type=int, default=8, help="first layer count tried")
     ap.add_argument("--max-layers", type=int, default=512)
     ap.add_argument("--resolution", type=float, default=0.07,

@@ -6,7 +6,8 @@ Prints, per option, on tensor-parallel rank 0 of a tp = 2 world:
   ``L * B * s*b*h * (1 - 1/t)`` bytes of checkpoints against plain checkpointing);
 - reserved minus allocated at the peak (``max_memory_reserved - max_memory_allocated``), the
   allocator's fragmentation that the contiguous arena (M_D) is meant to reduce;
-- the saved-for-backward split of one micro-batch (:func:`hybrid.activation.apply.measure_saved_bytes`).
+- the saved-for-backward split of one micro-batch
+  (:func:`hybrid.activation.apply.measure_saved_bytes`).
 
 World: with two or more GPUs, two ranks with NCCL (one GPU each). With one GPU, two ranks share
 it over gloo: NCCL refuses two ranks on one device, and gloo has no all-gather for CUDA tensors,
@@ -116,7 +117,8 @@ def measure(rank: int, world: int, args: dict) -> dict:
             saved = handle.measure(lambda m=model: m(x, y).mean().backward())
         out[name] = dict(peak_allocated=peak_alloc, activations_peak=peak_alloc - base,
                          reserved_minus_allocated=peak_reserved - peak_alloc, saved=saved,
-                         arena_bytes=0 if handle is None or handle.arena is None else handle.arena.nbytes)
+                         arena_bytes=0 if handle is None or handle.arena is None
+                         else handle.arena.nbytes)
         del model, handle
     sbh = args["seq_length"] * args["micro_batch_size"] * args["hidden_size"]
     out["_expected_pa_saving"] = cfg.num_layers * (2 if cuda else 4) * sbh * (1 - 1 / world)
@@ -131,9 +133,10 @@ def report(res: dict) -> str:
         if name.startswith("_"):
             continue
         s = r["saved"] or dict(checkpoints=0, checkpoints_host=0, other=0)
-        lines.append(f"{name:<20} {r['peak_allocated'] / mib:>15.1f} {r['reserved_minus_allocated'] / mib:>19.1f} "
-                     f"{s['checkpoints'] / mib:>9.1f} {s['checkpoints_host'] / mib:>9.1f} "
-                     f"{s['other'] / mib:>10.1f} {r['arena_bytes'] / mib:>10.1f}")
+        lines.append(f"{name:<20} {r['peak_allocated'] / mib:>15.1f} "
+                     f"{r['reserved_minus_allocated'] / mib:>19.1f} {s['checkpoints'] / mib:>9.1f} "
+                     f"{s['checkpoints_host'] / mib:>9.1f} {s['other'] / mib:>10.1f} "
+                     f"{r['arena_bytes'] / mib:>10.1f}")
     saving = res["checkpoint"]["peak_allocated"] - res["Pa"]["peak_allocated"]
     lines.append(f"Pa saves {saving / mib:.1f} MiB of peak allocated; expected about "
                  f"{res['_expected_pa_saving'] / mib:.1f} MiB (L * 2 * sbh * (1 - 1/t), bf16)")
@@ -144,7 +147,8 @@ def run(num_layers=24, hidden_size=1024, heads=16, seq_length=1024, micro_batch_
         micro_batches=3, tp=2, vocab_size=50257) -> dict:
     """Spawn the tp-rank world and return rank 0's figures."""
     args = dict(num_layers=num_layers, hidden_size=hidden_size, heads=heads, seq_length=seq_length,
-                micro_batch_size=micro_batch_size, micro_batches=micro_batches, vocab_size=vocab_size)
+                micro_batch_size=micro_batch_size, micro_batches=micro_batches,
+                vocab_size=vocab_size)
     return spawn_world(tp, measure, args, timeout_s=300)[0]
 
 

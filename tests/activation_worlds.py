@@ -21,6 +21,7 @@ from hybrid.parallel.grid import ProcessGrid
 from hybrid.parallel.rng import RNGTracker
 from hybrid.parallel.tp_plan import parallelize_gpt
 from models.gpt import GPT, GPTConfig
+from tests.fake_stage3 import FakeStage3
 from tests.tiny import build_parallel, make_batch, tiny_config
 
 CFG = tiny_config(num_layers=3, ffn_hidden_size=None, label_smoothing=0.1)
@@ -52,12 +53,14 @@ def zero_stages() -> list[int]:
 
 
 def micro_batches(n: int = 2, vocab: int = 1001):
-    """``n`` random micro-batches ``(x, y)`` of ``[B, S]``: one :func:`tests.tiny.make_batch`, cut."""
+    """``n`` random micro-batches ``(x, y)`` of ``[B, S]``: one :func:`tests.tiny.make_batch`,
+    cut."""
     x, y = make_batch(5, n * B, S, vocab)
     return [(x[i * B:(i + 1) * B], y[i * B:(i + 1) * B]) for i in range(n)]
 
 
-def build(grid: ProcessGrid, dropout: float, ac: dict | None, dtype=torch.float32, stage: int = 0, **cfg_kw):
+def build(grid: ProcessGrid, dropout: float, ac: dict | None, dtype=torch.float32, stage: int = 0,
+          **cfg_kw):
     """A TP GPT (same weights on every call), its tracker and the checkpointing handle.
 
     ``stage=3`` returns the :func:`tests.tiny.build_parallel` engine (TP plan -> checkpointing ->
@@ -71,15 +74,16 @@ def build(grid: ProcessGrid, dropout: float, ac: dict | None, dtype=torch.float3
             grid, dict(CFG, hidden_dropout=dropout, attention_dropout=dropout, **cfg_kw),
             zero=ZeroConfig(stage=3, reduce_bucket_size=4096, allgather_bucket_size=4096,
                             param_persistence_threshold=0),
-            optimizer=OptimizerConfig(lr=1e-3), activation=None if ac is None else ActivationConfig(**ac),
-            tracker=tracker)
+            optimizer=OptimizerConfig(lr=1e-3),
+            activation=None if ac is None else ActivationConfig(**ac), tracker=tracker)
         return engine, tracker, engine.activation_checkpointing
     torch.manual_seed(1234)
     model = GPT(GPTConfig(**dict(CFG, hidden_dropout=dropout, attention_dropout=dropout, **cfg_kw)))
     tracker = RNGTracker(seed=77, tp_rank=grid.tp_rank)
     parallelize_gpt(model, grid.tp_group, tracker=tracker)
     model.to(dtype)
-    handle = None if ac is None else apply_activation_checkpointing(model, grid, ActivationConfig(**ac), tracker)
+    handle = None if ac is None else apply_activation_checkpointing(model, grid,
+                                                                    ActivationConfig(**ac), tracker)
     return model, tracker, handle
 
 
@@ -123,7 +127,8 @@ def parity(grid: ProcessGrid) -> dict:
                 out[(stage, p, name)] = dict(
                     grad_diff=_max_diff(grads, ref),
                     loss_diff=max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)),
-                    names_same=[n for n, _ in (model if stage == 0 else model.model).named_parameters()] == names,
+                    names_same=[n for n, _ in (model if stage == 0
+                                               else model.model).named_parameters()] == names,
                     stats=dict(vars(handle.stats)), partitioned=handle.partitioned,
                 )
     return out
@@ -235,7 +240,8 @@ def arena(grid: ProcessGrid) -> dict:
                 numel=[t.numel() for t in ckpts],
                 buffer_ptr=buf.data_ptr(), buffer_numel=buf.numel(),
                 buffer_device=str(buf.device),
-                live_after_forward=live_after_forward, live_after_backward=handle.arena.live_slots(),
+                live_after_forward=live_after_forward,
+                live_after_backward=handle.arena.live_slots(),
             ))
         out[name] = dict(per_mb=per_mb, allocations=handle.arena.allocations,
                          stats=dict(vars(handle.stats)))
@@ -282,48 +288,13 @@ def two_forwards(grid: ProcessGrid) -> dict:
                 live=handle.arena.live_slots())
 
 
-class _FakeStage3:
-    """ZeRO-3's parameter life cycle on one block, without data parallelism: parameters are
-    emptied after the block's forward, restored in its forward pre-hook and before its backward."""
-
-    def __init__(self, block):
-        self.params = list(block.parameters())
-        self.full = [p.detach().clone() for p in self.params]
-        self.pre_calls = 0
-        self.empty_at_backward = 0  # backward hooks that found the parameters released
-        block.register_forward_pre_hook(self.pre)
-        block.register_forward_hook(self.post)
-
-    def gather(self):
-        for p, f in zip(self.params, self.full, strict=True):
-            p.data = f
-
-    def release(self):
-        for p in self.params:
-            p.data = torch.empty(0, dtype=p.dtype)
-
-    def pre(self, module, args):
-        self.pre_calls += 1
-        self.gather()
-
-    def before_backward(self, grad):
-        self.empty_at_backward += all(p.numel() == 0 for p in self.params)
-        self.gather()
-        return grad
-
-    def post(self, module, args, output):
-        if output.requires_grad:
-            output.register_hook(self.before_backward)
-        self.release()
-
-
 def fake_stage3(grid: ProcessGrid) -> dict:
     """Recompute runs the block's pre-hooks and uses the parameters present at backward time."""
     batches = micro_batches(2)
     model, _, _ = build(grid, 0.1, None)
     _, ref = _run(model, 0, batches)
     model, _, handle = build(grid, 0.1, ALL_ON)
-    fakes = [_FakeStage3(b) for b in model.layers]
+    fakes = [FakeStage3(b) for b in model.layers]
     _, got = _run(model, 0, batches)
     return dict(grad_diff=_max_diff(got, ref), pre_calls=[f.pre_calls for f in fakes],
                 empty_at_backward=[f.empty_at_backward for f in fakes])
@@ -331,7 +302,8 @@ def fake_stage3(grid: ProcessGrid) -> dict:
 
 def partition_padding(grid: ProcessGrid) -> dict:
     """P_a of a tensor whose size is not a multiple of tp (7 elements): pad, gather, trim."""
-    store = ActivationStore(grid.tp_group, partition=True, in_cpu=True, num_slots=None, tracker=None)
+    store = ActivationStore(grid.tp_group, partition=True, in_cpu=True, num_slots=None,
+                            tracker=None)
     x = torch.arange(7, dtype=torch.float32).view(1, 7, 1) + 10 * grid.dp_rank
     stored, meta = store.save(0, x)
     back = store.load(stored, meta)
@@ -385,8 +357,9 @@ def handle_api(grid: ProcessGrid) -> dict:
 
 L_MAX = CFG["num_layers"]
 
-CHECKS = dict(handle_api=handle_api, parity=parity, collectives=collectives, saved_bytes=saved_bytes, arena=arena,
-              evaluation=evaluation, two_forwards=two_forwards, fake_stage3=fake_stage3,
+CHECKS = dict(handle_api=handle_api, parity=parity, collectives=collectives,
+              saved_bytes=saved_bytes, arena=arena, evaluation=evaluation,
+              two_forwards=two_forwards, fake_stage3=fake_stage3,
               partition_padding=partition_padding, noop_log=noop_log)
 
 

@@ -40,7 +40,8 @@ def _build(grid, cfg: GPTConfig, stage: int, materialised: bool):
 
 
 def construction_peaks(rank: int, world: int, model_kw: dict, builds, tp: int = 1) -> dict:
-    """Per ``(stage, materialised)`` of ``builds``: ``peak`` (bytes tracked at the construction peak), ``steady`` (tracked once
+    """Per ``(stage, materialised)`` of ``builds``: ``peak`` (bytes tracked at the construction
+    peak), ``steady`` (tracked once
     built: model states + buffers), ``unit_fp32`` (the largest unit's fp32 bytes),
     ``states`` (``engine.memory_bytes()`` params + grads + master + optimizer)."""
     grid = ProcessGrid(tp=tp)

@@ -1,4 +1,5 @@
-"""Shared pieces of the data tests: a tiny corpus, a tiny tokenizer, jsonl writing, world functions."""
+"""Shared pieces of the data tests: a tiny corpus, a tiny tokenizer, jsonl writing, world
+functions."""
 
 from __future__ import annotations
 

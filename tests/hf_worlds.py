@@ -21,7 +21,8 @@ def _logits_and_loss(engine, grid, tokens: torch.Tensor) -> tuple[torch.Tensor, 
     return logits.cpu(), losses.cpu()
 
 
-def run_and_evaluate(rank: int, world: int, argvs: list[list[str]], tokens: torch.Tensor) -> list[dict]:
+def run_and_evaluate(rank: int, world: int, argvs: list[list[str]],
+                     tokens: torch.Tensor) -> list[dict]:
     """For each argv: run ``hybrid.pretrain`` to the end, then the fixed-batch logits and losses
     (returned from global rank 0 only; the others return their logged history)."""
     from hybrid.job.cli import parse_config

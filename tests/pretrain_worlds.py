@@ -7,8 +7,8 @@ from pathlib import Path
 from data.preprocess import preprocess
 from tests.data_helpers import tiny_corpus, tiny_tokenizer
 
-MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-         "--hidden-dropout", "0", "--attention-dropout", "0"]
+MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length",
+         "32", "--hidden-dropout", "0", "--attention-dropout", "0"]
 
 
 def prepare_data(directory: Path) -> tuple[str, str]:
@@ -16,8 +16,8 @@ def prepare_data(directory: Path) -> tuple[str, str]:
     tok = tiny_tokenizer(directory)
     corpus = tiny_corpus(directory)
     prefix = directory / "stdlib"
-    preprocess([str(corpus)], str(prefix), str(tok), json_keys=("text",), workers=1, append_eod=True,
-               progress=False)
+    preprocess([str(corpus)], str(prefix), str(tok), json_keys=("text",), workers=1,
+               append_eod=True, progress=False)
     return str(prefix) + "_text_document", str(tok)
 
 

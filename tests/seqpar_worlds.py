@@ -46,16 +46,20 @@ def gpt_config(dropout: float) -> GPTConfig:
     return GPTConfig(**dict(CFG, hidden_dropout=dropout, attention_dropout=dropout))
 
 
-def build(grid: ProcessGrid, dropout: float, sp: bool, ac: dict | None, dtype=torch.float32, stage: int = 0):
+def build(grid: ProcessGrid, dropout: float, sp: bool, ac: dict | None, dtype=torch.float32,
+          stage: int = 0):
     """The TP(+SP) GPT and its checkpointing handle; at ``stage=3`` the ZeRO-3 engine from
     :func:`tests.tiny.build_parallel` (small buckets, no persistence) in place of the model."""
     if stage == 3:
         from hybrid.zero.config import OptimizerConfig, ZeroConfig
 
         engine = build_parallel(
-            grid, dict(CFG, hidden_dropout=dropout, attention_dropout=dropout), zero=ZeroConfig(stage=3, reduce_bucket_size=4096,
-                                                                 allgather_bucket_size=4096, param_persistence_threshold=0),
-            optimizer=OptimizerConfig(lr=1e-3), activation=None if ac is None else ActivationConfig(**ac),
+            grid, dict(CFG, hidden_dropout=dropout, attention_dropout=dropout),
+            zero=ZeroConfig(stage=3, reduce_bucket_size=4096,
+                                                                 allgather_bucket_size=4096,
+                            param_persistence_threshold=0),
+            optimizer=OptimizerConfig(lr=1e-3),
+            activation=None if ac is None else ActivationConfig(**ac),
             tracker=RNGTracker(seed=77, tp_rank=grid.tp_rank), seed=1234, sequence_parallel=sp)
         return engine, engine.activation_checkpointing
     torch.manual_seed(1234)
@@ -63,7 +67,8 @@ def build(grid: ProcessGrid, dropout: float, sp: bool, ac: dict | None, dtype=to
     tracker = RNGTracker(seed=77, tp_rank=grid.tp_rank)
     parallelize_gpt(model, grid.tp_group, tracker=tracker, sequence_parallel=sp)
     model.to(dtype)
-    handle = None if ac is None else apply_activation_checkpointing(model, grid, ActivationConfig(**ac), tracker)
+    handle = None if ac is None else apply_activation_checkpointing(model, grid,
+                                                                    ActivationConfig(**ac), tracker)
     return model, handle
 
 
@@ -127,7 +132,8 @@ def parity(grid: ProcessGrid) -> dict:
                     ref_losses, ref = ref0
                     gd = _diff_to_reference(model, grads, ref)
                 elif name == "sp":
-                    full = {k: [_gather_dim1(m, grid.tp_group) for m in v] for k, v in masks.items()}
+                    full = {k: [_gather_dim1(m, grid.tp_group) for m in v]
+                            for k, v in masks.items()}
                     # residual dropout draws from the TP stream: the ranks' slices get other masks
                     n = grid.tp_size
                     first = full["layers.0.drop1"][0].chunk(n, dim=1)
@@ -136,7 +142,8 @@ def parity(grid: ProcessGrid) -> dict:
                     gd = _diff_to_reference(model, grads, ref)
                     base = (losses, grads)
                     # residual / embedding masks (attention outputs are also 0 above the diagonal)
-                    kept = torch.cat([m.flatten().float() for k, v in masks.items() if "attn" not in k for m in v])
+                    kept = torch.cat([m.flatten().float() for k, v in masks.items()
+                                      if "attn" not in k for m in v])
                     drop_fraction = 1 - kept.mean().item()
                 elif sp:  # same TP streams as "sp": recompute must replay its masks exactly
                     ref_losses = base[0]
@@ -144,8 +151,8 @@ def parity(grid: ProcessGrid) -> dict:
                 else:
                     continue
                 out[(stage, dropout, name)] = dict(
-                    loss_diff=max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)), grad_diff=gd,
-                    stats=None if handle is None else dict(vars(handle.stats)),
+                    loss_diff=max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)),
+                    grad_diff=gd, stats=None if handle is None else dict(vars(handle.stats)),
                     partitioned=None if handle is None else handle.partitioned,
                     drop_fraction=drop_fraction if name == "sp" else None,
                     streams_differ=streams_differ if name == "sp" else None)
@@ -195,7 +202,8 @@ def seq_not_divisible(grid: ProcessGrid) -> str:
 
 def seqpar_world(rank: int, world: int, tps: list[int], checks: list[str]) -> dict:
     """The named checks for each tp in ``tps`` in one spawned world."""
-    fns = dict(parity=parity, ledger=ledger, saved_bytes=saved_bytes, seq_not_divisible=seq_not_divisible)
+    fns = dict(parity=parity, ledger=ledger, saved_bytes=saved_bytes,
+               seq_not_divisible=seq_not_divisible)
     out = {}
     for tp in tps:
         grid = ProcessGrid(tp=tp)

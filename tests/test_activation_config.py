@@ -49,10 +49,10 @@ def test_num_layers_needs_checkpointing_and_fits_model():
 
 def test_flags():
     c = parse("--checkpoint-activations", "--partition-activations", "--checkpoint-in-cpu",
-              "--contiguous-checkpointing", "--recompute-granularity", "full", "--recompute-method", "block",
-              "--recompute-num-layers", "6")
-    assert c == ActivationConfig(True, True, True, True, recompute_granularity="full", recompute_method="block",
-                                 recompute_num_layers=6)
+              "--contiguous-checkpointing", "--recompute-granularity", "full", "--recompute-method",
+              "block", "--recompute-num-layers", "6")
+    assert c == ActivationConfig(True, True, True, True, recompute_granularity="full",
+                                 recompute_method="block", recompute_num_layers=6)
     assert (c.first_blocks, c.num_checkpointed(12)) == (6, 6)
     assert parse() == ActivationConfig()
     with pytest.raises(ConfigError, match="needs --checkpoint-activations"):
@@ -60,7 +60,8 @@ def test_flags():
     with pytest.raises(ConfigError, match="add --partition-activations"):
         parse("--checkpoint-activations", "--checkpoint-in-cpu")
     helptext = " ".join(build_parser().format_help().split())
-    assert "1/tp slice of each checkpoint" in helptext and "only the first --recompute-num-layers blocks" in helptext
+    assert ("1/tp slice of each checkpoint" in helptext
+            and "only the first --recompute-num-layers blocks" in helptext)
 
 
 @pytest.mark.parametrize("numel, parts", [(2048, 4), (7, 4), (7, 2), (3, 4), (5, 1)])
@@ -74,8 +75,10 @@ def test_partition_range_covers_every_element_once(numel, parts):
 
 
 def test_recompute_granularity_and_sequence_parallel_flags():
-    assert parse("--recompute-granularity", "selective") == ActivationConfig(recompute_granularity="selective")
-    assert parse("--recompute-granularity", "full") == ActivationConfig(recompute_granularity="full")
+    assert (parse("--recompute-granularity", "selective")
+            == ActivationConfig(recompute_granularity="selective"))
+    assert (parse("--recompute-granularity", "full")
+            == ActivationConfig(recompute_granularity="full"))
     assert parse("--recompute-granularity", "full").checkpoint_activations
     with pytest.raises(ConfigError, match="selective and --checkpoint-activations"):
         parse("--recompute-granularity", "selective", "--checkpoint-activations")
@@ -87,7 +90,9 @@ def test_recompute_granularity_and_sequence_parallel_flags():
 
     base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--mock-data",
             "--vocab-size", "500", "--tensor-model-parallel-size", "4", "--sequence-parallel"]
-    with pytest.raises(ConfigError, match="--seq-length divisible by --tensor-model-parallel-size: 30 % 4 = 2"):
+    with pytest.raises(ConfigError,
+                       match="--seq-length divisible by --tensor-model-parallel-size: 30 % 4 = 2"):
         validate(parse_config(base + ["--seq-length", "30"]), world_size=4, local_world_size=None)
-    assert validate(parse_config(base + ["--seq-length", "32"]), world_size=4, local_world_size=None).tp == 4
+    assert validate(parse_config(base + ["--seq-length", "32"]), world_size=4,
+                    local_world_size=None).tp == 4
     assert "shard LayerNorm/dropout activations along the sequence" in build_parser().format_help()

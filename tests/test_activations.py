@@ -34,7 +34,8 @@ def per_layer_bytes(t: int, act: int, mask: int) -> float:
 
 
 def test_paper_formula_reproduces_table2():
-    # arXiv 2205.05198 Table 2, small case: s=1024, b=8, h=768, a=12, 16-bit activations, 1-byte masks.
+    # arXiv 2205.05198 Table 2, small case: s=1024, b=8, h=768, a=12, 16-bit activations, 1-byte
+    # masks.
     s, b, h, a = 1024, 8, 768, 12
     for t, want in ((1, 717_225_984), (2, 390_070_272), (4, 226_492_416)):
         got = s * b * h * (4 * 2 + 2 * 1 + 12 * 2 / t + (2 * 2 + 1) * a * s / (h * t))
@@ -61,7 +62,8 @@ def test_one_extra_all_gather_per_checkpointed_block(world, tp):
     for r in world:
         c = r[tp]["collectives"]
         none = c["none"]
-        for name, blocks in (("checkpoint", L), ("pa", L), ("pa_cpu_arena", L), ("first_2_blocks", 2)):
+        for name, blocks in (("checkpoint", L), ("pa", L), ("pa_cpu_arena", L),
+                             ("first_2_blocks", 2)):
             got = c[name]
             partitioned = name != "checkpoint" and tp > 1
             assert got["fwd"] == none["fwd"], name  # forward communicates exactly as before

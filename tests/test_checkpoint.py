@@ -32,11 +32,12 @@ def data(tmp_path_factory):
 
 def args(data, iters, tp=1, stage=1, mbs=2, extra=(), gbs=8):
     prefix, tok = data
-    return MODEL + ["--data-path", prefix, "--tokenizer-model", tok, "--split", "1", "--eval-iters", "0",
-                    "--micro-batch-size", str(mbs), "--global-batch-size", str(gbs), "--train-iters", str(iters),
-                    "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", "2", "--lr-decay-iters", "10",
-                    "--log-interval", "1", "--seed", "11", "--tensor-model-parallel-size", str(tp),
-                    "--zero-stage", str(stage), *extra]
+    return MODEL + ["--data-path", prefix, "--tokenizer-model", tok, "--split", "1", "--eval-iters",
+                    "0", "--micro-batch-size", str(mbs), "--global-batch-size", str(gbs),
+                    "--train-iters", str(iters), "--lr", "3e-3", "--min-lr", "3e-4",
+                    "--lr-warmup-iters", "2", "--lr-decay-iters", "10", "--log-interval", "1",
+                    "--seed", "11", "--tensor-model-parallel-size", str(tp), "--zero-stage",
+                    str(stage), *extra]
 
 
 def train(history):
@@ -61,7 +62,8 @@ def reshard(data, tmp_path_factory):
         args(data, 5, tp=2, stage=1, extra=["--load", c, "--save", d21]),
         args(data, 6, tp=2, stage=1, extra=["--load", c]),
     ], timeout_s=120)[0]
-    spawn_world(3, run_configs, [args(data, 5, tp=1, stage=3, gbs=12, extra=["--load", c, "--save", d33])],
+    spawn_world(3, run_configs,
+                [args(data, 5, tp=1, stage=3, gbs=12, extra=["--load", c, "--save", d33])],
                 timeout_s=120, join_timeout_s=600)
     return dict(c=c, d43=d43, d41=d41, d40=d40, d33=d33, d21=d21, four=four, two=two)
 
@@ -76,12 +78,15 @@ def test_resharded_state_is_bitwise_the_saved_one(reshard, target):
     # every rank wrote only its partition (stage 0 too): each element is stored exactly once
     for reader in (saved, loaded):
         stored = sum(hi - lo for frags in reader.index.values() for lo, hi, _ in frags)
-        assert stored == sum(torch.Size(p["full_shape"]).numel() for p in reader.meta["params"].values())
-        assert len({shard for frags in reader.index.values() for _, _, shard in frags}) == len(reader.files)
+        assert stored == sum(torch.Size(p["full_shape"]).numel()
+                             for p in reader.meta["params"].values())
+        assert (len({shard for frags in reader.index.values() for _, _, shard in frags})
+                == len(reader.files))
     assert saved.param_names() == loaded.param_names()
     for name in saved.param_names():
         for kind in KINDS:
-            assert torch.equal(saved.full_tensor(name, kind), loaded.full_tensor(name, kind)), (name, kind)
+            assert torch.equal(saved.full_tensor(name, kind),
+                               loaded.full_tensor(name, kind)), (name, kind)
     assert loaded.meta["optimizer_step"] == saved.meta["optimizer_step"] == 5
     assert loaded.meta["train_state"]["consumed_samples"] == 40
 
@@ -120,7 +125,8 @@ def test_consolidated_file_loads_strictly_into_plain_gpt(reshard, data, tmp_path
     model = GPT(GPTConfig(**meta["model"]))
     model.load_state_dict(state, strict=True)  # tied: only wte.weight, no lm_head
     assert "lm_head.weight" not in state
-    assert all(t.abs().sum() > 0 for k, t in state.items() if not k.endswith("bias")), "a tensor is all zero"
+    assert all(t.abs().sum() > 0 for k, t in state.items()
+               if not k.endswith("bias")), "a tensor is all zero"
     before = out.read_bytes()
     assert consolidate_main(["--load", reshard["c"], "--output", str(out)]) == 2  # never overwrites
     assert out.read_bytes() == before
@@ -142,8 +148,8 @@ def test_killed_while_writing_resumes_from_previous_complete(data, tmp_path):
     ck = str(tmp_path / "ck")
     keep = ["--save", ck, "--save-keep-last", "1"]
     with pytest.raises(RuntimeError, match="died without reporting|exit codes"):
-        spawn_world(1, crash_while_saving, args(data, 3, extra=keep), args(data, 6, extra=keep + ["--load", ck]),
-                    timeout_s=60)
+        spawn_world(1, crash_while_saving, args(data, 3, extra=keep),
+                    args(data, 6, extra=keep + ["--load", ck]), timeout_s=60)
     assert latest_iteration(ck) == 3
     assert (Path(ck) / "iter_0000003" / "metadata.json").is_file()  # not deleted
     assert (Path(ck) / "iter_0000006.tmp").is_dir()  # the half-written one, never published
@@ -155,18 +161,21 @@ def test_incomplete_checkpoint_is_never_loaded(tmp_path):
     d = tmp_path / "iter_0000007"
     d.mkdir()
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("7\n")
-    with pytest.raises(IncompleteCheckpointError, match="no metadata.json: the save did not finish"):
+    with pytest.raises(IncompleteCheckpointError,
+                       match="no metadata.json: the save did not finish"):
         CheckpointReader(tmp_path)
     (d / "metadata.json").write_text('{"format_version": 1, "shards": ["rank_00000.safetensors"]}')
     with pytest.raises(IncompleteCheckpointError, match="missing shards"):
         CheckpointReader(tmp_path)
-    assert consolidate_main(["--load", str(tmp_path / "nowhere"), "--output", str(tmp_path / "x")]) == 2
+    assert consolidate_main(["--load", str(tmp_path / "nowhere"), "--output",
+                             str(tmp_path / "x")]) == 2
 
 
 @pytest.mark.timeout(300)
 def test_sigterm_saves_exits_zero_and_resumes_identically(tmp_path):
-    base = MODEL + ["--mock-data", "--vocab-size", "500", "--micro-batch-size", "2", "--global-batch-size", "8",
-                    "--lr-decay-style", "constant", "--eval-iters", "0", "--log-interval", "1", "--seed", "3"]
+    base = MODEL + ["--mock-data", "--vocab-size", "500", "--micro-batch-size", "2",
+                    "--global-batch-size", "8", "--lr-decay-style", "constant", "--eval-iters", "0",
+                    "--log-interval", "1", "--seed", "3"]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
 
     def launch(extra, metrics):
@@ -178,8 +187,8 @@ def test_sigterm_saves_exits_zero_and_resumes_identically(tmp_path):
     def losses(metrics):
         import json
 
-        return {r["iteration"]: r["lm_loss"] for r in map(json.loads, metrics.read_text().splitlines())
-                if r["kind"] == "train"}
+        return {r["iteration"]: r["lm_loss"]
+                for r in map(json.loads, metrics.read_text().splitlines()) if r["kind"] == "train"}
 
     ck = tmp_path / "ck"
     m1 = tmp_path / "m1.jsonl"
@@ -187,7 +196,8 @@ def test_sigterm_saves_exits_zero_and_resumes_identically(tmp_path):
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and (not m1.exists() or m1.read_text().count('"train"') < 3):
         time.sleep(0.2)
-    workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    workers = subprocess.run(["pgrep", "-P",
+                              str(proc.pid)], capture_output=True, text=True).stdout.split()
     assert len(workers) == 2, workers
     for pid in workers:  # what SLURM does: SIGTERM to every task
         os.kill(int(pid), signal.SIGTERM)
@@ -198,7 +208,8 @@ def test_sigterm_saves_exits_zero_and_resumes_identically(tmp_path):
     assert stopped is not None and stopped >= 3
     m2, m3 = tmp_path / "m2.jsonl", tmp_path / "m3.jsonl"
     total = stopped + 3
-    for extra, m in ((["--train-iters", str(total), "--load", str(ck)], m2), (["--train-iters", str(total)], m3)):
+    for extra, m in ((["--train-iters", str(total), "--load", str(ck)], m2),
+                     (["--train-iters", str(total)], m3)):
         p = launch(extra, m)
         out, _ = p.communicate(timeout=120)
         assert p.returncode == 0, out[-3000:]
@@ -217,9 +228,11 @@ def test_sequence_parallel_checkpoints_reshard_both_ways_and_mixed_precision(dat
     runs = spawn_world(4, run_configs, [
         args(data, 6, tp=2, stage=3),                                              # uninterrupted
         args(data, 5, tp=2, stage=3, extra=[*sp, "--save", c_sp]),                 # SP saves
-        args(data, 6, tp=2, stage=0, extra=["--load", c_sp]),                      # loaded without SP
+        # loaded without SP
+        args(data, 6, tp=2, stage=0, extra=["--load", c_sp]),
         args(data, 5, tp=2, stage=1, extra=["--save", c_tp]),                      # no SP saves
-        args(data, 6, tp=4, stage=2, extra=[*sp, "--recompute-granularity", "selective", "--load", c_tp]),
+        args(data, 6, tp=4, stage=2,
+             extra=[*sp, "--recompute-granularity", "selective", "--load", c_tp]),
         args(data, 4, tp=2, stage=2, extra=["--bf16"]),
         args(data, 4, tp=2, stage=2, extra=["--bf16", *sp]),
         args(data, 4, tp=2, stage=3, extra=["--fp16"]),

@@ -50,8 +50,8 @@ def full():
 
 
 def layout(tp: int, t: int, dp: int) -> PartitionLayout:
-    entries = [(n, tuple(spec(n, tp, t).shard(torch.zeros(PARAMS[n][0])).shape), PARAMS[n][1] is None, False,
-                PARAMS[n][3]) for n in PARAMS]
+    entries = [(n, tuple(spec(n, tp, t).shard(torch.zeros(PARAMS[n][0])).shape),
+                PARAMS[n][1] is None, False, PARAMS[n][3]) for n in PARAMS]
     return PartitionLayout(entries, ["root", "layers.0"], dp, align=2)
 
 
@@ -61,12 +61,14 @@ def owned(full, tp: int, t: int, dp: int, d: int) -> list[OwnedFragment]:
     flats = {k: torch.zeros(L.total_numel) for k in KINDS}
     for s in L.slots:
         for k in KINDS:
-            flats[k][s.offset:s.offset + s.numel] = spec(s.name, tp, t).shard(full[k][s.name]).reshape(-1)
+            flats[k][s.offset:s.offset
+                     + s.numel] = spec(s.name, tp, t).shard(full[k][s.name]).reshape(-1)
     out = []
     for f in L.fragments(d):
         s = L.slots[f.slot]
         out.append(OwnedFragment(s, spec(s.name, tp, t), f.param_start, f.param_start + f.length,
-                                 {k: flats[k][f.flat_offset:f.flat_offset + f.length] for k in KINDS}))
+                                 {k: flats[k][f.flat_offset:f.flat_offset + f.length]
+                                  for k in KINDS}))
     return out
 
 
@@ -77,7 +79,9 @@ def write_checkpoint(root, full, tp: int, dp: int, version: int = FORMAT_VERSION
         for t in range(tp):
             if version == FORMAT_VERSION:
                 entries, lay = shard_entries(owned(full, tp, t, dp, d), t)
-            else:  # format 1: equal dp cuts of every unpadded local tensor, replicated ones on every TP rank
+            # format 1: equal dp cuts of every unpadded local tensor, replicated ones on every TP
+            # rank
+            else:
                 entries, lay = [], {}
                 for n in PARAMS:
                     sp = spec(n, tp, t)
@@ -87,17 +91,20 @@ def write_checkpoint(root, full, tp: int, dp: int, version: int = FORMAT_VERSION
                     m = real[0].numel()
                     lo, hi = m * d // dp, m * (d + 1) // dp
                     lay[n] = dict(tp_rank=t, local_shape=list(real[0].shape), flat_range=[lo, hi])
-                    entries += [Entry(f"{k}/{n}", torch.float32, (hi - lo,), lambda r=r, lo=lo, hi=hi: r.reshape(-1)[lo:hi])
+                    entries += [Entry(f"{k}/{n}", torch.float32, (hi - lo,),
+                                      lambda r=r, lo=lo, hi=hi: r.reshape(-1)[lo:hi])
                                 for k, r in zip(KINDS, real, strict=True)]
             write_safetensors(stage / shard_name(t + tp * d), entries, {"layout": json.dumps(lay)})
-    params = {n: dict(full_shape=list(PARAMS[n][0]), split_dim=PARAMS[n][1], padded_size=spec(n, tp, 0).padded_size)
+    params = {n: dict(full_shape=list(PARAMS[n][0]), split_dim=PARAMS[n][1],
+                      padded_size=spec(n, tp, 0).padded_size)
               for n in PARAMS}
-    meta = dict(grid=dict(tp=tp, dp=dp, world_size=tp * dp), params=params, optimizer_step=3, zero_stage=2,
-                model={})
+    meta = dict(grid=dict(tp=tp, dp=dp, world_size=tp * dp), params=params, optimizer_step=3,
+                zero_stage=2, model={})
     publish(root, 1, meta, tp * dp, None)
     if version != FORMAT_VERSION:
         p = root / "iter_0000001" / "metadata.json"
-        p.write_text(p.read_text().replace(f'"format_version": {FORMAT_VERSION}', f'"format_version": {version}'))
+        p.write_text(p.read_text().replace(f'"format_version": {FORMAT_VERSION}',
+                                           f'"format_version": {version}'))
 
 
 def real_elements(tp: int, t: int, dp: int, d: int) -> int:
@@ -109,7 +116,8 @@ def real_elements(tp: int, t: int, dp: int, d: int) -> int:
         mask = torch.ones(s.shape)
         sp = spec(s.name, tp, t)
         if not sp.replicated:
-            mask.narrow(sp.split_dim, sp.real_local_size(), s.shape[sp.split_dim] - sp.real_local_size()).zero_()
+            mask.narrow(sp.split_dim, sp.real_local_size(),
+                        s.shape[sp.split_dim] - sp.real_local_size()).zero_()
         n += int(mask.reshape(-1)[f.param_start:f.param_start + f.length].sum())
     return n
 
@@ -129,7 +137,8 @@ def test_every_cut_reads_back_bitwise_and_only_its_share(tmp_path, full, source,
                 for k in KINDS:
                     out = torch.full((f.length,), float("nan"))
                     reader.read_local(s.name, k, sp, f.param_start, f.param_start + f.length, out)
-                    want = sp.shard(full[k][s.name]).reshape(-1)[f.param_start:f.param_start + f.length]
+                    want = sp.shard(full[k][s.name]).reshape(-1)[f.param_start:f.param_start
+                                                                 + f.length]
                     assert torch.equal(out, want), (source, target, t, d, s.name, k)
             assert reader.bytes_read == 4 * len(KINDS) * real_elements(tp, t, dp, d), (t, d)
 
@@ -173,7 +182,8 @@ def test_consolidation_streams_one_tensor_at_a_time(tmp_path, full, monkeypatch)
     from safetensors.torch import load_file
 
     state = load_file(str(out))
-    assert set(state) == set(PARAMS) and all(torch.equal(state[n], full["master"][n]) for n in PARAMS)
+    assert set(state) == set(PARAMS) and all(torch.equal(state[n], full["master"][n])
+                                             for n in PARAMS)
     assert peak[0] == 1  # each full tensor was freed before the next was assembled
 
 
@@ -189,8 +199,10 @@ def test_damaged_checkpoint_is_refused(tmp_path, full):
     tensors = {k: f.get_tensor(k) for k in f.keys() if not k.endswith(name)}
     lay.pop(name)
     tmp = p.with_name("damaged")
-    write_safetensors(tmp, [Entry(k, v.dtype, tuple(v.shape), lambda v=v: v) for k, v in tensors.items()],
+    write_safetensors(tmp, [Entry(k, v.dtype, tuple(v.shape), lambda v=v: v)
+                            for k, v in tensors.items()],
                       {"layout": json.dumps(lay)})
     tmp.replace(p)
-    with pytest.raises(IncompleteCheckpointError, match=r"fragments of layers.0.qkv.weight \(tp rank 1\) do not tile"):
+    with pytest.raises(IncompleteCheckpointError,
+                       match=r"fragments of layers.0.qkv.weight \(tp rank 1\) do not tile"):
         CheckpointReader(tmp_path)

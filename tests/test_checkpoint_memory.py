@@ -17,7 +17,8 @@ from hybrid.checkpoint.shards import KINDS, CheckpointReader
 from scripts.bench_checkpoint import measure
 
 MIB = 2**20
-MODEL = dict(num_layers=12, hidden_size=256, num_attention_heads=4, vocab_size=1000, max_position_embeddings=64)
+MODEL = dict(num_layers=12, hidden_size=256, num_attention_heads=4, vocab_size=1000,
+             max_position_embeddings=64)
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +48,12 @@ def test_load_reads_its_share_and_restores_bitwise(measured, target):
         assert r["read"] <= 1.1 * r["share"] + r["unit_states"], r
         assert r["read"] == r["share"], r  # exact overlap: nothing read that is not owned
     saved, loaded = CheckpointReader(d / "stage2"), CheckpointReader(d / target)
-    stored = sum(saved.meta["params"][n]["full_shape"][0] * (torch.Size(saved.meta["params"][n]["full_shape"][1:])
+    stored = sum(saved.meta["params"][n]["full_shape"][0]
+                 * (torch.Size(saved.meta["params"][n]["full_shape"][1:])
                  .numel()) for n in saved.param_names())
-    assert sum(r["read"] for r in ranks) == 4 * len(KINDS) * stored  # every stored element read once
+    # every stored element read once
+    assert sum(r["read"] for r in ranks) == 4 * len(KINDS) * stored
     for name in saved.param_names():
         for kind in KINDS:
-            assert torch.equal(saved.full_tensor(name, kind), loaded.full_tensor(name, kind)), (target, name, kind)
+            assert torch.equal(saved.full_tensor(name, kind),
+                               loaded.full_tensor(name, kind)), (target, name, kind)

@@ -13,8 +13,8 @@ from hybrid.job.config_checks import ConfigError, validate
 from hybrid.job.pretrain import main
 from tests.data_helpers import tiny_tokenizer, write_token_dataset
 
-BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-        "--mock-data", "--vocab-size", "500"]
+BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length",
+        "32", "--mock-data", "--vocab-size", "500"]
 
 
 def check(argv, world=4, local=None):
@@ -69,9 +69,11 @@ def test_tp_group_spanning_nodes():
 
 def test_missing_data_files_and_tokenizer(tmp_path):
     base = BASE[:-3]  # without --mock-data --vocab-size
-    with pytest.raises(ConfigError, match=r"no training data given: give --data-path PREFIX .* or --mock-data"):
+    with pytest.raises(ConfigError,
+                       match=r"no training data given: give --data-path PREFIX .* or --mock-data"):
         check(base)
-    with pytest.raises(ConfigError, match="--mock-data and --data-path x both name"):  # before the vocabulary
+    # before the vocabulary
+    with pytest.raises(ConfigError, match="--mock-data and --data-path x both name"):
         check(base + ["--mock-data", "--data-path", "x"])
     with pytest.raises(ConfigError, match="--tokenizer-model is required"):
         check(base + ["--data-path", str(tmp_path / "x")])
@@ -79,17 +81,20 @@ def test_missing_data_files_and_tokenizer(tmp_path):
     with pytest.raises(ConfigError, match=r"missing .*x\.bin"):
         check(base + ["--data-path", str(tmp_path / "x"), "--tokenizer-model", str(tok)])
     with pytest.raises(ConfigError, match="file not found"):
-        check(base + ["--data-path", str(tmp_path / "x"), "--tokenizer-model", str(tmp_path / "nope.model")])
+        check(base + ["--data-path", str(tmp_path / "x"), "--tokenizer-model",
+                      str(tmp_path / "nope.model")])
     prefix = write_token_dataset(tmp_path / "ds", [[1, 2, 3]] * 5)
     base = base + ["--split", "1"]
-    with pytest.raises(ConfigError, match="--vocab-size 500 does not match the tokenizer's vocabulary of 600"):
-        check(base + ["--data-path", str(prefix), "--tokenizer-model", str(tok), "--vocab-size", "500"])
+    with pytest.raises(ConfigError,
+                       match="--vocab-size 500 does not match the tokenizer's vocabulary of 600"):
+        check(base
+              + ["--data-path", str(prefix), "--tokenizer-model", str(tok), "--vocab-size", "500"])
     d = check(base + ["--data-path", "1.0", str(prefix), "--tokenizer-model", str(tok)])
     assert d.gpt.vocab_size == 600
     # data made with a larger tokenizer: refused before training on wrong ids
     other = write_token_dataset(tmp_path / "other", [[1, 2, 3], [7, 31999, 4]] * 3)
-    with pytest.raises(ConfigError, match=r"--data-path \S+other holds token id 31999, outside the vocabulary "
-                                          r"\[0, 600\) of --tokenizer-model"):
+    with pytest.raises(ConfigError, match=r"--data-path \S+other holds token id 31999, outside the "
+                                          r"vocabulary \[0, 600\) of --tokenizer-model"):
         check(base + ["--data-path", str(other), "--tokenizer-model", str(tok)])
 
 
@@ -101,7 +106,8 @@ def test_training_loop_refuses_token_ids_outside_the_vocabulary():
 
     good, bad = torch.tensor([[0, 5, 9]]), torch.tensor([[1, 10, 2]])
     assert [b.tolist() for b in checked_tokens([good, good], 10, ["ds"])] == [[[0, 5, 9]]] * 2
-    with pytest.raises(ValueError, match=r"token id 10 in --data-path ds is outside the vocabulary \[0, 10\)"):
+    with pytest.raises(ValueError,
+                       match=r"token id 10 in --data-path ds is outside the vocabulary \[0, 10\)"):
         list(checked_tokens([good, bad], 10, ["ds"]))
 
 
@@ -110,7 +116,8 @@ def test_bad_yaml_and_dry_run_flags_are_one_line_errors(tmp_path):
     bad.write_text("num_layers: 2\n   hidden_size: 64\n")
     with pytest.raises(ConfigError, match=r"not valid YAML \(line 2, column 15\): mapping values"):
         parse_config(["--config", str(bad)])
-    with pytest.raises(ConfigError, match="--dry-run-world-size 0 must be a positive number of ranks"):
+    with pytest.raises(ConfigError,
+                       match="--dry-run-world-size 0 must be a positive number of ranks"):
         check(BASE + ["--dry-run-world-size", "0"])
     with pytest.raises(ConfigError, match="--dry-run-rank 3 needs --dry-run-world-size"):
         check(BASE + ["--dry-run-rank", "3"])
@@ -118,7 +125,8 @@ def test_bad_yaml_and_dry_run_flags_are_one_line_errors(tmp_path):
 
 def test_config_file_yaml_and_toml(tmp_path):
     y = tmp_path / "c.yaml"
-    y.write_text("model:\n  num_layers: 3\nlr: 3e-4\nnum-attention-heads: 4\ndata_path: 0.5 A 0.5 B\n")
+    y.write_text("model:\n  num_layers: 3\nlr: 3e-4\nnum-attention-heads: 4\ndata_path: 0.5 A 0.5 "
+                 "B\n")
     cfg = parse_config(["--config", str(y), "--num-layers", "5"])
     assert cfg.model.num_layers == 5  # the command line wins
     assert cfg.optimizer.lr == 3e-4 and isinstance(cfg.optimizer.lr, float)
@@ -127,7 +135,8 @@ def test_config_file_yaml_and_toml(tmp_path):
     t = tmp_path / "c.toml"
     t.write_text('[zero]\nstage = 3\nbf16 = true\n[grid]\ntensor_model_parallel_size = 2\n')
     cfg = parse_config(["--config", str(t)])
-    assert (cfg.zero.stage, cfg.grid.tensor_model_parallel_size, cfg.zero.precision) == (3, 2, "bf16")
+    assert (cfg.zero.stage, cfg.grid.tensor_model_parallel_size, cfg.zero.precision) == (3, 2,
+                                                                                         "bf16")
     old = tmp_path / "old.toml"  # sections of an older tree are not read by flag name
     old.write_text('[parallel]\nzero_stage = 3\ntensor_model_parallel_size = 2\n'
                    '[optim]\nbf16 = true\n')
@@ -157,14 +166,16 @@ def test_torchrun_workers_exit_nonzero_before_any_collective():
          "--tensor-model-parallel-size", "2"],
         capture_output=True, text=True, timeout=110, env=env, cwd=root)
     assert out.returncode != 0
-    assert "--num-attention-heads 3 is not divisible by --tensor-model-parallel-size 2" in out.stderr
+    assert ("--num-attention-heads 3 is not divisible by --tensor-model-parallel-size 2"
+            in out.stderr)
 
 
 def test_split_that_leaves_a_split_empty(tmp_path):
     tok = tiny_tokenizer(tmp_path)
     prefix = write_token_dataset(tmp_path / "ds", [[1, 2, 3]] * 20)
     argv = BASE[:-3] + ["--data-path", str(prefix), "--tokenizer-model", str(tok)]
-    with pytest.raises(ConfigError, match=r"--split 949,50,1 leaves the test split .* \(20 documents\) empty"):
+    with pytest.raises(ConfigError,
+                       match=r"--split 949,50,1 leaves the test split .* \(20 documents\) empty"):
         check(argv + ["--split", "949,50,1"])
     check(argv + ["--split", "949,50,1", "--eval-iters", "0"])
     check(argv + ["--split", "80,10,10"])
@@ -175,8 +186,8 @@ def test_component_configs_are_the_sections_and_flags_keep_megatron_names():
     from hybrid.job.cli import build_parser
     from hybrid.zero.config import OptimizerConfig, ZeroConfig
 
-    cfg = parse_config(BASE + ["--bf16", "--zero-stage", "3", "--lr", "1e-3", "--adam-beta2", "0.95",
-                               "--checkpoint-activations", "--initial-loss-scale", "65536"])
+    cfg = parse_config(BASE + ["--bf16", "--zero-stage", "3", "--lr", "1e-3", "--adam-beta2",
+                               "0.95", "--checkpoint-activations", "--initial-loss-scale", "65536"])
     assert isinstance(cfg.zero, ZeroConfig) and isinstance(cfg.optimizer, OptimizerConfig)
     assert isinstance(cfg.activation, ActivationConfig)
     assert (cfg.zero.stage, cfg.zero.precision, cfg.zero.initial_loss_scale) == (3, "bf16", 65536.0)
@@ -190,5 +201,6 @@ def test_component_configs_are_the_sections_and_flags_keep_megatron_names():
     # each section checks its own fields once, with the one error type, naming flag, field and value
     with pytest.raises(ConfigError, match=r"--adam-beta2 1\.0 \(OptimizerConfig\.adam_beta2\)"):
         parse_config(BASE + ["--adam-beta2", "1.0"])
-    with pytest.raises(ConfigError, match=r"--micro-batch-size 0 \(TrainingConfig\.micro_batch_size\)"):
+    with pytest.raises(ConfigError,
+                       match=r"--micro-batch-size 0 \(TrainingConfig\.micro_batch_size\)"):
         parse_config(BASE + ["--micro-batch-size", "0"])

@@ -120,12 +120,14 @@ def unknown_flags(text: str, known: dict[str, set[str]]) -> list[str]:
 
 def test_every_flag_named_in_the_docs_exists(flags_by_command):
     assert "--tensor-model-parallel-size" in flags_by_command["hybrid.pretrain"]
-    bad = {str(p.relative_to(ROOT)): u for p in DOCS if (u := unknown_flags(p.read_text(), flags_by_command))}
+    bad = {str(p.relative_to(ROOT)): u for p in DOCS
+           if (u := unknown_flags(p.read_text(), flags_by_command))}
     assert not bad, bad
 
 
 def test_an_unknown_flag_is_caught(flags_by_command):
-    text = "```bash\npython -m hybrid.plan --num-gpus 8 \\\n    --zero-stage 2\n```\nuse `--no-such-flag`\n"
+    text = ("```bash\npython -m hybrid.plan --num-gpus 8 \\\n    --zero-stage 2\n```\nuse "
+            "`--no-such-flag`\n")
     assert unknown_flags(text, flags_by_command) == ["--no-such-flag (prose): use `--no-such-flag`"]
     wrong = "```bash\npython -m hybrid.plan --save x\n```\n"
     assert unknown_flags(wrong, flags_by_command) == [

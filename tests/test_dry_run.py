@@ -3,8 +3,8 @@
 ``hybrid.pretrain --dry-run-world-size 64`` builds rank 37 (tp 2 x dp 32) with the fake
 process group and fake tensors through the real ``parallelize`` and ``train_step``; each
 configuration runs in its own process (the fake group is the default group). Checks: the step
-completed (one optimizer step, not skipped); the bytes the dry run's storage meter saw allocated once
-the engine was built equal the engine's model states + buffers (to 64 KiB: AdamW's 0-d step
+completed (one optimizer step, not skipped); the bytes the dry run's storage meter saw allocated
+once the engine was built equal the engine's model states + buffers (to 64 KiB: AdamW's 0-d step
 tensors); the construction peak is within one unit in fp32 (+ the weight source's two
 one-parameter temporaries + 1 MiB) of that; staging the checkpoint shard adds at most one
 parameter's fp32 fragment; the model states equal the planner's within 1%
@@ -54,7 +54,8 @@ def test_dry_run_world_64(stage):
     unit = r["bound"] - m["tracked_after_build"]
     assert m["construction_peak"] <= m["tracked_after_build"] + unit + 8 * r["largest_param"] + MIB
     # a save stages at most one fragment (fp32) beside the engine's tensors
-    assert m["tracked_after_build"] <= m["save_peak"] <= m["tracked_after_build"] + 4 * r["largest_param"] + MIB
+    assert (m["tracked_after_build"] <= m["save_peak"]
+            <= m["tracked_after_build"] + 4 * r["largest_param"] + MIB)
     assert m["save_peak"] <= r["save_bound"]
     for k in ("params", "grads", "master", "optimizer", "states"):
         assert abs(m[k] - p[k]) <= 0.01 * p[k], (k, m[k], p[k])

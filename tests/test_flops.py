@@ -1,4 +1,5 @@
-"""Parameter, FLOP, MFU and training-time arithmetic against the papers (arXiv 2104.04473 Eqs. 2-4, 2205.05198 Eqs. 7-8)."""
+"""Parameter, FLOP, MFU and training-time arithmetic against the papers (arXiv 2104.04473 Eqs. 2-4,
+2205.05198 Eqs. 7-8)."""
 
 from types import SimpleNamespace
 

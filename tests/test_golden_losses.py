@@ -43,7 +43,8 @@ def measure() -> dict[str, list[float]]:
     out = {}
     for name, (tp, dp, zero) in GRIDS.items():
         (history,) = spawn_world(tp * dp, run_configs, [grid_argv(tp, zero)], timeout_s=120)[0]
-        out[name] = [r["lm_loss"] for r in history if r.get("kind", "train") == "train" and "split" not in r]
+        out[name] = [r["lm_loss"] for r in history
+                     if r.get("kind", "train") == "train" and "split" not in r]
     return out
 
 
@@ -72,9 +73,11 @@ def test_losses_match_golden_file_bit_for_bit():
         return
     for kind, losses in golden.items():
         for name in GRIDS:
-            assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(got[name], losses[name], strict=True)), (
-                f"{name}: losses differ from the {kind!r} record beyond a kernel difference; no record "
-                f"for this machine ({here!r}): record it at a known-good commit with --record")
+            assert all(math.isclose(a, b, rel_tol=1e-6)
+                       for a, b in zip(got[name], losses[name], strict=True)), (
+                f"{name}: losses differ from the {kind!r} record beyond a kernel difference; no "
+                f"record for this machine ({here!r}): record it at a known-good commit with "
+                "--record")
 
 
 if __name__ == "__main__" and "--record" in sys.argv:

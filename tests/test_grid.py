@@ -12,7 +12,9 @@ def test_shape_and_coords():
 
 
 def test_tp_not_dividing_world_is_named():
-    with pytest.raises(ValueError, match=r"tensor-model-parallel size 3 does not divide the world size 8; valid tensor-model-parallel sizes: \[1, 2, 4, 8\]"):
+    with pytest.raises(ValueError,
+                       match=r"tensor-model-parallel size 3 does not divide the world size 8; "
+                             r"valid tensor-model-parallel sizes: \[1, 2, 4, 8\]"):
         validate_grid(8, tp=3)
 
 

@@ -48,19 +48,20 @@ from tests.pretrain_worlds import prepare_data  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = dict(n_layer=2, n_embd=64, n_head=4, n_positions=64, vocab_size=600)
-MODEL_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-               "--max-position-embeddings", "64"]
-EXTRA_TEXTS = ["é😀 ok", "汉字と仮名、한국어", "e\u0301 a\u0308\u0323 n\u0303", "🧑\u200d🤝\u200d🧑 family",
-               "  two  spaces\n\nand\ttabs ", "", "\x00\x7f control", "<|sep|> user symbol",
-               "</s> <s> <pad> <unk> <0x41> spelled-out specials stay text",
+MODEL_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+               "--seq-length", "32", "--max-position-embeddings", "64"]
+EXTRA_TEXTS = ["é😀 ok", "汉字と仮名、한국어", "e\u0301 a\u0308\u0323 n\u0303",
+               "🧑\u200d🤝\u200d🧑 family", "  two  spaces\n\nand\ttabs ", "", "\x00\x7f control",
+               "<|sep|> user symbol", "</s> <s> <pad> <unk> <0x41> spelled-out specials stay text",
                "\u2581 a literal whitespace symbol\u2581\u2581, sparks \u2581\u2582\u2583"]
 
 
 def random_gpt2(directory: Path, tied: bool = True, seed: int = 0, **overrides) -> GPT2LMHeadModel:
     """A GPT2LMHeadModel with every tensor random (LayerNorms and biases too), saved locally."""
     torch.manual_seed(seed)
-    cfg = GPT2Config(**{**SHAPE, **overrides}, activation_function="gelu", resid_pdrop=0.0, embd_pdrop=0.0,
-                     attn_pdrop=0.0, tie_word_embeddings=tied, eos_token_id=2, bos_token_id=1)
+    cfg = GPT2Config(**{**SHAPE, **overrides}, activation_function="gelu", resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=tied, eos_token_id=2,
+                     bos_token_id=1)
     model = GPT2LMHeadModel(cfg).eval()
     with torch.no_grad():
         for p in model.parameters():
@@ -71,7 +72,8 @@ def random_gpt2(directory: Path, tied: bool = True, seed: int = 0, **overrides) 
 
 def our_config(**overrides) -> GPTConfig:
     return GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=600,
-                     max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0, **overrides)
+                     max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0,
+                     **overrides)
 
 
 # ---- tokenizer ---------------------------------------------------------------------------------
@@ -79,14 +81,16 @@ def our_config(**overrides) -> GPTConfig:
 @pytest.fixture(scope="module")
 def corpus_lines(tmp_path_factory):
     d = tmp_path_factory.mktemp("hf_corpus")
-    texts = [json.loads(line)["text"] for line in tiny_corpus(d, 400_000).read_text(encoding="utf-8").splitlines()]
+    texts = [json.loads(line)["text"]
+             for line in tiny_corpus(d, 400_000).read_text(encoding="utf-8").splitlines()]
     return d, texts, [line for t in texts for line in t.split("\n") if line.strip()]
 
 
 @pytest.mark.parametrize("model_type, vocab", [("bpe", 2000), ("unigram", 1000)])
 def test_exported_tokenizer_matches_sentencepiece(corpus_lines, model_type, vocab):
     d, texts, lines = corpus_lines
-    train_tokenizer(texts, d / model_type, vocab, model_type=model_type, user_defined_symbols=["<|sep|>"])
+    train_tokenizer(texts, d / model_type, vocab, model_type=model_type,
+                    user_defined_symbols=["<|sep|>"])
     ours = Tokenizer(d / f"{model_type}.model")
     ids = save_tokenizer(ours.model_path, d / f"hf_{model_type}")
     hf = AutoTokenizer.from_pretrained(str(d / f"hf_{model_type}"))
@@ -95,7 +99,8 @@ def test_exported_tokenizer_matches_sentencepiece(corpus_lines, model_type, voca
     sample = lines[:1000] + EXTRA_TEXTS
     assert len(sample) == 1010
     expected = ours.encode(sample)
-    id_mismatch = [t for t, e in zip(sample, expected, strict=True) if hf.encode(t, add_special_tokens=False) != e]
+    id_mismatch = [t for t, e in zip(sample, expected, strict=True)
+                   if hf.encode(t, add_special_tokens=False) != e]
     text_mismatch = [t for t, e in zip(sample, expected, strict=True)
                      if hf.decode(e) != t or ours.decode(e) != t]
     assert id_mismatch == [] and text_mismatch == []
@@ -142,23 +147,27 @@ def test_qkv_layout_is_heads_outermost():
     rows = torch.arange(18.0)[:, None].expand(18, 6)  # row index as value
     cols = to_hf("layers.0.attn.qkv.weight", rows, config)[0]  # [18]: which row went to each column
     # column (which=1 [k], head=0, d=2) -> row (head=0, which=1, d=2) = 0*9 + 1*3 + 2 = 5
-    assert cols[1 * 6 + 0 * 3 + 2] == 5 and cols[0 * 6 + 1 * 3 + 0] == 9  # q of head 1 starts at row 9
-    assert torch.equal(from_hf("layers.0.attn.qkv.weight", to_hf("layers.0.attn.qkv.weight", rows, config), config), rows)
+    # q of head 1 starts at row 9
+    assert cols[1 * 6 + 0 * 3 + 2] == 5 and cols[0 * 6 + 1 * 3 + 0] == 9
+    assert torch.equal(from_hf("layers.0.attn.qkv.weight",
+                               to_hf("layers.0.attn.qkv.weight", rows, config), config), rows)
 
 
 def test_import_names_the_first_mismatch(tmp_path):
     random_gpt2(tmp_path)
     config = our_config()
     with pytest.raises(ValueError, match="n_embd=64 but this run has --hidden-size 128"):
-        HFWeights(tmp_path, GPTConfig(num_layers=2, hidden_size=128, num_attention_heads=4, vocab_size=600,
-                                      max_position_embeddings=64))
+        HFWeights(tmp_path, GPTConfig(num_layers=2, hidden_size=128, num_attention_heads=4,
+                                      vocab_size=600, max_position_embeddings=64))
     hf = json.loads((tmp_path / "config.json").read_text())
     with pytest.raises(UnsupportedModelError, match="activation_function='gelu_new'"):
         check_hf_config(dict(hf, activation_function="gelu_new"), config)
     state = load_file(str(tmp_path / "model.safetensors"))
-    state["transformer.h.1.mlp.c_fc.weight"] = state["transformer.h.1.mlp.c_fc.weight"][:, :200].contiguous()
+    state["transformer.h.1.mlp.c_fc.weight"] = (
+        state["transformer.h.1.mlp.c_fc.weight"][:, :200].contiguous())
     save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=r"transformer.h.1.mlp.c_fc.weight has shape \[64, 200\].*\[256, 64\]"):
+    with pytest.raises(ValueError,
+                       match=r"transformer.h.1.mlp.c_fc.weight has shape \[64, 200\].*\[256, 64\]"):
         HFWeights(tmp_path, config)
     del state["transformer.h.1.mlp.c_fc.weight"]
     save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
@@ -180,19 +189,23 @@ def test_init_from_hf_is_checked_before_any_process_group(tmp_path):
 
 def test_export_refuses_what_gpt2_cannot_express():
     with pytest.raises(UnsupportedModelError, match="rotary_base"):
-        gpt_config_from_metadata(dict(num_layers=2, hidden_size=64, num_attention_heads=4, rotary_base=10000))
+        gpt_config_from_metadata(dict(num_layers=2, hidden_size=64, num_attention_heads=4,
+                                      rotary_base=10000))
 
 
 def test_nothing_outside_hybrid_hf_imports_transformers():
-    users = [p.relative_to(ROOT).as_posix() for d in ("hybrid", "models", "data") for p in (ROOT / d).rglob("*.py")
+    users = [p.relative_to(ROOT).as_posix() for d in ("hybrid", "models", "data")
+             for p in (ROOT / d).rglob("*.py")
              if "transformers" in p.read_text() and "import" in p.read_text()
              and any(line.lstrip().startswith(("import transformers", "from transformers"))
                      for line in p.read_text().splitlines())]
-    assert sorted(users) == ["hybrid/hf/export.py", "hybrid/hf/generate.py", "hybrid/hf/tokenizer.py"]
+    assert sorted(users) == ["hybrid/hf/export.py", "hybrid/hf/generate.py",
+                             "hybrid/hf/tokenizer.py"]
     code = ("import sys, hybrid.pretrain, hybrid.hf.weights, hybrid.job.checkpointing, "
             "hybrid.job.config_checks; "
             "assert 'transformers' not in sys.modules")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env={"PYTHONPATH": str(ROOT)})
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT,
+                   env={"PYTHONPATH": str(ROOT)})
 
 
 # ---- the distributed acceptance runs (one 4-rank spawn) ----------------------------------------
@@ -204,11 +217,13 @@ def worlds(tmp_path_factory):
     d = tmp_path_factory.mktemp("hf_worlds")
     prefix, tok = prepare_data(d / "data")
     imported = random_gpt2(d / "gpt2", seed=3)
-    common = MODEL_FLAGS + ["--data-path", prefix, "--tokenizer-model", tok, "--split", "1", "--eval-iters", "0",
-                            "--micro-batch-size", "2", "--global-batch-size", "8", "--log-interval", "1",
-                            "--seed", "5", "--tensor-model-parallel-size", "2"]
-    trained = common + ["--zero-stage", "3", "--train-iters", "3", "--lr", "3e-3", "--hidden-dropout", "0.1",
-                        "--attention-dropout", "0.1", "--save", str(d / "trained")]
+    common = MODEL_FLAGS + ["--data-path", prefix, "--tokenizer-model", tok, "--split", "1",
+                            "--eval-iters", "0", "--micro-batch-size", "2", "--global-batch-size",
+                            "8", "--log-interval", "1", "--seed", "5",
+                            "--tensor-model-parallel-size", "2"]
+    trained = common + ["--zero-stage", "3", "--train-iters", "3", "--lr", "3e-3",
+                        "--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--save",
+                        str(d / "trained")]
     loaded = common + ["--zero-stage", "2", "--train-iters", "1", "--lr", "0", "--min-lr", "0",
                        "--hidden-dropout", "0", "--attention-dropout", "0",
                        "--init-from-hf", str(d / "gpt2"), "--save", str(d / "imported")]
@@ -224,14 +239,16 @@ def test_export_of_tp2_dp2_zero3_gives_distributed_logits_and_loss(worlds, capsy
     assert export_main(["--load", str(d / "trained"), "--output", str(d / "hf_trained")]) == 0
     assert "saved at tp=2 x dp=2, ZeRO stage 3" in capsys.readouterr().out
     hf = AutoModelForCausalLM.from_pretrained(str(d / "hf_trained")).eval()
-    assert hf.config.activation_function == "gelu" and hf.config.eos_token_id == Tokenizer(worlds["tok"]).eod
+    assert (hf.config.activation_function == "gelu"
+            and hf.config.eos_token_id == Tokenizer(worlds["tok"]).eod)
     assert hf.lm_head.weight.data_ptr() == hf.transformer.wte.weight.data_ptr()  # tied stays tied
     with torch.no_grad():
         logits = hf(tokens[:, :-1]).logits
         loss = hf(tokens, labels=tokens).loss
     ours = worlds["trained"]
     diff = (logits - ours["logits"]).abs().max().item()
-    print(f"export: max |logits diff| = {diff:.3e}, loss diff = {abs(loss.item() - ours['losses'].mean().item()):.3e}")
+    print(f"export: max |logits diff| = {diff:.3e}, loss diff = "
+          f"{abs(loss.item() - ours['losses'].mean().item()):.3e}")
     torch.testing.assert_close(logits, ours["logits"], rtol=0, atol=1e-5)
     torch.testing.assert_close(loss, ours["losses"].mean(), rtol=0, atol=1e-5)
     with pytest.raises(FileExistsError, match="not an empty directory"):
@@ -247,7 +264,8 @@ def test_init_from_hf_at_tp2_dp2_gives_transformers_loss_and_exports_back_bitwis
     print(f"import: loss diff = {abs(loss.item() - ours.item()):.3e}")
     torch.testing.assert_close(ours, loss, rtol=0, atol=1e-5)
     export_hf(d / "imported", d / "hf_again")
-    original, again = load_file(str(d / "gpt2" / "model.safetensors")), load_file(str(d / "hf_again" / "model.safetensors"))
+    original, again = (load_file(str(d / "gpt2" / "model.safetensors")),
+                       load_file(str(d / "hf_again" / "model.safetensors")))
     assert set(original) == set(again)
     for key, t in original.items():
         assert torch.equal(again[key], t), key
@@ -259,9 +277,11 @@ def test_generate_is_deterministic_and_reads_checkpoints(worlds, capsys):
     hf_dir = d / "hf_gen"
     if not hf_dir.exists():
         export_hf(d / "trained", hf_dir)
-    argv = ["--prompt", "Return the", "--max-new-tokens", "20", "--temperature", "0.9", "--top-k", "20", "--seed", "4"]
+    argv = ["--prompt", "Return the", "--max-new-tokens", "20", "--temperature", "0.9", "--top-k",
+            "20", "--seed", "4"]
     outs = []
-    for source in (["--hf-dir", str(hf_dir)], ["--hf-dir", str(hf_dir)], ["--load", str(d / "trained")]):
+    for source in (["--hf-dir", str(hf_dir)], ["--hf-dir", str(hf_dir)],
+                   ["--load", str(d / "trained")]):
         assert generate_main(source + argv) == 0
         outs.append(capsys.readouterr().out)
     assert outs[0] == outs[1] == outs[2] and outs[0].startswith("Return the")

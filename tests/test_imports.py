@@ -1,10 +1,10 @@
 """The ``hybrid`` package imports cleanly, module by module, and its import graph has no cycle.
 
 Every module is imported in one fresh interpreter (nothing the test session imported first
-can hide a missing import). The graph is read from the source: an edge ``a -> b`` for every ``import`` of a
-``hybrid`` module ``b`` in ``a``, at module level or inside a function (a deferred import that
-closes a cycle is still a cycle, only a hidden one), and under ``if TYPE_CHECKING:`` too (a
-type named across two modules that import each other is the same knot, drawn in annotations).
+can hide a missing import). The graph is read from the source: an edge ``a -> b`` for every
+``import`` of a ``hybrid`` module ``b`` in ``a``, at module level or inside a function (a deferred
+import that closes a cycle is still a cycle, only a hidden one), and under ``if TYPE_CHECKING:`` too
+(a type named across two modules that import each other is the same knot, drawn in annotations).
 Importing ``hybrid.x.y`` also runs ``hybrid.x``'s ``__init__``, so that is an edge too.
 """
 
@@ -114,13 +114,15 @@ def test_find_cycle_finds_one():
 def test_every_module_imports_in_a_fresh_interpreter():
     names = sorted(hybrid_modules())
     code = "import importlib, sys\nfor name in sys.argv[1:]:\n    importlib.import_module(name)\n"
-    out = subprocess.run([sys.executable, "-c", code, *names], capture_output=True, text=True, cwd=ROOT,
-                         timeout=110)
+    out = subprocess.run([sys.executable, "-c", code, *names], capture_output=True, text=True,
+                         cwd=ROOT, timeout=110)
     assert out.returncode == 0, out.stderr[-3000:]
 
 
 def test_no_module_over_400_lines():
-    long = {str(p.relative_to(ROOT)): n for p in [*ROOT.glob("hybrid/**/*.py"), *ROOT.glob("tests/*.py"),
-                                                   *ROOT.glob("models/*.py"), *ROOT.glob("data/*.py")]
+    long = {str(p.relative_to(ROOT)): n
+            for p in [*ROOT.glob("hybrid/**/*.py"), *ROOT.glob("tests/*.py"),
+                                                   *ROOT.glob("models/*.py"),
+                      *ROOT.glob("data/*.py")]
             if (n := len(p.read_text().splitlines())) > 400}
     assert not long, long

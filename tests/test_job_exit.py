@@ -41,7 +41,8 @@ def iterations(history) -> list[int]:
 @pytest.mark.timeout(200)
 def test_sigterm_and_time_limit_stop_without_save(tmp_path):
     before = signal.getsignal(signal.SIGTERM)
-    (timed,) = spawn_world(1, run_configs, [MOCK + ["--exit-duration-in-mins", "0.0001"]], timeout_s=60)[0]
+    (timed,) = spawn_world(1, run_configs, [MOCK + ["--exit-duration-in-mins", "0.0001"]],
+                           timeout_s=60)[0]
     assert iterations(timed) == [1]
     termed = spawn_world(2, sigterm_at, MOCK + ["--global-batch-size", "4"], 3, timeout_s=60)
     assert [iterations(h) for h in termed] == [[1, 2, 3], [1, 2, 3]]
@@ -56,13 +57,16 @@ def test_closed_engine_releases_its_process_groups():
     from tests.pretrain_worlds import engine_lifetime
 
     argv = MOCK + ["--train-iters", "1", "--global-batch-size", "4"]
-    got = spawn_world(2, engine_lifetime, argv + ["--zero-stage", "3"], timeout_s=120)  # reducer + gatherer hooks
+    # reducer + gatherer hooks
+    got = spawn_world(2, engine_lifetime, argv + ["--zero-stage", "3"], timeout_s=120)
     assert got == [(False, True), (False, True)]
 
 
 @pytest.mark.timeout(400)
 def test_resumed_two_rank_runs_exit_zero(tmp_path):
-    env = dict(os.environ, RUNS="2", LOG_DIR=str(tmp_path), PYTHON=sys.executable, PYTHONPATH=str(ROOT))
-    out = subprocess.run(["bash", str(ROOT / "scripts" / "resume_exit_loop.sh")], env=env, capture_output=True,
-                         text=True, timeout=380)
-    assert out.returncode == 0 and "resumed runs that exited 0: 2 of 2" in out.stdout, out.stdout + out.stderr[-2000:]
+    env = dict(os.environ, RUNS="2", LOG_DIR=str(tmp_path), PYTHON=sys.executable,
+               PYTHONPATH=str(ROOT))
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "resume_exit_loop.sh")], env=env,
+                         capture_output=True, text=True, timeout=380)
+    assert (out.returncode == 0
+            and "resumed runs that exited 0: 2 of 2" in out.stdout), out.stdout + out.stderr[-2000:]

@@ -55,7 +55,8 @@ def test_readers_keep_the_latest_record_per_iteration(tmp_path):
 
 def test_a_torn_last_line_stays_its_own_line_and_is_skipped_with_a_warning(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    path.write_text(json.dumps(dict(kind="train", iteration=1, lm_loss=5.0)) + '\n{"kind": "train", "itera')
+    path.write_text(json.dumps(dict(kind="train", iteration=1, lm_loss=5.0))
+                    + '\n{"kind": "train", "itera')
     w = MetricsWriter(0, str(path), {}, print_fn=lambda *_: None, start_iteration=1)
     w.close()  # a launch that logged nothing (it failed before training) adds no start record
     assert path.read_text().endswith('"itera\n')
@@ -77,7 +78,8 @@ def test_a_torn_last_line_stays_its_own_line_and_is_skipped_with_a_warning(tmp_p
 
 def test_plot_labels_tell_files_of_the_same_name_apart():
     assert run_labels(["a/m.jsonl", "b/n.jsonl"]) == ["m", "n"]
-    assert run_labels(["runs/a/metrics.jsonl", "runs/b/metrics.jsonl"]) == ["a/metrics", "b/metrics"]
+    assert run_labels(["runs/a/metrics.jsonl", "runs/b/metrics.jsonl"]) == ["a/metrics",
+                                                                            "b/metrics"]
     assert run_labels(["x/m.jsonl", "x/m.jsonl"]) == ["x/m.jsonl", "x/m.jsonl #2"]
     assert run_labels(["x/m.jsonl", "x/m.old"]) == ["m.jsonl", "m.old"]
 
@@ -88,27 +90,34 @@ MOCK = ["--mock-data", "--vocab-size", "500", "--num-layers", "1", "--hidden-siz
 
 
 @pytest.mark.timeout(200)
-def test_resumed_job_continues_its_wandb_run_and_writes_a_compact_header(tmp_path, capfd, monkeypatch):
+def test_resumed_job_continues_its_wandb_run_and_writes_a_compact_header(tmp_path, capfd,
+                                                                         monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     ck, wb, metrics = tmp_path / "ck", tmp_path / "wb", tmp_path / "m" / "metrics.jsonl"
-    extra = ["--save", str(ck), "--load", str(ck), "--wandb-save-dir", str(wb), "--metrics-file", str(metrics)]
-    spawn_world(1, run_configs, [MOCK + extra + ["--train-iters", "2"], MOCK + extra + ["--train-iters", "4"]],
+    extra = ["--save", str(ck), "--load", str(ck), "--wandb-save-dir", str(wb), "--metrics-file",
+             str(metrics)]
+    spawn_world(1, run_configs,
+                [MOCK + extra + ["--train-iters", "2"], MOCK + extra + ["--train-iters", "4"]],
                 timeout_s=60)
     out = capfd.readouterr().out
     run_id = read_metadata(ck, latest_iteration(ck))["wandb_run_id"]
     # one folder per launch, each logging the same run; wandb appends "-1" to the folder's name
-    # when both launches start within the same second, so the run id is read from the log file's name
+    # when both launches start within the same second, so the run id is read from the log file's
+    # name
     runs = sorted((wb / "wandb").glob("offline-run-*"))
-    assert len(runs) == 2 and all((r / f"run-{run_id}.wandb").is_file() for r in runs), (runs, run_id)
+    assert len(runs) == 2 and all((r / f"run-{run_id}.wandb").is_file() for r in runs), (runs,
+                                                                                         run_id)
     # start-up: two header lines before the first iteration, no JSON dump, no empty traffic
     head = [line.strip() for line in out.split(" iteration ")[0].splitlines() if line.strip()]
     assert len(head) == 3 and head[0].startswith("hybrid-zero pretraining |"), head
     assert head[0].endswith("| ZeRO-1 fp32 | activations: all kept"), head
-    assert head[1].startswith("no checkpoint under --load") and head[2].startswith("ZeRO stage 1 fp32"), head
+    assert (head[1].startswith("no checkpoint under --load")
+            and head[2].startswith("ZeRO stage 1 fp32")), head
     assert "moved last step" not in out and '"model": {' not in out
     train, _ = read_metrics(metrics)
     assert [r["iteration"] for r in train] == [1, 2, 3, 4]
-    starts = [json.loads(line)["iteration"] for line in metrics.read_text().splitlines() if '"start"' in line]
+    starts = [json.loads(line)["iteration"] for line in metrics.read_text().splitlines()
+              if '"start"' in line]
     assert starts == [0, 2]
     config = json.loads((tmp_path / "m" / "metrics.config.json").read_text())
     assert config["training"]["train_iters"] == 4 and config["logging"]["wandb_project"] == "resume"
@@ -120,9 +129,11 @@ def test_a_resume_at_a_smaller_global_batch_sizes_its_dataset_from_the_consumed_
     # train_iters x global batch = 12 (the dataset's size before, which ended the run with an error)
     ck = str(tmp_path / "ck")
     common = MOCK + ["--save", ck, "--load", ck, "--lr-decay-style", "constant"]
-    first, resumed = spawn_world(1, run_configs, [common + ["--train-iters", "3", "--micro-batch-size", "4"],
+    first, resumed = spawn_world(1, run_configs,
+                                 [common + ["--train-iters", "3", "--micro-batch-size", "4"],
                                                   common + ["--train-iters", "6"]], timeout_s=60)[0]
-    assert [(r["iteration"], r["consumed_samples"]) for r in resumed if "split" not in r] == [(4, 14), (5, 16), (6, 18)]
+    assert ([(r["iteration"], r["consumed_samples"]) for r in resumed if "split" not in r]
+            == [(4, 14), (5, 16), (6, 18)])
     assert all(math.isfinite(r["lm_loss"]) for r in first + resumed if "split" not in r)
     assert read_metadata(ck, latest_iteration(ck))["train_state"]["consumed_samples"] == 18
 

@@ -10,7 +10,8 @@ from hybrid.parallel.kernels import fused_layer_norm_class, use_fused_kernels
 from hybrid.parallel.layers import TPSpec
 from models.gpt import GPT, GPTConfig
 
-CFG = GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=50, max_position_embeddings=8)
+CFG = GPTConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=50,
+                max_position_embeddings=8)
 
 
 def test_without_apex_or_cuda_nothing_changes(monkeypatch):

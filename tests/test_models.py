@@ -25,8 +25,9 @@ def test_every_preset_builds_on_meta_and_counts_match(name):
     assert sum(p.numel() for p in model.parameters()) == cfg.num_parameters()
 
 
-@pytest.mark.parametrize("name,billions", [("megatron-8.3b", 8.3), ("gpt3-175b", 175), ("zero-100b", 100),
-                                           ("gpt2-1.5b", 1.5), ("zero-170b", 170)])
+@pytest.mark.parametrize("name,billions", [("megatron-8.3b", 8.3), ("gpt3-175b", 175),
+                                           ("zero-100b", 100), ("gpt2-1.5b", 1.5),
+                                           ("zero-170b", 170)])
 def test_preset_sizes_match_their_names(name, billions):
     assert get_preset(name).num_parameters() / 1e9 == pytest.approx(billions, rel=0.05)
 

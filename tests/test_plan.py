@@ -1,4 +1,5 @@
-"""Memory planner against the ZeRO, Megatron and 2205.05198 numbers (arXiv 1910.02054 Tables 1-2, 1909.08053, 2205.05198 Table 2)."""
+"""Memory planner against the ZeRO, Megatron and 2205.05198 numbers (arXiv 1910.02054 Tables 1-2,
+1909.08053, 2205.05198 Table 2)."""
 
 from pathlib import Path
 
@@ -277,7 +278,8 @@ def test_constant_buffers_do_not_grow_with_the_model():
     small = comm_buffer_bytes(10_000_000, 1, 50_000_000, 50_000_000, dp=4)
     assert small == 2 * 5 * 2_500_000 * 2 + 2_500_000 * 2  # capped at the rank's partition
     assert comm_buffer_bytes(10**9, 0, 50_000_000, 50_000_000, dp=50) == 0  # in place
-    assert comm_buffer_bytes(10**9, 2, 50_000_000, 50_000_000, dp=50, overlap=False) == 51 * 1_000_000 * 2 + 2_000_000
+    assert (comm_buffer_bytes(10**9, 2, 50_000_000, 50_000_000, dp=50, overlap=False)
+            == 51 * 1_000_000 * 2 + 2_000_000)
     # stage 3 also holds the root unit and two blocks (current + prefetch) gathered
     assert comm_buffer_bytes(10**9, 3, 50_000_000, 50_000_000, dp=50, largest_layer_params=7,
                              root_params=11) == big[0] + (11 + 2 * 7) * 2
@@ -315,7 +317,8 @@ def test_activation_options_order_memory_and_time():
 
 
 def test_zero_r_ablation_ordering():
-    """ZeRO §10.5 Fig. 6 at MP = 16: max model C1 <= C2 <= C4 <= C5 (paper 40B < 60B < 140B < 150B)."""
+    """ZeRO §10.5 Fig. 6 at MP = 16: max model C1 <= C2 <= C4 <= C5 (paper 40B < 60B < 140B <
+    150B)."""
     m = gpt(1, 8192, 32, s=1024)
     cluster = plan.Cluster(
         num_gpus=400, gpus_per_node=16, gpu_memory_bytes=32 * GB, reserved_bytes=0

@@ -86,14 +86,17 @@ def test_cli_max_model(capsys):
         (["--micro-batch-size", "0"], "--micro-batch-size must be positive, got 0"),
         (["--device", "H100", "--gpu-memory-gb", "-1"], "--gpu-memory-gb must be positive, got -1"),
         # nan and inf pass every comparison check: refused by the flag's type, in one line
-        (["--device", "V100-32GB", "--gpu-memory-gb", "nan"], "argument --gpu-memory-gb: 'nan' is not a finite number"),
+        (["--device", "V100-32GB", "--gpu-memory-gb", "nan"],
+         "argument --gpu-memory-gb: 'nan' is not a finite number"),
         (["--reserved-gb", "nan"], "argument --reserved-gb: 'nan' is not a finite number"),
         (["--peak-tflops", "inf"], "argument --peak-tflops: 'inf' is not a finite number"),
         (["--efficiency", "x"], "argument --efficiency: 'x' is not a number"),
         (["--efficiency", "2"], "--efficiency is a fraction of peak in (0, 1], got 2"),
-        (["--reserved", "1"], "unrecognized arguments: --reserved 1; --reserved: did you mean --reserved-gb?"),
+        (["--reserved", "1"],
+         "unrecognized arguments: --reserved 1; --reserved: did you mean --reserved-gb?"),
         (["--reserved-gb", "-1"], "--reserved-gb must be 0 or more (GB held back per GPU), got -1"),
-        (["--device", "V100-32GB", "--reserved-gb", "40"], "--reserved-gb 40 leaves nothing of the GPU's 32 GB"),
+        (["--device", "V100-32GB", "--reserved-gb", "40"],
+         "--reserved-gb 40 leaves nothing of the GPU's 32 GB"),
     ],
 )
 def test_cli_bad_input_names_the_value(extra, message, capsys):
@@ -121,7 +124,8 @@ def test_cli_takes_a_preset_and_names_an_unknown_one(capsys):
     from hybrid.planner.cli import main
 
     assert main(["--model", "gpt2-124m", "--seq-length", "1024", "--micro-batch-size", "1",
-                 "--num-gpus", "8", "--gpus-per-node", "8", "--device", "A100-80GB", "--json"]) in (0, None)
+                 "--num-gpus", "8", "--gpus-per-node", "8", "--device", "A100-80GB", "--json"]) in (
+                     0, None)
     doc = json.loads(capsys.readouterr().out)
     assert doc
     with pytest.raises(SystemExit):
@@ -150,11 +154,13 @@ def test_cli_memory_without_device_is_refused_and_overrides_are_named(capsys):
         plan_cli.main([*DIMS, "--gpu-memory-gb", "32"])
     assert exc.value.code == 2
     assert "--gpu-memory-gb 32 without --device: the step time needs the GPU's peak; give " \
-        "--device (V100-32GB, A100-40GB, A100-80GB, H100, H200) or --peak-tflops" in capsys.readouterr().err
+        "--device (V100-32GB, A100-40GB, A100-80GB, H100, H200) or --peak-tflops" \
+        in capsys.readouterr().err
     cases = [
         ([], "A100-80GB", 80, 312),  # the defaults, unchanged
         (["--gpu-memory-gb", "32", "--peak-tflops", "125"], "custom", 32, 125),
-        (["--device", "V100-32GB", "--gpu-memory-gb", "16"], "V100-32GB (memory overridden)", 16, 125),
+        (["--device", "V100-32GB", "--gpu-memory-gb", "16"], "V100-32GB (memory overridden)", 16,
+         125),
         (["--device", "H100 PCIe", "--gpu-memory-gb", "80"], "H100 PCIe", 80, 756),
     ]
     for extra, label, memory_gb, peak in cases:

@@ -23,9 +23,10 @@ def data(tmp_path_factory):
 def common(data, iters=6):
     prefix, tok = data
     return MODEL + ["--data-path", prefix, "--tokenizer-model", tok, "--split", "90,8,2",
-                    "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", str(iters),
-                    "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", "2", "--log-interval", "1",
-                    "--eval-interval", "3", "--eval-iters", "1", "--seed", "7"]
+                    "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters",
+                    str(iters), "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", "2",
+                    "--log-interval", "1", "--eval-interval", "3", "--eval-iters", "1", "--seed",
+                    "7"]
 
 
 def train_losses(history):
@@ -50,7 +51,8 @@ def test_cli_end_to_end_tp2_dp2_zero2_with_offline_wandb(data, tmp_path):
     evals = [r for r in records if r["kind"] == "eval"]
     assert [r["iteration"] for r in train] == list(range(1, 13))
     for field in ("iteration", "consumed_samples", "lm_loss", "lr", "grad_norm", "loss_scale",
-                  "skipped_iterations", "nan_iterations", "elapsed_ms", "tokens_per_sec", "tflops_per_device"):
+                  "skipped_iterations", "nan_iterations", "elapsed_ms", "tokens_per_sec",
+                  "tflops_per_device"):
         assert all(field in r for r in train), field
     assert train[-1]["consumed_samples"] == 12 * 8
     losses = [r["lm_loss"] for r in train]
@@ -95,7 +97,8 @@ def logged_steps(run_dir: Path) -> set[int]:
 def test_same_losses_on_every_grid(data):
     base = common(data)
     grids = {(1, 1, 0): [], (2, 2, 3): [], (1, 4, 1): []}
-    argv = {g: base + ["--tensor-model-parallel-size", str(g[0]), "--zero-stage", str(g[2])] for g in grids}
+    argv = {g: base + ["--tensor-model-parallel-size", str(g[0]), "--zero-stage", str(g[2])]
+            for g in grids}
     (single,) = spawn_world(1, run_configs, [argv[(1, 1, 0)]], timeout_s=120)[0:1]
     # --sequence-parallel (with selective recompute) at (2, 2, 3): the (1, 1, 0) losses (issue 15)
     sp = argv[(2, 2, 3)] + ["--sequence-parallel", "--recompute-granularity", "selective"]

@@ -53,7 +53,8 @@ def _profiled_steps(rank: int, world: int) -> dict:
                                   vocab_size=256, max_position_embeddings=32,
                                   hidden_dropout=0.0, attention_dropout=0.0))
             engine = parallelize(model, grid, PretrainConfig(
-                zero=ZeroConfig(stage=stage, param_persistence_threshold=100), optimizer=OptimizerConfig(lr=1e-3)))
+                zero=ZeroConfig(stage=stage, param_persistence_threshold=100),
+                optimizer=OptimizerConfig(lr=1e-3)))
             engine.comm.skip_collectives = floor
             timer = PhaseTimer()
             engine.set_profiler(timer)
@@ -71,7 +72,8 @@ def _profiled_steps(rank: int, world: int) -> dict:
             engine.comm.recorder = None
             out[(stage, floor)] = dict(ms=timer.per_step_ms(), wall_ms=1e3 * wall / 3,
                                        comm=info.comm_bytes, recorded=recorded,
-                                       replayed=replay(engine.comm, recorded, 2) if recorded else [])
+                                       replayed=replay(engine.comm, recorded, 2) if recorded
+                                       else [])
     return out
 
 
@@ -112,13 +114,16 @@ def test_pretrain_profile_phases_flag_logs_phases_and_keeps_the_losses():
     from tests.pretrain_worlds import run_configs
     from tests.test_golden_losses import ARGV
 
-    base = [a if a != "20" else "4" for a in ARGV] + ["--zero-stage", "1", "--grad-reduce", "all_reduce"]
-    plain, profiled = spawn_world(2, run_configs, [base, base + ["--profile-phases"]], timeout_s=120)[0]
+    base = [a if a != "20" else "4" for a in ARGV] + ["--zero-stage", "1", "--grad-reduce",
+                                                      "all_reduce"]
+    plain, profiled = spawn_world(2, run_configs, [base, base + ["--profile-phases"]],
+                                  timeout_s=120)[0]
     train = [r for r in profiled if "split" not in r and r.get("kind", "train") == "train"]
     assert len(train) == 4
     for r in train:
         for p in ("forward", "backward", "grad_comm", "optimizer", "refresh"):
             assert r[f"phase_{p}_ms"] > 0.0, (p, r)
-        assert sum(v for k, v in r.items() if k.startswith("phase_")) <= r["elapsed_ms"] * 1.05 + 1.0
+        assert (sum(v for k, v in r.items() if k.startswith("phase_"))
+                <= r["elapsed_ms"] * 1.05 + 1.0)
     assert [r["lm_loss"] for r in train] == [r["lm_loss"] for r in plain if "split" not in r
                                              and r.get("kind", "train") == "train"]

@@ -31,7 +31,8 @@ def resume_runs(directory, tp: int, stage: int) -> list[list[str]]:
     return [MOCK + grid + ["--train-iters", "8", "--eval-interval", "1000"],           # straight
             MOCK + grid + ["--train-iters", "4", "--eval-interval", "1000", "--save", ck],
             MOCK + grid + ["--train-iters", "8", "--eval-interval", "1000", "--load", ck],
-            MOCK + grid + ["--train-iters", "8", "--eval-interval", "1"]]              # eval every step
+            # eval every step
+            MOCK + grid + ["--train-iters", "8", "--eval-interval", "1"]]
 
 
 @pytest.mark.timeout(400)
@@ -39,8 +40,10 @@ def resume_runs(directory, tp: int, stage: int) -> list[list[str]]:
 def test_resume_with_dropout_is_bitwise_and_independent_of_eval_interval(tmp_path, world, tp):
     argvs = resume_runs(tmp_path, tp, 1) + resume_runs(tmp_path, tp, 3)
     histories = spawn_world(world, run_configs, argvs, timeout_s=120)[0]
-    for stage, (straight, first, resumed, evaluated) in zip((1, 3), (histories[:4], histories[4:]), strict=True):
-        straight, first, resumed = train_losses(straight), train_losses(first), train_losses(resumed)
+    for stage, (straight, first, resumed, evaluated) in zip((1, 3), (histories[:4], histories[4:]),
+                                                            strict=True):
+        straight, first, resumed = (train_losses(straight), train_losses(first),
+                                    train_losses(resumed))
         assert sorted(resumed) == [5, 6, 7, 8], stage
         assert {i: straight[i] for i in range(1, 5)} == first, stage
         assert {i: straight[i] for i in range(5, 9)} == resumed, stage  # bitwise

@@ -14,8 +14,8 @@ from tests.pretrain_worlds import run_configs
 
 MOCK = ["--mock-data", "--vocab-size", "1000", "--num-layers", "2", "--hidden-size", "64",
         "--num-attention-heads", "4", "--seq-length", "32", "--max-position-embeddings", "64",
-        "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", "1",
-        "--log-interval", "1", "--eval-iters", "0", "--seed", "3"]
+        "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "3e-3", "--min-lr", "3e-4",
+        "--lr-warmup-iters", "1", "--log-interval", "1", "--eval-iters", "0", "--seed", "3"]
 
 
 @pytest.fixture(scope="module")
@@ -52,21 +52,26 @@ def check(argv):
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("change,message", [
-    (["--hidden-size", "128"], r"--hidden-size 64 in the checkpoint, 128 here;.* first differing parameter "
-                               r"\S+: \(1000, 64\) in the checkpoint, \(1000, 128\) here"),
-    (["--num-layers", "3"], "--num-layers 2 in the checkpoint, 3 here; first differing parameter layers.2"),
-    (["--train-iters", "3"], r"--train-iters 3 is below the iteration of the checkpoint in --load \S+ \(4\)"),
-    (["--seq-length", "64"], r"--seq-length 64 differs from the checkpoint's 32 .*16 consumed samples"),
+    (["--hidden-size", "128"], r"--hidden-size 64 in the checkpoint, 128 here;.* first differing "
+                               r"parameter \S+: \(1000, 64\) in the checkpoint, \(1000, 128\) "
+                               r"here"),
+    (["--num-layers", "3"],
+     "--num-layers 2 in the checkpoint, 3 here; first differing parameter layers.2"),
+    (["--train-iters", "3"],
+     r"--train-iters 3 is below the iteration of the checkpoint in --load \S+ \(4\)"),
+    (["--seq-length", "64"],
+     r"--seq-length 64 differs from the checkpoint's 32 .*16 consumed samples"),
     (["--split", "90,8,2"], "--split 90,8,2 differs from the checkpoint's 969,30,1"),
     (["--seed", "4"], "--seed 4 differs from the checkpoint's 3"),
     # a resume names the data position first; a finetune (new data order) the position table
-    (["--seq-length", "16", "--max-position-embeddings", "16"], r"--seq-length 16 differs from the checkpoint's 32"),
+    (["--seq-length", "16", "--max-position-embeddings", "16"],
+     r"--seq-length 16 differs from the checkpoint's 32"),
     (["--finetune", "--seq-length", "128", "--max-position-embeddings", "128"],
-     r"--seq-length 128 is longer than the position table of the model in --load \S+ \(64 positions.*"
-     r"give --seq-length 64 or less"),
+     r"--seq-length 128 is longer than the position table of the model in --load \S+ \(64 "
+     r"positions.*give --seq-length 64 or less"),
     (["--finetune", "--seq-length", "16", "--max-position-embeddings", "16"],
-     r"--max-position-embeddings 64 in the checkpoint, 16 here; --max-position-embeddings defaults to "
-     r"--seq-length: give --max-position-embeddings 64 "),
+     r"--max-position-embeddings 64 in the checkpoint, 16 here; --max-position-embeddings defaults "
+     r"to --seq-length: give --max-position-embeddings 64 "),
 ])
 def test_contradicting_the_checkpoint_fails_before_any_process_group(resumed, change, message):
     ck, _ = resumed
@@ -77,10 +82,13 @@ def test_contradicting_the_checkpoint_fails_before_any_process_group(resumed, ch
 @pytest.mark.timeout(200)
 def test_allowed_changes_on_resume(resumed):
     ck, _ = resumed
-    check(MOCK + ["--train-iters", "8", "--load", ck, "--hidden-dropout", "0.2", "--global-batch-size", "8"])
-    check(MOCK + ["--train-iters", "2", "--load", ck, "--finetune", "--seq-length", "64", "--seed", "9"])
+    check(MOCK + ["--train-iters", "8", "--load", ck, "--hidden-dropout", "0.2",
+                  "--global-batch-size", "8"])
+    check(MOCK
+          + ["--train-iters", "2", "--load", ck, "--finetune", "--seq-length", "64", "--seed", "9"])
     with pytest.raises(ConfigError, match="mutually exclusive"):
-        check(MOCK + ["--load", ck, "--override-opt-param-scheduler", "--use-checkpoint-opt_param-scheduler"])
+        check(MOCK + ["--load", ck, "--override-opt-param-scheduler",
+                      "--use-checkpoint-opt_param-scheduler"])
 
 
 @pytest.mark.timeout(200)
@@ -92,15 +100,18 @@ def test_load_of_one_iteration_directory_names_the_root(resumed):
 
     ck, _ = resumed
     it = str(Path(ck) / "iter_0000004")
-    with pytest.raises(ConfigError, match=rf"--load {it} is one iteration's directory.*give --load {ck} "):
+    with pytest.raises(ConfigError,
+                       match=rf"--load {it} is one iteration's directory.*give --load {ck} "):
         check(MOCK + ["--train-iters", "8", "--load", it])
-    with pytest.raises(FileNotFoundError, match=rf"give the checkpoint root {ck} and --iteration 4"):
+    with pytest.raises(FileNotFoundError,
+                       match=rf"give the checkpoint root {ck} and --iteration 4"):
         CheckpointReader(it)
 
 
 def test_a_pointer_to_a_missing_iteration_is_a_config_error(tmp_path):
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("99\n")
-    with pytest.raises(ConfigError, match=rf"--load {tmp_path}: no checkpoint for iteration 99 .*available: \[\]"):
+    with pytest.raises(ConfigError, match=rf"--load {tmp_path}: no checkpoint for iteration 99 "
+                                          r".*available: \[\]"):
         check(MOCK + ["--train-iters", "8", "--load", str(tmp_path)])
 
 
@@ -114,21 +125,26 @@ def test_extending_a_finished_run_at_min_lr_0_needs_a_schedule_flag(tmp_path):
 
     def meta_of(argv, iteration, decay_iters, min_lr):
         cfg = parse_config(argv)
-        return dict(iteration=iteration, config=cfg.to_dict(), train_state=dict(consumed_samples=16),
+        return dict(iteration=iteration, config=cfg.to_dict(),
+                    train_state=dict(consumed_samples=16),
                     model=dataclasses.asdict(validate(cfg, world_size=1).gpt),
-                    lr_schedule=dict(lr=3e-3, min_lr=min_lr, warmup_iters=1, decay_iters=decay_iters, style="cosine"))
+                    lr_schedule=dict(lr=3e-3, min_lr=min_lr, warmup_iters=1,
+                                     decay_iters=decay_iters, style="cosine"))
 
     base = [a for a in MOCK if a not in ("--min-lr", "3e-4")]
     saved = meta_of(base + ["--train-iters", "4"], 4, 4, 0.0)
     run = base + ["--train-iters", "8", "--load", str(tmp_path)]
     gpt = validate(parse_config(run), world_size=1).gpt
-    with pytest.raises(ResumeMismatch, match=r"--train-iters 8 extends the run in --load \S+ \(iteration 4\), whose "
-                                             r"LR schedule ended at iteration 4 with min lr 0.*--override-opt-param-"
+    with pytest.raises(ResumeMismatch, match=r"--train-iters 8 extends the run in --load \S+ "
+                                             r"\(iteration 4\), whose LR schedule ended at "
+                                             r"iteration 4 with min lr 0.*--override-opt-param-"
                                              r"scheduler.*--use-checkpoint-opt_param-scheduler"):
         check_resume(parse_config(run), gpt, saved)
-    with pytest.raises(ResumeMismatch, match=r"learning rate 0 \(this run's --min-lr 0.0001 is not used while"):
+    with pytest.raises(ResumeMismatch,
+                       match=r"learning rate 0 \(this run's --min-lr 0.0001 is not used while"):
         check_resume(parse_config(run + ["--min-lr", "1e-4"]), gpt, saved)
     for flag in ("--override-opt-param-scheduler", "--use-checkpoint-opt_param-scheduler"):
         check_resume(parse_config(run + [flag]), gpt, saved)
     check_resume(parse_config(run), gpt, meta_of(base + ["--train-iters", "4"], 4, 4, 3e-4))
-    check_resume(parse_config(run), gpt, meta_of(base + ["--train-iters", "4"], 3, 4, 0.0))  # preempted mid-run
+    # preempted mid-run
+    check_resume(parse_config(run), gpt, meta_of(base + ["--train-iters", "4"], 3, 4, 0.0))

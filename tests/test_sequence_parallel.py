@@ -1,4 +1,5 @@
-"""Sequence parallelism and selective recompute (issue 15; Korthikanti et al. 2022, arXiv 2205.05198).
+"""Sequence parallelism and selective recompute (issue 15; Korthikanti et al. 2022, arXiv
+2205.05198).
 
 One 4-rank world runs every check at tp = 4, 2 (and 1 for the bytes). Parity is against the
 single-process GPT at 1e-5 in fp32 (TP and SP change only the order of the sums inside the
@@ -9,7 +10,8 @@ against the SP run without recompute (same streams, so identical masks).
 Saved-for-backward bytes per layer follow Table 2 generalised to B bytes per activation and M
 per dropout-mask element (CPU keeps masks in the activation dtype, M = B = 2 in bf16):
 
-- TP:              sbh(4B + 2M + 12B/t + (2B + M) as/(ht))  (= sbh(10 + 24/t + 5as/(ht)) at B=2, M=1)
+- TP:              sbh(4B + 2M + 12B/t + (2B + M) as/(ht))  (= sbh(10 + 24/t + 5as/(ht)) at B=2,
+  M=1)
 - TP + SP:         sbh(16B + 2M)/t + sbh(2B + M) as/(ht)     (= sbh(34/t + 5as/(ht)))
 - TP + selective:  sbh(4B + 2M + 12B/t)                      (= sbh(10 + 24/t))
 - TP + SP + sel.:  sbh(16B + 2M)/t                           (= 34 sbh / t)
@@ -30,8 +32,8 @@ ACT = MASK = 2  # bf16 activations, CPU dropout masks in bf16
 
 @pytest.fixture(scope="module")
 def world():
-    return spawn_world(4, seqpar_world, TPS, ["parity", "ledger", "saved_bytes", "seq_not_divisible"],
-                       timeout_s=120)
+    return spawn_world(4, seqpar_world, TPS,
+                       ["parity", "ledger", "saved_bytes", "seq_not_divisible"], timeout_s=120)
 
 
 def formula(t: int, sp: bool, selective: bool, act: int = ACT, mask: int = MASK) -> float:
@@ -97,8 +99,8 @@ def test_saved_bytes_per_layer_against_table2_and_planner(world, tp):
     got = world[0][tp]["saved_bytes"]
     sp = tp > 1  # SP is off at tp = 1 (as Megatron-LM)
     non_layer = {False: got["tp_full"]["other"], True: got["sp_full"]["other"]}
-    for name, (is_sp, sel) in {"tp": (False, False), "sp": (True, False), "tp_selective": (False, True),
-                               "sp_selective": (True, True)}.items():
+    for name, (is_sp, sel) in {"tp": (False, False), "sp": (True, False),
+                               "tp_selective": (False, True), "sp_selective": (True, True)}.items():
         measured = (got[name]["total"] - non_layer[is_sp]) / L
         assert measured == pytest.approx(formula(tp, is_sp and sp, sel), rel=0.03), name
         planned = layer_activation_bytes(S, B, H, A, tp, sequence_parallel=is_sp and sp,
@@ -125,7 +127,8 @@ def test_planner_activation_modes():
     sp_sel = activation_bytes(m, s, b, t, "sp+selective")
     assert sp_sel["layers"] == 4 * 34 * sbh // t and sp_sel["checkpoints"] == 0
     sp = activation_bytes(m, s, b, t, "sp")
-    assert sp["layers"] == 4 * 179_306_496  # arXiv 2205.05198 Table 2 row TP+SP, sbh(34/t + 5as/(ht)) at t = 4
+    # arXiv 2205.05198 Table 2 row TP+SP, sbh(34/t + 5as/(ht)) at t = 4
+    assert sp["layers"] == 4 * 179_306_496
     full_sp = activation_bytes(m, s, b, t, "full+sp+cpu")
     assert full_sp["cpu"] == 4 * 2 * sbh // t and full_sp["layers"] == 179_306_496
     assert full_sp["non_layer"] < activation_bytes(m, s, b, t, "full+pa+cpu")["non_layer"]

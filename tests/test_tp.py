@@ -1,7 +1,7 @@
 """Tensor parallelism against the single-process GPT (issue 2 acceptance).
 
-One 4-rank world checks tp=4, tp=2 (x dp=2) and tp=1 (x dp=4). fp32 tolerance 1e-5: the TP model does the
-same arithmetic split across ranks, so only summation order differs (observed ~1e-7).
+One 4-rank world checks tp=4, tp=2 (x dp=2) and tp=1 (x dp=4). fp32 tolerance 1e-5: the TP model
+does the same arithmetic split across ranks, so only summation order differs (observed ~1e-7).
 """
 
 import pytest
@@ -71,7 +71,8 @@ def test_loss_independent_of_padding(world, ref):
     for tp in TPS:
         got = world[0][tp]["parity_pad5"]
         assert got["loss"] == pytest.approx(loss, abs=1e-5), tp
-        torch.testing.assert_close(got["grads"]["wte.weight"], grads["wte.weight"], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got["grads"]["wte.weight"], grads["wte.weight"], rtol=1e-5,
+                                   atol=1e-5)
         assert got["pad_grad_abs"] == 0.0
 
 

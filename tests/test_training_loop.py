@@ -27,7 +27,8 @@ class FakeEngine:
     def step(self, lr):
         self.steps += 1  # an fp16 overflow at the step numbers in self.overflow
         skipped = self.steps in self.overflow
-        return SimpleNamespace(skipped=skipped, grad_norm=float("inf") if skipped else 1.0, loss_scale=1.0)
+        return SimpleNamespace(skipped=skipped, grad_norm=float("inf") if skipped else 1.0,
+                               loss_scale=1.0)
 
     def zero_grad(self):
         self.zeroed += 1
@@ -46,8 +47,9 @@ def run(losses, **kw):
     engine.overflow = kw.get("overflow", set())
     grid = SimpleNamespace(device=torch.device("cpu"), dp_group=None, dp_size=1, world_size=1)
     settings = LoopSettings(train_iters=kw.get("iters", 6), grad_accum_steps=1, global_batch_size=2,
-                            tokens_per_step=8, log_interval=kw.get("log", 3), eval_interval=kw.get("eval", 2),
-                            eval_iters=1, max_nan_iterations=kw.get("max_nan", 10), flops_per_step=1e12,
+                            tokens_per_step=8, log_interval=kw.get("log", 3),
+                            eval_interval=kw.get("eval", 2), eval_iters=1,
+                            max_nan_iterations=kw.get("max_nan", 10), flops_per_step=1e12,
                             peak_tflops=None)
     batches = iter([torch.zeros(2, 5, dtype=torch.long)] * 100)
     writer = MetricsWriter(0, None, {}, print_fn=lambda *_: None)
@@ -113,6 +115,7 @@ def test_too_many_nan_iterations_stop_with_a_clear_error_after_logging_them():
     import pytest
 
     nan = float("nan")
-    with pytest.raises(training.TooManyNaNIterations, match="3 consecutive iterations had a NaN/inf loss"):
+    with pytest.raises(training.TooManyNaNIterations,
+                       match="3 consecutive iterations had a NaN/inf loss"):
         run([1.0, nan, nan, nan, 1.0, 1.0], max_nan=3, eval=100, log=10, history=(history := []))
     assert [(r["iteration"], r["nan_iterations"]) for r in history] == [(4, 3)]

@@ -47,7 +47,7 @@ def _check_parity(run, ref):
     assert not any(i["skipped"] for i in run["infos"])
 
 
-# ---- fp32 parity: every stage x grid x variant ----------------------------------------------------
+# ---- fp32 parity: every stage x grid x variant ---------------------------------------------------
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("tp", [1, 2])
@@ -95,7 +95,7 @@ def test_dp_comm_bytes_per_step(w4, tp, stage):
         assert kinds == ({"all_reduce"} if stage == 0 else {"reduce_scatter", "all_gather"})
 
 
-# ---- memory ---------------------------------------------------------------------------------------
+# ---- memory --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("stage", STAGES)
 def test_model_state_bytes_dp4_bf16(w4, stage):
     # Paper (ZeRO §3.1, §5): 2 (params) + 2 (grads) + 12 (fp32 master + Adam moments) bytes per
@@ -116,7 +116,7 @@ def test_model_state_bytes_dp4_bf16(w4, stage):
         assert f"ZeRO stage {stage} bf16 dp=4" in m["summary"] and "held:" in m["summary"]
 
 
-# ---- mixed precision ------------------------------------------------------------------------------
+# ---- mixed precision -----------------------------------------------------------------------------
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("case", ["tp_rank_1_only", "dp_rank_1_only"])
 def test_fp16_overflow_skips_step_everywhere(w4, case, stage):
@@ -148,7 +148,7 @@ def test_bf16_accumulates_in_fp32_and_tracks_fp32(w4, stage):
         assert b["bf16"]["losses"] == pytest.approx(b["fp32"]["losses"], rel=1e-3)
 
 
-# ---- optimizer state export / import --------------------------------------------------------------
+# ---- optimizer state export / import -------------------------------------------------------------
 def test_optimizer_state_by_name(w4, ref):
     from hybrid.parallel.layers import TPSpec
 
@@ -174,7 +174,8 @@ def test_optimizer_state_by_name(w4, ref):
                 spec = TPSpec(d, tuple(full.shape), per * 2, e["tp_rank"], 2)
                 want = spec.shard(full)
             elif name == "wte.weight":  # vocab padding only
-                want = torch.cat([full, full.new_zeros(st["master"].shape[0] - full.shape[0], full.shape[1])])
+                want = torch.cat([full, full.new_zeros(st["master"].shape[0] - full.shape[0],
+                                                       full.shape[1])])
             else:
                 want = full
             if want.shape != st["master"].shape:  # split across tp with vocab padding
@@ -184,7 +185,7 @@ def test_optimizer_state_by_name(w4, ref):
             assert st["exp_avg_sq"].min() >= 0
 
 
-# ---- single-process units -------------------------------------------------------------------------
+# ---- single-process units ------------------------------------------------------------------------
 def test_layout_covers_every_element_once_with_padding():
     entries = [("a", (63,), True, True, "root"), ("b", (10, 7), False, False, "root"),
                ("c", (5,), True, True, "layers.0"), ("d", (33, 3), False, False, "layers.0")]
@@ -239,7 +240,8 @@ def test_a_resumed_loss_scaler_keeps_its_state_and_this_runs_settings():
     state = saved.state_dict()  # scale 512, hysteresis left 1, one clean step
     s = LossScaler(2.0**16, dynamic=True, window=2, hysteresis=1, min_scale=4.0)
     s.load_state_dict(state)    # the state continues; window and hysteresis are this run's flags
-    assert (s.scale, s.hysteresis_left, s.clean_steps, s.window, s.hysteresis) == (512.0, 1, 1, 2, 1)
+    assert (s.scale, s.hysteresis_left, s.clean_steps, s.window, s.hysteresis) == (512.0, 1, 1, 2,
+                                                                                   1)
     s.update(False)
     assert s.scale == 1024.0
     static = LossScaler(128.0, dynamic=False)   # --loss-scale 128 on resume: a static 128
@@ -256,9 +258,11 @@ def test_a_resumed_loss_scaler_keeps_its_state_and_this_runs_settings():
 @pytest.mark.parametrize("kw, word", [
     (dict(stage=4), "stage"), (dict(precision="fp8"), "precision"),
     (dict(reduce_bucket_size=0), "reduce_bucket_size"), (dict(hysteresis=0), "hysteresis"),
-    (dict(loss_scale=-1.0, precision="fp16"), "loss_scale"), (dict(param_persistence_threshold=-1), "param_persistence"),
+    (dict(loss_scale=-1.0, precision="fp16"), "loss_scale"),
+    (dict(param_persistence_threshold=-1), "param_persistence"),
     (dict(loss_scale=128.0, precision="bf16"), "--loss-scale 128.0 .*fp16 only; precision is bf16"),
-    (dict(precision="fp16", initial_loss_scale=4.0, min_loss_scale=8.0), "--min-loss-scale 8.0 .*<= --initial"),
+    (dict(precision="fp16", initial_loss_scale=4.0, min_loss_scale=8.0),
+     "--min-loss-scale 8.0 .*<= --initial"),
 ])
 def test_zero_config_validation_names_the_field(kw, word):
     with pytest.raises(ValueError, match=word):

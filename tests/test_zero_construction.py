@@ -27,7 +27,8 @@ SMALL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_siz
 @pytest.mark.timeout(900)
 def test_construction_peak_is_steady_state_plus_one_unit():
     builds = [(1, False), (2, False), (3, False), (3, True)]
-    for rank, by_build in enumerate(spawn_world(4, construction_peaks, MODEL, builds, timeout_s=120)):
+    for rank, by_build in enumerate(spawn_world(4, construction_peaks, MODEL, builds,
+                                                timeout_s=120)):
         for (stage, materialised), r in by_build.items():
             if materialised:
                 continue
@@ -42,4 +43,5 @@ def test_construction_peak_is_steady_state_plus_one_unit():
 def test_built_by_unit_equals_materialised():
     for by_stage in spawn_world(4, same_as_materialised, SMALL, (0, 1, 2, 3), 2, timeout_s=120):
         for stage, r in by_stage.items():
-            assert r == dict(master=0.0, params=0.0, loaded_master=0.0, loaded_params=0.0), (stage, r)
+            assert r == dict(master=0.0, params=0.0, loaded_master=0.0, loaded_params=0.0), (stage,
+                                                                                             r)

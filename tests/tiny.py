@@ -23,10 +23,11 @@ if TYPE_CHECKING:
     from hybrid.zero.config import OptimizerConfig, ZeroConfig
     from hybrid.zero.engine import ZeroEngine
 
-TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=126, vocab_size=1001,
-            max_position_embeddings=32, hidden_dropout=0.0, attention_dropout=0.0)
+TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=126,
+            vocab_size=1001, max_position_embeddings=32, hidden_dropout=0.0, attention_dropout=0.0)
 SEED = 1234
-"""Seed of the weights: ``torch.manual_seed(SEED)`` then ``GPT(config)`` on every rank and in the reference."""
+"""Seed of the weights: ``torch.manual_seed(SEED)`` then ``GPT(config)`` on every rank and in the
+reference."""
 
 
 def tiny_config(**overrides) -> dict:
@@ -53,7 +54,8 @@ def make_batch(seed: int, b: int = 2, s: int = 16, vocab: int = 1001, motif: boo
 
 
 def reference(config_kw: dict, batches, optimizer: dict | None = None, seed: int = SEED) -> dict:
-    """The single-process GPT on ``batches`` (one batch per step), the ground truth of every parity test.
+    """The single-process GPT on ``batches`` (one batch per step), the ground truth of every parity
+    test.
 
     Args:
         config_kw: ``GPTConfig`` keyword arguments.
@@ -103,16 +105,19 @@ def reference(config_kw: dict, batches, optimizer: dict | None = None, seed: int
 
 
 def build_parallel(grid: ProcessGrid, config_kw: dict, zero: ZeroConfig | None = None,
-                   optimizer: OptimizerConfig | None = None, activation: ActivationConfig | None = None,
-                   tracker: RNGTracker | None = None, seed: int = SEED,
+                   optimizer: OptimizerConfig | None = None, activation: ActivationConfig
+                   | None = None, tracker: RNGTracker | None = None, seed: int = SEED,
                    sequence_parallel: bool = False) -> ZeroEngine:
-    """The same weights as :func:`reference`, made parallel by :func:`hybrid.parallelize.parallelize`
-    (TP plan -> activation checkpointing -> ZeRO) on ``grid``; the sections left None keep their defaults."""
+    """The same weights as :func:`reference`, made parallel by
+    :func:`hybrid.parallelize.parallelize` (TP plan -> activation checkpointing -> ZeRO) on
+    ``grid``; the sections left None keep their defaults."""
     from hybrid.config import GridConfig, PretrainConfig
     from hybrid.parallelize import parallelize
 
     torch.manual_seed(seed)
     model = GPT(GPTConfig(**config_kw))
-    sections = {k: v for k, v in dict(zero=zero, optimizer=optimizer, activation=activation).items() if v is not None}
-    sections["grid"] = GridConfig(tensor_model_parallel_size=grid.tp_size, sequence_parallel=sequence_parallel)
+    sections = {k: v for k, v in dict(zero=zero, optimizer=optimizer, activation=activation).items()
+                if v is not None}
+    sections["grid"] = GridConfig(tensor_model_parallel_size=grid.tp_size,
+                                  sequence_parallel=sequence_parallel)
     return parallelize(model, grid, PretrainConfig(**sections), tracker)

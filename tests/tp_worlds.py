@@ -43,7 +43,8 @@ def _tp_parity(grid: ProcessGrid, config_kw: dict, divisible_by: int = 128) -> d
     x, y = batch()
     loss = model(x, y).mean()
     loss.backward()
-    grads = gather_full_state_dict(model, grid.tp_group, {n: p.grad for n, p in model.named_parameters()})
+    grads = gather_full_state_dict(model, grid.tp_group,
+                                   {n: p.grad for n, p in model.named_parameters()})
     weights = gather_full_state_dict(model, grid.tp_group)
     wte = model.wte
     pad_rows = wte.weight.grad[max(0, wte.vocab_size - wte.vocab_start):]
@@ -107,8 +108,10 @@ def _dropout_checks(grid: ProcessGrid) -> dict:
                 parts = [torch.empty_like(m, dtype=torch.uint8) for _ in range(grid.tp_size)]
                 dist.all_gather(parts, m.to(torch.uint8), group=grid.tp_group)
                 gathered[k] = parts
-            same_rep = all(torch.equal(gathered[k][0], t) for k in ("residual", "embedding") for t in gathered[k])
-            same_tp = any(torch.equal(gathered["attention"][0], t) for t in gathered["attention"][1:])
+            same_rep = all(torch.equal(gathered[k][0], t) for k in ("residual", "embedding")
+                           for t in gathered[k])
+            same_tp = any(torch.equal(gathered["attention"][0], t)
+                          for t in gathered["attention"][1:])
             dropped = masks["attention"].float().mean().item()
     rep_equal = True
     for _, p in model.named_parameters():

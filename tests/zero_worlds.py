@@ -34,7 +34,8 @@ def global_batch(step: int):
 
 
 def micro_batch(step: int, dp_rank: int, dp: int, m: int, micro: int = MICRO):
-    """Sequences of data-parallel rank ``dp_rank``'s micro-batch ``m`` (a slice of the global batch)."""
+    """Sequences of data-parallel rank ``dp_rank``'s micro-batch ``m`` (a slice of the global
+    batch)."""
     x, y = global_batch(step)
     per = GLOBAL_BATCH // (dp * micro)
     lo = (m * dp + dp_rank) * per
@@ -42,8 +43,10 @@ def micro_batch(step: int, dp_rank: int, dp: int, m: int, micro: int = MICRO):
 
 
 def reference(steps: int = STEPS, clip: float = OPT["clip_grad"]):
-    """Single-process GPT + AdamW: per-step losses, pre-clip norms, params after step 1 and at end."""
-    r = tiny_reference(CFG, [global_batch(step) for step in range(steps)], dict(OPT, clip_grad=clip))
+    """Single-process GPT + AdamW: per-step losses, pre-clip norms, params after step 1 and at
+    end."""
+    r = tiny_reference(CFG, [global_batch(step) for step in range(steps)],
+                       dict(OPT, clip_grad=clip))
     return {k: r[k] for k in ("losses", "norms", "first", "final")}
 
 
@@ -232,7 +235,8 @@ def _bf16(grid) -> dict:
 
 def _export(grid, rank0: bool) -> dict:
     """Stage-3 engine trains 5 steps, exports; a stage-1 engine imports and both step once more."""
-    kw = dict(reduce_bucket_size=20_000, allgather_bucket_size=20_000, param_persistence_threshold=100)
+    kw = dict(reduce_bucket_size=20_000, allgather_bucket_size=20_000,
+              param_persistence_threshold=100)
     a = build(grid, ZeroConfig(stage=3, **kw))
     train(a, grid)
     state = a.optimizer_state_by_name()
@@ -329,7 +333,8 @@ def comm_world(rank: int, world: int) -> dict:
                 patched.enter_context(counting(n))
             rs_sync, rs_async = torch.empty(1000), torch.empty(1000)
             comm.reduce_scatter(rs_sync, inp)
-            comm.reduce_scatter(rs_async, inp, async_op=True, scratch=torch.empty(world * 1000 + 5)).wait()
+            comm.reduce_scatter(rs_async, inp, async_op=True,
+                                scratch=torch.empty(world * 1000 + 5)).wait()
             ag_flat = torch.empty(world * 777)
             comm.all_gather(ag_flat, shard)
             ag_list = [torch.empty(777) for _ in range(world)]

@@ -15,8 +15,9 @@ With sequence parallelism (``parallelize_gpt(..., sequence_parallel=True)``) a b
 already this rank's ``[b, s/t, h]`` slice, ``1/t`` of the replicated input P_a was made for:
 the checkpoint is ``B sbh / t`` without P_a, and ``partition_activations`` adds nothing (it is
 not applied again, which would mix different ranks' slices; logged). ``checkpoint_in_cpu`` and
-the arena work on the slice as they do on P_a's piece. Mechanics are in :mod:`hybrid.activation.recompute` (checkpoint Function, RNG, P_a gather, host
-copy) and :mod:`hybrid.activation.arena` (M_D); the measurement in :mod:`hybrid.activation.saved_bytes`.
+the arena work on the slice as they do on P_a's piece. Mechanics are in
+:mod:`hybrid.activation.recompute` (checkpoint Function, RNG, P_a gather, host copy) and
+:mod:`hybrid.activation.arena` (M_D); the measurement in :mod:`hybrid.activation.saved_bytes`.
 
 The arena and ZeRO's flat gradient buffers are the same M_D idea (ZeRO paper §6.3) applied to
 the two kinds of long-lived tensors: parameter gradients live for a whole step and their
@@ -53,7 +54,8 @@ class ActivationCheckpointing:
         config: the applied :class:`ActivationConfig`.
         blocks: indices of the checkpointed blocks in ``model.layers``.
         partitioned: whether P_a is in effect (False at tp = 1 even when asked for).
-        store: the :class:`hybrid.activation.recompute.ActivationStore` (arena, host copies, gathers).
+        store: the :class:`hybrid.activation.recompute.ActivationStore` (arena, host copies,
+            gathers).
     """
 
     def __init__(self, model: nn.Module, config: ActivationConfig, store: ActivationStore,
@@ -88,11 +90,13 @@ class ActivationCheckpointing:
         if self._selective:
             return (f"selective recompute: attention core of {len(self._selective)}/"
                     f"{len(self.model.layers)} blocks, {s.selective_recomputes} recomputes")
+        arena_text = ("off" if not c.contiguous_checkpointing
+                      else f"{arena.nbytes} bytes" if arena else "unallocated")
         return (f"activation checkpointing: {len(self.blocks)}/{len(self.model.layers)} blocks, "
-                f"partitioned={self.partitioned} (tp={self.store.tp_size}), in_cpu={c.checkpoint_in_cpu}, "
-                f"arena={'off' if not c.contiguous_checkpointing else (arena.nbytes if arena else 'unallocated')}"
-                f"{' bytes' if arena else ''}; {s.checkpoints} checkpoints, {s.recomputes} recomputes, "
-                f"{s.allgathers} all-gathers")
+                f"partitioned={self.partitioned} (tp={self.store.tp_size}), "
+                f"in_cpu={c.checkpoint_in_cpu}, "
+                f"arena={arena_text}; {s.checkpoints} checkpoints, {s.recomputes} "
+                f"recomputes, {s.allgathers} all-gathers")
 
     def remove(self) -> None:
         """Undo the wrapping: blocks run their plain forward again."""
@@ -108,15 +112,17 @@ class ActivationCheckpointing:
 
 
 def _find_tracker(model: nn.Module, tracker: RNGTracker | None) -> RNGTracker | None:
-    found = {id(t): t for m in model.modules() if isinstance(t := getattr(m, "tracker", None), RNGTracker)}
+    found = {id(t): t for m in model.modules()
+             if isinstance(t := getattr(m, "tracker", None), RNGTracker)}
     if tracker is not None:
         found.pop(id(tracker), None)
         if found:
-            raise ValueError("the model's TP-region dropout uses a different RNGTracker than the one "
-                             "passed to apply_activation_checkpointing; pass that tracker")
+            raise ValueError("the model's TP-region dropout uses a different RNGTracker than the "
+                             "one passed to apply_activation_checkpointing; pass that tracker")
         return tracker
     if len(found) > 1:
-        raise ValueError(f"the model uses {len(found)} RNGTrackers; pass the one to save and restore")
+        raise ValueError(f"the model uses {len(found)} RNGTrackers; pass the one to save and "
+                         "restore")
     return next(iter(found.values()), None)
 
 
@@ -134,7 +140,8 @@ def apply_activation_checkpointing(model: nn.Module, grid: ProcessGrid, config: 
         tracker: the TP dropout stream; None means the model's own (found on its modules).
 
     Returns:
-        An :class:`ActivationCheckpointing` handle (counters, arena, :meth:`~ActivationCheckpointing.measure`).
+        An :class:`ActivationCheckpointing` handle (counters, arena,
+        :meth:`~ActivationCheckpointing.measure`).
 
     Raises:
         ValueError: inconsistent config, or a tracker different from the model's.

@@ -83,14 +83,16 @@ class CheckpointArena:
         self.slot_numel = slot_numel
         storage = self.buffer.untyped_storage()
         self._slots = [
-            torch.empty(0, dtype=dtype, device=self.device).set_(storage, i * slot_numel, (slot_numel,))
+            torch.empty(0, dtype=dtype, device=self.device).set_(storage, i * slot_numel,
+                                                                 (slot_numel,))
             for i in range(self.num_slots)
         ]
         self.allocations += 1
         logger.info("checkpoint arena: %d slots x %d elements (%s, %d bytes) on %s",
                     self.num_slots, slot_numel, dtype, self.nbytes, self.device)
 
-    def acquire(self, index: int, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, _Lease] | None:
+    def acquire(self, index: int, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor,
+                                                                           _Lease] | None:
         """Lease slot ``index`` for a checkpoint of ``numel`` elements of ``dtype``.
 
         Grows (reallocates) the buffer when no slot is live and the request does not fit.

@@ -16,8 +16,8 @@ back-propagated, and the RNG states of the moment are put back.
 - M_D: the kept pieces go into :class:`hybrid.activation.arena.CheckpointArena` slots.
 
 Why our own autograd Function rather than ``torch.utils.checkpoint``: the TP dropout stream
-lives in :class:`hybrid.parallel.rng.RNGTracker`, which ``preserve_rng_state`` does not know, and P_a,
-the host copy and the arena need control over exactly which tensor is saved. It is re-entrant
+lives in :class:`hybrid.parallel.rng.RNGTracker`, which ``preserve_rng_state`` does not know, and
+P_a, the host copy and the arena need control over exactly which tensor is saved. It is re-entrant
 (Megatron's ``CheckpointFunction`` design): backward runs a nested ``torch.autograd.backward``
 on the recomputed block, so parameter gradients accumulate during the block's own backward, as
 ZeRO's per-parameter gradient hooks expect. The Function never saves parameters, only the
@@ -119,7 +119,8 @@ class ActivationStore:
         host = self.in_cpu
         where = torch.device("cpu") if host else device
         if self.arena is None or self.arena.device != where:
-            self.arena = CheckpointArena(self.num_slots, where, pin_memory=host and device.type == "cuda")
+            self.arena = CheckpointArena(self.num_slots, where,
+                                         pin_memory=host and device.type == "cuda")
         return self.arena
 
     @torch.no_grad()
@@ -139,8 +140,9 @@ class ActivationStore:
                 if got is None:
                     self.stats.arena_overflows += 1
                     if self.stats.arena_overflows == 1:
-                        logger.warning("checkpoint arena slot %d still in use (a second forward before "
-                                       "the backward?); allocating this checkpoint on its own", index)
+                        logger.warning("checkpoint arena slot %d still in use (a second forward "
+                                       "before the backward?); allocating this checkpoint on its "
+                                       "own", index)
             if got is not None:
                 stored, meta.lease = got
             else:

@@ -3,8 +3,8 @@
 Every tensor autograd saves during a forward passes through the pack hook; this meter sorts
 them into
 
-- ``checkpoints``: activation checkpoints kept on the device (tagged by ``hybrid.activation.recompute``;
-  their own bytes, also when they are slots of one arena);
+- ``checkpoints``: activation checkpoints kept on the device (tagged by
+  ``hybrid.activation.recompute``; their own bytes, also when they are slots of one arena);
 - ``checkpoints_host``: checkpoints kept in host memory (P_a+cpu);
 - ``other``: every other activation, counting the bytes of memory held, not of each saved
   view: views of one storage are merged by the byte ranges they span (``q``, ``k``, ``v`` are
@@ -46,9 +46,11 @@ class _Spans:
         if t.numel() == 0:
             return
         size = t.element_size()
-        extent = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride(), strict=True) if n > 0)
+        extent = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride(), strict=True)
+                         if n > 0)
         start = t.storage_offset() * size
-        self.by_storage.setdefault(t.untyped_storage().data_ptr(), []).append((start, start + extent * size))
+        self.by_storage.setdefault(t.untyped_storage().data_ptr(), []).append((start, start
+                                                                               + extent * size))
 
     def total(self) -> int:
         out = 0
@@ -140,6 +142,6 @@ def format_saved_bytes(result: dict[str, int]) -> str:
     """One human line, MiB (2^20 bytes)."""
     mib = 2.0**20
     return (f"saved for backward per micro-batch: checkpoints {result['checkpoints'] / mib:.3f} MiB"
-            f" (+ host {result['checkpoints_host'] / mib:.3f} MiB) | other {result['other'] / mib:.3f} MiB"
-            f" | total {result['total'] / mib:.3f} MiB | recompute peak (one block) "
-            f"{result['recompute_peak'] / mib:.3f} MiB")
+            f" (+ host {result['checkpoints_host'] / mib:.3f} MiB) | other "
+            f"{result['other'] / mib:.3f} MiB | total {result['total'] / mib:.3f} MiB | recompute "
+            f"peak (one block) {result['recompute_peak'] / mib:.3f} MiB")

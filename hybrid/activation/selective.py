@@ -60,7 +60,8 @@ class SelectiveCore:
         self.original = self.replaced or attn.core
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if not torch.is_grad_enabled() or not (q.requires_grad or k.requires_grad or v.requires_grad):
+        if not torch.is_grad_enabled() or not (q.requires_grad or k.requires_grad
+                                               or v.requires_grad):
             return self.original(q, k, v)
         return _CoreFunction.apply(self, q, k, v)
 

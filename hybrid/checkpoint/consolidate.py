@@ -31,12 +31,14 @@ def consolidate(load: str, output: str, iteration: int | None = None) -> dict:
         The checkpoint's ``metadata.json`` (its ``model`` entry gives the GPTConfig fields).
 
     Raises:
-        FileExistsError: ``output`` already exists (nothing is overwritten; checked before any read).
+        FileExistsError: ``output`` already exists (nothing is overwritten; checked before any
+            read).
         FileNotFoundError / IncompleteCheckpointError: no complete checkpoint to read.
     """
     out = Path(output)
     if out.exists() or out.is_symlink():
-        raise FileExistsError(f"--output {out} already exists; give a new file name (nothing is overwritten)")
+        raise FileExistsError(f"--output {out} already exists; give a new file name (nothing is "
+                              "overwritten)")
     reader = CheckpointReader(load, iteration)
     entries = [Entry(name, torch.float32, tuple(p["full_shape"]),
                      lambda name=name: reader.full_tensor(name, "master"))
@@ -50,9 +52,11 @@ def consolidate(load: str, output: str, iteration: int | None = None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m hybrid.consolidate", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m hybrid.consolidate",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--load", required=True, help="checkpoint directory (the --save of the run)")
-    p.add_argument("--iteration", type=int, help="which iteration (default: the latest complete one)")
+    p.add_argument("--iteration", type=int,
+                   help="which iteration (default: the latest complete one)")
     p.add_argument("--output", required=True, help="output .safetensors file")
     args = p.parse_args(argv)
     try:
@@ -61,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"consolidate: error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {args.output}: {len(meta['params'])} tensors from iteration {meta['iteration']} "
-          f"(saved at tp={meta['grid']['tp']} x dp={meta['grid']['dp']}, ZeRO stage {meta['zero_stage']})")
+          f"(saved at tp={meta['grid']['tp']} x dp={meta['grid']['dp']}, ZeRO stage "
+          f"{meta['zero_stage']})")
     return 0
 
 

@@ -67,7 +67,8 @@ def write_file_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def publish(root: str | os.PathLike, iteration: int, metadata: dict, world_size: int, keep: int | None) -> Path:
+def publish(root: str | os.PathLike, iteration: int, metadata: dict, world_size: int,
+            keep: int | None) -> Path:
     """Rank 0, after every rank has written its shard: verify, write metadata, rename, point.
 
     Raises:
@@ -77,7 +78,8 @@ def publish(root: str | os.PathLike, iteration: int, metadata: dict, world_size:
     shards = [shard_name(r) for r in range(world_size)]
     missing = [s for s in shards if not (stage / s).is_file()]
     if missing:
-        raise IncompleteCheckpointError(f"cannot publish iteration {iteration}: missing {missing} in {stage}")
+        raise IncompleteCheckpointError(f"cannot publish iteration {iteration}: missing {missing} "
+                                        f"in {stage}")
     meta = dict(metadata, format_version=FORMAT_VERSION, iteration=iteration, shards=shards)
     write_file_atomic(stage / "metadata.json", json.dumps(meta, indent=2, default=str).encode())
     final = iteration_dir(root, iteration)
@@ -124,11 +126,13 @@ def read_metadata(root: str | os.PathLike, iteration: int) -> dict:
                                 f"(available: {list_iterations(root)})")
     meta_path = d / "metadata.json"
     if not meta_path.is_file():
-        raise IncompleteCheckpointError(f"{d} has no metadata.json: the save did not finish; not loading it")
+        raise IncompleteCheckpointError(f"{d} has no metadata.json: the save did not finish; not "
+                                        "loading it")
     meta = json.loads(meta_path.read_text())
     if meta.get("format_version") not in READABLE_VERSIONS:
-        raise IncompleteCheckpointError(f"{meta_path}: format version {meta.get('format_version')}, "
-                                        f"this code reads versions {READABLE_VERSIONS}")
+        raise IncompleteCheckpointError(f"{meta_path}: format version "
+                                        f"{meta.get('format_version')}, this code reads versions "
+                                        f"{READABLE_VERSIONS}")
     missing = [s for s in meta["shards"] if not (d / s).is_file()]
     if missing:
         raise IncompleteCheckpointError(f"{d} is missing shards {missing}; not loading it")

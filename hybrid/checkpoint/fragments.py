@@ -30,7 +30,8 @@ from hybrid.checkpoint.directory import IncompleteCheckpointError
 from hybrid.parallel.layers import TPSpec
 
 READ_CHUNK = 4 * 2**20
-"""Elements per ``get_slice`` read at most (16 MiB of fp32): what a read stages besides its target."""
+"""Elements per ``get_slice`` read at most (16 MiB of fp32): what a read stages besides its
+target."""
 
 
 @dataclass(frozen=True)
@@ -47,8 +48,10 @@ class RankRows:
     """Real (unpadded) columns per row: the real-local row stride."""
 
     @classmethod
-    def of(cls, full_shape, split_dim: int | None, padded_size: int, tp_size: int, tp_rank: int) -> RankRows:
-        """Raises ValueError: ``padded_size`` not a multiple of ``tp_size`` or below the full size."""
+    def of(cls, full_shape, split_dim: int | None, padded_size: int, tp_size: int,
+           tp_rank: int) -> RankRows:
+        """Raises ValueError: ``padded_size`` not a multiple of ``tp_size`` or below the full
+        size."""
         shape = tuple(full_shape)
         numel = 1
         for d in shape:
@@ -56,8 +59,8 @@ class RankRows:
         if split_dim is None:
             return cls(1, 0, numel, numel)
         if padded_size % tp_size or padded_size < shape[split_dim]:
-            raise ValueError(f"padded size {padded_size} must be a multiple of tp={tp_size} and at least "
-                             f"the full size {shape[split_dim]} of dimension {split_dim}")
+            raise ValueError(f"padded size {padded_size} must be a multiple of tp={tp_size} and at "
+                             f"least the full size {shape[split_dim]} of dimension {split_dim}")
         outer = inner = 1
         for d in shape[:split_dim]:
             outer *= d
@@ -94,7 +97,8 @@ class RankRows:
         return buf[(pos % self.wl) < self.wr]
 
 
-def overlap_runs(target: RankRows, ra: int, rb: int, source: RankRows) -> list[tuple[int, int, int]]:
+def overlap_runs(target: RankRows, ra: int, rb: int,
+                 source: RankRows) -> list[tuple[int, int, int]]:
     """``(source_start, target_offset, length)`` runs: where real-local range ``[ra, rb)`` of
     ``target`` is found in ``source``'s real-local tensor (``target_offset`` counted from ``ra``).
     Elements that ``source`` does not hold are left out."""
@@ -166,10 +170,11 @@ class FragmentReader:
                 want = self.source_rows(name, t).real_numel
                 if end != want:
                     raise IncompleteCheckpointError(
-                        f"{directory}: the fragments of {name} (tp rank {t}) do not tile [0, {want}) "
-                        f"(covered up to {end}); the checkpoint is damaged")
+                        f"{directory}: the fragments of {name} (tp rank {t}) do not tile [0, "
+                        f"{want}) (covered up to {end}); the checkpoint is damaged")
 
-    def read_real(self, name: str, kind: str, target: RankRows, ra: int, rb: int, out: torch.Tensor) -> None:
+    def read_real(self, name: str, kind: str, target: RankRows, ra: int, rb: int,
+                  out: torch.Tensor) -> None:
         """Write real-local elements ``[ra, rb)`` of ``target`` (a TP rank of any TP size) of
         ``kind`` into ``out`` (1-D, ``rb - ra`` elements), reading only overlapping bytes."""
         p = self.meta["params"][name]
@@ -215,7 +220,8 @@ class FragmentReader:
                 del data
             j = k + 1
 
-    def read_local(self, name: str, kind: str, spec: TPSpec, start: int, stop: int, out: torch.Tensor) -> None:
+    def read_local(self, name: str, kind: str, spec: TPSpec, start: int, stop: int,
+                   out: torch.Tensor) -> None:
         """Elements ``[start, stop)`` of the flattened padded local tensor of TP rank
         ``spec.tp_rank`` of ``spec.tp_size`` (padding zero) into the 1-D ``out``.
 
@@ -225,7 +231,8 @@ class FragmentReader:
         p = self.meta["params"][name]
         if (tuple(p["full_shape"]), p["split_dim"]) != (tuple(spec.full_shape), spec.split_dim):
             raise ValueError(f"{name}: saved with full shape {tuple(p['full_shape'])} split along "
-                             f"{p['split_dim']}, this model has {tuple(spec.full_shape)} split along {spec.split_dim}")
+                             f"{p['split_dim']}, this model has {tuple(spec.full_shape)} split "
+                             f"along {spec.split_dim}")
         rows = RankRows.of_spec(spec)
         ra, rb = rows.real_index(start), rows.real_index(stop)
         if rows.wr == rows.wl:
@@ -244,7 +251,7 @@ class FragmentReader:
         """The full unpadded fp32 tensor of parameter ``name`` (reads every fragment of it once)."""
         p = self.meta["params"][name]
         out = torch.empty(p["full_shape"], dtype=torch.float32)
-        rows = RankRows.of(p["full_shape"], p["split_dim"], p["full_shape"][p["split_dim"]] if p["split_dim"]
-                           is not None else 0, 1, 0)
+        rows = RankRows.of(p["full_shape"], p["split_dim"], p["full_shape"][p["split_dim"]]
+                           if p["split_dim"] is not None else 0, 1, 0)
         self.read_real(name, kind, rows, 0, rows.real_numel, out.view(-1))
         return out

@@ -76,7 +76,8 @@ def shard_entries(fragments: Iterable[OwnedFragment], tp_rank: int) -> tuple[lis
 
 def save_checkpoint(root: str | os.PathLike, iteration: int, engine: ZeroEngine, grid: ProcessGrid,
                     train_state: dict,
-                    metadata: dict, tracker: RNGTracker | None = None, keep: int | None = None) -> Path | None:
+                    metadata: dict, tracker: RNGTracker | None = None,
+                    keep: int | None = None) -> Path | None:
     """Write a checkpoint of ``iteration`` under ``root`` (collective: every rank calls).
 
     Args:
@@ -106,10 +107,13 @@ def save_checkpoint(root: str | os.PathLike, iteration: int, engine: ZeroEngine,
     final = None
     if grid.rank == 0:
         specs = {s.name: get_tp_spec(engine.params[s.index]) for s in engine.layout.slots}
-        params = {name: dict(full_shape=list(s.full_shape), split_dim=s.split_dim, padded_size=s.padded_size)
+        params = {name: dict(full_shape=list(s.full_shape), split_dim=s.split_dim,
+                             padded_size=s.padded_size)
                   for name, s in specs.items()}
-        meta = dict(metadata, grid=dict(tp=grid.tp_size, dp=grid.dp_size, world_size=grid.world_size),
-                    zero_stage=engine.stage, train_state=train_state, loss_scaler=engine.scaler.state_dict(),
+        meta = dict(metadata,
+                    grid=dict(tp=grid.tp_size, dp=grid.dp_size, world_size=grid.world_size),
+                    zero_stage=engine.stage, train_state=train_state,
+                    loss_scaler=engine.scaler.state_dict(),
                     optimizer_step=state.optimizer_step(engine), params=params)
         final = publish(root, iteration, meta, grid.world_size, keep)
     dist.barrier()
@@ -137,7 +141,8 @@ class CheckpointReader(FragmentReader):
                 if (n := iteration_of_dir(root)) is not None:
                     hint = (f"; {root} is one iteration's directory: give the checkpoint root "
                             f"{Path(root).parent} and --iteration {n}")
-                raise FileNotFoundError(f"no complete checkpoint under {root} (no {root}/latest_checkpointed_iteration.txt){hint}")
+                raise FileNotFoundError(f"no complete checkpoint under {root} (no "
+                                        f"{root}/latest_checkpointed_iteration.txt){hint}")
         self.root, self.iteration = Path(root), iteration
         super().__init__(self.root / f"iter_{iteration:07d}", read_metadata(root, iteration))
         self.dp = self.meta["grid"]["dp"]
@@ -171,13 +176,14 @@ def load_checkpoint(root: str | os.PathLike, engine: ZeroEngine, grid: ProcessGr
     reader = CheckpointReader(root)
     saved, ours = set(reader.param_names()), {s.name for s in engine.layout.slots}
     if saved != ours:
-        raise KeyError(f"checkpoint {reader.root} does not match the model: missing {sorted(ours - saved)}, "
-                       f"unexpected {sorted(saved - ours)}")
+        raise KeyError(f"checkpoint {reader.root} does not match the model: missing "
+                       f"{sorted(ours - saved)}, unexpected {sorted(saved - ours)}")
 
     def fill(slot, spec, start, stop, kind, out):
         reader.read_local(slot.name, kind, spec, start, stop, out)
 
-    state.import_state(engine, fill, int(reader.meta["optimizer_step"]) if load_optim else 0, load_optim)
+    state.import_state(engine, fill, int(reader.meta["optimizer_step"]) if load_optim else 0,
+                       load_optim)
     if load_optim:
         engine.scaler.load_state_dict(reader.meta["loss_scaler"])
     same_grid = (reader.tp, reader.dp) == (grid.tp_size, grid.dp_size)
@@ -185,5 +191,6 @@ def load_checkpoint(root: str | os.PathLike, engine: ZeroEngine, grid: ProcessGr
         restore_rng_states(reader.rng_states(grid.rank), tracker, grid.device)
     elif load_rng and grid.rank == 0:
         warnings.warn(f"checkpoint grid tp={reader.tp} x dp={reader.dp} differs from this run's "
-                      f"tp={grid.tp_size} x dp={grid.dp_size}: RNG states are not restored", stacklevel=2)
+                      f"tp={grid.tp_size} x dp={grid.dp_size}: RNG states are not restored",
+                      stacklevel=2)
     return dict(reader.meta, read=dict(bytes=reader.bytes_read, reads=reader.reads))

@@ -22,12 +22,14 @@ from pathlib import Path
 import torch
 
 _DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.float16: "F16", torch.bfloat16: "BF16",
-           torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.int8: "I8", torch.bool: "BOOL"}
+           torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.int8: "I8",
+           torch.bool: "BOOL"}
 
 
 @dataclass(frozen=True)
 class Entry:
-    """One tensor of the file: ``produce()`` returns it (``dtype``, ``shape``) when its turn comes."""
+    """One tensor of the file: ``produce()`` returns it (``dtype``, ``shape``) when its turn
+    comes."""
 
     key: str
     dtype: torch.dtype
@@ -52,12 +54,14 @@ def staged(entries: Sequence[Entry]) -> Iterator[torch.Tensor]:
     for e in entries:
         t = e.produce()
         if t.dtype != e.dtype or tuple(t.shape) != tuple(e.shape):
-            raise ValueError(f"{e.key}: produced {t.dtype} {tuple(t.shape)}, declared {e.dtype} {tuple(e.shape)}")
+            raise ValueError(f"{e.key}: produced {t.dtype} {tuple(t.shape)}, declared {e.dtype} "
+                             f"{tuple(e.shape)}")
         yield t.detach().cpu().contiguous()
         del t
 
 
-def write_safetensors(path: str | os.PathLike, entries: Sequence[Entry], metadata: dict[str, str] | None = None) -> int:
+def write_safetensors(path: str | os.PathLike, entries: Sequence[Entry],
+                      metadata: dict[str, str] | None = None) -> int:
     """Write ``entries`` to ``path`` (fsynced; the caller renames it into place).
 
     Returns:
@@ -76,7 +80,8 @@ def write_safetensors(path: str | os.PathLike, entries: Sequence[Entry], metadat
             raise ValueError(f"{e.key}: dtype {e.dtype} is not one of {sorted(map(str, _DTYPES))}")
         if e.key in header:
             raise ValueError(f"duplicate tensor key {e.key!r}")
-        header[e.key] = {"dtype": _DTYPES[e.dtype], "shape": list(e.shape), "data_offsets": [offset, offset + e.nbytes]}
+        header[e.key] = {"dtype": _DTYPES[e.dtype], "shape": list(e.shape),
+                         "data_offsets": [offset, offset + e.nbytes]}
         offset += e.nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)

@@ -41,9 +41,11 @@ _SHAPE_FIELDS = {
     "layernorm_epsilon": "layer_norm_epsilon",
 }
 _FLAGS = {  # how a user sets each of our fields on the pretraining command line
-    "num_layers": "--num-layers", "hidden_size": "--hidden-size", "num_attention_heads": "--num-attention-heads",
-    "ffn_hidden_size": "--ffn-hidden-size", "vocab_size": "--vocab-size (or --tokenizer-model)",
-    "max_position_embeddings": "--max-position-embeddings", "layernorm_epsilon": "--layernorm-epsilon",
+    "num_layers": "--num-layers", "hidden_size": "--hidden-size",
+    "num_attention_heads": "--num-attention-heads", "ffn_hidden_size": "--ffn-hidden-size",
+    "vocab_size": "--vocab-size (or --tokenizer-model)",
+    "max_position_embeddings": "--max-position-embeddings",
+    "layernorm_epsilon": "--layernorm-epsilon",
 }
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _HF_LAYER = re.compile(r"^transformer\.h\.(\d+)\.(.+)$")
@@ -151,7 +153,8 @@ def gpt_config_from_metadata(model: dict) -> GPTConfig:
     known = {f.name for f in dataclasses.fields(GPTConfig)}
     unknown = sorted(set(model) - known)
     if unknown:
-        raise UnsupportedModelError(f"the checkpoint's model has settings GPT-2 export does not know: {unknown}")
+        raise UnsupportedModelError("the checkpoint's model has settings GPT-2 export does not "
+                                    f"know: {unknown}")
     return GPTConfig(**model)
 
 
@@ -165,7 +168,8 @@ def hf_config_dict(config: GPTConfig, token_ids: dict[str, int] | None = None) -
     out.update(_HF_REQUIRED, resid_pdrop=config.hidden_dropout, embd_pdrop=config.hidden_dropout,
                attn_pdrop=config.attention_dropout, initializer_range=config.init_method_std,
                tie_word_embeddings=config.tied, architectures=["GPT2LMHeadModel"])
-    out.update(bos_token_id=None, eos_token_id=None)  # no tokenizer: GPT-2's 50256 may be outside the vocab
+    # no tokenizer: GPT-2's 50256 may be outside the vocab
+    out.update(bos_token_id=None, eos_token_id=None)
     out.update(token_ids or {})
     return out
 
@@ -196,7 +200,8 @@ def check_hf_config(hf: dict, config: GPTConfig, where: str = "config.json") -> 
         else:
             same = theirs == getattr(config, ours)
         if not same:
-            raise ValueError(f"{where}: {key}={theirs} but this run has {_FLAGS[ours]} {getattr(config, ours)}")
+            raise ValueError(f"{where}: {key}={theirs} but this run has {_FLAGS[ours]} "
+                             f"{getattr(config, ours)}")
     tied = hf.get("tie_word_embeddings", True)
     if tied != config.tied:
         raise ValueError(f"{where}: tie_word_embeddings={tied} but this run has "

@@ -40,6 +40,27 @@ def _check_output(output: Path) -> None:
                               "give a new directory (nothing is overwritten)")
 
 
+def _check_parameters(saved: list[str], expected: list[str]) -> None:
+    """Raises UnsupportedModelError when the saved names are not GPT-2's."""
+    if sorted(saved) != sorted(expected):
+        extra = sorted(set(saved) - set(expected))
+        raise UnsupportedModelError(f"checkpoint parameters GPT-2 has no place for: {extra}"
+                                    if extra else
+                                    "checkpoint lacks GPT-2 parameters: "
+                                    f"{sorted(set(expected) - set(saved))}")
+
+
+def _tokenizer_path(given: str | os.PathLike | None, named: str | None) -> str | None:
+    """The tokenizer to export: ``--tokenizer-model``, else the checkpoint's; FileNotFoundError
+    when that file is missing."""
+    path = given or named
+    if path and not Path(path).is_file():
+        raise FileNotFoundError(f"--tokenizer-model {path}: file not found" if given else
+                                f"tokenizer {path} (named by the checkpoint) not found: give "
+                                "--tokenizer-model")
+    return path
+
+
 def export_hf(load: str | os.PathLike, output: str | os.PathLike, iteration: int | None = None,
               tokenizer_model: str | os.PathLike | None = None) -> dict:
     """Write the HF directory ``output`` from checkpoint ``load`` (latest, or ``iteration``).
@@ -65,15 +86,9 @@ def export_hf(load: str | os.PathLike, output: str | os.PathLike, iteration: int
     _check_output(output)
     reader = CheckpointReader(load, iteration)
     config = gpt_config_from_metadata(reader.meta.get("model", {}))
-    saved, expected = reader.param_names(), parameter_names(config)
-    if sorted(saved) != sorted(expected):
-        extra = sorted(set(saved) - set(expected))
-        raise UnsupportedModelError(f"checkpoint parameters GPT-2 has no place for: {extra}" if extra else
-                                    f"checkpoint lacks GPT-2 parameters: {sorted(set(expected) - set(saved))}")
-    tok_path = tokenizer_model or reader.meta.get("tokenizer")
-    if tok_path and not Path(tok_path).is_file():
-        raise FileNotFoundError(f"--tokenizer-model {tok_path}: file not found" if tokenizer_model else
-                                f"tokenizer {tok_path} (named by the checkpoint) not found: give --tokenizer-model")
+    saved = reader.param_names()
+    _check_parameters(saved, parameter_names(config))
+    tok_path = _tokenizer_path(tokenizer_model, reader.meta.get("tokenizer"))
     tmp = output.with_name(output.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -103,19 +118,25 @@ def export_hf(load: str | os.PathLike, output: str | os.PathLike, iteration: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="hybrid-export-hf", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="hybrid-export-hf",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--load", required=True, help="checkpoint directory (the --save of the run)")
     p.add_argument("--output", required=True, help="new Hugging Face model directory to write")
-    p.add_argument("--iteration", type=int, help="which iteration (default: the latest complete one)")
-    p.add_argument("--tokenizer-model", help="sentencepiece model (default: the one the checkpoint names)")
+    p.add_argument("--iteration", type=int,
+                   help="which iteration (default: the latest complete one)")
+    p.add_argument("--tokenizer-model",
+                   help="sentencepiece model (default: the one the checkpoint names)")
     args = p.parse_args(argv)
     try:
         meta = export_hf(args.load, args.output, args.iteration, args.tokenizer_model)
-    except (OSError, IncompleteCheckpointError, ValueError) as e:  # UnsupportedModelError is a ValueError
+    # UnsupportedModelError is a ValueError
+    except (OSError, IncompleteCheckpointError, ValueError) as e:
         print(f"export_hf: error: {e}", file=sys.stderr)
         return 2
     g = meta["grid"]
-    print(f"wrote {args.output}: GPT2LMHeadModel {json.dumps({k: meta['hf_config'][k] for k in ('n_layer', 'n_embd', 'n_head', 'vocab_size')})} "
-          f"from iteration {meta['iteration']} (saved at tp={g['tp']} x dp={g['dp']}, ZeRO stage {meta['zero_stage']}); "
-          f"tokenizer: {meta['tokenizer_exported'] or 'none (no --tokenizer-model)'}")
+    shape = {k: meta["hf_config"][k] for k in ("n_layer", "n_embd", "n_head", "vocab_size")}
+    print(f"wrote {args.output}: GPT2LMHeadModel {json.dumps(shape)} "
+          f"from iteration {meta['iteration']} (saved at tp={g['tp']} x dp={g['dp']}, ZeRO stage "
+          f"{meta['zero_stage']}); tokenizer: "
+          f"{meta['tokenizer_exported'] or 'none (no --tokenizer-model)'}")
     return 0

@@ -18,8 +18,8 @@ import tempfile
 import torch
 
 
-def generate(hf_dir: str, prompt: str, max_new_tokens: int = 64, temperature: float = 1.0, top_k: int = 50,
-             top_p: float = 1.0, seed: int = 1234, device: str = "cpu") -> str:
+def generate(hf_dir: str, prompt: str, max_new_tokens: int = 64, temperature: float = 1.0,
+             top_k: int = 50, top_p: float = 1.0, seed: int = 1234, device: str = "cpu") -> str:
     """The text the model writes after ``prompt`` (the prompt itself not included).
 
     Raises:
@@ -35,15 +35,17 @@ def generate(hf_dir: str, prompt: str, max_new_tokens: int = 64, temperature: fl
     if max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens {max_new_tokens} must be >= 1")
     if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
-        raise ValueError(f"need --temperature >= 0 (got {temperature}), --top-k >= 0 (got {top_k}, 0: off) "
-                         f"and 0 < --top-p <= 1 (got {top_p})")
+        raise ValueError(f"need --temperature >= 0 (got {temperature}), --top-k >= 0 (got {top_k}, "
+                         f"0: off) and 0 < --top-p <= 1 (got {top_p})")
     from pathlib import Path
 
     if not Path(hf_dir).is_dir():
-        raise FileNotFoundError(f"--hf-dir {hf_dir}: no such directory (an export_hf output directory)")
+        raise FileNotFoundError(f"--hf-dir {hf_dir}: no such directory (an export_hf output "
+                                "directory)")
     if not (Path(hf_dir) / "tokenizer.json").is_file():
-        raise FileNotFoundError(f"--hf-dir {hf_dir} has no tokenizer.json: the checkpoint was exported without a "
-                                "tokenizer (trained on --mock-data?); export again with --tokenizer-model")
+        raise FileNotFoundError(f"--hf-dir {hf_dir} has no tokenizer.json: the checkpoint was "
+                                "exported without a tokenizer (trained on --mock-data?); export "
+                                "again with --tokenizer-model")
     tok = AutoTokenizer.from_pretrained(hf_dir)
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(device).eval()
     eod = model.config.eos_token_id
@@ -52,10 +54,11 @@ def generate(hf_dir: str, prompt: str, max_new_tokens: int = 64, temperature: fl
         raise ValueError("the model has no eos_token_id, so the prompt must not be empty")
     limit = model.config.n_positions
     if len(ids) + max_new_tokens > limit:
-        raise ValueError(f"{len(ids)} prompt tokens + --max-new-tokens {max_new_tokens} exceed the model's "
-                         f"{limit} positions")
+        raise ValueError(f"{len(ids)} prompt tokens + --max-new-tokens {max_new_tokens} exceed the "
+                         f"model's {limit} positions")
     x = torch.tensor([ids], device=device)
-    sampling = dict(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p) if temperature > 0 \
+    sampling = dict(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p) \
+        if temperature > 0 \
         else dict(do_sample=False)
     torch.manual_seed(seed)
     with torch.no_grad():
@@ -65,16 +68,22 @@ def generate(hf_dir: str, prompt: str, max_new_tokens: int = 64, temperature: fl
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="hybrid-generate", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="hybrid-generate",
+                                description=__doc__.split("\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--hf-dir", help="Hugging Face model directory (from hybrid.export_hf)")
-    src.add_argument("--load", help="training checkpoint directory (exported to a temporary directory)")
-    p.add_argument("--iteration", type=int, help="with --load: which iteration (default: the latest)")
-    p.add_argument("--tokenizer-model", help="with --load: sentencepiece model (default: the checkpoint's)")
+    src.add_argument("--load",
+                     help="training checkpoint directory (exported to a temporary directory)")
+    p.add_argument("--iteration", type=int,
+                   help="with --load: which iteration (default: the latest)")
+    p.add_argument("--tokenizer-model",
+                   help="with --load: sentencepiece model (default: the checkpoint's)")
     p.add_argument("--prompt", default="", help="text to continue (default: start a new document)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most")
-    p.add_argument("--temperature", type=float, default=1.0, help="softmax temperature; 0 is greedy")
-    p.add_argument("--top-k", type=int, default=50, help="sample among the K most likely tokens (0: all)")
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="softmax temperature; 0 is greedy")
+    p.add_argument("--top-k", type=int, default=50,
+                   help="sample among the K most likely tokens (0: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
     p.add_argument("--seed", type=int, default=1234, help="random seed (same seed, same text)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -87,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
 
                 hf_dir = f"{tmp}/hf"
                 export_hf(a.load, hf_dir, a.iteration, a.tokenizer_model)
-            text = generate(hf_dir, a.prompt, a.max_new_tokens, a.temperature, a.top_k, a.top_p, a.seed, a.device)
+            text = generate(hf_dir, a.prompt, a.max_new_tokens, a.temperature, a.top_k, a.top_p,
+                            a.seed, a.device)
         except (OSError, ValueError) as e:
             print(f"generate: error: {e}", file=sys.stderr)
             return 2

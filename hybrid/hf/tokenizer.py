@@ -112,14 +112,17 @@ def build_tokenizer(model_path: str | os.PathLike):
         # sentencepiece's lattice holds only normal and user-defined pieces; the others get a
         # score no segmentation of real text would choose (a spelled-out "</s>" stays text).
         model = Unigram([(n, p.score if p.type in (_NORMAL, _USER_DEFINED) else _NEVER)
-                         for n, p in zip(names, pieces, strict=True)], unk_id=ts.unk_id, byte_fallback=ts.byte_fallback)
+                         for n, p in zip(names, pieces, strict=True)], unk_id=ts.unk_id,
+                        byte_fallback=ts.byte_fallback)
     tok = Tokenizer(model)
     tok.normalizer = normalizers.Replace(" ", space)
-    tok.decoder = decoders.Sequence([decoders.Replace(space, " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok.decoder = decoders.Sequence([decoders.Replace(space, " "), decoders.ByteFallback(),
+                                     decoders.Fuse()])
     tok.add_tokens([AddedToken(n, special=False, normalized=False)
                     for n, p in zip(names, pieces, strict=True) if p.type == _USER_DEFINED])
     tok.add_special_tokens([AddedToken(n, special=True, normalized=False)
-                            for n, p in zip(names, pieces, strict=True) if p.type in (_CONTROL, _UNKNOWN)])
+                            for n, p in zip(names, pieces, strict=True)
+                            if p.type in (_CONTROL, _UNKNOWN)])
     specials = {"unk": unk}
     for key, i in (("bos", ts.bos_id), ("eos", ts.eos_id), ("pad", ts.pad_id)):
         if 0 <= i < len(pieces):

@@ -155,7 +155,8 @@ def planner_figures(job) -> dict:
     sp = "+sp" if cfg.grid.sequence_parallel_active else ""
     if a.checkpoint_activations:
         activation = ("full" + sp + "+cpu" if sp and a.checkpoint_in_cpu else "full" + sp if sp else
-                      "full+pa+cpu" if a.checkpoint_in_cpu else "full+pa" if a.partition_activations else "full")
+                      "full+pa+cpu" if a.checkpoint_in_cpu else "full+pa" if a.partition_activations
+                      else "full")
     elif a.selective_recompute:
         activation = "sp+selective" if sp else "selective"
     else:
@@ -164,9 +165,10 @@ def planner_figures(job) -> dict:
         seq_length=cfg.model.seq_length, micro_batch_size=cfg.training.micro_batch_size,
         global_batch_size=job.global_batch_size, precision=z.precision, accounting="engine",
         param_persistence_threshold=z.plan.persistence_threshold,
-        reduce_bucket_elements=z.reduce_bucket_size, allgather_bucket_elements=z.allgather_bucket_size,
-        make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by, overlap_comm=z.overlap_comm,
-        grad_reduce=z.grad_reduce)
+        reduce_bucket_elements=z.reduce_bucket_size,
+        allgather_bucket_elements=z.allgather_bucket_size,
+        make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
+        overlap_comm=z.overlap_comm, grad_reduce=z.grad_reduce)
     cluster = Cluster(num_gpus=job.world_size, gpus_per_node=job.tp, reserved_bytes=0)
     c = evaluate(job.gpt, cluster, training, job.tp, z.stage, activation)
     out = {k: c.model_states[k] for k in STATE_KEYS}

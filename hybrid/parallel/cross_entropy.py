@@ -36,7 +36,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
         in_range = (labels >= vocab_start) & (labels < vocab_start + vl)
         local_label = (labels - vocab_start).masked_fill(~in_range, 0)
-        target = shifted.gather(-1, local_label.unsqueeze(-1)).squeeze(-1).masked_fill(~in_range, 0.0)
+        target = shifted.gather(-1, local_label.unsqueeze(-1)).squeeze(-1).masked_fill(~in_range,
+                                                                                       0.0)
         logit_sum = shifted[..., :real].sum(dim=-1) if eps > 0 else None
         exp = shifted.exp_()
         stats = [exp.sum(dim=-1), target] + ([logit_sum] if eps > 0 else [])
@@ -61,14 +62,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # The saved softmax becomes the gradient in place, and the target columns are indexed,
         # not one-hot encoded (as in Megatron-LM): one [..., Vl] pass instead of five.
         if ctx.used:
-            raise RuntimeError("vocab-parallel cross-entropy: a second backward through the same graph "
-                               "(retain_graph=True) is not supported; its backward reuses the saved "
-                               "softmax in place")
+            raise RuntimeError("vocab-parallel cross-entropy: a second backward through the same "
+                               "graph (retain_graph=True) is not supported; its backward reuses "
+                               "the saved softmax in place")
         ctx.used = True
         grad, local_label, in_range = ctx.saved_tensors
         rows = grad.view(-1, grad.shape[-1])
         every = torch.arange(rows.shape[0], device=rows.device)
-        rows[every, local_label.reshape(-1)] -= in_range.reshape(-1).to(rows.dtype) * (1.0 - ctx.eps)
+        rows[every, local_label.reshape(-1)] -= in_range.reshape(-1).to(rows.dtype) * (1.0
+                                                                                       - ctx.eps)
         if ctx.eps > 0:
             grad[..., :ctx.real].sub_(ctx.eps / ctx.vocab_size)
         grad.mul_(grad_loss.unsqueeze(-1))
@@ -97,7 +99,8 @@ def vocab_parallel_cross_entropy(
     Returns:
         ``[...]`` fp32 losses, identical on every rank of ``group``.
     """
-    return _VocabParallelCrossEntropy.apply(logits, labels, vocab_start, vocab_size, group, label_smoothing)
+    return _VocabParallelCrossEntropy.apply(logits, labels, vocab_start, vocab_size, group,
+                                            label_smoothing)
 
 
 class VocabParallelLoss(nn.Module):

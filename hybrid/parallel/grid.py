@@ -74,7 +74,8 @@ def validate_grid(world_size: int, tp: int, local_world_size: int | None = None)
 def default_device() -> torch.device:
     """This process's device: ``cuda:LOCAL_RANK`` when CUDA is available, else CPU."""
     if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        return torch.device("cuda",
+                            int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     return torch.device("cpu")
 
 

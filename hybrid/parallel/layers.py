@@ -80,7 +80,8 @@ class TPSpec:
     def shard(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's (zero-padded) shard of the full tensor ``full`` (shape ``full_shape``)."""
         if tuple(full.shape) != self.full_shape:
-            raise ValueError(f"expected a tensor of shape {self.full_shape}, got {tuple(full.shape)}")
+            raise ValueError(f"expected a tensor of shape {self.full_shape}, got "
+                             f"{tuple(full.shape)}")
         if self.replicated:
             return full
         start, stop = self.local_range()
@@ -133,7 +134,8 @@ class ColumnParallelLinear(nn.Module):
         rank, size = _group_coords(group)
         padded_out = padded_out or out_features
         if padded_out % size:
-            raise ValueError(f"output features {padded_out} are not divisible by the TP size {size}")
+            raise ValueError(f"output features {padded_out} are not divisible by the TP size "
+                             f"{size}")
         local = padded_out // size
         self.weight = _param((local, in_features), device, dtype)
         set_tp_spec(self.weight, TPSpec(0, (out_features, in_features), padded_out, rank, size))
@@ -166,7 +168,8 @@ class RowParallelLinear(nn.Module):
         self.ledger = ledger
         rank, size = _group_coords(group)
         if in_features % size:
-            raise ValueError(f"input features {in_features} are not divisible by the TP size {size}")
+            raise ValueError(f"input features {in_features} are not divisible by the TP size "
+                             f"{size}")
         self.weight = _param((out_features, in_features // size), device, dtype)
         set_tp_spec(self.weight, TPSpec(1, (out_features, in_features), in_features, rank, size))
         if bias:
@@ -201,7 +204,8 @@ class VocabParallelEmbedding(nn.Module):
         self.ledger = ledger
         rank, size = _group_coords(group)
         if padded_vocab % size or padded_vocab < vocab_size:
-            raise ValueError(f"padded vocabulary {padded_vocab} must be >= {vocab_size} and divisible by TP size {size}")
+            raise ValueError(f"padded vocabulary {padded_vocab} must be >= {vocab_size} and "
+                             f"divisible by TP size {size}")
         self.vocab_size = vocab_size
         self.padded_vocab = padded_vocab
         self.weight = _param((padded_vocab // size, embedding_dim), device, dtype)

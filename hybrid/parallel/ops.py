@@ -178,7 +178,8 @@ def reduce_from_tp(x: torch.Tensor, group, ledger: TPLedger | None = None) -> to
 
 
 def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False):
-    """All-gather ``inp`` (``[n]``) from every rank of ``group`` into ``out`` (``[world * n]``, rank order).
+    """All-gather ``inp`` (``[n]``) from every rank of ``group`` into ``out`` (``[world * n]``, rank
+    order).
 
     ``torch.distributed.all_gather_single`` replaces ``all_gather_into_tensor`` in recent torch;
     it is looked up at call time so that tests can count calls by patching ``torch.distributed``.
@@ -234,7 +235,8 @@ class _SequenceParallelLinear(torch.autograd.Function):
 
 def sequence_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                              group, ledger: TPLedger | None = None) -> torch.Tensor:
-    """Column-parallel linear on a sequence-parallel input: ``[b, s/t, in]`` -> ``[b, s, out_local]``.
+    """Column-parallel linear on a sequence-parallel input: ``[b, s/t, in]`` ->
+    ``[b, s, out_local]``.
 
     Forward all-gathers the input along the sequence ("g"); backward reduce-scatters the input
     gradient and re-gathers the stored ``s/t`` input for the weight gradient.

@@ -90,7 +90,8 @@ def seed_everything(seed: int, device: torch.device | str = "cpu") -> None:
         torch.cuda.manual_seed_all(seed)
 
 
-def capture_torch_rng(tracker: RNGTracker | None, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+def capture_torch_rng(tracker: RNGTracker | None,
+                      device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
     """The generators a forward on ``device`` can draw from: torch CPU, CUDA of ``device`` (on
     GPU) and the TP tracker's stream (activation recompute replays them)."""
     out = {"torch_cpu": torch.get_rng_state()}
@@ -111,7 +112,8 @@ def restore_torch_rng(states: dict[str, torch.Tensor], tracker: RNGTracker | Non
         tracker.set_state(states["tp_tracker"])
 
 
-def capture_rng_states(tracker: RNGTracker | None, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+def capture_rng_states(tracker: RNGTracker | None,
+                       device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
     """Every RNG state of this rank as tensors (for a checkpoint shard): Python, numpy,
     torch CPU, CUDA (on GPU) and the TP tracker's stream."""
     py_version, py_state, py_gauss = random.getstate()

@@ -41,7 +41,8 @@ def _worker(rank, world_size, port, fn, args, timeout_s, queue):
     )
     torch.set_num_threads(1)
     try:
-        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
+        backend = ("nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size
+                   else "gloo")
         if backend == "nccl":
             torch.cuda.set_device(rank)
         dist.init_process_group(

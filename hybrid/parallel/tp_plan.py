@@ -166,7 +166,8 @@ def parallelize_gpt(
 
 def tp_ledger(model: nn.Module) -> TPLedger | None:
     """The :class:`hybrid.parallel.ops.TPLedger` of a model made by :func:`parallelize_gpt`."""
-    return next((m.ledger for m in model.modules() if isinstance(getattr(m, "ledger", None), TPLedger)), None)
+    return next((m.ledger for m in model.modules()
+                 if isinstance(getattr(m, "ledger", None), TPLedger)), None)
 
 
 @torch.no_grad()
@@ -303,7 +304,8 @@ def gather_full_tensor(local: torch.Tensor, spec: TPSpec, group) -> torch.Tensor
         spec.split_dim, 0, spec.full_shape[spec.split_dim]).clone()
 
 
-def gather_full_state_dict(model: nn.Module, tp_group, tensors: dict[str, torch.Tensor] | None = None
+def gather_full_state_dict(model: nn.Module, tp_group,
+                           tensors: dict[str, torch.Tensor] | None = None
                            ) -> dict[str, torch.Tensor]:
     """The full (single-process) state dict of a TP model, identical on every TP rank.
 

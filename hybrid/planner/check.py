@@ -1,8 +1,9 @@
-"""The planner's prediction next to what :class:`hybrid.zero.engine.ZeroEngine` measures, for one run.
+"""The planner's prediction next to what :class:`hybrid.zero.engine.ZeroEngine` measures, for one
+run.
 
-``predict`` asks :func:`hybrid.planner.plan.evaluate` (``accounting="engine"``) for one rank's model-state
-bytes and data-parallel bytes per optimizer step; ``measure`` builds the same GPT on a process
-grid, runs one optimizer step of ``micro_batches`` micro-batches and reads
+``predict`` asks :func:`hybrid.planner.plan.evaluate` (``accounting="engine"``) for one rank's
+model-state bytes and data-parallel bytes per optimizer step; ``measure`` builds the same GPT on a
+process grid, runs one optimizer step of ``micro_batches`` micro-batches and reads
 ``engine.memory_bytes()`` and the step's ledger (``StepInfo.comm_bytes``); ``compare`` gives the
 relative errors. Used by ``tests/test_plan_vs_engine.py`` and ``scripts/bench_accounting.py``.
 
@@ -99,7 +100,8 @@ def measure(grid: ProcessGrid, run: CheckRun, seed: int = 1234) -> dict:
                     param_persistence_threshold=run.param_persistence_threshold,
                     reduce_bucket_size=run.bucket_elements,
                     allgather_bucket_size=run.bucket_elements, grad_reduce=run.grad_reduce)
-    engine = parallelize(GPT(cfg), grid, PretrainConfig(zero=zc, optimizer=OptimizerConfig(lr=1e-3)))
+    engine = parallelize(GPT(cfg), grid,
+                         PretrainConfig(zero=zc, optimizer=OptimizerConfig(lr=1e-3)))
     g = torch.Generator().manual_seed(seed + grid.dp_rank)
     for m in range(run.micro_batches):
         tokens = torch.randint(0, cfg.vocab_size, (run.micro_batch_size, run.seq_length + 1),

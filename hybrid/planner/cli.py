@@ -53,11 +53,13 @@ def _finite(text: str) -> float:
 
 
 class _Parser(argparse.ArgumentParser):
-    """Usage errors in one line naming the flag, like ``hybrid.pretrain`` (the usage is in --help)."""
+    """Usage errors in one line naming the flag, like ``hybrid.pretrain`` (the usage is in
+    --help)."""
 
     def error(self, message: str):
         flags = [s for a in self._actions for s in a.option_strings if s.startswith("--")]
-        self.exit(2, f"{self.prog}: error: {'; '.join([message, *flag_hints(message, flags)])} (see --help)\n")
+        self.exit(2, f"{self.prog}: error: {'; '.join([message, *flag_hints(message, flags)])} "
+                     "(see --help)\n")
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -203,7 +205,8 @@ def _cluster(args: argparse.Namespace, planning: bool) -> Cluster:
     if args.gpu_memory_gb is not None and args.gpu_memory_gb <= 0:
         raise ValueError(f"--gpu-memory-gb must be positive, got {args.gpu_memory_gb:g}")
     if args.reserved_gb < 0:
-        raise ValueError(f"--reserved-gb must be 0 or more (GB held back per GPU), got {args.reserved_gb:g}")
+        raise ValueError("--reserved-gb must be 0 or more (GB held back per GPU), got "
+                         f"{args.reserved_gb:g}")
     if (
         planning
         and args.device is None
@@ -223,8 +226,8 @@ def _cluster(args: argparse.Namespace, planning: bool) -> Cluster:
             )
         memory = preset.memory_gb
     if args.reserved_gb >= memory:
-        raise ValueError(f"--reserved-gb {args.reserved_gb:g} leaves nothing of the GPU's {memory:g} GB; "
-                         "give less than that")
+        raise ValueError(f"--reserved-gb {args.reserved_gb:g} leaves nothing of the GPU's "
+                         f"{memory:g} GB; give less than that")
     peak = args.peak_tflops
     if peak is None:
         peak = preset.peak_tflops if preset else device_peak_tflops(args.device)
@@ -264,10 +267,11 @@ def _device_label(args: argparse.Namespace) -> str:
 # Planner fields -> the flags that set them, for error messages.
 _FLAG_OF = {
     "num_gpus": "--num-gpus", "gpus_per_node": "--gpus-per-node", "reserved_bytes": "--reserved-gb",
-    "peak_tflops": "--peak-tflops", "efficiency": "--efficiency", "intra_node_gbs": "--intra-node-gbs",
-    "inter_node_gbs": "--inter-node-gbs", "cpu_gbs": "--cpu-gbs", "seq_length": "--seq-length",
-    "micro_batch_size": "--micro-batch-size", "global_batch_size": "--global-batch-size",
-    "reduce_bucket_elements": "--reduce-bucket-size", "allgather_bucket_elements": "--allgather-bucket-size",
+    "peak_tflops": "--peak-tflops", "efficiency": "--efficiency",
+    "intra_node_gbs": "--intra-node-gbs", "inter_node_gbs": "--inter-node-gbs",
+    "cpu_gbs": "--cpu-gbs", "seq_length": "--seq-length", "micro_batch_size": "--micro-batch-size",
+    "global_batch_size": "--global-batch-size", "reduce_bucket_elements": "--reduce-bucket-size",
+    "allgather_bucket_elements": "--allgather-bucket-size",
     "make_vocab_size_divisible_by": "--make-vocab-size-divisible-by",
     "param_persistence_threshold": "--param-persistence-threshold",
 }

@@ -1,10 +1,12 @@
-"""Memory planner: which (TP degree, ZeRO stage, activation option) fits a cluster, and which is fastest.
+"""Memory planner: which (TP degree, ZeRO stage, activation option) fits a cluster, and which is
+fastest.
 
 For every candidate tensor-parallel degree t (a power of two dividing the heads, the GPU count and
 <= GPUs per node; dp = GPUs / t), ZeRO stage 0-3 and activation option
 (none / full checkpointing / + P_a / + P_a+cpu) it computes per-rank bytes (model states, one
 micro-batch of activations, constant-size communication buffers), whether that fits, the DP and
-TP traffic per step and an estimated step time. ``python -m hybrid.planner.plan --help`` for the CLI.
+TP traffic per step and an estimated step time. ``python -m hybrid.planner.plan --help`` for the
+CLI.
 
 Cost model (deliberately simple; every term is printed so it can be argued with):
     step_s = compute_s + tp_s + dp_s + cpu_s, with no overlap between them (pessimistic).
@@ -20,7 +22,8 @@ Bandwidths are achieved per-GPU bus bandwidths in GB/s (1e9 B/s). Defaults descr
 NVLink ~200 GB/s achievable all-reduce bus bandwidth, one 200 Gb/s HDR NIC per GPU = 25 GB/s,
 PCIe 4 x16 ~20 GB/s, 45% of peak on the GEMMs (2104.04473 Table 1 reaches 44-52%).
 Model states follow ``Training.accounting``: 'paper' (ZeRO §3.1, 16 B/param mixed precision,
-the default, which reproduces the paper's tables) or 'engine' (``hybrid.zero.engine.ZeroEngine``'s own
+the default, which reproduces the paper's tables) or 'engine' (``hybrid.zero.engine.ZeroEngine``'s
+own
 allocations: fp32 gradient accumulation, separate fp32 master; 18 B/param in bf16, 20 in fp32),
 see ``hybrid.planner.memory``. Data-parallel traffic follows the engine's schedule
 (``hybrid.planner.traffic.dp_traffic_by_kind``), in both accountings.
@@ -124,8 +127,8 @@ class Training:
     """'bf16' / 'fp16' (mixed, 16 B/param) or 'fp32' (4 param + 4 grad + 8 Adam)."""
     accounting: str = "paper"
     """'paper': ZeRO §3.1 bytes per parameter (2 + 2 + 12; the paper's tables); 'engine': what
-    ``hybrid.zero.engine.ZeroEngine`` holds and sends (fp32 gradients, separate fp32 master: 18 B/param
-    in 16-bit, 20 in fp32). See ``hybrid.planner.memory``."""
+    ``hybrid.zero.engine.ZeroEngine`` holds and sends (fp32 gradients, separate fp32 master: 18
+    B/param in 16-bit, 20 in fp32). See ``hybrid.planner.memory``."""
     param_persistence_threshold: int = 0
     """Stage 3 keeps local parameters with fewer elements than this whole (ZeroConfig's field of
     the same name, default 100,000 there); 0 partitions everything, as the paper counts."""
@@ -192,7 +195,8 @@ class Candidate:
     tokens_per_s: float = 0.0
     mfu: float = 0.0
     dp_bytes_by_kind: dict = field(default_factory=dict)
-    """``dp_bytes`` split into {'all_reduce', 'reduce_scatter', 'all_gather'} (``zero_comm`` names)."""
+    """``dp_bytes`` split into {'all_reduce', 'reduce_scatter', 'all_gather'} (``zero_comm``
+    names)."""
     persistent_params: int = 0
     """Stage 3: elements of the TP shard kept whole (``Training.param_persistence_threshold``)."""
 

@@ -28,7 +28,8 @@ class Precision:
 
     @property
     def k(self) -> int:
-        """ZeRO's optimizer-state multiplier K = master + optimizer bytes (12 for mixed precision)."""
+        """ZeRO's optimizer-state multiplier K = master + optimizer bytes (12 for mixed
+        precision)."""
         return self.master_bytes + self.optimizer_bytes
 
     @property

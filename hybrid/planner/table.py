@@ -16,8 +16,9 @@ def plan_text(model, cluster, training, cands, skipped, chosen, fitting_only, de
     with ``fitting_only``), the skipped layouts and the chosen one. Sizes in GB (1e9 bytes).
     """
     lines = [
-        f"model: {model.num_layers} layers, h={model.hidden_size}, heads={model.num_attention_heads}, "
-        f"f={model.ffn}, V={model.vocab_size}, {num_parameters(model) / 1e9:.3f}B params (unpadded)",
+        f"model: {model.num_layers} layers, h={model.hidden_size}, "
+        f"heads={model.num_attention_heads}, f={model.ffn}, V={model.vocab_size}, "
+        f"{num_parameters(model) / 1e9:.3f}B params (unpadded)",
         f"cluster: {cluster.num_gpus} GPUs ({cluster.gpus_per_node}/node) x {device}: "
         f"{cluster.gpu_memory_bytes / GB:g} GB, peak {cluster.peak_tflops:g} TFLOP/s x "
         f"{cluster.efficiency:g}; s={training.seq_length}, b={training.micro_batch_size}, "
@@ -49,10 +50,11 @@ def plan_text(model, cluster, training, cands, skipped, chosen, fitting_only, de
     else:
         t = chosen.times
         lines.append(
-            f"best: tp={chosen.tp} dp={chosen.dp} zero={chosen.stage} activation={chosen.activation} "
-            f"total {chosen.total_bytes / GB:.2f} GB/rank, step {t['step_s']:.3f} s (compute "
-            f"{t['compute_s']:.3f} + tp {t['tp_s']:.3f} + dp {t['dp_s']:.3f} + cpu {t['cpu_s']:.3f}), "
-            f"{chosen.tokens_per_s:,.0f} tokens/s, MFU {chosen.mfu:.1%}"
+            f"best: tp={chosen.tp} dp={chosen.dp} zero={chosen.stage} "
+            f"activation={chosen.activation} total {chosen.total_bytes / GB:.2f} GB/rank, step "
+            f"{t['step_s']:.3f} s (compute {t['compute_s']:.3f} + tp {t['tp_s']:.3f} + dp "
+            f"{t['dp_s']:.3f} + cpu {t['cpu_s']:.3f}), {chosen.tokens_per_s:,.0f} tokens/s, MFU "
+            f"{chosen.mfu:.1%}"
         )
     return "\n".join(lines)
 
@@ -64,7 +66,8 @@ def max_model_text(rows: list[dict]) -> str:
         "with activations = largest layer count of the given width)"
     ]
     for r in rows:
-        line = f"tp={r['tp']:>2} dp={r['dp']:>5} zero={r['stage']}: {r['max_params_model_states'] / 1e9:9.2f}B"
+        line = (f"tp={r['tp']:>2} dp={r['dp']:>5} zero={r['stage']}: "
+                f"{r['max_params_model_states'] / 1e9:9.2f}B")
         if "max_layers" in r:
             line += "  | " + ", ".join(
                 f"{a}: {n} layers ({r['max_params_with_activations'][a] / 1e9:.1f}B)"
