@@ -13,16 +13,17 @@ from hybrid.job.cli import parse_config
 from hybrid.job.config_checks import ConfigError, validate
 
 ROOT = Path(__file__).resolve().parents[1]
-BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-        "--mock-data", "--vocab-size", "500"]
+BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length",
+        "32", "--mock-data", "--vocab-size", "500"]
 
 
 def check(argv, world=2, local=None):
     return validate(parse_config(argv), world_size=world, local_world_size=local)
 
 
-@pytest.mark.parametrize("fraction,iters,warmup", [(0.29, 100, 29), (0.57, 100, 57), (0.07, 300, 21),
-                                                   (0.07, 10, 1), (0.0, 10, 0), (1.0, 7, 7)])
+@pytest.mark.parametrize("fraction,iters,warmup", [(0.29, 100, 29), (0.57, 100, 57),
+                                                   (0.07, 300, 21), (0.07, 10, 1), (0.0, 10, 0),
+                                                   (1.0, 7, 7)])
 def test_warmup_fraction_rounds_to_nearest_step(fraction, iters, warmup):
     d = check(BASE + ["--lr-warmup-fraction", str(fraction), "--train-iters", str(iters)])
     assert d.warmup_iters == warmup
@@ -64,8 +65,8 @@ def test_bench_zero_report_without_matplotlib(tmp_path, monkeypatch, capsys):
     run = dict(dp=4, ms_step_median=10.0, tokens_per_s=100.0, peak_rss_mib_per_rank=[300.0],
                state_mib_per_rank=[5.0], loss_final=6.0)
     results = {"ddp": run, "hybrid_z1": dict(run, ms_step_median=8.0)}
-    args = types.SimpleNamespace(size="tiny", world=4, grad_reduce="reduce_scatter", native_collectives=False,
-                                 reduce_bucket_size=50_000_000)
+    args = types.SimpleNamespace(size="tiny", world=4, grad_reduce="reduce_scatter",
+                                 native_collectives=False, reduce_bucket_size=50_000_000)
     bench.write_report(results, tmp_path, args, 3, 1)
     report = (tmp_path / "throughput_tiny_w4.md").read_text()
     assert "| hybrid_z1 | 0.80 |" in report and ".png" not in report
@@ -101,14 +102,17 @@ def test_help_has_no_double_negatives_and_megatron_scheduler_flags(capsys):
     assert e.value.code == 0
     text = capsys.readouterr().out
     assert "--no-no-" not in text and "--no-load-optim" in text and "--no-load-rng" in text
-    assert "--override-opt_param-scheduler" in text and "--use-checkpoint-opt_param-scheduler" in text
+    assert ("--override-opt_param-scheduler" in text
+            and "--use-checkpoint-opt_param-scheduler" in text)
     assert parse_config(BASE + ["--no-load-optim"]).checkpoint.no_load_optim
-    assert parse_config(BASE + ["--override-opt_param-scheduler"]).checkpoint.override_opt_param_scheduler
+    assert parse_config(BASE
+        + ["--override-opt_param-scheduler"]).checkpoint.override_opt_param_scheduler
 
 
 @pytest.mark.parametrize("argv,world,message", [
     (["--tensor-model-parallel-size", "4"], 2,
-     "tensor-model-parallel size 4 does not divide the world size 2; valid tensor-model-parallel sizes: [1, 2]"),
+     "tensor-model-parallel size 4 does not divide the world size 2; valid tensor-model-parallel "
+     "sizes: [1, 2]"),
     (["--split", "0,1,0"], 2, "--split 0,1,0 gives the train split no share of the data"),
 ])
 def test_errors_speak_of_this_project(argv, world, message):
@@ -137,13 +141,16 @@ def test_megatron_core_recompute_flags(flags, checkpointed):
      "unrecognized arguments: --checkpoint-num-layers 2; --checkpoint-num-layers: did you mean "
      "--recompute-num-layers?"),
     ("--recompute-granularity full --recompute-method uniform --recompute-num-layers 2",
-     "--recompute-method uniform --recompute-num-layers 2 (one checkpoint per chunk of 2 blocks) is not implemented"),
+     "--recompute-method uniform --recompute-num-layers 2 (one checkpoint per chunk of 2 blocks) "
+     "is not implemented"),
     ("--recompute-method block --recompute-num-layers 2",
      "--recompute-method block --recompute-num-layers 2 needs --recompute-granularity full"),
     ("--recompute-granularity full --recompute-method block --recompute-num-layers 4",
      "--recompute-num-layers 4 exceeds the model's --num-layers 3"),
-    ("--recompute-granularity full --recompute-num-layers 0", "--recompute-num-layers 0 (ActivationConfig.recompute_num_layers): must be an integer >= 1"),
-    ("--recompute-granularity coarse", "invalid choice: 'coarse' (choose from 'full', 'selective')"),
+    ("--recompute-granularity full --recompute-num-layers 0",
+     "--recompute-num-layers 0 (ActivationConfig.recompute_num_layers): must be an integer >= 1"),
+    ("--recompute-granularity coarse",
+     "invalid choice: 'coarse' (choose from 'full', 'selective')"),
 ])
 def test_recompute_errors_point_to_the_right_flags(flags, message):
     with pytest.raises(ConfigError) as e:
