@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Repeated resumed 2-rank runs (issue 13 item 2): each run trains a tiny mock-data GPT with
+# Repeated resumed 2-rank runs: each run trains a tiny mock-data GPT with
 # ZeRO-1 to iteration 3 with --save, then resumes with --load to iteration 6 (saving again, with
 # an evaluation), and must exit 0 both times. Prints one line per run and a final count; exits 1
 # if any launch failed (its stderr is kept under $LOG_DIR).

@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     parser.add_argument("--config", help="YAML or TOML file with the same fields as the flags")
-    groups = {s: parser.add_argument_group(s, kind.__doc__.splitlines()[0])
+    groups = {s: parser.add_argument_group(s, " ".join(kind.__doc__.split("\n\n")[0].split()))
               for s, kind in PretrainConfig.sections().items()}
     for section, f in PretrainConfig.flat_fields():
         kind = _base_type(_annotation(f))
