@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from hybrid.activation.config import ActivationConfig
 from hybrid.config_fields import arg, check_choice, check_int, check_number, fail
 from hybrid.parallel import sequence
-from hybrid.schedule import DECAY_STYLES
+from hybrid.schedule import DECAY_STYLES, WD_INCR_STYLES, WSD_DECAY_STYLES
 from hybrid.zero.config import OptimizerConfig, ZeroConfig
 
 
@@ -93,12 +93,24 @@ class TrainingConfig:
                                               "data-parallel size)")
     train_iters: int = arg(100, "optimizer steps to run")
     min_lr: float = arg(0.0, "learning rate at the end of the decay")
-    lr_decay_style: str = arg("cosine", "learning-rate decay after warmup", choices=DECAY_STYLES)
-    lr_warmup_iters: int = arg(0, "linear warmup steps")
+    lr_decay_style: str = arg("linear", "learning-rate decay after warmup (Megatron-LM's styles)",
+                              choices=DECAY_STYLES)
+    lr_warmup_iters: int = arg(0, "linear warmup steps (from --lr-warmup-init to --lr)")
     lr_warmup_fraction: float | None = arg(None, "warmup as a fraction of the decay steps "
-                                                 "(overrides --lr-warmup-iters)")
+                                                 "(instead of --lr-warmup-iters)")
+    lr_warmup_init: float = arg(0.0, "learning rate of the first iteration (warmup start)")
     lr_decay_iters: int | None = arg(None,
                                      "steps over which the LR decays (default: --train-iters)")
+    lr_wsd_decay_style: str = arg("exponential", "anneal of the WSD style's final phase",
+                                  choices=WSD_DECAY_STYLES)
+    lr_wsd_decay_iters: int | None = arg(None, "steps of the WSD style's final anneal (the last "
+                                               "ones of --lr-decay-iters)")
+    start_weight_decay: float | None = arg(None, "weight decay at the start of a linear/cosine "
+                                                 "--weight-decay-incr-style")
+    end_weight_decay: float | None = arg(None, "weight decay at --train-iters of a linear/cosine "
+                                               "--weight-decay-incr-style")
+    weight_decay_incr_style: str = arg("constant", "weight decay increment (constant: "
+                                                   "--weight-decay)", choices=WD_INCR_STYLES)
     max_nan_iterations: int = arg(10,
                                   "stop after this many consecutive iterations with a NaN/inf loss")
 
@@ -113,6 +125,12 @@ class TrainingConfig:
         if f is not None and not (isinstance(f, int | float) and 0 <= f <= 1):
             fail(self, "lr_warmup_fraction", "must be in [0, 1] or unset")
         check_int(self, "lr_decay_iters", 1, optional=True)
+        check_number(self, "lr_warmup_init", 0.0)
+        check_choice(self, "lr_wsd_decay_style", WSD_DECAY_STYLES)
+        check_int(self, "lr_wsd_decay_iters", 1, optional=True)
+        check_number(self, "start_weight_decay", 0.0, optional=True)
+        check_number(self, "end_weight_decay", 0.0, optional=True)
+        check_choice(self, "weight_decay_incr_style", WD_INCR_STYLES)
         check_int(self, "max_nan_iterations", 1)
 
 

@@ -41,7 +41,10 @@ class TrainState:
     consumed_samples: int = 0
     """Training samples consumed by all ranks together."""
     successful_steps: int = 0
-    """Steps that updated the weights: the LR schedule's index."""
+    """Steps that updated the weights."""
+    scheduler_samples: int = 0
+    """Samples of the steps that updated the weights: the LR schedule's index (Megatron-LM's
+    ``OptimizerParamScheduler.num_steps``)."""
     skipped_iterations: int = 0
     """Steps skipped for fp16 overflow or a NaN/inf loss, since the start of training; the log
     records count them per log interval, as Megatron-LM does."""
@@ -52,13 +55,18 @@ class TrainState:
     history: list = field(default_factory=list)
 
     COUNTERS = ("iteration", "consumed_samples", "successful_steps", "skipped_iterations",
-                "nan_iterations")
+                "nan_iterations", "scheduler_samples")
 
     def counters(self) -> dict:
         """The counters a checkpoint stores (JSON-able)."""
         return {k: getattr(self, k) for k in self.COUNTERS}
 
-    def restore(self, counters: dict) -> None:
+    def restore(self, counters: dict, global_batch_size: int = 0) -> None:
+        """Set the counters from a checkpoint's; one saved before ``scheduler_samples`` existed
+        had ``successful_steps`` steps of ``global_batch_size`` samples."""
+        counters = dict(counters)
+        counters.setdefault("scheduler_samples", int(counters["successful_steps"])
+                            * global_batch_size)
         for k in self.COUNTERS:
             setattr(self, k, int(counters[k]))
 
@@ -79,8 +87,9 @@ def _dp_mean(values: torch.Tensor, group, dp: int) -> torch.Tensor:
 
 
 def train_step(engine: ZeroEngine, micro_batches: list[torch.Tensor], lr: float,
-               grid: ProcessGrid) -> StepResult:
-    """One optimizer step over this rank's micro-batches ``[b, s+1]`` (int64 token ids).
+               grid: ProcessGrid, weight_decay: float | None = None) -> StepResult:
+    """One optimizer step over this rank's micro-batches ``[b, s+1]`` (int64 token ids), with
+    learning rate ``lr`` and the decayed parameters' ``weight_decay`` (None: unchanged).
 
     The loss of each micro-batch (mean over its tokens) is divided by the number of
     micro-batches before backward, so the gradient is that of the mean over the global batch.
@@ -98,7 +107,7 @@ def train_step(engine: ZeroEngine, micro_batches: list[torch.Tensor], lr: float,
     if not math.isfinite(mean):
         engine.zero_grad()
         return StepResult(mean, float("nan"), engine.loss_scale, True, True)
-    info = engine.step(lr)
+    info = engine.step(lr, weight_decay)
     return StepResult(mean, info.grad_norm, info.loss_scale, info.skipped, False)
 
 
@@ -179,7 +188,9 @@ class Trainer:
         engine: the ZeRO engine (``engine.model`` is the parallel model).
         grid: the process grid.
         settings: counts of the loop (in optimizer steps).
-        schedule: ``lr = schedule(successful_steps)``.
+        schedule: ``lr, weight_decay = schedule(state.scheduler_samples)``
+            (:class:`hybrid.schedule.ParamSchedule`): iteration ``i`` trains at the schedule
+            after ``i - 1`` successful steps, as Megatron-LM's.
         writer: the metrics path (log line, JSONL, wandb).
         eval_batches: iterators over the evaluation splits.
         after_iteration: the job's hook after each iteration (:data:`AfterIteration`; None:
@@ -191,7 +202,7 @@ class Trainer:
     engine: ZeroEngine
     grid: ProcessGrid
     settings: LoopSettings
-    schedule: Callable[[int], float]
+    schedule: Callable[[int], tuple[float, float | None]]
     writer: MetricsWriter
     eval_batches: EvalBatches = lambda split: None
     after_iteration: AfterIteration | None = None
@@ -211,9 +222,9 @@ class Trainer:
         s, state = self.settings, self.state
         window = _LogWindow()
         while state.iteration < s.train_iters:
-            lr = self.schedule(state.successful_steps)
+            lr, weight_decay = self.schedule(state.scheduler_samples)
             batches = [next(train_batches) for _ in range(s.grad_accum_steps)]
-            last = train_step(self.engine, batches, lr, self.grid)
+            last = train_step(self.engine, batches, lr, self.grid, weight_decay)
             too_many_nan = self._count(last, window)
             timer = getattr(self.engine, "timer", NULL_TIMER)
             if timer.enabled:
@@ -256,8 +267,9 @@ class Trainer:
         if last.skipped:
             state.skipped_iterations += 1
             window.skipped += 1
-        else:
+        else:  # the schedule advances after an update only, as Megatron-LM's
             state.successful_steps += 1
+            state.scheduler_samples += self.settings.global_batch_size
         window.steps += 1
         return too_many_nan
 

@@ -6,7 +6,7 @@ import torch
 
 import hybrid.training as training
 from hybrid.metrics import MetricsWriter
-from hybrid.schedule import LRSchedule
+from hybrid.schedule import LRSchedule, ParamSchedule, WeightDecaySchedule
 from hybrid.training import LoopSettings, Trainer
 
 
@@ -24,7 +24,7 @@ class FakeEngine:
     def backward(self, loss, is_last_micro_batch):
         pass
 
-    def step(self, lr):
+    def step(self, lr, weight_decay=None):
         self.steps += 1  # an fp16 overflow at the step numbers in self.overflow
         skipped = self.steps in self.overflow
         return SimpleNamespace(skipped=skipped, grad_norm=float("inf") if skipped else 1.0,
@@ -53,7 +53,8 @@ def run(losses, **kw):
                             peak_tflops=None)
     batches = iter([torch.zeros(2, 5, dtype=torch.long)] * 100)
     writer = MetricsWriter(0, None, {}, print_fn=lambda *_: None)
-    trainer = Trainer(engine, grid, settings, LRSchedule(1.0, 0.1, 0, 6), writer,
+    schedule = ParamSchedule(LRSchedule(1.0, 0.1, 1, 12, "cosine"), WeightDecaySchedule(0, 0, 12))
+    trainer = Trainer(engine, grid, settings, schedule, writer,
                       lambda split: iter([torch.zeros(2, 5, dtype=torch.long)]), kw.get("after"))
     state = trainer.state
     state.history = kw.get("history", state.history)

@@ -8,13 +8,13 @@ rank with the same message and no worker waits in a collective.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hybrid.config import PretrainConfig
 from hybrid.config_fields import ConfigError
+from hybrid.job.schedule_setup import schedule_settings
 from hybrid.parallel.grid import validate_grid
 from hybrid.parallel.vocab import pad_vocab_size
 from models.gpt import GPTConfig
@@ -35,7 +35,8 @@ class Job:
             (``global = micro x accumulation x dp``).
         tokens_per_step: ``global_batch_size * seq_length``.
         padded_vocab_size: embedding rows after padding for this tp.
-        warmup_iters, decay_iters: resolved LR schedule lengths (steps).
+        schedule: the LR and weight-decay schedule's settings, lengths in samples
+            (:func:`hybrid.job.schedule_setup.schedule_settings`).
     """
 
     cfg: PretrainConfig
@@ -47,8 +48,7 @@ class Job:
     grad_accum_steps: int
     tokens_per_step: int
     padded_vocab_size: int
-    warmup_iters: int
-    decay_iters: int
+    schedule: dict
 
     def summary(self) -> str:
         """One line: grid, batch arithmetic, tokens per step, vocabulary, parameters, schedule."""
@@ -57,8 +57,14 @@ class Job:
                 f"{self.global_batch_size} = micro batch {micro} x accumulation "
                 f"{self.grad_accum_steps} x dp {self.dp} | tokens per step "
                 f"{self.tokens_per_step:,} | vocab {self.gpt.vocab_size} padded to "
-                f"{self.padded_vocab_size} | parameters {self.gpt.num_parameters():,} | LR warmup "
-                f"{self.warmup_iters} decay {self.decay_iters}")
+                f"{self.padded_vocab_size} | parameters {self.gpt.num_parameters():,} | LR "
+                f"{self.schedule['lr_decay_style']} warmup {self.warmup_iters:g} decay "
+                f"{self.schedule['lr_decay_steps'] // self.global_batch_size} iterations")
+
+    @property
+    def warmup_iters(self) -> float:
+        """The LR warmup in iterations (a fraction with ``--lr-warmup-fraction``)."""
+        return self.schedule["lr_warmup_steps"] / self.global_batch_size
 
 
 def _world_from_env() -> tuple[int, int | None]:
@@ -151,18 +157,18 @@ def validate(cfg: PretrainConfig, world_size: int | None = None,
         raise ConfigError(f"--global-batch-size {gbs} is not divisible by --micro-batch-size "
                           f"{t.micro_batch_size} x data-parallel size {dp} = "
                           f"{t.micro_batch_size * dp}")
-    warmup, decay = _lr_schedule_lengths(cfg)
+    schedule = schedule_settings(cfg, gbs)
     recomputed = cfg.activation.first_blocks
     if recomputed is not None and recomputed > gpt.num_layers:
         raise ConfigError(f"--recompute-num-layers {recomputed} exceeds the model's --num-layers "
                           f"{gpt.num_layers}")
     _check_data(cfg, vocab)
-    _check_checkpoint(cfg, gpt)
+    _check_checkpoint(cfg, gpt, schedule)
     return Job(
         cfg=cfg, gpt=gpt, world_size=world, tp=tp, dp=dp, global_batch_size=gbs,
         grad_accum_steps=gbs // (t.micro_batch_size * dp), tokens_per_step=gbs * m.seq_length,
         padded_vocab_size=pad_vocab_size(vocab, tp, m.make_vocab_size_divisible_by),
-        warmup_iters=warmup, decay_iters=decay,
+        schedule=schedule,
     )
 
 
@@ -209,20 +215,7 @@ def _check_model_split(cfg: PretrainConfig, gpt: GPTConfig) -> None:
                           f"{gpt.max_position_embeddings}]")
 
 
-def _lr_schedule_lengths(cfg: PretrainConfig) -> tuple[int, int]:
-    """``(warmup, decay)`` steps of the LR schedule, after checking ``--min-lr <= --lr``."""
-    t, lr = cfg.training, cfg.optimizer.lr
-    if t.min_lr > lr:
-        raise ConfigError(f"need 0 <= --min-lr ({t.min_lr}) <= --lr ({lr})")
-    decay = t.lr_decay_iters if t.lr_decay_iters is not None else t.train_iters
-    warmup = (math.floor(t.lr_warmup_fraction * decay + 0.5)  # 0.29 * 100 is 28.999...
-              if t.lr_warmup_fraction is not None else t.lr_warmup_iters)
-    if warmup > decay:
-        raise ConfigError(f"--lr-warmup-iters {warmup} must be in [0, --lr-decay-iters {decay}]")
-    return warmup, decay
-
-
-def _check_checkpoint(cfg: PretrainConfig, gpt: GPTConfig) -> None:
+def _check_checkpoint(cfg: PretrainConfig, gpt: GPTConfig, schedule: dict) -> None:
     """The checkpoint flags agree with each other, and what ``--load`` / ``--init-from-hf`` name
     fits this run."""
     c = cfg.checkpoint
@@ -238,17 +231,17 @@ def _check_checkpoint(cfg: PretrainConfig, gpt: GPTConfig) -> None:
         raise ConfigError("--override-opt-param-scheduler and --use-checkpoint-opt_param-scheduler "
                           "are mutually exclusive: take the LR schedule from this run's flags or "
                           "from the checkpoint")
-    _check_resume(cfg, gpt)
+    _check_resume(cfg, gpt, schedule)
 
 
-def _check_resume(cfg: PretrainConfig, gpt: GPTConfig) -> None:
+def _check_resume(cfg: PretrainConfig, gpt: GPTConfig, schedule: dict) -> None:
     from hybrid.checkpoint.directory import IncompleteCheckpointError
     from hybrid.job.resume_checks import ResumeMismatch, check_resume, checkpoint_metadata
 
     try:
         meta = checkpoint_metadata(cfg.checkpoint.load)
         if meta is not None:
-            check_resume(cfg, gpt, meta)
+            check_resume(cfg, gpt, meta, schedule)
     except FileNotFoundError as e:  # the pointer names no directory
         raise ConfigError(f"--load {cfg.checkpoint.load}: {e}") from None
     except (ResumeMismatch, IncompleteCheckpointError) as e:

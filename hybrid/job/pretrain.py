@@ -174,12 +174,13 @@ def run(job: Job) -> dict:
         ds = eval_sets[split]
         return None if ds is None else _batches(ds, 0, job, grid)
 
-    schedule = lr_schedule(job, meta, print if grid.rank == 0 else None)
+    schedule, settings = lr_schedule(job, meta, print if grid.rank == 0 else None)
     writer, progress = _metrics(job, grid, state, meta)
     if grid.rank == 0:
         where = f" | resolved config: {writer.config_file}" if writer.config_file else ""
         writer.print(engine_line(engine) + where)
     checkpointer = Checkpointer(job, engine, grid, tracker, writer)
+    checkpointer.metadata["lr_schedule"] = settings  # the one followed, for the next resume
     trainer = Trainer(engine, grid, loop_settings(job, grid), schedule, writer, eval_batches,
                       checkpointer.after_iteration, progress, state)
     try:
