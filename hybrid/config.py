@@ -152,11 +152,12 @@ class DataConfig:
 class EvalConfig:
     """Evaluation."""
 
-    eval_interval: int = arg(1000, "evaluate on the validation split every N steps")
-    eval_iters: int = arg(10, "global batches per evaluation")
+    eval_interval: int | None = arg(None, "evaluate on the validation split every N steps "
+                                          "(default: only at the end of training)")
+    eval_iters: int = arg(100, "global batches per evaluation (0: none)")
 
     def __post_init__(self) -> None:
-        check_int(self, "eval_interval", 1)
+        check_int(self, "eval_interval", 1, optional=True)
         check_int(self, "eval_iters", 0)
 
 
@@ -164,7 +165,7 @@ class EvalConfig:
 class LoggingConfig:
     """Metrics and tracking."""
 
-    log_interval: int = arg(10, "steps between log lines / metrics records")
+    log_interval: int = arg(100, "steps between log lines / metrics records")
     metrics_file: str | None = arg(None,
                                    "JSONL file with one record per logged step and evaluation")
     wandb_project: str | None = arg(None, "wandb project (wandb is off when unset)")

@@ -42,6 +42,9 @@ class TrainState:
     """Training samples consumed by all ranks together."""
     successful_steps: int = 0
     """Steps that updated the weights."""
+    consumed_valid_samples: int = 0
+    """Validation samples read by the evaluations so far: each evaluation continues where the
+    last one stopped, as Megatron-LM's."""
     scheduler_samples: int = 0
     """Samples of the steps that updated the weights: the LR schedule's index (Megatron-LM's
     ``OptimizerParamScheduler.num_steps``)."""
@@ -55,7 +58,7 @@ class TrainState:
     history: list = field(default_factory=list)
 
     COUNTERS = ("iteration", "consumed_samples", "successful_steps", "skipped_iterations",
-                "nan_iterations", "scheduler_samples")
+                "nan_iterations", "scheduler_samples", "consumed_valid_samples")
 
     def counters(self) -> dict:
         """The counters a checkpoint stores (JSON-able)."""
@@ -67,6 +70,7 @@ class TrainState:
         counters = dict(counters)
         counters.setdefault("scheduler_samples", int(counters["successful_steps"])
                             * global_batch_size)
+        counters.setdefault("consumed_valid_samples", 0)
         for k in self.COUNTERS:
             setattr(self, k, int(counters[k]))
 
@@ -161,7 +165,8 @@ class LoopSettings:
     global_batch_size: int
     tokens_per_step: int
     log_interval: int
-    eval_interval: int
+    eval_interval: int | None
+    """None: no evaluation during training (Megatron-LM's default), only at its end."""
     eval_iters: int
     max_nan_iterations: int
     flops_per_step: float
@@ -170,9 +175,9 @@ class LoopSettings:
     """Device peak for MFU, None when unknown (CPU)."""
 
 
-EvalBatches = Callable[[str], "Iterator[torch.Tensor] | None"]
-"""``eval_batches(split)``: a fresh iterator over the ``"valid"`` or ``"test"`` split, None if
-empty."""
+EvalBatches = Callable[[str, int], "Iterator[torch.Tensor] | None"]
+"""``eval_batches(split, consumed)``: an iterator over the ``"valid"`` or ``"test"`` split from
+its sample ``consumed`` on, None if the split is empty."""
 
 AfterIteration = Callable[[TrainState], bool]
 """``after_iteration(state)``, called on every rank after each iteration (after logging and
@@ -204,7 +209,7 @@ class Trainer:
     settings: LoopSettings
     schedule: Callable[[int], tuple[float, float | None]]
     writer: MetricsWriter
-    eval_batches: EvalBatches = lambda split: None
+    eval_batches: EvalBatches = lambda split, consumed: None
     after_iteration: AfterIteration | None = None
     progress: Any = None
     state: TrainState = field(default_factory=TrainState)
@@ -241,7 +246,8 @@ class Trainer:
                     f"at iteration {state.iteration}); lower --lr, check --clip-grad or check "
                     "the data")
             paused = time.perf_counter()  # evaluation and checkpoints are not training time
-            if s.eval_iters and state.iteration % s.eval_interval == 0 and not done:
+            if (s.eval_iters and s.eval_interval and state.iteration % s.eval_interval == 0
+                    and not done):
                 self.evaluate("valid")
             stop = self.after_iteration is not None and self.after_iteration(state)
             window.t0 += time.perf_counter() - paused
@@ -294,13 +300,17 @@ class Trainer:
         state.history.append(record)
 
     def evaluate(self, split: str) -> float | None:
-        """Evaluate on ``split`` ("valid" or "test") and log one record; None if the split is
-        empty."""
-        batches = self.eval_batches(split)
+        """Evaluate ``--eval-iters`` global batches of ``split`` ("valid" or "test") and log one
+        record; None if the split is empty. Validation moves forward through its split from one
+        evaluation to the next (``state.consumed_valid_samples``), as in Megatron-LM."""
+        s, state = self.settings, self.state
+        start = state.consumed_valid_samples if split == "valid" else 0
+        batches = self.eval_batches(split, start)
         if batches is None:
             return None
-        s, state = self.settings, self.state
         loss = evaluate(self.engine, batches, s.eval_iters * s.grad_accum_steps, self.grid)
+        if split == "valid":
+            state.consumed_valid_samples += s.eval_iters * s.global_batch_size
         record = dict(split=split, iteration=state.iteration,
                       consumed_samples=state.consumed_samples, lm_loss=loss)
         self.writer.eval(record)

@@ -29,7 +29,9 @@ if TYPE_CHECKING:
 def build_datasets(job: Job, state: TrainState | None = None):
     """``(train, valid, test)`` datasets sized for the run (None for an empty split).
 
-    The training split holds ``train_iters x global batch`` samples (Megatron-LM's size), or
+    The validation split holds ``(train_iters // eval_interval + 1) x eval_iters x global
+    batch`` samples, the test split ``eval_iters x global batch``, as in Megatron-LM. The
+    training split holds ``train_iters x global batch`` samples (Megatron-LM's size), or
     more when a resumed job (``state``: its loaded counters) needs more: its consumed samples
     plus the remaining iterations at this run's global batch, which is larger when the global
     batch grew since the checkpoint or when the consumed samples came at a larger one.
@@ -39,12 +41,18 @@ def build_datasets(job: Job, state: TrainState | None = None):
     cfg, gbs = job.cfg, job.global_batch_size
     seq, fractions = cfg.model.seq_length, parse_split(cfg.data.split)
     eval_samples = cfg.eval.eval_iters * gbs
+    # Megatron-LM's validation size: every evaluation reads new samples (one per interval and
+    # one at the end); the test split is evaluated once
+    interval = cfg.eval.eval_interval
+    valid_samples = (cfg.training.train_iters // interval + 1 if interval else 1) * eval_samples
     train_samples = cfg.training.train_iters * gbs
     if state is not None:
         remaining = max(0, cfg.training.train_iters - state.iteration)
         train_samples = max(train_samples, state.consumed_samples + remaining * gbs)
+        evals = remaining // interval + 1 if interval else 1
+        valid_samples = max(valid_samples, state.consumed_valid_samples + evals * eval_samples)
     counts = (train_samples,
-              eval_samples if fractions[1] > 0 else 0,
+              valid_samples if fractions[1] > 0 else 0,
               eval_samples if fractions[2] > 0 else 0)
     if cfg.data.mock_data:
         from data.mock_dataset import MockGPTDataset
@@ -170,9 +178,9 @@ def run(job: Job) -> dict:
     train_ds, valid_ds, test_ds = build_datasets(job, state)
     eval_sets = {"valid": valid_ds, "test": test_ds}
 
-    def eval_batches(split):
+    def eval_batches(split, consumed):
         ds = eval_sets[split]
-        return None if ds is None else _batches(ds, 0, job, grid)
+        return None if ds is None else _batches(ds, consumed, job, grid)
 
     schedule, settings = lr_schedule(job, meta, print if grid.rank == 0 else None)
     writer, progress = _metrics(job, grid, state, meta)
