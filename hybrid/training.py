@@ -170,7 +170,8 @@ class LoopSettings:
     eval_iters: int
     max_nan_iterations: int
     flops_per_step: float
-    """Model FLOPs of one optimizer step (2205.05198 Eq. 7), for TFLOP/s per device."""
+    """Model FLOPs of one optimizer step as Megatron-LM counts them
+    (:func:`hybrid.flops.megatron_flops_per_iteration`), for TFLOP/s per device."""
     peak_tflops: float | None
     """Device peak for MFU, None when unknown (CPU)."""
 

@@ -111,8 +111,9 @@ def engine_line(engine) -> str:
 
 
 def loop_settings(job: Job, grid: ProcessGrid):
-    """The loop's counts and the FLOPs per step for TFLOP/s and MFU (2205.05198 Eq. 7)."""
-    from hybrid.flops import device_peak_tflops, flops_per_iteration
+    """The loop's counts and the FLOPs per step for TFLOP/s and MFU, counted as Megatron-LM's
+    ``--log-throughput`` (:func:`hybrid.flops.megatron_flops_per_iteration`)."""
+    from hybrid.flops import device_peak_tflops, megatron_flops_per_iteration
     from hybrid.training import LoopSettings
 
     cfg, o = job.cfg, job.cfg.training
@@ -121,7 +122,8 @@ def loop_settings(job: Job, grid: ProcessGrid):
         global_batch_size=job.global_batch_size, tokens_per_step=job.tokens_per_step,
         log_interval=cfg.logging.log_interval, eval_interval=cfg.eval.eval_interval,
         eval_iters=cfg.eval.eval_iters, max_nan_iterations=o.max_nan_iterations,
-        flops_per_step=flops_per_iteration(job.gpt, job.global_batch_size, cfg.model.seq_length),
+        flops_per_step=megatron_flops_per_iteration(job.gpt, job.global_batch_size,
+                                                    cfg.model.seq_length, job.padded_vocab_size),
         peak_tflops=device_peak_tflops() if grid.device.type == "cuda" else None,
     )
 
