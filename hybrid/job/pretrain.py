@@ -232,8 +232,12 @@ def main(argv: list[str] | None = None) -> int:
     # a user's warning is a line of its own, not a source file and line of this package
     warnings.formatwarning = lambda msg, cat, *_, **__: f"{cat.__name__}: {msg}\n"
     try:
-        cfg = parse_config(argv)
+        ignored: list[str] = []
+        cfg = parse_config(argv, ignored)
         job = validate(cfg, world_size=cfg.grid.dry_run_world_size)
+        if ignored and os.environ.get("RANK", "0") == "0":
+            print(f"hybrid-pretrain: Megatron-LM flags accepted without effect here (kernel, "
+                  f"fusion and backend choices): {', '.join(ignored)}", flush=True)
     except ConfigError as e:
         if os.environ.get("LOCAL_RANK", "0") == "0":  # once per node, not once per rank
             print(f"hybrid-pretrain: error: {e}", file=sys.stderr)

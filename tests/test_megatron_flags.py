@@ -1,0 +1,91 @@
+"""Megatron-LM's example-script flags get one of three answers (issue 26 item 4): their meaning
+here, accepted without effect (one start-up note), or refused on one line naming the feature."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybrid.job.cli import parse_config
+from hybrid.job.config_checks import ConfigError, validate
+from hybrid.job.megatron_flags import translate
+from hybrid.job.pretrain import main
+from hybrid.parallel.spawn import spawn_world
+from tests.pretrain_worlds import run_configs
+
+# examples/gpt3/train_gpt3_175b_distributed.sh of Megatron-LM, its flag blocks in order, the model
+# shrunk (96 x 12288 -> 2 x 64, seq 2048 -> 32), the batch and iteration counts made small, mock
+# data instead of its files, plus flags of its other examples that mean something here
+GPT3_175B = [
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+    "--max-position-embeddings", "32", "--attention-backend", "auto",
+    "--micro-batch-size", "1", "--global-batch-size", "4",
+    "--train-iters", "3", "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
+    "--init-method-std", "0.006", "--clip-grad", "1.0", "--lr", "6.0e-5",
+    "--lr-decay-style", "cosine", "--min-lr", "6.0e-6", "--lr-warmup-fraction", ".001",
+    "--lr-decay-iters", "3",
+    "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
+    "--mock-data", "--vocab-size", "512", "--split", "949,50,1",
+    "--log-interval", "1", "--eval-interval", "2", "--eval-iters", "1",
+    "--use-mcore-models", "--distributed-backend", "nccl", "--use-distributed-optimizer",
+    "--overlap-grad-reduce", "--overlap-param-gather", "--recompute-activations",
+    "--exit-signal-handler", "--ckpt-format", "torch_dist", "--no-masked-softmax-fusion",
+]
+OUT_OF_SCOPE = {  # the script's own, with its values, and a few of the Llama-3 8B FP8 example's
+    ("--pipeline-model-parallel-size", "16"): "pipeline parallelism",
+    ("--step-batch-size-schedule", "0:16 2.4B:320"): "a batch-size schedule",
+    ("--vocab-file", "gpt2-vocab.json"): "GPT-2 BPE vocab/merge files",
+    ("--merge-file", "gpt2-merges.txt"): "GPT-2 BPE vocab/merge files",
+    ("--tensorboard-dir", "tb"): "TensorBoard logging",
+    ("--context-parallel-size", "2"): "context parallelism",
+    ("--fp8-format", "hybrid"): "FP8 training",
+    ("--num-experts", "8"): "mixture of experts",
+}
+
+
+def test_each_out_of_scope_flag_is_refused_on_one_line_naming_its_feature():
+    extra = [tok for (flag, value) in OUT_OF_SCOPE for tok in (flag, *value.split())]
+    with pytest.raises(ConfigError) as e:
+        parse_config(GPT3_175B + extra)
+    lines = str(e.value).splitlines()[1:]
+    assert len(lines) == len(OUT_OF_SCOPE), lines
+    for line, ((flag, _), feature) in zip(lines, OUT_OF_SCOPE.items(), strict=True):
+        assert line.strip().startswith(flag) and feature in line, line
+
+
+def test_megatron_flags_take_their_meaning_here():
+    ignored: list[str] = []
+    cfg = parse_config(GPT3_175B, ignored)
+    assert cfg.zero.stage == 1 and cfg.zero.overlap_comm
+    assert cfg.activation.selective_recompute
+    assert parse_config(GPT3_175B + ["--zero-stage", "3"]).zero.stage == 3
+    full = ["--recompute-granularity", "full", "--recompute-method", "uniform",
+            "--recompute-num-layers", "1", "--distribute-saved-activations"]
+    assert parse_config(full).activation.partition_activations  # Megatron's needs full too
+    assert ignored == ["--attention-backend auto", "--use-mcore-models",
+                       "--distributed-backend nccl", "--ckpt-format torch_dist",
+                       "--no-masked-softmax-fusion"]
+    assert translate(["--tokenizer-type", "GPTSentencePieceTokenizer"]) == ([], [])
+
+
+@pytest.mark.timeout(200)
+def test_the_shrunk_gpt3_script_trains(capfd):
+    (history,) = spawn_world(1, run_configs, [GPT3_175B], timeout_s=120)[0]
+    assert [r["iteration"] for r in history if "split" not in r] == [1, 2, 3]
+    # the dry run of the same flags prints the one note of flags without effect
+    assert main(GPT3_175B + ["--dry-run-world-size", "1"]) == 0
+    out = capfd.readouterr().out
+    assert out.count("accepted without effect here") == 1
+    assert "--use-mcore-models, --distributed-backend nccl" in out
+
+
+@pytest.mark.parametrize("flag,hint", [
+    ("--num-layer", "--num-layers"), ("--zero", "--zero-stage"), ("--train_iters", "--train-iters"),
+    ("--swiglu-gated", None), ("--foo-bar", None), ("--checkpoint-num-layers",
+                                                    "--recompute-num-layers"),
+])
+def test_an_unknown_flag_is_hinted_only_when_plausibly_the_same_flag(flag, hint):
+    with pytest.raises(ConfigError) as e:
+        validate(parse_config([flag, "2"]), world_size=1)
+    assert ("did you mean" in str(e.value)) == (hint is not None), str(e.value)
+    if hint:
+        assert f"did you mean {hint}?" in str(e.value)
