@@ -91,13 +91,21 @@ class TrainingConfig:
     micro_batch_size: int = arg(1, "samples per rank per forward/backward")
     global_batch_size: int | None = arg(None, "samples per optimizer step (default: micro batch x "
                                               "data-parallel size)")
-    train_iters: int = arg(100, "optimizer steps to run")
+    train_iters: int | None = arg(None, "optimizer steps to run (default: --train-samples // "
+                                        "global batch, else 100)")
+    train_samples: int | None = arg(None, "samples to train on, instead of --train-iters "
+                                          "(sample-based training, Megatron-LM's)")
     min_lr: float = arg(0.0, "learning rate at the end of the decay")
     lr_decay_style: str = arg("linear", "learning-rate decay after warmup (Megatron-LM's styles)",
                               choices=DECAY_STYLES)
     lr_warmup_iters: int = arg(0, "linear warmup steps (from --lr-warmup-init to --lr)")
     lr_warmup_fraction: float | None = arg(None, "warmup as a fraction of the decay steps "
                                                  "(instead of --lr-warmup-iters)")
+    lr_warmup_samples: int = arg(0, "linear warmup in samples (sample-based training)")
+    lr_decay_samples: int | None = arg(None, "samples over which the LR decays (sample-based; "
+                                             "default: --train-samples)")
+    lr_wsd_decay_samples: int | None = arg(None, "samples of the WSD style's final anneal "
+                                                 "(sample-based training)")
     lr_warmup_init: float = arg(0.0, "learning rate of the first iteration (warmup start)")
     lr_decay_iters: int | None = arg(None,
                                      "steps over which the LR decays (default: --train-iters)")
@@ -117,7 +125,8 @@ class TrainingConfig:
     def __post_init__(self) -> None:
         check_int(self, "micro_batch_size", 1)
         check_int(self, "global_batch_size", 1, optional=True)
-        check_int(self, "train_iters", 1)
+        check_int(self, "train_iters", 1, optional=True)
+        check_int(self, "train_samples", 1, optional=True)
         check_number(self, "min_lr", 0.0)
         check_choice(self, "lr_decay_style", DECAY_STYLES)
         check_int(self, "lr_warmup_iters", 0)
@@ -128,6 +137,9 @@ class TrainingConfig:
         check_number(self, "lr_warmup_init", 0.0)
         check_choice(self, "lr_wsd_decay_style", WSD_DECAY_STYLES)
         check_int(self, "lr_wsd_decay_iters", 1, optional=True)
+        check_int(self, "lr_warmup_samples", 0)
+        check_int(self, "lr_decay_samples", 1, optional=True)
+        check_int(self, "lr_wsd_decay_samples", 1, optional=True)
         check_number(self, "start_weight_decay", 0.0, optional=True)
         check_number(self, "end_weight_decay", 0.0, optional=True)
         check_choice(self, "weight_decay_incr_style", WD_INCR_STYLES)

@@ -1,4 +1,5 @@
-"""The learning rate and weight decay of every iteration equal Megatron-LM's (issue 26 item 1).
+"""The learning rate and weight decay of every iteration equal Megatron-LM's, iteration- and
+sample-based (issue 26 items 1 and 2).
 
 ``MegatronScheduler`` below is Megatron-LM's ``OptimizerParamScheduler`` (file
 ``megatron/core/optimizer_param_scheduler.py``: ``get_lr``, ``get_wd``, ``step``) written out,
@@ -94,16 +95,25 @@ class MegatronScheduler:
 
 
 def megatron_from_args(a: dict, gbs: int) -> MegatronScheduler:
-    """``get_optimizer_param_scheduler``'s iteration-based branch (``a``: Megatron's args)."""
-    decay_iters = a.get("lr_decay_iters") or a["train_iters"]
-    lr_decay_steps = decay_iters * gbs
-    wd_incr_steps = a["train_iters"] * gbs
-    wsd = a.get("lr_wsd_decay_iters")
-    wsd_decay_steps = None if wsd is None else wsd * gbs
-    if a.get("lr_warmup_fraction") is not None:
-        lr_warmup_steps = a["lr_warmup_fraction"] * lr_decay_steps
-    else:
-        lr_warmup_steps = a.get("lr_warmup_iters", 0) * gbs
+    """``get_optimizer_param_scheduler``'s two branches (``a``: Megatron's args)."""
+    if a.get("train_iters"):  # iteration-based
+        decay_iters = a.get("lr_decay_iters") or a["train_iters"]
+        lr_decay_steps = decay_iters * gbs
+        wd_incr_steps = a["train_iters"] * gbs
+        wsd = a.get("lr_wsd_decay_iters")
+        wsd_decay_steps = None if wsd is None else wsd * gbs
+        if a.get("lr_warmup_fraction") is not None:
+            lr_warmup_steps = a["lr_warmup_fraction"] * lr_decay_steps
+        else:
+            lr_warmup_steps = a.get("lr_warmup_iters", 0) * gbs
+    else:  # sample-based
+        lr_decay_steps = a.get("lr_decay_samples") or a["train_samples"]
+        wd_incr_steps = a["train_samples"]
+        wsd_decay_steps = a.get("lr_wsd_decay_samples")
+        if a.get("lr_warmup_fraction") is not None:
+            lr_warmup_steps = a["lr_warmup_fraction"] * lr_decay_steps
+        else:
+            lr_warmup_steps = a.get("lr_warmup_samples", 0)
     wd = a.get("weight_decay", 0.01)
     return MegatronScheduler(
         a.get("lr_warmup_init", 0.0), a["lr"], a.get("min_lr", 0.0), lr_warmup_steps,
@@ -152,11 +162,16 @@ def megatron_values(a: dict, overflow=()) -> list[tuple[float, float]]:
     """What Megatron-LM's train loop trains each iteration with (its scheduler is built, so
     stepped by 0, before the first iteration; each successful update steps it by the batch)."""
     m, out = megatron_from_args(a, GBS), []
-    for i in range(1, a["train_iters"] + 1):
+    for i in range(1, iterations(a) + 1):
         out.append((m.get_lr(), m.get_wd()))
         if i not in overflow:
             m.step(GBS)
     return out
+
+
+def iterations(a: dict) -> int:
+    """``update_train_iters``: sample-based runs train ``train_samples // global batch``."""
+    return a.get("train_iters") or a["train_samples"] // GBS
 
 
 def argv_of(a: dict) -> list[str]:
@@ -185,6 +200,15 @@ CASES = [
          start_weight_decay=0.0, end_weight_decay=0.1),
     dict(lr=1e-3, train_iters=40, lr_warmup_iters=2, weight_decay_incr_style="cosine",
          start_weight_decay=0.01, end_weight_decay=0.1),
+    # sample-based: lengths in samples, not multiples of the global batch 8
+    dict(lr=1e-3, min_lr=1e-4, train_samples=301, lr_warmup_samples=21,
+         lr_decay_style="cosine"),
+    dict(lr=1e-3, train_samples=320, lr_decay_samples=203, lr_warmup_fraction=0.05,
+         lr_warmup_init=1e-4),
+    dict(lr=1e-3, min_lr=1e-5, train_samples=320, lr_warmup_samples=16, lr_decay_style="WSD",
+         lr_wsd_decay_samples=83, lr_wsd_decay_style="minus_sqrt"),
+    dict(lr=1e-3, train_samples=250, lr_decay_style="inverse-square-root", lr_warmup_samples=9,
+         weight_decay_incr_style="linear", start_weight_decay=0.0, end_weight_decay=0.05),
 ]
 
 
@@ -192,20 +216,22 @@ CASES = [
 def test_every_iteration_trains_at_megatrons_lr_and_weight_decay(a):
     job = validate(parse_config(argv_of(a)), world_size=1)
     engine = RecordingEngine(overflow={3, 4, 11})
-    run_loop(build_schedule(job.schedule), a["train_iters"], engine)
+    assert job.cfg.training.train_iters == iterations(a)
+    run_loop(build_schedule(job.schedule), iterations(a), engine)
     assert engine.seen == megatron_values(a, overflow={3, 4, 11})
     assert engine.seen[0][0] == a.get("lr_warmup_init", 0.0) or not a.get("lr_warmup_iters")
 
 
-@pytest.mark.parametrize("a", [CASES[2], CASES[7], CASES[11]], ids=["cosine", "wsd", "wd-cos"])
+@pytest.mark.parametrize("a", [CASES[2], CASES[7], CASES[11], CASES[14]],
+                         ids=["cosine", "wsd", "wd-cos", "samples-wsd"])
 def test_a_resumed_run_continues_the_schedule_exactly(a):
     schedule = build_schedule(validate(parse_config(argv_of(a)), world_size=1).schedule)
     first = RecordingEngine(overflow={2})
-    state = run_loop(schedule, a["train_iters"], first, after=lambda s: s.iteration == 13)
+    state = run_loop(schedule, iterations(a), first, after=lambda s: s.iteration == 13)
     resumed = TrainState()
     resumed.restore(state.counters())
     second = RecordingEngine()
-    run_loop(schedule, a["train_iters"], second, state=resumed)
+    run_loop(schedule, iterations(a), second, state=resumed)
     assert first.seen + second.seen == megatron_values(a, overflow={2})
 
 
@@ -218,7 +244,13 @@ def test_a_resumed_run_continues_the_schedule_exactly(a):
     (["--lr-warmup-init", "1"], r"--lr-warmup-init \(1.0\) <= --lr"),
     (["--start-weight-decay", "0.1"], "need --weight-decay-incr-style linear or cosine"),
     (["--weight-decay-incr-style", "linear"], "needs --start-weight-decay and --end-weight-decay"),
+    (["--lr-decay-samples", "40"], "--lr-decay-samples need sample-based training"),
+    (["--train-samples", "80"], "--train-samples 80 is sample-based training: give the "
+                                "\\*-samples flags instead of --train-iters"),
+    (["--train-samples", "4"], "--train-samples 4 is less than one global batch"),
 ])
 def test_schedule_flags_megatron_refuses_are_refused(extra, message):
     with pytest.raises(ConfigError, match=message):
-        validate(parse_config(argv_of(dict(lr=1e-3, train_iters=10)) + extra), world_size=1)
+        a = dict(lr=1e-3) if "--train-samples" in extra[:1] and extra[1] == "4" else dict(
+            lr=1e-3, train_iters=10)
+        validate(parse_config(argv_of(a) + extra), world_size=1)

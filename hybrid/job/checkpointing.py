@@ -86,7 +86,7 @@ def lr_schedule(job: Job, meta: dict | None, print_fn=None):
     )
 
     ck = job.cfg.checkpoint
-    saved = None if ck.no_load_optim else saved_settings(meta, job.global_batch_size)
+    saved = None if ck.no_load_optim else saved_settings(meta)
     diffs = [] if saved is None else differences(saved, job.schedule)
     settings = resumed_settings(job.schedule, saved, ck.use_checkpoint_opt_param_scheduler)
     if diffs and print_fn is not None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from hybrid.config import PretrainConfig
 from hybrid.config_fields import ConfigError
-from hybrid.job.schedule_setup import schedule_settings
+from hybrid.job.schedule_setup import schedule_settings, training_iterations
 from hybrid.parallel.grid import validate_grid
 from hybrid.parallel.vocab import pad_vocab_size
 from models.gpt import GPTConfig
@@ -157,6 +157,7 @@ def validate(cfg: PretrainConfig, world_size: int | None = None,
         raise ConfigError(f"--global-batch-size {gbs} is not divisible by --micro-batch-size "
                           f"{t.micro_batch_size} x data-parallel size {dp} = "
                           f"{t.micro_batch_size * dp}")
+    cfg = replace(cfg, training=replace(t, train_iters=training_iterations(cfg, gbs)))
     schedule = schedule_settings(cfg, gbs)
     recomputed = cfg.activation.first_blocks
     if recomputed is not None and recomputed > gpt.num_layers:

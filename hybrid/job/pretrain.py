@@ -45,7 +45,7 @@ def build_datasets(job: Job, state: TrainState | None = None):
     # one at the end); the test split is evaluated once
     interval = cfg.eval.eval_interval
     valid_samples = (cfg.training.train_iters // interval + 1 if interval else 1) * eval_samples
-    train_samples = cfg.training.train_iters * gbs
+    train_samples = cfg.training.train_samples or cfg.training.train_iters * gbs
     if state is not None:
         remaining = max(0, cfg.training.train_iters - state.iteration)
         train_samples = max(train_samples, state.consumed_samples + remaining * gbs)

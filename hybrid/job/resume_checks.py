@@ -132,8 +132,7 @@ def _check_schedule(cfg: PretrainConfig, meta: dict, schedule: dict) -> None:
     from hybrid.job.schedule_setup import differences, saved_settings
 
     ck = cfg.checkpoint
-    global_batch = schedule["wd_incr_steps"] // cfg.training.train_iters
-    saved = saved_settings(meta, global_batch)
+    saved = saved_settings(meta)
     if (saved is None or ck.override_opt_param_scheduler or ck.use_checkpoint_opt_param_scheduler
             or ck.no_load_optim):
         return
