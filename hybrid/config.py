@@ -101,6 +101,9 @@ class TrainingConfig:
     lr_warmup_iters: int = arg(0, "linear warmup steps (from --lr-warmup-init to --lr)")
     lr_warmup_fraction: float | None = arg(None, "warmup as a fraction of the decay steps "
                                                  "(instead of --lr-warmup-iters)")
+    rampup_batch_size: list[str] | None = arg(
+        None, "START INCR SAMPLES: grow the global batch from START by INCR over SAMPLES samples "
+              "(sample-based training)", nargs=3)
     lr_warmup_samples: int = arg(0, "linear warmup in samples (sample-based training)")
     lr_decay_samples: int | None = arg(None, "samples over which the LR decays (sample-based; "
                                              "default: --train-samples)")

@@ -144,6 +144,10 @@ class _LogWindow:
     steps: int = 0
     skipped: int = 0
     nan: int = 0
+    samples: int = 0
+    """Training samples of the window's iterations."""
+    last_batch: int = 0
+    """The global batch of its last iteration."""
     losses: list[float] = field(default_factory=list)
     """Losses of the iterations that updated the weights."""
     skipped_losses: list[float] = field(default_factory=list)
@@ -174,6 +178,9 @@ class LoopSettings:
     (:func:`hybrid.flops.megatron_flops_per_iteration`), for TFLOP/s per device."""
     peak_tflops: float | None
     """Device peak for MFU, None when unknown (CPU)."""
+    batch_size: Callable[[int], int] | None = None
+    """``batch_size(consumed samples)``: the global batch of the next iteration under a rampup
+    (:class:`hybrid.batch_rampup.BatchRampup`); None: always ``global_batch_size``."""
 
 
 EvalBatches = Callable[[str, int], "Iterator[torch.Tensor] | None"]
@@ -229,9 +236,11 @@ class Trainer:
         window = _LogWindow()
         while state.iteration < s.train_iters:
             lr, weight_decay = self.schedule(state.scheduler_samples)
-            batches = [next(train_batches) for _ in range(s.grad_accum_steps)]
+            gbs = s.batch_size(state.consumed_samples) if s.batch_size else s.global_batch_size
+            batches = [next(train_batches)
+                       for _ in range(s.grad_accum_steps * gbs // s.global_batch_size)]
             last = train_step(self.engine, batches, lr, self.grid, weight_decay)
-            too_many_nan = self._count(last, window)
+            too_many_nan = self._count(last, window, gbs)
             timer = getattr(self.engine, "timer", NULL_TIMER)
             if timer.enabled:
                 timer.end_step()
@@ -256,12 +265,15 @@ class Trainer:
                 break
         return state
 
-    def _count(self, last: StepResult, window: _LogWindow) -> bool:
-        """Advance the counters of the run and of the log window by one iteration; True when
-        ``max_nan_iterations`` consecutive losses were NaN/inf."""
+    def _count(self, last: StepResult, window: _LogWindow, global_batch: int) -> bool:
+        """Advance the counters of the run and of the log window by one iteration of
+        ``global_batch`` samples; True when ``max_nan_iterations`` consecutive losses were
+        NaN/inf."""
         state = self.state
         state.iteration += 1
-        state.consumed_samples += self.settings.global_batch_size
+        state.consumed_samples += global_batch
+        window.samples += global_batch
+        window.last_batch = global_batch
         too_many_nan = False
         if last.nan_loss:
             state.nan_iterations += 1
@@ -276,7 +288,7 @@ class Trainer:
             window.skipped += 1
         else:  # the schedule advances after an update only, as Megatron-LM's
             state.successful_steps += 1
-            state.scheduler_samples += self.settings.global_batch_size
+            state.scheduler_samples += global_batch
         window.steps += 1
         return too_many_nan
 
@@ -284,14 +296,15 @@ class Trainer:
         """Write the record of the log window that ends with this iteration."""
         s, state, grid = self.settings, self.state, self.grid
         elapsed = (time.perf_counter() - window.t0) / window.steps
-        tflops = s.flops_per_step / elapsed / grid.world_size / 1e12
+        share = window.samples / (window.steps * s.global_batch_size)  # < 1 in a rampup
+        tflops = s.flops_per_step * share / elapsed / grid.world_size / 1e12
         record = dict(
             iteration=state.iteration, consumed_samples=state.consumed_samples,
             lm_loss=window.mean_loss(),
-            lr=lr, global_batch_size=s.global_batch_size, grad_norm=last.grad_norm,
+            lr=lr, global_batch_size=window.last_batch, grad_norm=last.grad_norm,
             loss_scale=last.loss_scale, skipped_iterations=window.skipped,
             nan_iterations=window.nan, elapsed_ms=1000 * elapsed,
-            tokens_per_sec=s.tokens_per_step / elapsed, tflops_per_device=tflops,
+            tokens_per_sec=s.tokens_per_step * share / elapsed, tflops_per_device=tflops,
             mfu=tflops / s.peak_tflops if s.peak_tflops else None, memory_mb=memory_mb(grid.device),
         )
         if timer.enabled:  # --profile-phases: ms per step of each phase in this window

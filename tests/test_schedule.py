@@ -147,11 +147,13 @@ GBS = 8
 GRID = SimpleNamespace(device=torch.device("cpu"), dp_group=None, dp_size=1, world_size=1)
 
 
-def run_loop(schedule, iters, engine, state=None, after=None):
-    settings = LoopSettings(train_iters=iters, grad_accum_steps=1, global_batch_size=GBS,
-                            tokens_per_step=GBS, log_interval=1000, eval_interval=None,
-                            eval_iters=0, max_nan_iterations=10, flops_per_step=1.0,
-                            peak_tflops=None)
+def run_loop(schedule, iters, engine, state=None, after=None, **settings_kw):
+    """Train ``iters`` iterations of the real loop on ``engine`` (``settings_kw`` overrides
+    :class:`LoopSettings` fields)."""
+    kw = dict(train_iters=iters, grad_accum_steps=1, global_batch_size=GBS, tokens_per_step=GBS,
+              log_interval=1000, eval_interval=None, eval_iters=0, max_nan_iterations=10,
+              flops_per_step=1.0, peak_tflops=None)
+    settings = LoopSettings(**(kw | settings_kw))
     writer = MetricsWriter(0, None, {}, print_fn=lambda *_: None)
     trainer = Trainer(engine, GRID, settings, schedule, writer, after_iteration=after,
                       state=state or TrainState())

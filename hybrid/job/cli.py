@@ -29,7 +29,10 @@ def _annotation(f: dataclasses.Field):
 
 
 def _is_list(f: dataclasses.Field) -> bool:
-    return typing.get_origin(_annotation(f)) is list
+    """A list field, optional or not (``list[str]``, ``list[str] | None``)."""
+    a = _annotation(f)
+    return typing.get_origin(a) is list or any(typing.get_origin(x) is list
+                                               for x in typing.get_args(a))
 
 
 def _base_type(annotation) -> type:

@@ -12,9 +12,10 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from hybrid.batch_rampup import BatchRampup
 from hybrid.config import PretrainConfig
 from hybrid.config_fields import ConfigError
-from hybrid.job.schedule_setup import schedule_settings, training_iterations
+from hybrid.job.schedule_setup import batch_rampup, schedule_settings, training_iterations
 from hybrid.parallel.grid import validate_grid
 from hybrid.parallel.vocab import pad_vocab_size
 from models.gpt import GPTConfig
@@ -37,6 +38,7 @@ class Job:
         padded_vocab_size: embedding rows after padding for this tp.
         schedule: the LR and weight-decay schedule's settings, lengths in samples
             (:func:`hybrid.job.schedule_setup.schedule_settings`).
+        rampup: the global-batch rampup (``--rampup-batch-size``), None without.
     """
 
     cfg: PretrainConfig
@@ -49,6 +51,7 @@ class Job:
     tokens_per_step: int
     padded_vocab_size: int
     schedule: dict
+    rampup: BatchRampup | None = None
 
     def summary(self) -> str:
         """One line: grid, batch arithmetic, tokens per step, vocabulary, parameters, schedule."""
@@ -159,6 +162,11 @@ def validate(cfg: PretrainConfig, world_size: int | None = None,
                           f"{t.micro_batch_size * dp}")
     cfg = replace(cfg, training=replace(t, train_iters=training_iterations(cfg, gbs)))
     schedule = schedule_settings(cfg, gbs)
+    rampup = batch_rampup(cfg, gbs)
+    if rampup is not None and (bad := [b for b in rampup.sizes if b % (t.micro_batch_size * dp)]):
+        raise ConfigError(f"--rampup-batch-size: global batch {bad[0]} of the rampup is not "
+                          f"divisible by --micro-batch-size {t.micro_batch_size} x data-parallel "
+                          f"size {dp} = {t.micro_batch_size * dp}")
     recomputed = cfg.activation.first_blocks
     if recomputed is not None and recomputed > gpt.num_layers:
         raise ConfigError(f"--recompute-num-layers {recomputed} exceeds the model's --num-layers "
@@ -169,7 +177,7 @@ def validate(cfg: PretrainConfig, world_size: int | None = None,
         cfg=cfg, gpt=gpt, world_size=world, tp=tp, dp=dp, global_batch_size=gbs,
         grad_accum_steps=gbs // (t.micro_batch_size * dp), tokens_per_step=gbs * m.seq_length,
         padded_vocab_size=pad_vocab_size(vocab, tp, m.make_vocab_size_divisible_by),
-        schedule=schedule,
+        schedule=schedule, rampup=rampup,
     )
 
 

@@ -63,7 +63,6 @@ REFUSED = {
     "--use-torch-fsdp2": "FSDP (--zero-stage 3 partitions the parameters here)",
     "--use-megatron-fsdp": "FSDP (--zero-stage 3 partitions the parameters here)",
     "--step-batch-size-schedule": "a batch-size schedule",
-    "--rampup-batch-size": "batch-size rampup (deprecated in Megatron-LM, which now ignores it)",
     "--tensorboard-dir": "TensorBoard logging (use --metrics-file or --wandb-project)",
     "--vocab-file": "GPT-2 BPE vocab/merge files (give --tokenizer-model, a sentencepiece model)",
     "--merge-file": "GPT-2 BPE vocab/merge files (give --tokenizer-model, a sentencepiece model)",

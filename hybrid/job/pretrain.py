@@ -46,6 +46,8 @@ def build_datasets(job: Job, state: TrainState | None = None):
     interval = cfg.eval.eval_interval
     valid_samples = (cfg.training.train_iters // interval + 1 if interval else 1) * eval_samples
     train_samples = cfg.training.train_samples or cfg.training.train_iters * gbs
+    if job.rampup is not None:  # Megatron-LM's rampup iterations may overshoot --train-samples
+        train_samples = max(train_samples, job.rampup.consumed_after(cfg.training.train_iters))
     if state is not None:
         remaining = max(0, cfg.training.train_iters - state.iteration)
         train_samples = max(train_samples, state.consumed_samples + remaining * gbs)
@@ -125,6 +127,7 @@ def loop_settings(job: Job, grid: ProcessGrid):
         flops_per_step=megatron_flops_per_iteration(job.gpt, job.global_batch_size,
                                                     cfg.model.seq_length, job.padded_vocab_size),
         peak_tflops=device_peak_tflops() if grid.device.type == "cuda" else None,
+        batch_size=job.rampup.batch_size if job.rampup else None,
     )
 
 

@@ -14,6 +14,7 @@ restarts the schedule from sample 0, as Megatron-LM does when it loads no schedu
 
 from __future__ import annotations
 
+from hybrid.batch_rampup import BatchRampup
 from hybrid.config import PretrainConfig
 from hybrid.config_fields import ConfigError
 from hybrid.schedule import LRSchedule, ParamSchedule, WeightDecaySchedule
@@ -44,7 +45,8 @@ def training_iterations(cfg: PretrainConfig, global_batch_size: int) -> int:
     """
     t = cfg.training
     if t.train_samples is None:
-        samples = [f for f, v in (("--lr-warmup-samples", t.lr_warmup_samples),
+        samples = [f for f, v in (("--rampup-batch-size", t.rampup_batch_size),
+                                  ("--lr-warmup-samples", t.lr_warmup_samples),
                                   ("--lr-decay-samples", t.lr_decay_samples),
                                   ("--lr-wsd-decay-samples", t.lr_wsd_decay_samples)) if v]
         if samples:
@@ -58,10 +60,28 @@ def training_iterations(cfg: PretrainConfig, global_batch_size: int) -> int:
     if iters:
         raise ConfigError(f"--train-samples {t.train_samples} is sample-based training: give "
                           f"the *-samples flags instead of {', '.join(iters)}")
-    if t.train_samples < global_batch_size:
+    rampup = batch_rampup(cfg, global_batch_size)
+    if t.train_samples < (rampup.start if rampup else global_batch_size):
         raise ConfigError(f"--train-samples {t.train_samples} is less than one global batch "
-                          f"({global_batch_size})")
-    return t.train_samples // global_batch_size
+                          f"({rampup.start if rampup else global_batch_size})")
+    return rampup.iterations(t.train_samples) if rampup else t.train_samples // global_batch_size
+
+
+def batch_rampup(cfg: PretrainConfig, global_batch_size: int) -> BatchRampup | None:
+    """``--rampup-batch-size`` as a :class:`hybrid.batch_rampup.BatchRampup` (None without).
+
+    Raises:
+        ConfigError: not three non-negative integers, or Megatron-LM's rampup assertions.
+    """
+    given = cfg.training.rampup_batch_size
+    if given is None:
+        return None
+    try:
+        start, incr, samples = (int(v) for v in given)
+        return BatchRampup(start, incr, samples, global_batch_size)
+    except ValueError as e:
+        msg = str(e) if str(e).startswith("--") else "give three integers START INCR SAMPLES"
+        raise ConfigError(f"--rampup-batch-size {' '.join(map(str, given))}: {msg}") from None
 
 
 def _lengths(cfg: PretrainConfig, gbs: int) -> tuple[float, int, int | None, int, str, str]:
