@@ -157,6 +157,9 @@ class DataConfig:
                                nargs="*")
     split: str = arg("969,30,1", "train,valid,test proportions of the documents")
     tokenizer_model: str | None = arg(None, "sentencepiece .model file")
+    vocab_file: str | None = arg(None, "GPT-2 BPE vocab.json (with --merge-file; data "
+                                       "preprocessed with Megatron-LM's GPT2BPETokenizer)")
+    merge_file: str | None = arg(None, "GPT-2 BPE merges.txt (with --vocab-file)")
     mock_data: bool = arg(False, "synthetic random tokens instead of --data-path")
     data_cache_path: str | None = arg(None,
                                       "where sample indices are cached (default: beside the data)")

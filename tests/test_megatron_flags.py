@@ -33,12 +33,11 @@ GPT3_175B = [
 OUT_OF_SCOPE = {  # the script's own, with its values, and a few of the Llama-3 8B FP8 example's
     ("--pipeline-model-parallel-size", "16"): "pipeline parallelism",
     ("--step-batch-size-schedule", "0:16 2.4B:320"): "a batch-size schedule",
-    ("--vocab-file", "gpt2-vocab.json"): "GPT-2 BPE vocab/merge files",
-    ("--merge-file", "gpt2-merges.txt"): "GPT-2 BPE vocab/merge files",
     ("--tensorboard-dir", "tb"): "TensorBoard logging",
     ("--context-parallel-size", "2"): "context parallelism",
     ("--fp8-format", "hybrid"): "FP8 training",
     ("--num-experts", "8"): "mixture of experts",
+    ("--tokenizer-type", "HuggingFaceTokenizer"): "only sentencepiece",
 }
 
 
@@ -89,3 +88,26 @@ def test_an_unknown_flag_is_hinted_only_when_plausibly_the_same_flag(flag, hint)
     assert ("did you mean" in str(e.value)) == (hint is not None), str(e.value)
     if hint:
         assert f"did you mean {hint}?" in str(e.value)
+
+
+def test_vocab_and_merge_files_give_the_gpt2_bpe_vocabulary(tmp_path):
+    """The script's --vocab-file / --merge-file (data preprocessed with Megatron-LM's
+    GPT2BPETokenizer): the vocabulary size is that of transformers' GPT2TokenizerFast built
+    from the same files."""
+    import json
+
+    from transformers import GPT2TokenizerFast
+
+    vocab, merges = tmp_path / "gpt2-vocab.json", tmp_path / "gpt2-merges.txt"
+    vocab.write_text(json.dumps({"a": 0, "b": 1, "c": 2, "ab": 3, "abc": 4, "<|endoftext|>": 5}))
+    merges.write_text("#version: 0.2\na b\nab c\n")
+    files = ["--vocab-file", str(vocab), "--merge-file", str(merges)]
+    base = [a for a in GPT3_175B if a not in ("--vocab-size", "512")]
+    job = validate(parse_config(base + files + ["--tokenizer-type", "GPT2BPETokenizer"]),
+                   world_size=1)
+    hf = GPT2TokenizerFast(vocab=str(vocab), merges=str(merges))
+    assert job.gpt.vocab_size == len(hf) == 6 and hf("abc")["input_ids"] == [4]
+    with pytest.raises(ConfigError, match="needs both --vocab-file and --merge-file"):
+        validate(parse_config(base + files[:2]), world_size=1)
+    with pytest.raises(ConfigError, match="--vocab-size 7 does not match the vocabulary of 6"):
+        validate(parse_config(base + files + ["--vocab-size", "7"]), world_size=1)

@@ -86,6 +86,8 @@ def _vocab_size(cfg: PretrainConfig) -> int:
         raise ConfigError(f"--mock-data and --data-path {' '.join(map(str, d.data_path))} both "
                           "name the training data: drop --mock-data to train on the files, or "
                           "--data-path for synthetic tokens")
+    if d.vocab_file or d.merge_file:
+        return _gpt2_bpe_vocab_size(cfg)
     if d.tokenizer_model:
         if not Path(d.tokenizer_model).is_file():
             raise ConfigError(f"--tokenizer-model {d.tokenizer_model}: file not found")
@@ -104,8 +106,8 @@ def _vocab_size(cfg: PretrainConfig) -> int:
             raise ConfigError("--mock-data without --tokenizer-model needs --vocab-size")
         if not d.data_path:
             raise ConfigError(NO_DATA)
-        raise ConfigError("--tokenizer-model is required with --data-path (or give --mock-data "
-                          "--vocab-size N)")
+        raise ConfigError("--tokenizer-model (or --vocab-file and --merge-file) is required "
+                          "with --data-path (or give --mock-data --vocab-size N)")
     return m.vocab_size
 
 
@@ -179,6 +181,24 @@ def validate(cfg: PretrainConfig, world_size: int | None = None,
         padded_vocab_size=pad_vocab_size(vocab, tp, m.make_vocab_size_divisible_by),
         schedule=schedule, rampup=rampup,
     )
+
+
+def _gpt2_bpe_vocab_size(cfg: PretrainConfig) -> int:
+    """``--vocab-file`` / ``--merge-file``'s vocabulary size, checked against the other flags."""
+    from data.gpt2_bpe import gpt2_bpe_vocab_size
+
+    d, m = cfg.data, cfg.model
+    if not (d.vocab_file and d.merge_file) or d.tokenizer_model:
+        raise ConfigError("a GPT-2 BPE tokenizer needs both --vocab-file and --merge-file, and "
+                          "no --tokenizer-model")
+    try:
+        vocab = gpt2_bpe_vocab_size(d.vocab_file, d.merge_file)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if m.vocab_size is not None and m.vocab_size != vocab:
+        raise ConfigError(f"--vocab-size {m.vocab_size} does not match the vocabulary of "
+                          f"{vocab} of --vocab-file {d.vocab_file}")
+    return vocab
 
 
 def _check_world(cfg: PretrainConfig, world_size: int | None,
@@ -296,7 +316,7 @@ def _check_data(cfg: PretrainConfig, vocab: int) -> None:
         head = ds.all_tokens[:TOKEN_SAMPLE]  # a mismatched tokenizer shows in the first tokens
         if len(head) and int(head.max()) >= vocab:
             source = ("--tokenizer-model " + d.tokenizer_model if d.tokenizer_model
-                      else "--vocab-size")
+                      else "--vocab-file " + d.vocab_file if d.vocab_file else "--vocab-size")
             raise ConfigError(
                 f"--data-path {prefix} holds token id {int(head.max())}, outside the vocabulary "
                 f"[0, {vocab}) of {source}: the data was preprocessed with another tokenizer (give "

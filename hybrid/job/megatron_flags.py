@@ -64,8 +64,6 @@ REFUSED = {
     "--use-megatron-fsdp": "FSDP (--zero-stage 3 partitions the parameters here)",
     "--step-batch-size-schedule": "a batch-size schedule",
     "--tensorboard-dir": "TensorBoard logging (use --metrics-file or --wandb-project)",
-    "--vocab-file": "GPT-2 BPE vocab/merge files (give --tokenizer-model, a sentencepiece model)",
-    "--merge-file": "GPT-2 BPE vocab/merge files (give --tokenizer-model, a sentencepiece model)",
     "--tiktoken-pattern": "tiktoken tokenizers",
     "--decoupled-lr": "a separate learning rate for the embeddings",
     "--decoupled-min-lr": "a separate learning rate for the embeddings",
@@ -81,6 +79,9 @@ REFUSED = {
 REFUSED_PREFIXES = {"--moe-": "mixture of experts (MoE)", "--fp8-": "FP8 training"}
 
 SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
+TOKENIZER_TYPES = (*SENTENCEPIECE_TYPES, "GPT2BPETokenizer")
+"""``--tokenizer-type`` values this trainer reads: sentencepiece (``--tokenizer-model``) and
+GPT-2 BPE (``--vocab-file``, ``--merge-file``)."""
 
 
 def _split(argv: list[str]) -> list[tuple[str, list[str]]]:
@@ -103,9 +104,11 @@ def _refusal(flag: str, values: list[str]) -> str | None:
     prefix = next((p for p in REFUSED_PREFIXES if flag.startswith(p)), None)
     if prefix is not None:
         return f"{flag}: {REFUSED_PREFIXES[prefix]} is not supported here"
-    if flag == "--tokenizer-type" and values and values[0] not in SENTENCEPIECE_TYPES:
-        return (f"--tokenizer-type {values[0]}: only sentencepiece tokenizers are supported here "
-                f"({', '.join(SENTENCEPIECE_TYPES)} with --tokenizer-model)")
+    if flag == "--tokenizer-type" and values and values[0] not in TOKENIZER_TYPES:
+        sp = ", ".join(SENTENCEPIECE_TYPES)
+        return (f"--tokenizer-type {values[0]}: only sentencepiece ({sp} with --tokenizer-model) "
+                "and GPT2BPETokenizer (--vocab-file, --merge-file) are "
+                "supported here")
     return None
 
 
