@@ -23,9 +23,12 @@ def gpt2_bpe_vocab_size(vocab_file: str, merge_file: str) -> int:
         if not Path(path).is_file():
             raise ValueError(f"{flag} {path}: file not found")
     try:
-        vocab = json.loads(Path(vocab_file).read_text(encoding="utf-8"))
         from tokenizers import ByteLevelBPETokenizer
-
+    except ImportError:
+        raise ValueError("--vocab-file / --merge-file need the tokenizers package (the project's "
+                         "hf extra)") from None
+    try:
+        vocab = json.loads(Path(vocab_file).read_text(encoding="utf-8"))
         size = ByteLevelBPETokenizer(vocab_file, merge_file).get_vocab_size()
     except Exception as e:  # json and tokenizers (Rust) raise their own kinds
         raise ValueError(f"--vocab-file {vocab_file} / --merge-file {merge_file} are not a GPT-2 "

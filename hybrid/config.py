@@ -186,6 +186,8 @@ class LoggingConfig:
     log_interval: int = arg(100, "steps between log lines / metrics records")
     metrics_file: str | None = arg(None,
                                    "JSONL file with one record per logged step and evaluation")
+    tensorboard_dir: str | None = arg(None, "write the metrics as TensorBoard events here "
+                                             "(global rank 0)")
     wandb_project: str | None = arg(None, "wandb project (wandb is off when unset)")
     wandb_exp_name: str | None = arg(None, "wandb run name")
     wandb_save_dir: str | None = arg(None, "directory for wandb files (default: ./wandb)")

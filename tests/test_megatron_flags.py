@@ -33,7 +33,6 @@ GPT3_175B = [
 OUT_OF_SCOPE = {  # the script's own, with its values, and a few of the Llama-3 8B FP8 example's
     ("--pipeline-model-parallel-size", "16"): "pipeline parallelism",
     ("--step-batch-size-schedule", "0:16 2.4B:320"): "a batch-size schedule",
-    ("--tensorboard-dir", "tb"): "TensorBoard logging",
     ("--context-parallel-size", "2"): "context parallelism",
     ("--fp8-format", "hybrid"): "FP8 training",
     ("--num-experts", "8"): "mixture of experts",
@@ -67,9 +66,24 @@ def test_megatron_flags_take_their_meaning_here():
 
 
 @pytest.mark.timeout(200)
-def test_the_shrunk_gpt3_script_trains(capfd):
-    (history,) = spawn_world(1, run_configs, [GPT3_175B], timeout_s=120)[0]
-    assert [r["iteration"] for r in history if "split" not in r] == [1, 2, 3]
+def test_the_shrunk_gpt3_script_trains(capfd, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = tmp_path / "tb"  # the script's --tensorboard-dir: the records' numbers as scalars
+    (history,) = spawn_world(1, run_configs, [GPT3_175B + ["--tensorboard-dir", str(tb)]],
+                             timeout_s=120)[0]
+    train = [r for r in history if "split" not in r]
+    assert [r["iteration"] for r in train] == [1, 2, 3]
+    events = EventAccumulator(str(tb))
+    events.Reload()
+    for tag, key in (("lm loss", "lm_loss"), ("learning-rate", "lr"), ("grad-norm", "grad_norm")):
+        scalars = events.Scalars(tag)
+        assert [e.step for e in scalars] == [r["iteration"] for r in train]
+        assert [e.value for e in scalars] == pytest.approx([r[key] for r in train],
+                                                           rel=1e-6)  # stored as float32
+    valid = [r for r in history if r.get("split") == "valid"]
+    assert [e.step for e in events.Scalars("lm loss validation")] == [r["iteration"]
+                                                                      for r in valid]
     # the dry run of the same flags prints the one note of flags without effect
     assert main(GPT3_175B + ["--dry-run-world-size", "1"]) == 0
     out = capfd.readouterr().out

@@ -18,6 +18,7 @@ from hybrid.config_fields import ConfigError
 from hybrid.job.schedule_setup import batch_rampup, schedule_settings, training_iterations
 from hybrid.parallel.grid import validate_grid
 from hybrid.parallel.vocab import pad_vocab_size
+from hybrid.tensorboard_log import tensorboard_missing
 from models.gpt import GPTConfig
 from models.presets import get_preset
 
@@ -174,6 +175,8 @@ def validate(cfg: PretrainConfig, world_size: int | None = None,
         raise ConfigError(f"--recompute-num-layers {recomputed} exceeds the model's --num-layers "
                           f"{gpt.num_layers}")
     _check_data(cfg, vocab)
+    if cfg.logging.tensorboard_dir and (why := tensorboard_missing()):
+        raise ConfigError(why)
     _check_checkpoint(cfg, gpt, schedule)
     return Job(
         cfg=cfg, gpt=gpt, world_size=world, tp=tp, dp=dp, global_batch_size=gbs,

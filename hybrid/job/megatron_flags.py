@@ -46,6 +46,8 @@ NO_OP = {
     "--mmap-bin-files", "--no-create-attention-mask-in-dataloader", "--dataloader-type",
     "--empty-unused-memory-level", "--use-cpu-initialization", "--profile",
     "--profile-step-start", "--profile-step-end", "--log-params-norm", "--log-num-zeros-in-grad",
+    "--tensorboard-log-interval", "--tensorboard-queue-size", "--log-timers-to-tensorboard",
+    "--log-validation-ppl-to-tensorboard", "--log-memory-to-tensorboard",
 }
 """Kernel, fusion, backend and logging choices with no effect on the result here."""
 
@@ -63,7 +65,6 @@ REFUSED = {
     "--use-torch-fsdp2": "FSDP (--zero-stage 3 partitions the parameters here)",
     "--use-megatron-fsdp": "FSDP (--zero-stage 3 partitions the parameters here)",
     "--step-batch-size-schedule": "a batch-size schedule",
-    "--tensorboard-dir": "TensorBoard logging (use --metrics-file or --wandb-project)",
     "--tiktoken-pattern": "tiktoken tokenizers",
     "--decoupled-lr": "a separate learning rate for the embeddings",
     "--decoupled-min-lr": "a separate learning rate for the embeddings",

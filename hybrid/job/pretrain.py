@@ -169,6 +169,10 @@ def _metrics(job: Job, grid: ProcessGrid, state: TrainState, meta: dict | None):
         lg.wandb_save_dir, print_fn=progress.write if progress else print,
         wandb_init_timeout=lg.wandb_init_timeout,
         wandb_run_id=(meta or {}).get("wandb_run_id"), start_iteration=state.iteration)
+    if lg.tensorboard_dir:
+        from hybrid.tensorboard_log import TensorBoardMetrics
+
+        writer = TensorBoardMetrics(writer, lg.tensorboard_dir, grid.rank)
     return writer, progress
 
 
