@@ -125,3 +125,47 @@ def test_vocab_and_merge_files_give_the_gpt2_bpe_vocabulary(tmp_path):
         validate(parse_config(base + files[:2]), world_size=1)
     with pytest.raises(ConfigError, match="--vocab-size 7 does not match the vocabulary of 6"):
         validate(parse_config(base + files + ["--vocab-size", "7"]), world_size=1)
+
+
+# examples/llama/train_llama3_8b_h100_fp8.sh of Megatron-LM, its mock-data branch, shrunk, less the
+# Llama-family model flags (--swiglu, --normalization, --group-query-attention, rotary, ...: the
+# model issue's); its flags for features this trainer does not have, each with its feature
+LLAMA3_8B = [
+    "--use-mcore-models", "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128",
+    "--num-attention-heads", "4", "--seq-length", "32", "--max-position-embeddings", "32",
+    "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--init-method-std", "0.0134",
+    "--attention-backend", "fused", "--untie-embeddings-and-output-weights",
+    "--micro-batch-size", "1", "--global-batch-size", "4", "--train-samples", "12",
+    "--lr-decay-samples", "10", "--lr-warmup-samples", "2", "--lr", "0.00015", "--min-lr",
+    "0.00001", "--lr-decay-style", "cosine", "--clip-grad", "1.0", "--weight-decay", "0.1",
+    "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--bf16", "--cross-entropy-loss-fusion",
+    "--manual-gc", "--empty-unused-memory-level", "1", "--exit-duration-in-mins", "235",
+    "--tensor-model-parallel-size", "1", "--context-parallel-size", "1", "--sequence-parallel",
+    "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "512",
+    "--tiktoken-pattern", "v2", "--split", "99,1,0", "--no-create-attention-mask-in-dataloader",
+    "--no-mmap-bin-files", "--num-workers", "1", "--log-interval", "1", "--eval-iters", "2",
+]
+LLAMA3_OUT_OF_SCOPE = [
+    ("--apply-layernorm-1p", "zero-centered LayerNorm"),
+    ("--decoupled-lr 5.0e-4", "a separate learning rate for the embeddings"),
+    ("--decoupled-min-lr 4.5e-5", "a separate learning rate for the embeddings"),
+    ("--grad-reduce-in-bf16", "bf16 gradient reduction"),
+    ("--calculate-per-token-loss", "per-token loss averaging"),
+    ("--fp8-format hybrid", "FP8 training"), ("--fp8-amax-history-len 1024", "FP8 training"),
+    ("--fp8-amax-compute-algo max", "FP8 training"), ("--fp8-param-gather", "FP8 training"),
+]
+
+
+@pytest.mark.timeout(200)
+def test_the_shrunk_llama3_script_refuses_only_its_out_of_scope_flags_and_trains():
+    with pytest.raises(ConfigError) as e:
+        parse_config(LLAMA3_8B + [t for flag, _ in LLAMA3_OUT_OF_SCOPE for t in flag.split()])
+    lines = str(e.value).splitlines()[1:]
+    assert [line.strip().split(":")[0] for line in lines] == [f.split()[0]
+                                                               for f, _ in LLAMA3_OUT_OF_SCOPE]
+    assert all(feature in line for line, (_, feature) in zip(lines, LLAMA3_OUT_OF_SCOPE,
+                                                             strict=True))
+    (history,) = spawn_world(1, run_configs, [LLAMA3_8B], timeout_s=120)[0]
+    # --train-samples 12 at global batch 4: 3 iterations, as Megatron-LM's update_train_iters
+    assert [r["iteration"] for r in history if "split" not in r] == [1, 2, 3]

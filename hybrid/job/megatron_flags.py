@@ -46,6 +46,7 @@ NO_OP = {
     "--mmap-bin-files", "--no-create-attention-mask-in-dataloader", "--dataloader-type",
     "--empty-unused-memory-level", "--use-cpu-initialization", "--profile",
     "--profile-step-start", "--profile-step-end", "--log-params-norm", "--log-num-zeros-in-grad",
+    "--tiktoken-pattern",  # read by TikTokenizer only, which is refused
     "--tensorboard-log-interval", "--tensorboard-queue-size", "--log-timers-to-tensorboard",
     "--log-validation-ppl-to-tensorboard", "--log-memory-to-tensorboard",
 }
@@ -65,7 +66,6 @@ REFUSED = {
     "--use-torch-fsdp2": "FSDP (--zero-stage 3 partitions the parameters here)",
     "--use-megatron-fsdp": "FSDP (--zero-stage 3 partitions the parameters here)",
     "--step-batch-size-schedule": "a batch-size schedule",
-    "--tiktoken-pattern": "tiktoken tokenizers",
     "--decoupled-lr": "a separate learning rate for the embeddings",
     "--decoupled-min-lr": "a separate learning rate for the embeddings",
     "--calculate-per-token-loss": "per-token loss averaging across micro-batches",
@@ -80,9 +80,10 @@ REFUSED = {
 REFUSED_PREFIXES = {"--moe-": "mixture of experts (MoE)", "--fp8-": "FP8 training"}
 
 SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
-TOKENIZER_TYPES = (*SENTENCEPIECE_TYPES, "GPT2BPETokenizer")
-"""``--tokenizer-type`` values this trainer reads: sentencepiece (``--tokenizer-model``) and
-GPT-2 BPE (``--vocab-file``, ``--merge-file``)."""
+TOKENIZER_TYPES = (*SENTENCEPIECE_TYPES, "GPT2BPETokenizer", "NullTokenizer")
+"""``--tokenizer-type`` values this trainer reads: sentencepiece (``--tokenizer-model``), GPT-2
+BPE (``--vocab-file``, ``--merge-file``) and none (``--vocab-size`` alone, token ids as they
+are)."""
 
 
 def _split(argv: list[str]) -> list[tuple[str, list[str]]]:
@@ -107,9 +108,9 @@ def _refusal(flag: str, values: list[str]) -> str | None:
         return f"{flag}: {REFUSED_PREFIXES[prefix]} is not supported here"
     if flag == "--tokenizer-type" and values and values[0] not in TOKENIZER_TYPES:
         sp = ", ".join(SENTENCEPIECE_TYPES)
-        return (f"--tokenizer-type {values[0]}: only sentencepiece ({sp} with --tokenizer-model) "
-                "and GPT2BPETokenizer (--vocab-file, --merge-file) are "
-                "supported here")
+        return (f"--tokenizer-type {values[0]}: only sentencepiece ({sp} with --tokenizer-model), "
+                "GPT2BPETokenizer (--vocab-file, --merge-file) and NullTokenizer (--vocab-size) "
+                "are supported here")
     return None
 
 
