@@ -224,12 +224,12 @@ class CheckpointConfig:
         None, "stop (and save, with --save) at the first iteration past this many minutes from "
               "process start")
     override_opt_param_scheduler: bool = arg(
-        False, "on --load, take the LR schedule (lr, min lr, warmup, decay) from this run's flags, "
-               "not the checkpoint's",
+        False, "on --load, follow this run's LR/weight-decay schedule flags where they differ "
+               "from the checkpoint's (otherwise refused, as Megatron-LM)",
         aliases={"--override-opt_param-scheduler": True})
     use_checkpoint_opt_param_scheduler: bool = arg(
-        False, "on --load, take the LR schedule from the checkpoint (what happens anyway; "
-               "Megatron-LM's flag)",
+        False, "on --load, continue the checkpoint's LR/weight-decay schedule where this run's "
+               "flags differ (otherwise refused, as Megatron-LM)",
         aliases={"--use-checkpoint-opt_param-scheduler": True})
 
     def __post_init__(self) -> None:
