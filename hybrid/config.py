@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from hybrid.activation.config import ActivationConfig
 from hybrid.config_fields import arg, check_choice, check_int, check_number, fail
 from hybrid.parallel import sequence
-from hybrid.schedule import DECAY_STYLES
+from hybrid.schedule import DECAY_STYLES, WD_INCR_STYLES, WSD_DECAY_STYLES
 from hybrid.zero.config import OptimizerConfig, ZeroConfig
 
 
@@ -91,21 +91,45 @@ class TrainingConfig:
     micro_batch_size: int = arg(1, "samples per rank per forward/backward")
     global_batch_size: int | None = arg(None, "samples per optimizer step (default: micro batch x "
                                               "data-parallel size)")
-    train_iters: int = arg(100, "optimizer steps to run")
+    train_iters: int | None = arg(None, "optimizer steps to run (default: --train-samples // "
+                                        "global batch, else 100)")
+    train_samples: int | None = arg(None, "samples to train on, instead of --train-iters "
+                                          "(sample-based training, Megatron-LM's)")
     min_lr: float = arg(0.0, "learning rate at the end of the decay")
-    lr_decay_style: str = arg("cosine", "learning-rate decay after warmup", choices=DECAY_STYLES)
-    lr_warmup_iters: int = arg(0, "linear warmup steps")
+    lr_decay_style: str = arg("linear", "learning-rate decay after warmup (Megatron-LM's styles)",
+                              choices=DECAY_STYLES)
+    lr_warmup_iters: int = arg(0, "linear warmup steps (from --lr-warmup-init to --lr)")
     lr_warmup_fraction: float | None = arg(None, "warmup as a fraction of the decay steps "
-                                                 "(overrides --lr-warmup-iters)")
+                                                 "(instead of --lr-warmup-iters)")
+    rampup_batch_size: list[str] | None = arg(
+        None, "START INCR SAMPLES: grow the global batch from START by INCR over SAMPLES samples "
+              "(sample-based training)", nargs=3)
+    lr_warmup_samples: int = arg(0, "linear warmup in samples (sample-based training)")
+    lr_decay_samples: int | None = arg(None, "samples over which the LR decays (sample-based; "
+                                             "default: --train-samples)")
+    lr_wsd_decay_samples: int | None = arg(None, "samples of the WSD style's final anneal "
+                                                 "(sample-based training)")
+    lr_warmup_init: float = arg(0.0, "learning rate of the first iteration (warmup start)")
     lr_decay_iters: int | None = arg(None,
                                      "steps over which the LR decays (default: --train-iters)")
+    lr_wsd_decay_style: str = arg("exponential", "anneal of the WSD style's final phase",
+                                  choices=WSD_DECAY_STYLES)
+    lr_wsd_decay_iters: int | None = arg(None, "steps of the WSD style's final anneal (the last "
+                                               "ones of --lr-decay-iters)")
+    start_weight_decay: float | None = arg(None, "weight decay at the start of a linear/cosine "
+                                                 "--weight-decay-incr-style")
+    end_weight_decay: float | None = arg(None, "weight decay at --train-iters of a linear/cosine "
+                                               "--weight-decay-incr-style")
+    weight_decay_incr_style: str = arg("constant", "weight decay increment (constant: "
+                                                   "--weight-decay)", choices=WD_INCR_STYLES)
     max_nan_iterations: int = arg(10,
                                   "stop after this many consecutive iterations with a NaN/inf loss")
 
     def __post_init__(self) -> None:
         check_int(self, "micro_batch_size", 1)
         check_int(self, "global_batch_size", 1, optional=True)
-        check_int(self, "train_iters", 1)
+        check_int(self, "train_iters", 1, optional=True)
+        check_int(self, "train_samples", 1, optional=True)
         check_number(self, "min_lr", 0.0)
         check_choice(self, "lr_decay_style", DECAY_STYLES)
         check_int(self, "lr_warmup_iters", 0)
@@ -113,6 +137,15 @@ class TrainingConfig:
         if f is not None and not (isinstance(f, int | float) and 0 <= f <= 1):
             fail(self, "lr_warmup_fraction", "must be in [0, 1] or unset")
         check_int(self, "lr_decay_iters", 1, optional=True)
+        check_number(self, "lr_warmup_init", 0.0)
+        check_choice(self, "lr_wsd_decay_style", WSD_DECAY_STYLES)
+        check_int(self, "lr_wsd_decay_iters", 1, optional=True)
+        check_int(self, "lr_warmup_samples", 0)
+        check_int(self, "lr_decay_samples", 1, optional=True)
+        check_int(self, "lr_wsd_decay_samples", 1, optional=True)
+        check_number(self, "start_weight_decay", 0.0, optional=True)
+        check_number(self, "end_weight_decay", 0.0, optional=True)
+        check_choice(self, "weight_decay_incr_style", WD_INCR_STYLES)
         check_int(self, "max_nan_iterations", 1)
 
 
@@ -124,6 +157,9 @@ class DataConfig:
                                nargs="*")
     split: str = arg("969,30,1", "train,valid,test proportions of the documents")
     tokenizer_model: str | None = arg(None, "sentencepiece .model file")
+    vocab_file: str | None = arg(None, "GPT-2 BPE vocab.json (with --merge-file; data "
+                                       "preprocessed with Megatron-LM's GPT2BPETokenizer)")
+    merge_file: str | None = arg(None, "GPT-2 BPE merges.txt (with --vocab-file)")
     mock_data: bool = arg(False, "synthetic random tokens instead of --data-path")
     data_cache_path: str | None = arg(None,
                                       "where sample indices are cached (default: beside the data)")
@@ -134,11 +170,12 @@ class DataConfig:
 class EvalConfig:
     """Evaluation."""
 
-    eval_interval: int = arg(1000, "evaluate on the validation split every N steps")
-    eval_iters: int = arg(10, "global batches per evaluation")
+    eval_interval: int | None = arg(None, "evaluate on the validation split every N steps "
+                                          "(default: only at the end of training)")
+    eval_iters: int = arg(100, "global batches per evaluation (0: none)")
 
     def __post_init__(self) -> None:
-        check_int(self, "eval_interval", 1)
+        check_int(self, "eval_interval", 1, optional=True)
         check_int(self, "eval_iters", 0)
 
 
@@ -146,9 +183,11 @@ class EvalConfig:
 class LoggingConfig:
     """Metrics and tracking."""
 
-    log_interval: int = arg(10, "steps between log lines / metrics records")
+    log_interval: int = arg(100, "steps between log lines / metrics records")
     metrics_file: str | None = arg(None,
                                    "JSONL file with one record per logged step and evaluation")
+    tensorboard_dir: str | None = arg(None, "write the metrics as TensorBoard events here "
+                                             "(global rank 0)")
     wandb_project: str | None = arg(None, "wandb project (wandb is off when unset)")
     wandb_exp_name: str | None = arg(None, "wandb run name")
     wandb_save_dir: str | None = arg(None, "directory for wandb files (default: ./wandb)")
@@ -185,12 +224,12 @@ class CheckpointConfig:
         None, "stop (and save, with --save) at the first iteration past this many minutes from "
               "process start")
     override_opt_param_scheduler: bool = arg(
-        False, "on --load, take the LR schedule (lr, min lr, warmup, decay) from this run's flags, "
-               "not the checkpoint's",
+        False, "on --load, follow this run's LR/weight-decay schedule flags where they differ "
+               "from the checkpoint's (otherwise refused, as Megatron-LM)",
         aliases={"--override-opt_param-scheduler": True})
     use_checkpoint_opt_param_scheduler: bool = arg(
-        False, "on --load, take the LR schedule from the checkpoint (what happens anyway; "
-               "Megatron-LM's flag)",
+        False, "on --load, continue the checkpoint's LR/weight-decay schedule where this run's "
+               "flags differ (otherwise refused, as Megatron-LM)",
         aliases={"--use-checkpoint-opt_param-scheduler": True})
 
     def __post_init__(self) -> None:

@@ -87,7 +87,8 @@ def check_choice(obj, name: str, choices) -> None:
 
 def flag_hints(message: str, flags: list[str]) -> list[str]:
     """``["--bad: did you mean --good?"]`` for every flag in an argparse error ``message`` that
-    is not one of ``flags`` but close to one (difflib ratio >= 0.5); shared by every CLI."""
+    is not one of ``flags`` but plausibly the same flag: a typo (difflib ratio >= 0.75, after
+    ``_`` -> ``-``) or the start of one (``--zero`` of ``--zero-stage``); shared by every CLI."""
     import difflib
     import re
 
@@ -95,7 +96,9 @@ def flag_hints(message: str, flags: list[str]) -> list[str]:
     for bad in re.findall(r"(?<![\w-])(--?[A-Za-z][\w-]*)", message.split(":", 1)[-1]):
         if bad in flags:
             continue
-        close = difflib.get_close_matches(bad.split("=")[0], flags, n=1, cutoff=0.5)
+        name = bad.split("=")[0].replace("_", "-")
+        close = ([f for f in flags if f.startswith(name + "-")][:1]
+                 or difflib.get_close_matches(name, flags, n=1, cutoff=0.75))
         if close:
             hints.append(f"{bad}: did you mean {close[0]}?")
     return hints

@@ -139,6 +139,38 @@ def flops_per_iteration(
     return 3 * gemm + 6 * attention + 3 * logits
 
 
+def megatron_flops_per_iteration(model: object, batch_size: int, seq_length: int,
+                                 padded_vocab_size: int | None = None) -> float:
+    """Model FLOPs of one iteration over ``batch_size`` sequences of ``seq_length`` tokens, as
+    Megatron-LM's throughput log counts them (its ``num_floating_point_operations``, dense
+    GPT): GEMMs only, forward + backward = 3 x forward, a multiply-add = 2 FLOPs.
+
+    Per token: ``6 h (f x (3 if SwiGLU else 2)) L`` for the MLP, ``6 (h (q + 2k) + q h) L`` for
+    the QKV and output projections (``q = kv_channels x heads``, ``k = kv_channels x
+    query groups``), ``6 h V`` for the logits over the *padded* vocabulary ``V``; plus
+    ``6 q s L`` per token of core attention (``QK^T`` and ``softmax V``, halved for the causal
+    mask). For GPT-2 shapes this is 2205.05198 Eq. 7 with the attention term halved.
+
+    Raises:
+        ValueError: a non-positive batch size or sequence length.
+    """
+    if batch_size <= 0 or seq_length <= 0:
+        raise ValueError(
+            f"batch_size and seq_length must be positive, got {batch_size}, {seq_length}"
+        )
+    m = ModelShape.of(model)
+    h, a, L = m.hidden_size, m.num_attention_heads, m.num_layers
+    kv = m.kv_channels or h // a
+    q, k = kv * a, kv * (m.num_query_groups or a)
+    vocab = padded_vocab_size or m.vocab_size
+    tokens = batch_size * seq_length
+    mlp = 6 * h * m.ffn * (3 if m.swiglu else 2) * L
+    projections = 6 * (h * (q + 2 * k) + q * h) * L
+    logits = 6 * h * vocab
+    core = 6 * q * seq_length * L  # 3 x 2 x q / 2 (causal) x 2 (two matmuls), per token
+    return float(tokens * (mlp + projections + logits + core))
+
+
 def flops_per_token(model: object, seq_length: int, recompute: str = "none") -> float:
     """FLOPs per trained token (forward + backward), ``flops_per_iteration(B=1) / seq_length``."""
     return flops_per_iteration(model, 1, seq_length, recompute) / seq_length

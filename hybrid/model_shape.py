@@ -32,6 +32,12 @@ class ModelShape:
     """True adds a separate V x h output matrix."""
     final_layernorm: bool = True
     """Count the final LayerNorm (2h parameters); 2104.04473's formula leaves it out."""
+    swiglu: bool = False
+    """A SwiGLU MLP (three f x h matrices) instead of GeLU's two."""
+    num_query_groups: int | None = None
+    """Key/value heads of grouped-query attention; None means one per head (MHA)."""
+    kv_channels: int | None = None
+    """Width of one attention head; None means h / a."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -88,4 +94,7 @@ class ModelShape:
                 getattr(model, "untie_embeddings_and_output_weights", False)
             ),
             final_layernorm=bool(getattr(model, "final_layernorm", True)),
+            swiglu=bool(getattr(model, "swiglu", False)),
+            num_query_groups=getattr(model, "num_query_groups", None),
+            kv_channels=getattr(model, "kv_channels", None),
         )

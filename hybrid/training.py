@@ -41,7 +41,13 @@ class TrainState:
     consumed_samples: int = 0
     """Training samples consumed by all ranks together."""
     successful_steps: int = 0
-    """Steps that updated the weights: the LR schedule's index."""
+    """Steps that updated the weights."""
+    consumed_valid_samples: int = 0
+    """Validation samples read by the evaluations so far: each evaluation continues where the
+    last one stopped, as Megatron-LM's."""
+    scheduler_samples: int = 0
+    """Samples of the steps that updated the weights: the LR schedule's index (Megatron-LM's
+    ``OptimizerParamScheduler.num_steps``)."""
     skipped_iterations: int = 0
     """Steps skipped for fp16 overflow or a NaN/inf loss, since the start of training; the log
     records count them per log interval, as Megatron-LM does."""
@@ -52,13 +58,19 @@ class TrainState:
     history: list = field(default_factory=list)
 
     COUNTERS = ("iteration", "consumed_samples", "successful_steps", "skipped_iterations",
-                "nan_iterations")
+                "nan_iterations", "scheduler_samples", "consumed_valid_samples")
 
     def counters(self) -> dict:
         """The counters a checkpoint stores (JSON-able)."""
         return {k: getattr(self, k) for k in self.COUNTERS}
 
-    def restore(self, counters: dict) -> None:
+    def restore(self, counters: dict, global_batch_size: int = 0) -> None:
+        """Set the counters from a checkpoint's; one saved before ``scheduler_samples`` existed
+        had ``successful_steps`` steps of ``global_batch_size`` samples."""
+        counters = dict(counters)
+        counters.setdefault("scheduler_samples", int(counters["successful_steps"])
+                            * global_batch_size)
+        counters.setdefault("consumed_valid_samples", 0)
         for k in self.COUNTERS:
             setattr(self, k, int(counters[k]))
 
@@ -79,8 +91,9 @@ def _dp_mean(values: torch.Tensor, group, dp: int) -> torch.Tensor:
 
 
 def train_step(engine: ZeroEngine, micro_batches: list[torch.Tensor], lr: float,
-               grid: ProcessGrid) -> StepResult:
-    """One optimizer step over this rank's micro-batches ``[b, s+1]`` (int64 token ids).
+               grid: ProcessGrid, weight_decay: float | None = None) -> StepResult:
+    """One optimizer step over this rank's micro-batches ``[b, s+1]`` (int64 token ids), with
+    learning rate ``lr`` and the decayed parameters' ``weight_decay`` (None: unchanged).
 
     The loss of each micro-batch (mean over its tokens) is divided by the number of
     micro-batches before backward, so the gradient is that of the mean over the global batch.
@@ -98,7 +111,7 @@ def train_step(engine: ZeroEngine, micro_batches: list[torch.Tensor], lr: float,
     if not math.isfinite(mean):
         engine.zero_grad()
         return StepResult(mean, float("nan"), engine.loss_scale, True, True)
-    info = engine.step(lr)
+    info = engine.step(lr, weight_decay)
     return StepResult(mean, info.grad_norm, info.loss_scale, info.skipped, False)
 
 
@@ -131,6 +144,10 @@ class _LogWindow:
     steps: int = 0
     skipped: int = 0
     nan: int = 0
+    samples: int = 0
+    """Training samples of the window's iterations."""
+    last_batch: int = 0
+    """The global batch of its last iteration."""
     losses: list[float] = field(default_factory=list)
     """Losses of the iterations that updated the weights."""
     skipped_losses: list[float] = field(default_factory=list)
@@ -152,18 +169,23 @@ class LoopSettings:
     global_batch_size: int
     tokens_per_step: int
     log_interval: int
-    eval_interval: int
+    eval_interval: int | None
+    """None: no evaluation during training (Megatron-LM's default), only at its end."""
     eval_iters: int
     max_nan_iterations: int
     flops_per_step: float
-    """Model FLOPs of one optimizer step (2205.05198 Eq. 7), for TFLOP/s per device."""
+    """Model FLOPs of one optimizer step as Megatron-LM counts them
+    (:func:`hybrid.flops.megatron_flops_per_iteration`), for TFLOP/s per device."""
     peak_tflops: float | None
     """Device peak for MFU, None when unknown (CPU)."""
+    batch_size: Callable[[int], int] | None = None
+    """``batch_size(consumed samples)``: the global batch of the next iteration under a rampup
+    (:class:`hybrid.batch_rampup.BatchRampup`); None: always ``global_batch_size``."""
 
 
-EvalBatches = Callable[[str], "Iterator[torch.Tensor] | None"]
-"""``eval_batches(split)``: a fresh iterator over the ``"valid"`` or ``"test"`` split, None if
-empty."""
+EvalBatches = Callable[[str, int], "Iterator[torch.Tensor] | None"]
+"""``eval_batches(split, consumed)``: an iterator over the ``"valid"`` or ``"test"`` split from
+its sample ``consumed`` on, None if the split is empty."""
 
 AfterIteration = Callable[[TrainState], bool]
 """``after_iteration(state)``, called on every rank after each iteration (after logging and
@@ -179,7 +201,9 @@ class Trainer:
         engine: the ZeRO engine (``engine.model`` is the parallel model).
         grid: the process grid.
         settings: counts of the loop (in optimizer steps).
-        schedule: ``lr = schedule(successful_steps)``.
+        schedule: ``lr, weight_decay = schedule(state.scheduler_samples)``
+            (:class:`hybrid.schedule.ParamSchedule`): iteration ``i`` trains at the schedule
+            after ``i - 1`` successful steps, as Megatron-LM's.
         writer: the metrics path (log line, JSONL, wandb).
         eval_batches: iterators over the evaluation splits.
         after_iteration: the job's hook after each iteration (:data:`AfterIteration`; None:
@@ -191,9 +215,9 @@ class Trainer:
     engine: ZeroEngine
     grid: ProcessGrid
     settings: LoopSettings
-    schedule: Callable[[int], float]
+    schedule: Callable[[int], tuple[float, float | None]]
     writer: MetricsWriter
-    eval_batches: EvalBatches = lambda split: None
+    eval_batches: EvalBatches = lambda split, consumed: None
     after_iteration: AfterIteration | None = None
     progress: Any = None
     state: TrainState = field(default_factory=TrainState)
@@ -211,10 +235,12 @@ class Trainer:
         s, state = self.settings, self.state
         window = _LogWindow()
         while state.iteration < s.train_iters:
-            lr = self.schedule(state.successful_steps)
-            batches = [next(train_batches) for _ in range(s.grad_accum_steps)]
-            last = train_step(self.engine, batches, lr, self.grid)
-            too_many_nan = self._count(last, window)
+            lr, weight_decay = self.schedule(state.scheduler_samples)
+            gbs = s.batch_size(state.consumed_samples) if s.batch_size else s.global_batch_size
+            batches = [next(train_batches)
+                       for _ in range(s.grad_accum_steps * gbs // s.global_batch_size)]
+            last = train_step(self.engine, batches, lr, self.grid, weight_decay)
+            too_many_nan = self._count(last, window, gbs)
             timer = getattr(self.engine, "timer", NULL_TIMER)
             if timer.enabled:
                 timer.end_step()
@@ -230,7 +256,8 @@ class Trainer:
                     f"at iteration {state.iteration}); lower --lr, check --clip-grad or check "
                     "the data")
             paused = time.perf_counter()  # evaluation and checkpoints are not training time
-            if s.eval_iters and state.iteration % s.eval_interval == 0 and not done:
+            if (s.eval_iters and s.eval_interval and state.iteration % s.eval_interval == 0
+                    and not done):
                 self.evaluate("valid")
             stop = self.after_iteration is not None and self.after_iteration(state)
             window.t0 += time.perf_counter() - paused
@@ -238,12 +265,15 @@ class Trainer:
                 break
         return state
 
-    def _count(self, last: StepResult, window: _LogWindow) -> bool:
-        """Advance the counters of the run and of the log window by one iteration; True when
-        ``max_nan_iterations`` consecutive losses were NaN/inf."""
+    def _count(self, last: StepResult, window: _LogWindow, global_batch: int) -> bool:
+        """Advance the counters of the run and of the log window by one iteration of
+        ``global_batch`` samples; True when ``max_nan_iterations`` consecutive losses were
+        NaN/inf."""
         state = self.state
         state.iteration += 1
-        state.consumed_samples += self.settings.global_batch_size
+        state.consumed_samples += global_batch
+        window.samples += global_batch
+        window.last_batch = global_batch
         too_many_nan = False
         if last.nan_loss:
             state.nan_iterations += 1
@@ -256,8 +286,9 @@ class Trainer:
         if last.skipped:
             state.skipped_iterations += 1
             window.skipped += 1
-        else:
+        else:  # the schedule advances after an update only, as Megatron-LM's
             state.successful_steps += 1
+            state.scheduler_samples += global_batch
         window.steps += 1
         return too_many_nan
 
@@ -265,14 +296,15 @@ class Trainer:
         """Write the record of the log window that ends with this iteration."""
         s, state, grid = self.settings, self.state, self.grid
         elapsed = (time.perf_counter() - window.t0) / window.steps
-        tflops = s.flops_per_step / elapsed / grid.world_size / 1e12
+        share = window.samples / (window.steps * s.global_batch_size)  # < 1 in a rampup
+        tflops = s.flops_per_step * share / elapsed / grid.world_size / 1e12
         record = dict(
             iteration=state.iteration, consumed_samples=state.consumed_samples,
             lm_loss=window.mean_loss(),
-            lr=lr, global_batch_size=s.global_batch_size, grad_norm=last.grad_norm,
+            lr=lr, global_batch_size=window.last_batch, grad_norm=last.grad_norm,
             loss_scale=last.loss_scale, skipped_iterations=window.skipped,
             nan_iterations=window.nan, elapsed_ms=1000 * elapsed,
-            tokens_per_sec=s.tokens_per_step / elapsed, tflops_per_device=tflops,
+            tokens_per_sec=s.tokens_per_step * share / elapsed, tflops_per_device=tflops,
             mfu=tflops / s.peak_tflops if s.peak_tflops else None, memory_mb=memory_mb(grid.device),
         )
         if timer.enabled:  # --profile-phases: ms per step of each phase in this window
@@ -282,13 +314,17 @@ class Trainer:
         state.history.append(record)
 
     def evaluate(self, split: str) -> float | None:
-        """Evaluate on ``split`` ("valid" or "test") and log one record; None if the split is
-        empty."""
-        batches = self.eval_batches(split)
+        """Evaluate ``--eval-iters`` global batches of ``split`` ("valid" or "test") and log one
+        record; None if the split is empty. Validation moves forward through its split from one
+        evaluation to the next (``state.consumed_valid_samples``), as in Megatron-LM."""
+        s, state = self.settings, self.state
+        start = state.consumed_valid_samples if split == "valid" else 0
+        batches = self.eval_batches(split, start)
         if batches is None:
             return None
-        s, state = self.settings, self.state
         loss = evaluate(self.engine, batches, s.eval_iters * s.grad_accum_steps, self.grid)
+        if split == "valid":
+            state.consumed_valid_samples += s.eval_iters * s.global_batch_size
         record = dict(split=split, iteration=state.iteration,
                       consumed_samples=state.consumed_samples, lm_loss=loss)
         self.writer.eval(record)

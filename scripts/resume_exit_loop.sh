@@ -17,7 +17,7 @@ mkdir -p "$LOG_DIR"
 export OMP_NUM_THREADS=1 WANDB_MODE=${WANDB_MODE:-offline}
 ARGS=(--mock-data --vocab-size 1000 --num-layers 2 --hidden-size 64 --num-attention-heads 4
       --seq-length 32 --micro-batch-size 2 --global-batch-size 8 --zero-stage 1 --lr 1e-3
-      --min-lr 1e-4 --log-interval 1 --eval-interval 2 --eval-iters 1)
+      --min-lr 1e-4 --lr-decay-iters 6 --log-interval 1 --eval-interval 2 --eval-iters 1)
 ok=0 failed=0
 for i in $(seq 1 "$RUNS"); do
   ck=$(mktemp -d "$LOG_DIR/ck.XXXXXX")

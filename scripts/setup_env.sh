@@ -6,7 +6,7 @@
 #               project's machines keep on disk; on a GPU cluster set e.g. TORCH_SPEC='torch>=2.4'
 #               and your CUDA index). Installing torch first, then the project constrained to
 #               that version, keeps pip from swapping in a multi-GB CUDA build on a CPU machine.
-#   EXTRAS      which optional dependency groups (default: test,plot,hf)
+#   EXTRAS      which optional dependency groups (default: test,plot,hf,tensorboard)
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 V=${VENV:-$ROOT/.venv}
@@ -20,6 +20,6 @@ if [ -n "${TORCH_SPEC:-}" ] || ! "$V/bin/python" -c 'import torch' 2>/dev/null; 
 fi
 C=$(mktemp)
 "$V/bin/python" -c 'import torch; print("torch==" + torch.__version__.split("+")[0])' > "$C"
-"$V/bin/python" -m pip install -q -c "$C" -e "$ROOT[${EXTRAS:-test,plot,hf}]"
+"$V/bin/python" -m pip install -q -c "$C" -e "$ROOT[${EXTRAS:-test,plot,hf,tensorboard}]"
 rm -f "$C"
 echo "environment ready: $V (torch $("$V/bin/python" -c 'import torch; print(torch.__version__)'))"

@@ -63,7 +63,8 @@ def reshard(data, tmp_path_factory):
         args(data, 6, tp=2, stage=1, extra=["--load", c]),
     ], timeout_s=120)[0]
     spawn_world(3, run_configs,
-                [args(data, 5, tp=1, stage=3, gbs=12, extra=["--load", c, "--save", d33])],
+                [args(data, 5, tp=1, stage=3, gbs=12, extra=["--load", c, "--save", d33,
+                                                             "--use-checkpoint-opt_param-scheduler"])],
                 timeout_s=120, join_timeout_s=600)
     return dict(c=c, d43=d43, d41=d41, d40=d40, d33=d33, d21=d21, four=four, two=two)
 

@@ -75,7 +75,8 @@ def test_missing_data_files_and_tokenizer(tmp_path):
     # before the vocabulary
     with pytest.raises(ConfigError, match="--mock-data and --data-path x both name"):
         check(base + ["--mock-data", "--data-path", "x"])
-    with pytest.raises(ConfigError, match="--tokenizer-model is required"):
+    with pytest.raises(ConfigError, match=r"--tokenizer-model \(or --vocab-file and --merge-file\) "
+                                          "is required"):
         check(base + ["--data-path", str(tmp_path / "x")])
     tok = tiny_tokenizer(tmp_path)
     with pytest.raises(ConfigError, match=r"missing .*x\.bin"):

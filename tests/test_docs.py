@@ -71,6 +71,10 @@ def flags_by_command() -> dict[str, set[str]]:
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     found = {k: set(v) for k, v in json.loads(out.stdout.splitlines()[-1]).items()}
+    # Megatron-LM's flags that hybrid.pretrain answers without a field (meaning, no-op, refusal)
+    from hybrid.job import megatron_flags as mf
+    found["hybrid.pretrain"] |= (set(mf.MEANING) | set(mf.SIZE_ONE) | mf.NO_OP | set(mf.REFUSED)
+                                 | {"--tokenizer-type"})
     empty = [k for k, v in found.items() if not v and "gpu" not in k]
     assert not empty, f"no parser seen for {empty}"
     return found

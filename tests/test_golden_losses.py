@@ -30,7 +30,8 @@ ARGV = ["--mock-data", "--vocab-size", "1000", "--num-layers", "2", "--hidden-si
         "--num-attention-heads", "4", "--seq-length", "32", "--hidden-dropout", "0.1",
         "--attention-dropout", "0.1", "--micro-batch-size", "2", "--global-batch-size", "8",
         "--train-iters", "20", "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", "4",
-        "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1", "--seed", "11"]
+        "--lr-decay-style", "cosine", "--log-interval", "1", "--eval-interval", "1000",
+        "--eval-iters", "1", "--seed", "11"]
 GRIDS = {"tp1_dp1_zero0": (1, 1, 0), "tp2_dp2_zero3": (2, 2, 3)}
 
 

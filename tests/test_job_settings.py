@@ -21,12 +21,10 @@ def check(argv, world=2, local=None):
     return validate(parse_config(argv), world_size=world, local_world_size=local)
 
 
-@pytest.mark.parametrize("fraction,iters,warmup", [(0.29, 100, 29), (0.57, 100, 57),
-                                                   (0.07, 300, 21), (0.07, 10, 1), (0.0, 10, 0),
-                                                   (1.0, 7, 7)])
-def test_warmup_fraction_rounds_to_nearest_step(fraction, iters, warmup):
+@pytest.mark.parametrize("fraction,iters", [(0.29, 100), (0.07, 300), (0.07, 10), (0.0, 10)])
+def test_warmup_fraction_is_megatrons_unrounded_share_of_the_decay_samples(fraction, iters):
     d = check(BASE + ["--lr-warmup-fraction", str(fraction), "--train-iters", str(iters)])
-    assert d.warmup_iters == warmup
+    assert d.schedule["lr_warmup_steps"] == fraction * (iters * d.global_batch_size)
 
 
 def quickstart_pretrain_flags(train_iters: int) -> list[str]:

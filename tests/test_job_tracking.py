@@ -94,7 +94,8 @@ def test_resumed_job_continues_its_wandb_run_and_writes_a_compact_header(tmp_pat
                                                                          monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     ck, wb, metrics = tmp_path / "ck", tmp_path / "wb", tmp_path / "m" / "metrics.jsonl"
-    extra = ["--save", str(ck), "--load", str(ck), "--wandb-save-dir", str(wb), "--metrics-file",
+    extra = ["--save", str(ck), "--load", str(ck), "--use-checkpoint-opt_param-scheduler",
+             "--wandb-save-dir", str(wb), "--metrics-file",
              str(metrics)]
     spawn_world(1, run_configs,
                 [MOCK + extra + ["--train-iters", "2"], MOCK + extra + ["--train-iters", "4"]],

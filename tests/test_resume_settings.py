@@ -20,13 +20,14 @@ MOCK = ["--mock-data", "--vocab-size", "1000", "--num-layers", "2", "--hidden-si
 
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory):
-    """Saved at 4 of 4; resumed to 8 with the checkpoint's schedule and with this run's."""
+    """Saved at 4 of 4; resumed to 8 with the checkpoint's schedule, this run's, and anew."""
     ck = str(tmp_path_factory.mktemp("sched") / "ck")
     histories = spawn_world(1, run_configs, [
         MOCK + ["--train-iters", "4", "--save", ck],
-        MOCK + ["--train-iters", "8", "--load", ck],
+        MOCK + ["--train-iters", "8", "--load", ck, "--use-checkpoint-opt_param-scheduler"],
         MOCK + ["--train-iters", "8", "--load", ck, "--override-opt_param-scheduler"],
-    ], timeout_s=120)[0]
+        MOCK + ["--train-iters", "8", "--load", ck, "--no-load-optim"],
+    ], timeout_s=150)[0]
     return ck, histories
 
 
@@ -36,14 +37,18 @@ def lrs(history) -> dict[int, float]:
 
 @pytest.mark.timeout(200)
 def test_schedule_comes_from_the_checkpoint_unless_overridden(resumed):
-    _, (first, kept, overridden) = resumed
-    saved = LRSchedule(3e-3, 3e-4, 1, 4, "cosine")
-    assert lrs(first) == {i: saved(i - 1) for i in range(1, 5)}
+    _, (first, kept, overridden, restarted) = resumed
+    # lengths in samples (global batch 4); iteration i trains after i - 1 steps
+    saved = LRSchedule(3e-3, 3e-4, 1 * 4, 4 * 4, "linear")
+    assert lrs(first) == {i: saved(4 * (i - 1)) for i in range(1, 5)}
+    assert lrs(first)[1] == 0.0  # --lr-warmup-init's default, as Megatron-LM
     # the checkpoint's schedule (decay over 4 steps) ends at min-lr: no jump back up
     assert lrs(kept) == {i: 3e-4 for i in range(5, 9)}
-    fresh = LRSchedule(3e-3, 3e-4, 1, 8, "cosine")
-    assert lrs(overridden) == {i: fresh(i - 1) for i in range(5, 9)}
+    fresh = LRSchedule(3e-3, 3e-4, 1 * 4, 8 * 4, "linear")
+    assert lrs(overridden) == {i: fresh(4 * (i - 1)) for i in range(5, 9)}
     assert lrs(overridden)[5] > 1e-3  # the jump, asked for explicitly
+    # --no-load-optim: Megatron-LM loads no scheduler state, its schedule starts again
+    assert lrs(restarted) == {i: fresh(4 * (i - 5)) for i in range(5, 9)}
 
 
 def check(argv):
@@ -69,6 +74,11 @@ def check(argv):
     (["--finetune", "--seq-length", "128", "--max-position-embeddings", "128"],
      r"--seq-length 128 is longer than the position table of the model in --load \S+ \(64 "
      r"positions.*give --seq-length 64 or less"),
+    # Megatron-LM asserts on a changed schedule without one of its two flags
+    ([], r"schedule differs from the one of the checkpoint in --load \S+ \(iteration 4; "
+         r"checkpoint -> this run: decay samples 16 -> 32\). Pass "
+         r"--use-checkpoint-opt_param-scheduler .* or --override-opt-param-scheduler"),
+    (["--lr", "1e-3", "--lr-decay-iters", "4"], r"checkpoint -> this run: --lr 0.003 -> 0.001\)"),
     (["--finetune", "--seq-length", "16", "--max-position-embeddings", "16"],
      r"--max-position-embeddings 64 in the checkpoint, 16 here; --max-position-embeddings defaults "
      r"to --seq-length: give --max-position-embeddings 64 "),
@@ -82,8 +92,9 @@ def test_contradicting_the_checkpoint_fails_before_any_process_group(resumed, ch
 @pytest.mark.timeout(200)
 def test_allowed_changes_on_resume(resumed):
     ck, _ = resumed
+    # another global batch changes the schedule's lengths in samples (Megatron-LM's unit)
     check(MOCK + ["--train-iters", "8", "--load", ck, "--hidden-dropout", "0.2",
-                  "--global-batch-size", "8"])
+                  "--global-batch-size", "8", "--use-checkpoint-opt_param-scheduler"])
     check(MOCK
           + ["--train-iters", "2", "--load", ck, "--finetune", "--seq-length", "64", "--seed", "9"])
     with pytest.raises(ConfigError, match="mutually exclusive"):
@@ -115,36 +126,9 @@ def test_a_pointer_to_a_missing_iteration_is_a_config_error(tmp_path):
         check(MOCK + ["--train-iters", "8", "--load", str(tmp_path)])
 
 
-def test_extending_a_finished_run_at_min_lr_0_needs_a_schedule_flag(tmp_path):
-    """The kept schedule decayed to --min-lr 0 would train every new iteration at lr 0
-    (Megatron-LM refuses any schedule mismatch unless a flag picks one): refused, naming both flags;
-    either flag, a non-zero min lr or a run not yet at its decay end goes ahead."""
-    import dataclasses
-
-    from hybrid.job.resume_checks import ResumeMismatch, check_resume
-
-    def meta_of(argv, iteration, decay_iters, min_lr):
-        cfg = parse_config(argv)
-        return dict(iteration=iteration, config=cfg.to_dict(),
-                    train_state=dict(consumed_samples=16),
-                    model=dataclasses.asdict(validate(cfg, world_size=1).gpt),
-                    lr_schedule=dict(lr=3e-3, min_lr=min_lr, warmup_iters=1,
-                                     decay_iters=decay_iters, style="cosine"))
-
-    base = [a for a in MOCK if a not in ("--min-lr", "3e-4")]
-    saved = meta_of(base + ["--train-iters", "4"], 4, 4, 0.0)
-    run = base + ["--train-iters", "8", "--load", str(tmp_path)]
-    gpt = validate(parse_config(run), world_size=1).gpt
-    with pytest.raises(ResumeMismatch, match=r"--train-iters 8 extends the run in --load \S+ "
-                                             r"\(iteration 4\), whose LR schedule ended at "
-                                             r"iteration 4 with min lr 0.*--override-opt-param-"
-                                             r"scheduler.*--use-checkpoint-opt_param-scheduler"):
-        check_resume(parse_config(run), gpt, saved)
-    with pytest.raises(ResumeMismatch,
-                       match=r"learning rate 0 \(this run's --min-lr 0.0001 is not used while"):
-        check_resume(parse_config(run + ["--min-lr", "1e-4"]), gpt, saved)
-    for flag in ("--override-opt-param-scheduler", "--use-checkpoint-opt_param-scheduler"):
-        check_resume(parse_config(run + [flag]), gpt, saved)
-    check_resume(parse_config(run), gpt, meta_of(base + ["--train-iters", "4"], 4, 4, 3e-4))
-    # preempted mid-run
-    check_resume(parse_config(run), gpt, meta_of(base + ["--train-iters", "4"], 3, 4, 0.0))
+def test_a_schedule_flag_or_no_load_optim_lets_a_changed_schedule_resume(resumed):
+    ck, _ = resumed
+    run = MOCK + ["--train-iters", "8", "--load", ck]
+    for extra in (["--override-opt-param-scheduler"], ["--use-checkpoint-opt_param-scheduler"],
+                  ["--no-load-optim"], ["--lr-decay-iters", "4"]):
+        check(run + extra)

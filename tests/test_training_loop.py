@@ -6,7 +6,7 @@ import torch
 
 import hybrid.training as training
 from hybrid.metrics import MetricsWriter
-from hybrid.schedule import LRSchedule
+from hybrid.schedule import LRSchedule, ParamSchedule, WeightDecaySchedule
 from hybrid.training import LoopSettings, Trainer
 
 
@@ -24,7 +24,7 @@ class FakeEngine:
     def backward(self, loss, is_last_micro_batch):
         pass
 
-    def step(self, lr):
+    def step(self, lr, weight_decay=None):
         self.steps += 1  # an fp16 overflow at the step numbers in self.overflow
         skipped = self.steps in self.overflow
         return SimpleNamespace(skipped=skipped, grad_norm=float("inf") if skipped else 1.0,
@@ -53,8 +53,11 @@ def run(losses, **kw):
                             peak_tflops=None)
     batches = iter([torch.zeros(2, 5, dtype=torch.long)] * 100)
     writer = MetricsWriter(0, None, {}, print_fn=lambda *_: None)
-    trainer = Trainer(engine, grid, settings, LRSchedule(1.0, 0.1, 0, 6), writer,
-                      lambda split: iter([torch.zeros(2, 5, dtype=torch.long)]), kw.get("after"))
+    schedule = ParamSchedule(LRSchedule(1.0, 0.1, 1, 12, "cosine"), WeightDecaySchedule(0, 0, 12))
+    trainer = Trainer(engine, grid, settings, schedule, writer,
+                      kw.get("eval_batches",
+                             lambda split, start: iter([torch.zeros(2, 5, dtype=torch.long)])),
+                      kw.get("after"))
     state = trainer.state
     state.history = kw.get("history", state.history)
     try:
@@ -119,3 +122,16 @@ def test_too_many_nan_iterations_stop_with_a_clear_error_after_logging_them():
                        match="3 consecutive iterations had a NaN/inf loss"):
         run([1.0, nan, nan, nan, 1.0, 1.0], max_nan=3, eval=100, log=10, history=(history := []))
     assert [(r["iteration"], r["nan_iterations"]) for r in history] == [(4, 3)]
+
+
+def test_validation_moves_forward_through_its_split():
+    # as Megatron-LM's consumed_valid_samples: each evaluation starts where the last one stopped
+    starts = []
+
+    def eval_batches(split, start):
+        starts.append((split, start))
+        return iter([torch.zeros(2, 5, dtype=torch.long)])
+    state, _ = run([5.0] * 6, log=3, eval=2, eval_batches=eval_batches)
+    assert starts == [("valid", 0), ("valid", 2)]  # at 2 and 4; eval_iters 1 x global batch 2
+    assert state.consumed_valid_samples == 4
+    assert state.counters()["consumed_valid_samples"] == 4  # stored in checkpoints

@@ -69,44 +69,32 @@ def _metadata(job: Job) -> dict:
     # absolute, so that export and generation find it from any working directory
     tok = cfg.data.tokenizer_model and os.path.abspath(cfg.data.tokenizer_model)
     return dict(config=cfg.to_dict(), model=dataclasses.asdict(job.gpt), tokenizer=tok,
-                padded_vocab_size=job.padded_vocab_size, lr_schedule=run_schedule(job))
-
-
-def run_schedule(job: Job) -> dict:
-    """This run's LR schedule settings (as stored with each checkpoint)."""
-    from hybrid.job.resume_checks import schedule_settings
-
-    t = job.cfg.training
-    return schedule_settings(job.cfg.optimizer.lr, t.min_lr, job.warmup_iters, job.decay_iters,
-                             t.lr_decay_style)
+                padded_vocab_size=job.padded_vocab_size, lr_schedule=job.schedule)
 
 
 def lr_schedule(job: Job, meta: dict | None, print_fn=None):
-    """The run's :class:`hybrid.schedule.LRSchedule`: the checkpoint's on a resume unless
-    ``--override-opt-param-scheduler`` or ``--no-load-optim``; ``print_fn`` (rank 0) is told
-    which values differ."""
-    from hybrid.job.resume_checks import resumed_schedule
-    from hybrid.schedule import LRSchedule
+    """``(schedule, settings)``: the run's :class:`hybrid.schedule.ParamSchedule` and its
+    settings (what later checkpoints store): this run's flags, or the checkpoint's
+    schedule with ``--use-checkpoint-opt_param-scheduler`` (a difference without either flag was
+    refused before); ``--no-load-optim`` and ``--finetune`` start it anew. ``print_fn`` (rank 0)
+    is told which values differ."""
+    from hybrid.job.schedule_setup import (
+        build_schedule,
+        differences,
+        resumed_settings,
+        saved_settings,
+    )
 
     ck = job.cfg.checkpoint
-    if ck.no_load_optim:  # as Megatron-LM: no optimizer state, no scheduler state
-        meta = None
-    override = ck.override_opt_param_scheduler
-    settings, diffs = resumed_schedule(run_schedule(job), meta, override)
+    saved = None if ck.no_load_optim else saved_settings(meta)
+    diffs = [] if saved is None else differences(saved, job.schedule)
+    settings = resumed_settings(job.schedule, saved, ck.use_checkpoint_opt_param_scheduler)
     if diffs and print_fn is not None:
-        if override:
-            print_fn(f" LR schedule from this run's flags (--override-opt-param-scheduler; "
-                     f"checkpoint -> this run: {', '.join(diffs)})")
-        else:
-            past, end = "", settings["decay_iters"]
-            if job.cfg.training.train_iters > end and settings["style"] != "constant":
-                past = (f"; iterations after {end} (the kept schedule's end) run at the "
-                        f"checkpoint's min lr {settings['min_lr']:g}")
-            print_fn(f" LR schedule kept from the checkpoint (checkpoint -> this run's flags, not "
-                     f"used: {', '.join(diffs)}){past} (pass --override-opt-param-scheduler to use "
-                     "this run's)")
-    return LRSchedule(settings["lr"], settings["min_lr"], settings["warmup_iters"],
-                      settings["decay_iters"], settings["style"])
+        which = ("kept from the checkpoint (--use-checkpoint-opt_param-scheduler)"
+                 if ck.use_checkpoint_opt_param_scheduler
+                 else "from this run's flags (--override-opt-param-scheduler)")
+        print_fn(f" LR schedule {which}; checkpoint -> this run: {'; '.join(diffs)}")
+    return build_schedule(settings), settings
 
 
 def start_from(job: Job, engine: ZeroEngine, grid: ProcessGrid, tracker: RNGTracker | None,
@@ -142,7 +130,9 @@ def _resume(job: Job, engine: ZeroEngine, grid: ProcessGrid, tracker: RNGTracker
                            load_optim=not (ck.no_load_optim or ck.finetune),
                            load_rng=not (ck.no_load_rng or ck.finetune))
     if not ck.finetune:
-        state.restore(meta["train_state"])
+        state.restore(meta["train_state"], job.global_batch_size)
+        if ck.no_load_optim:  # as Megatron-LM: no scheduler state loaded, the schedule restarts
+            state.scheduler_samples = 0
     if grid.rank == 0:
         saved = meta["grid"]
         start = ("fine-tuning from iteration 0" if ck.finetune

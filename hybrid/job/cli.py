@@ -29,7 +29,10 @@ def _annotation(f: dataclasses.Field):
 
 
 def _is_list(f: dataclasses.Field) -> bool:
-    return typing.get_origin(_annotation(f)) is list
+    """A list field, optional or not (``list[str]``, ``list[str] | None``)."""
+    a = _annotation(f)
+    return typing.get_origin(a) is list or any(typing.get_origin(x) is list
+                                               for x in typing.get_args(a))
 
 
 def _base_type(annotation) -> type:
@@ -223,16 +226,27 @@ def _unknown_fields(path: str, unknown: list[str], valid: list[str]) -> str:
     return f"--config {path}: unknown field{s} {', '.join(hints)}{tail}"
 
 
-def parse_config(argv: list[str] | None = None) -> PretrainConfig:
+def parse_config(argv: list[str] | None = None, ignored: list[str] | None = None
+                 ) -> PretrainConfig:
     """Parse ``argv`` (and its ``--config`` file) into a :class:`PretrainConfig`.
 
-    Every section validates its own fields as it is built.
+    Megatron-LM flags without a field here are answered first
+    (:func:`hybrid.job.megatron_flags.translate`); those accepted without effect are appended
+    to ``ignored`` when given. Every section validates its own fields as it is built.
 
     Raises:
         ConfigError: a bad config file, two conflicting alias flags, a bad field value, or an
-            unknown or malformed flag (the message names the closest valid flag). ``--help``
-            prints the usage and exits 0.
+            unknown or malformed flag (the message names the closest valid flag), or Megatron-LM
+            flags for features this trainer does not have (one line each). ``--help`` prints
+            the usage and exits 0.
     """
+    import sys
+
+    from hybrid.job.megatron_flags import translate
+
+    argv, no_ops = translate(sys.argv[1:] if argv is None else argv)
+    if ignored is not None:
+        ignored += no_ops
     ns = vars(build_parser().parse_args(argv))
     _check_aliases(ns)
     values = load_config_file(ns.pop("config")) if "config" in ns else {}

@@ -8,15 +8,17 @@ rank with the same message and no worker waits in a collective.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from hybrid.batch_rampup import BatchRampup
 from hybrid.config import PretrainConfig
 from hybrid.config_fields import ConfigError
+from hybrid.job.schedule_setup import batch_rampup, schedule_settings, training_iterations
 from hybrid.parallel.grid import validate_grid
 from hybrid.parallel.vocab import pad_vocab_size
+from hybrid.tensorboard_log import tensorboard_missing
 from models.gpt import GPTConfig
 from models.presets import get_preset
 
@@ -35,7 +37,9 @@ class Job:
             (``global = micro x accumulation x dp``).
         tokens_per_step: ``global_batch_size * seq_length``.
         padded_vocab_size: embedding rows after padding for this tp.
-        warmup_iters, decay_iters: resolved LR schedule lengths (steps).
+        schedule: the LR and weight-decay schedule's settings, lengths in samples
+            (:func:`hybrid.job.schedule_setup.schedule_settings`).
+        rampup: the global-batch rampup (``--rampup-batch-size``), None without.
     """
 
     cfg: PretrainConfig
@@ -47,8 +51,8 @@ class Job:
     grad_accum_steps: int
     tokens_per_step: int
     padded_vocab_size: int
-    warmup_iters: int
-    decay_iters: int
+    schedule: dict
+    rampup: BatchRampup | None = None
 
     def summary(self) -> str:
         """One line: grid, batch arithmetic, tokens per step, vocabulary, parameters, schedule."""
@@ -57,8 +61,14 @@ class Job:
                 f"{self.global_batch_size} = micro batch {micro} x accumulation "
                 f"{self.grad_accum_steps} x dp {self.dp} | tokens per step "
                 f"{self.tokens_per_step:,} | vocab {self.gpt.vocab_size} padded to "
-                f"{self.padded_vocab_size} | parameters {self.gpt.num_parameters():,} | LR warmup "
-                f"{self.warmup_iters} decay {self.decay_iters}")
+                f"{self.padded_vocab_size} | parameters {self.gpt.num_parameters():,} | LR "
+                f"{self.schedule['lr_decay_style']} warmup {self.warmup_iters:g} decay "
+                f"{self.schedule['lr_decay_steps'] // self.global_batch_size} iterations")
+
+    @property
+    def warmup_iters(self) -> float:
+        """The LR warmup in iterations (a fraction with ``--lr-warmup-fraction``)."""
+        return self.schedule["lr_warmup_steps"] / self.global_batch_size
 
 
 def _world_from_env() -> tuple[int, int | None]:
@@ -77,6 +87,8 @@ def _vocab_size(cfg: PretrainConfig) -> int:
         raise ConfigError(f"--mock-data and --data-path {' '.join(map(str, d.data_path))} both "
                           "name the training data: drop --mock-data to train on the files, or "
                           "--data-path for synthetic tokens")
+    if d.vocab_file or d.merge_file:
+        return _gpt2_bpe_vocab_size(cfg)
     if d.tokenizer_model:
         if not Path(d.tokenizer_model).is_file():
             raise ConfigError(f"--tokenizer-model {d.tokenizer_model}: file not found")
@@ -95,8 +107,8 @@ def _vocab_size(cfg: PretrainConfig) -> int:
             raise ConfigError("--mock-data without --tokenizer-model needs --vocab-size")
         if not d.data_path:
             raise ConfigError(NO_DATA)
-        raise ConfigError("--tokenizer-model is required with --data-path (or give --mock-data "
-                          "--vocab-size N)")
+        raise ConfigError("--tokenizer-model (or --vocab-file and --merge-file) is required "
+                          "with --data-path (or give --mock-data --vocab-size N)")
     return m.vocab_size
 
 
@@ -151,19 +163,45 @@ def validate(cfg: PretrainConfig, world_size: int | None = None,
         raise ConfigError(f"--global-batch-size {gbs} is not divisible by --micro-batch-size "
                           f"{t.micro_batch_size} x data-parallel size {dp} = "
                           f"{t.micro_batch_size * dp}")
-    warmup, decay = _lr_schedule_lengths(cfg)
+    cfg = replace(cfg, training=replace(t, train_iters=training_iterations(cfg, gbs)))
+    schedule = schedule_settings(cfg, gbs)
+    rampup = batch_rampup(cfg, gbs)
+    if rampup is not None and (bad := [b for b in rampup.sizes if b % (t.micro_batch_size * dp)]):
+        raise ConfigError(f"--rampup-batch-size: global batch {bad[0]} of the rampup is not "
+                          f"divisible by --micro-batch-size {t.micro_batch_size} x data-parallel "
+                          f"size {dp} = {t.micro_batch_size * dp}")
     recomputed = cfg.activation.first_blocks
     if recomputed is not None and recomputed > gpt.num_layers:
         raise ConfigError(f"--recompute-num-layers {recomputed} exceeds the model's --num-layers "
                           f"{gpt.num_layers}")
     _check_data(cfg, vocab)
-    _check_checkpoint(cfg, gpt)
+    if cfg.logging.tensorboard_dir and (why := tensorboard_missing()):
+        raise ConfigError(why)
+    _check_checkpoint(cfg, gpt, schedule)
     return Job(
         cfg=cfg, gpt=gpt, world_size=world, tp=tp, dp=dp, global_batch_size=gbs,
         grad_accum_steps=gbs // (t.micro_batch_size * dp), tokens_per_step=gbs * m.seq_length,
         padded_vocab_size=pad_vocab_size(vocab, tp, m.make_vocab_size_divisible_by),
-        warmup_iters=warmup, decay_iters=decay,
+        schedule=schedule, rampup=rampup,
     )
+
+
+def _gpt2_bpe_vocab_size(cfg: PretrainConfig) -> int:
+    """``--vocab-file`` / ``--merge-file``'s vocabulary size, checked against the other flags."""
+    from data.gpt2_bpe import gpt2_bpe_vocab_size
+
+    d, m = cfg.data, cfg.model
+    if not (d.vocab_file and d.merge_file) or d.tokenizer_model:
+        raise ConfigError("a GPT-2 BPE tokenizer needs both --vocab-file and --merge-file, and "
+                          "no --tokenizer-model")
+    try:
+        vocab = gpt2_bpe_vocab_size(d.vocab_file, d.merge_file)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if m.vocab_size is not None and m.vocab_size != vocab:
+        raise ConfigError(f"--vocab-size {m.vocab_size} does not match the vocabulary of "
+                          f"{vocab} of --vocab-file {d.vocab_file}")
+    return vocab
 
 
 def _check_world(cfg: PretrainConfig, world_size: int | None,
@@ -209,20 +247,7 @@ def _check_model_split(cfg: PretrainConfig, gpt: GPTConfig) -> None:
                           f"{gpt.max_position_embeddings}]")
 
 
-def _lr_schedule_lengths(cfg: PretrainConfig) -> tuple[int, int]:
-    """``(warmup, decay)`` steps of the LR schedule, after checking ``--min-lr <= --lr``."""
-    t, lr = cfg.training, cfg.optimizer.lr
-    if t.min_lr > lr:
-        raise ConfigError(f"need 0 <= --min-lr ({t.min_lr}) <= --lr ({lr})")
-    decay = t.lr_decay_iters if t.lr_decay_iters is not None else t.train_iters
-    warmup = (math.floor(t.lr_warmup_fraction * decay + 0.5)  # 0.29 * 100 is 28.999...
-              if t.lr_warmup_fraction is not None else t.lr_warmup_iters)
-    if warmup > decay:
-        raise ConfigError(f"--lr-warmup-iters {warmup} must be in [0, --lr-decay-iters {decay}]")
-    return warmup, decay
-
-
-def _check_checkpoint(cfg: PretrainConfig, gpt: GPTConfig) -> None:
+def _check_checkpoint(cfg: PretrainConfig, gpt: GPTConfig, schedule: dict) -> None:
     """The checkpoint flags agree with each other, and what ``--load`` / ``--init-from-hf`` name
     fits this run."""
     c = cfg.checkpoint
@@ -238,17 +263,17 @@ def _check_checkpoint(cfg: PretrainConfig, gpt: GPTConfig) -> None:
         raise ConfigError("--override-opt-param-scheduler and --use-checkpoint-opt_param-scheduler "
                           "are mutually exclusive: take the LR schedule from this run's flags or "
                           "from the checkpoint")
-    _check_resume(cfg, gpt)
+    _check_resume(cfg, gpt, schedule)
 
 
-def _check_resume(cfg: PretrainConfig, gpt: GPTConfig) -> None:
+def _check_resume(cfg: PretrainConfig, gpt: GPTConfig, schedule: dict) -> None:
     from hybrid.checkpoint.directory import IncompleteCheckpointError
     from hybrid.job.resume_checks import ResumeMismatch, check_resume, checkpoint_metadata
 
     try:
         meta = checkpoint_metadata(cfg.checkpoint.load)
         if meta is not None:
-            check_resume(cfg, gpt, meta)
+            check_resume(cfg, gpt, meta, schedule)
     except FileNotFoundError as e:  # the pointer names no directory
         raise ConfigError(f"--load {cfg.checkpoint.load}: {e}") from None
     except (ResumeMismatch, IncompleteCheckpointError) as e:
@@ -294,7 +319,7 @@ def _check_data(cfg: PretrainConfig, vocab: int) -> None:
         head = ds.all_tokens[:TOKEN_SAMPLE]  # a mismatched tokenizer shows in the first tokens
         if len(head) and int(head.max()) >= vocab:
             source = ("--tokenizer-model " + d.tokenizer_model if d.tokenizer_model
-                      else "--vocab-size")
+                      else "--vocab-file " + d.vocab_file if d.vocab_file else "--vocab-size")
             raise ConfigError(
                 f"--data-path {prefix} holds token id {int(head.max())}, outside the vocabulary "
                 f"[0, {vocab}) of {source}: the data was preprocessed with another tokenizer (give "

@@ -29,7 +29,9 @@ if TYPE_CHECKING:
 def build_datasets(job: Job, state: TrainState | None = None):
     """``(train, valid, test)`` datasets sized for the run (None for an empty split).
 
-    The training split holds ``train_iters x global batch`` samples (Megatron-LM's size), or
+    The validation split holds ``(train_iters // eval_interval + 1) x eval_iters x global
+    batch`` samples, the test split ``eval_iters x global batch``, as in Megatron-LM. The
+    training split holds ``train_iters x global batch`` samples (Megatron-LM's size), or
     more when a resumed job (``state``: its loaded counters) needs more: its consumed samples
     plus the remaining iterations at this run's global batch, which is larger when the global
     batch grew since the checkpoint or when the consumed samples came at a larger one.
@@ -39,12 +41,20 @@ def build_datasets(job: Job, state: TrainState | None = None):
     cfg, gbs = job.cfg, job.global_batch_size
     seq, fractions = cfg.model.seq_length, parse_split(cfg.data.split)
     eval_samples = cfg.eval.eval_iters * gbs
-    train_samples = cfg.training.train_iters * gbs
+    # Megatron-LM's validation size: every evaluation reads new samples (one per interval and
+    # one at the end); the test split is evaluated once
+    interval = cfg.eval.eval_interval
+    valid_samples = (cfg.training.train_iters // interval + 1 if interval else 1) * eval_samples
+    train_samples = cfg.training.train_samples or cfg.training.train_iters * gbs
+    if job.rampup is not None:  # Megatron-LM's rampup iterations may overshoot --train-samples
+        train_samples = max(train_samples, job.rampup.consumed_after(cfg.training.train_iters))
     if state is not None:
         remaining = max(0, cfg.training.train_iters - state.iteration)
         train_samples = max(train_samples, state.consumed_samples + remaining * gbs)
+        evals = remaining // interval + 1 if interval else 1
+        valid_samples = max(valid_samples, state.consumed_valid_samples + evals * eval_samples)
     counts = (train_samples,
-              eval_samples if fractions[1] > 0 else 0,
+              valid_samples if fractions[1] > 0 else 0,
               eval_samples if fractions[2] > 0 else 0)
     if cfg.data.mock_data:
         from data.mock_dataset import MockGPTDataset
@@ -103,8 +113,9 @@ def engine_line(engine) -> str:
 
 
 def loop_settings(job: Job, grid: ProcessGrid):
-    """The loop's counts and the FLOPs per step for TFLOP/s and MFU (2205.05198 Eq. 7)."""
-    from hybrid.flops import device_peak_tflops, flops_per_iteration
+    """The loop's counts and the FLOPs per step for TFLOP/s and MFU, counted as Megatron-LM's
+    ``--log-throughput`` (:func:`hybrid.flops.megatron_flops_per_iteration`)."""
+    from hybrid.flops import device_peak_tflops, megatron_flops_per_iteration
     from hybrid.training import LoopSettings
 
     cfg, o = job.cfg, job.cfg.training
@@ -113,8 +124,10 @@ def loop_settings(job: Job, grid: ProcessGrid):
         global_batch_size=job.global_batch_size, tokens_per_step=job.tokens_per_step,
         log_interval=cfg.logging.log_interval, eval_interval=cfg.eval.eval_interval,
         eval_iters=cfg.eval.eval_iters, max_nan_iterations=o.max_nan_iterations,
-        flops_per_step=flops_per_iteration(job.gpt, job.global_batch_size, cfg.model.seq_length),
+        flops_per_step=megatron_flops_per_iteration(job.gpt, job.global_batch_size,
+                                                    cfg.model.seq_length, job.padded_vocab_size),
         peak_tflops=device_peak_tflops() if grid.device.type == "cuda" else None,
+        batch_size=job.rampup.batch_size if job.rampup else None,
     )
 
 
@@ -156,6 +169,10 @@ def _metrics(job: Job, grid: ProcessGrid, state: TrainState, meta: dict | None):
         lg.wandb_save_dir, print_fn=progress.write if progress else print,
         wandb_init_timeout=lg.wandb_init_timeout,
         wandb_run_id=(meta or {}).get("wandb_run_id"), start_iteration=state.iteration)
+    if lg.tensorboard_dir:
+        from hybrid.tensorboard_log import TensorBoardMetrics
+
+        writer = TensorBoardMetrics(writer, lg.tensorboard_dir, grid.rank)
     return writer, progress
 
 
@@ -170,16 +187,17 @@ def run(job: Job) -> dict:
     train_ds, valid_ds, test_ds = build_datasets(job, state)
     eval_sets = {"valid": valid_ds, "test": test_ds}
 
-    def eval_batches(split):
+    def eval_batches(split, consumed):
         ds = eval_sets[split]
-        return None if ds is None else _batches(ds, 0, job, grid)
+        return None if ds is None else _batches(ds, consumed, job, grid)
 
-    schedule = lr_schedule(job, meta, print if grid.rank == 0 else None)
+    schedule, settings = lr_schedule(job, meta, print if grid.rank == 0 else None)
     writer, progress = _metrics(job, grid, state, meta)
     if grid.rank == 0:
         where = f" | resolved config: {writer.config_file}" if writer.config_file else ""
         writer.print(engine_line(engine) + where)
     checkpointer = Checkpointer(job, engine, grid, tracker, writer)
+    checkpointer.metadata["lr_schedule"] = settings  # the one followed, for the next resume
     trainer = Trainer(engine, grid, loop_settings(job, grid), schedule, writer, eval_batches,
                       checkpointer.after_iteration, progress, state)
     try:
@@ -221,8 +239,12 @@ def main(argv: list[str] | None = None) -> int:
     # a user's warning is a line of its own, not a source file and line of this package
     warnings.formatwarning = lambda msg, cat, *_, **__: f"{cat.__name__}: {msg}\n"
     try:
-        cfg = parse_config(argv)
+        ignored: list[str] = []
+        cfg = parse_config(argv, ignored)
         job = validate(cfg, world_size=cfg.grid.dry_run_world_size)
+        if ignored and os.environ.get("RANK", "0") == "0":
+            print(f"hybrid-pretrain: Megatron-LM flags accepted without effect here (kernel, "
+                  f"fusion and backend choices): {', '.join(ignored)}", flush=True)
     except ConfigError as e:
         if os.environ.get("LOCAL_RANK", "0") == "0":  # once per node, not once per rank
             print(f"hybrid-pretrain: error: {e}", file=sys.stderr)

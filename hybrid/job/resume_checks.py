@@ -9,10 +9,11 @@ A resumed run reads the checkpoint's ``metadata.json`` and compares it with its 
   ``--mock-data``; a change would silently skip or repeat data, so it is refused with the old and
   the new value (``--finetune`` starts a new data order from iteration 0 instead);
 * **``--train-iters``** must not be below the checkpoint's iteration;
-* **the LR schedule** (peak and minimum LR, warmup, decay steps and style) comes from the
-  checkpoint, as Megatron-LM's ``--use-checkpoint-opt_param-scheduler`` does, unless
-  ``--override-opt-param-scheduler`` asks for this run's flags; :func:`resumed_schedule` says
-  which values differ.
+* **the LR and weight-decay schedule** (peak and minimum LR, warmup, decay length and style,
+  weight-decay range) must be the checkpoint's, as Megatron-LM asserts, unless
+  ``--use-checkpoint-opt_param-scheduler`` (continue the checkpoint's) or
+  ``--override-opt-param-scheduler`` (this run's) says which to follow; ``--no-load-optim``
+  restarts it (:mod:`hybrid.job.schedule_setup`).
 """
 
 from __future__ import annotations
@@ -28,8 +29,6 @@ SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_
 DATA_POSITION_FIELDS = (("model", "seq_length"), ("data", "data_path"), ("data", "split"),
                         ("data", "seed"), ("data", "mock_data"))
 """Settings that decide which samples ``consumed_samples`` points at."""
-
-SCHEDULE_FIELDS = ("lr", "min_lr", "warmup_iters", "decay_iters", "style")
 
 
 class ResumeMismatch(ValueError):
@@ -98,8 +97,12 @@ def check_model(meta: dict, gpt, load: str, position_hint: bool = False) -> None
                          "--load")
 
 
-def check_resume(cfg: PretrainConfig, gpt, meta: dict) -> None:
+def check_resume(cfg: PretrainConfig, gpt, meta: dict, schedule: dict) -> None:
     """Every pre-flight check of a resume from ``meta`` (see the module docstring).
+
+    Args:
+        schedule: this run's schedule settings
+            (:func:`hybrid.job.schedule_setup.schedule_settings`).
 
     Raises:
         ResumeMismatch: the first contradiction found, with the old and the new value.
@@ -120,32 +123,29 @@ def check_resume(cfg: PretrainConfig, gpt, meta: dict) -> None:
     # first: a changed --seq-length also changes the default max-position
     _check_data_position(cfg, meta)
     check_model(meta, gpt, ck.load)
-    _check_extension_at_zero_lr(cfg, meta)
+    _check_schedule(cfg, meta, schedule)
 
 
-def _check_extension_at_zero_lr(cfg: PretrainConfig, meta: dict) -> None:
-    """A finished run extended with a larger ``--train-iters`` keeps the checkpoint's schedule,
-    which has decayed to its min lr: with ``--min-lr 0`` every new iteration would train at
-    learning rate 0. Megatron-LM refuses any schedule mismatch unless one of the two flags says
-    which schedule to use; here only this wasteful case needs the flag."""
+def _check_schedule(cfg: PretrainConfig, meta: dict, schedule: dict) -> None:
+    """A schedule that differs from the checkpoint's needs one of Megatron-LM's two flags to say
+    which to follow (a longer ``--train-iters`` without ``--lr-decay-iters`` changes the decay)."""
+    from hybrid.job.schedule_setup import differences, saved_settings
+
     ck = cfg.checkpoint
-    saved = meta.get("lr_schedule")
-    saved_iters = meta.get("config", {}).get("training", {}).get("train_iters")
-    it = meta["iteration"]
+    saved = saved_settings(meta)
     if (saved is None or ck.override_opt_param_scheduler or ck.use_checkpoint_opt_param_scheduler
-            or ck.no_load_optim or saved["style"] == "constant" or saved["min_lr"] != 0
-            or it < saved["decay_iters"] or saved_iters is None
-            or cfg.training.train_iters <= saved_iters):
+            or ck.no_load_optim):
         return
-    ignored = (f" (this run's --min-lr {cfg.training.min_lr:g} is not used while the checkpoint's "
-               "schedule is kept)" if cfg.training.min_lr != 0 else "")
+    diffs = differences(saved, schedule)
+    if not diffs:
+        return
+    it = meta["iteration"]
     raise ResumeMismatch(
-        f"--train-iters {cfg.training.train_iters} extends the run in --load {ck.load} (iteration "
-        f"{it}), whose LR schedule ended at iteration {saved['decay_iters']} with min lr 0: kept, "
-        f"it would train every new iteration at learning rate 0{ignored}. Pass "
-        f"--override-opt-param-scheduler to use this run's schedule (--lr, --min-lr, "
-        f"--lr-decay-iters from iteration {it}), or --use-checkpoint-opt_param-scheduler to keep "
-        f"the checkpoint's anyway")
+        f"this run's LR / weight-decay schedule differs from the one of the checkpoint in --load "
+        f"{ck.load} (iteration {it}; checkpoint -> this run: {'; '.join(diffs)}). Pass "
+        f"--use-checkpoint-opt_param-scheduler to continue the checkpoint's schedule, or "
+        f"--override-opt-param-scheduler to follow this run's flags from iteration {it} on "
+        "(Megatron-LM refuses the difference too)")
 
 
 def _check_data_position(cfg: PretrainConfig, meta: dict) -> None:
@@ -173,22 +173,3 @@ def _show(value) -> str:
     if isinstance(value, list):
         return " ".join(map(str, value)) or "(none)"
     return str(value)
-
-
-def schedule_settings(lr: float, min_lr: float, warmup_iters: int, decay_iters: int,
-                      style: str) -> dict:
-    """The LR schedule's settings as stored in ``metadata.json`` (``SCHEDULE_FIELDS``)."""
-    return dict(lr=lr, min_lr=min_lr, warmup_iters=warmup_iters, decay_iters=decay_iters,
-                style=style)
-
-
-def resumed_schedule(ours: dict, meta: dict | None, override: bool) -> tuple[dict, list[str]]:
-    """``(settings, differences)``: the LR schedule a resumed run uses and how this run's flags
-    differ from the checkpoint's (``"decay_iters 20 -> 40"``). The checkpoint's settings win
-    unless ``override``; without a checkpoint (or one saved before schedules were stored) the
-    run's own."""
-    saved = (meta or {}).get("lr_schedule")
-    if saved is None:
-        return ours, []
-    diffs = [f"{k} {saved[k]} -> {ours[k]}" for k in SCHEDULE_FIELDS if saved[k] != ours[k]]
-    return (ours if override else saved), diffs

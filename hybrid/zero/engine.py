@@ -170,8 +170,9 @@ class ZeroEngine:
             mp.grad = self.reducer.grad_view(f)
             groups[L.slots[f.slot].no_decay].append(mp)
             self.opt_params.append((mp, f))
-        param_groups = [{"params": groups[nd], "weight_decay": 0.0 if nd else oc.weight_decay}
-                        for nd in (False, True) if groups[nd]]
+        # wd_mult (Megatron-LM's name): the share of the scheduled weight decay a group gets
+        param_groups = [{"params": groups[nd], "weight_decay": 0.0 if nd else oc.weight_decay,
+                         "wd_mult": 0.0 if nd else 1.0} for nd in (False, True) if groups[nd]]
         # On CUDA torch's fused AdamW: one kernel, and no partition-sized temporaries (the
         # default foreach path allocates sqrt(v) for the whole partition: 1 GB at 100B / 400
         # ranks). On CPU the single-tensor path, whose temporaries are one fragment each.
@@ -248,8 +249,9 @@ class ZeroEngine:
             self.reducer.end_backward()
         self._grads_ready = is_last_micro_batch
 
-    def step(self, lr: float) -> StepInfo:
-        """Clip, AdamW-update the owned fp32 partition with learning rate ``lr``, refresh the
+    def step(self, lr: float, weight_decay: float | None = None) -> StepInfo:
+        """Clip, AdamW-update the owned fp32 partition with learning rate ``lr`` (and
+        ``weight_decay`` for the decayed parameters, None: unchanged), refresh the
         model parameters and zero the gradients. On overflow (anywhere in the world) only the
         loss scale changes and ``skipped_steps`` grows; the caller should not advance its LR
         schedule then."""
@@ -274,6 +276,8 @@ class ZeroEngine:
                 self.reducer.buffer.mul_(coef)
             for g in self.optimizer.param_groups:
                 g["lr"] = lr
+                if weight_decay is not None:
+                    g["weight_decay"] = weight_decay * g["wd_mult"]
             self.optimizer.step()
         with self.timer.phase("refresh"):
             self.refresh_params()

@@ -1,0 +1,143 @@
+"""Megatron-LM flags that have no field here, answered so that its example scripts port.
+
+Each such flag gets one of three answers (:func:`translate`):
+
+* **its meaning**, as this trainer's own flags (``--use-distributed-optimizer`` is ZeRO-1 when no
+  ``--zero-stage`` is given, ``--recompute-activations`` is selective recompute, ...);
+* **accepted without effect** (kernel, fusion and backend choices, which change no result here),
+  listed in one start-up note;
+* **refused as out of scope**, one line per flag naming the feature (pipeline parallelism > 1,
+  context parallelism, MoE, FP8, ...), before any process group starts.
+
+A value of a flag is every following token that does not start with ``--`` (the pretraining
+command line has no positional arguments).
+"""
+
+from __future__ import annotations
+
+from hybrid.config_fields import ConfigError
+
+MEANING = {
+    "--use-distributed-optimizer": ["--zero-stage", "1"],
+    "--overlap-grad-reduce": ["--overlap-comm"],
+    "--overlap-param-gather": ["--overlap-comm"],
+    "--recompute-activations": ["--recompute-granularity", "selective"],
+    "--distribute-saved-activations": ["--partition-activations"],
+    "--exit-signal-handler": [],  # SIGTERM always finishes the iteration, saves and exits
+    "--accumulate-allreduce-grads-in-fp32": [],  # gradients are always accumulated in fp32
+}
+"""Flag -> the equivalent flags here (empty: what happens here anyway)."""
+
+SIZE_ONE = {"--pipeline-model-parallel-size": "pipeline parallelism",
+            "--context-parallel-size": "context parallelism",
+            "--expert-model-parallel-size": "expert parallelism (MoE)",
+            "--expert-tensor-parallel-size": "expert parallelism (MoE)"}
+"""Parallel sizes accepted at 1 (what this trainer does) and refused above."""
+
+NO_OP = {
+    "--use-mcore-models", "--use-legacy-models", "--distributed-backend", "--attention-backend",
+    "--use-flash-attn", "--transformer-impl", "--ckpt-format", "--no-masked-softmax-fusion",
+    "--masked-softmax-fusion", "--no-bias-gelu-fusion", "--bias-gelu-fusion",
+    "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion", "--no-gradient-accumulation-fusion",
+    "--no-rope-fusion", "--no-persist-layer-norm", "--cross-entropy-loss-fusion",
+    "--cross-entropy-fusion-impl", "--no-async-tensor-model-parallel-allreduce",
+    "--tp-comm-overlap", "--manual-gc", "--manual-gc-interval", "--log-throughput",
+    "--timing-log-level", "--timing-log-option", "--num-workers", "--no-mmap-bin-files",
+    "--mmap-bin-files", "--no-create-attention-mask-in-dataloader", "--dataloader-type",
+    "--empty-unused-memory-level", "--use-cpu-initialization", "--profile",
+    "--profile-step-start", "--profile-step-end", "--log-params-norm", "--log-num-zeros-in-grad",
+    "--tiktoken-pattern",  # read by TikTokenizer only, which is refused
+    "--tensorboard-log-interval", "--tensorboard-queue-size", "--log-timers-to-tensorboard",
+    "--log-validation-ppl-to-tensorboard", "--log-memory-to-tensorboard",
+}
+"""Kernel, fusion, backend and logging choices with no effect on the result here."""
+
+REFUSED = {
+    "--virtual-pipeline-model-parallel-size": "pipeline parallelism",
+    "--num-layers-per-virtual-pipeline-stage": "pipeline parallelism",
+    "--decoder-first-pipeline-num-layers": "pipeline parallelism",
+    "--decoder-last-pipeline-num-layers": "pipeline parallelism",
+    "--num-experts": "mixture of experts (MoE)",
+    "--fp8-format": "FP8 training", "--fp8-param-gather": "FP8 training",
+    "--fp8-recipe": "FP8 training", "--fp8-amax-history-len": "FP8 training",
+    "--fp8-amax-compute-algo": "FP8 training", "--fp4-format": "FP4 training",
+    "--mtp-num-layers": "multi-token prediction",
+    "--multi-latent-attention": "multi-latent attention",
+    "--use-torch-fsdp2": "FSDP (--zero-stage 3 partitions the parameters here)",
+    "--use-megatron-fsdp": "FSDP (--zero-stage 3 partitions the parameters here)",
+    "--step-batch-size-schedule": "a batch-size schedule",
+    "--decoupled-lr": "a separate learning rate for the embeddings",
+    "--decoupled-min-lr": "a separate learning rate for the embeddings",
+    "--calculate-per-token-loss": "per-token loss averaging across micro-batches",
+    "--apply-layernorm-1p": "zero-centered LayerNorm weights (1 + gamma)",
+    "--grad-reduce-in-bf16": "bf16 gradient reduction (gradients are reduced in fp32 here)",
+    "--eod-mask-loss": "masking the loss at end-of-document tokens",
+    "--reset-position-ids": "per-document position ids",
+    "--reset-attention-mask": "per-document attention masks",
+}
+"""Flag -> the feature it asks for, which this trainer does not have."""
+
+REFUSED_PREFIXES = {"--moe-": "mixture of experts (MoE)", "--fp8-": "FP8 training"}
+
+SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
+TOKENIZER_TYPES = (*SENTENCEPIECE_TYPES, "GPT2BPETokenizer", "NullTokenizer")
+"""``--tokenizer-type`` values this trainer reads: sentencepiece (``--tokenizer-model``), GPT-2
+BPE (``--vocab-file``, ``--merge-file``) and none (``--vocab-size`` alone, token ids as they
+are)."""
+
+
+def _split(argv: list[str]) -> list[tuple[str, list[str]]]:
+    """``[(flag, its values)]``; a token before any flag is kept as a flag of its own."""
+    items: list[tuple[str, list[str]]] = []
+    for tok in argv:
+        if tok.startswith("--") or not items:
+            flag, eq, value = tok.partition("=")
+            items.append((flag, [value] if eq else []))
+        else:
+            items[-1][1].append(tok)
+    return items
+
+
+def _refusal(flag: str, values: list[str]) -> str | None:
+    if flag in SIZE_ONE and values != ["1"]:
+        return f"{flag} {' '.join(values)}: {SIZE_ONE[flag]} is not supported here (only 1)"
+    if flag in REFUSED:
+        return f"{flag}: {REFUSED[flag]} is not supported here"
+    prefix = next((p for p in REFUSED_PREFIXES if flag.startswith(p)), None)
+    if prefix is not None:
+        return f"{flag}: {REFUSED_PREFIXES[prefix]} is not supported here"
+    if flag == "--tokenizer-type" and values and values[0] not in TOKENIZER_TYPES:
+        sp = ", ".join(SENTENCEPIECE_TYPES)
+        return (f"--tokenizer-type {values[0]}: only sentencepiece ({sp} with --tokenizer-model), "
+                "GPT2BPETokenizer (--vocab-file, --merge-file) and NullTokenizer (--vocab-size) "
+                "are supported here")
+    return None
+
+
+def translate(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``(argv with Megatron-LM's flags answered, the flags accepted without effect)``.
+
+    Raises:
+        ConfigError: one line per refused flag, naming the feature it asks for.
+    """
+    items = _split(list(argv))
+    given = {flag for flag, _ in items}
+    out: list[str] = []
+    ignored: list[str] = []
+    refused = [r for flag, values in items if (r := _refusal(flag, values)) is not None]
+    if refused:
+        raise ConfigError("Megatron-LM flags for features this trainer does not have:\n  "
+                          + "\n  ".join(refused))
+    for flag, values in items:
+        if flag in MEANING:
+            equivalent = MEANING[flag]
+            if flag == "--use-distributed-optimizer" and "--zero-stage" in given:
+                equivalent = []  # an explicit ZeRO stage already partitions (or not)
+            if equivalent and equivalent[0] not in out:
+                out += equivalent
+        elif flag in SIZE_ONE or flag == "--tokenizer-type" or flag in NO_OP:
+            if flag in NO_OP:
+                ignored.append(" ".join([flag, *values]))
+        else:
+            out += [flag, *values]
+    return out, ignored
