@@ -75,7 +75,7 @@ def _stage_gloo_through_host() -> None:
 
 def measure(rank: int, world: int, args: dict) -> dict:
     """Run every option of :data:`OPTIONS` on this rank; returns figures in bytes."""
-    cuda = torch.cuda.is_available()  # False only in the CPU smoke test: no memory figures
+    cuda = args["device"] == "cuda"  # False in the CPU smoke test: no memory figures
     device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
@@ -144,12 +144,26 @@ def report(res: dict) -> str:
 
 
 def run(num_layers=24, hidden_size=1024, heads=16, seq_length=1024, micro_batch_size=16,
-        micro_batches=3, tp=2, vocab_size=50257) -> dict:
-    """Spawn the tp-rank world and return rank 0's figures."""
+        micro_batches=3, tp=2, vocab_size=50257, device: str | None = None) -> dict:
+    """Spawn the tp-rank world and return rank 0's figures.
+
+    ``device``: "cuda" or "cpu" (None: CUDA when available). CUDA runs NCCL when there is one
+    GPU per rank, else gloo with host-staged collectives; CPU runs gloo.
+
+    Raises:
+        ValueError: ``heads`` is not divisible by ``tp``, or ``device`` is not cuda / cpu.
+    """
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"gpu_activation_memory: device {device!r}; valid: 'cuda', 'cpu'")
+    if heads % tp:
+        raise ValueError(f"gpu_activation_memory: {heads} attention heads do not split over tp "
+                         f"{tp}; use a tp that divides {heads}")
     args = dict(num_layers=num_layers, hidden_size=hidden_size, heads=heads, seq_length=seq_length,
                 micro_batch_size=micro_batch_size, micro_batches=micro_batches,
-                vocab_size=vocab_size)
-    return spawn_world(tp, measure, args, timeout_s=300)[0]
+                vocab_size=vocab_size, device=device)
+    nccl = device == "cuda" and torch.cuda.device_count() >= tp
+    return spawn_world(tp, measure, args, timeout_s=300, backend="nccl" if nccl else "gloo")[0]
 
 
 def main(argv=None) -> None:

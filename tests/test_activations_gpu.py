@@ -10,7 +10,7 @@ from scripts.gpu_activation_memory import OPTIONS, report, run
 
 def test_script_runs_on_cpu():
     res = run(num_layers=2, hidden_size=32, heads=4, seq_length=8, micro_batch_size=2,
-              micro_batches=1, vocab_size=101)
+              micro_batches=1, vocab_size=101, device="cpu")  # CPU even on a GPU host
     assert set(OPTIONS) <= set(res)
     # fp32 on CPU: 2 blocks x 4 bytes x s*b*h, halved by P_a at tp = 2.
     assert res["checkpoint"]["saved"]["checkpoints"] == 2 * 4 * 8 * 2 * 32

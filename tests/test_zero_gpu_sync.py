@@ -57,6 +57,6 @@ def _count_syncs(rank: int, world: int) -> dict:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_train_step_syncs_only_for_norm_and_loss():
-    got = spawn_world(1, _count_syncs, timeout_s=300)[0]
+    got = spawn_world(1, _count_syncs, timeout_s=300, backend="nccl")[0]
     for key, syncs in got.items():
         assert len(syncs) == EXPECTED_SYNCS, (key, syncs)
