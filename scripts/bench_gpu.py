@@ -17,7 +17,8 @@ What runs, each in its own process (so each peak is its own):
 2. **torch**: the same ``GPT`` (vocabulary padded as ours, to a multiple of 128), fp32
    parameters, forward/backward under ``torch.autocast("cuda", torch.bfloat16)``,
    ``torch.optim.AdamW(fused=True)``, ``clip_grad_norm_(1.0)``: 16 bytes of state per
-   parameter, bf16 GEMMs. This is the usual plain-PyTorch mixed-precision loop (autocast, not bf16 parameters with a separate master).
+   parameter, bf16 GEMMs. This is the usual plain-PyTorch mixed-precision loop (autocast, not
+   bf16 parameters with a separate master).
 3. **activations**: ``scripts/gpu_activation_memory.py``'s measurement (``--pa-tp`` ranks sharing
    the GPU, since P_a needs tp > 1; default the smallest tp > 1 that divides the heads: 5 for
    gpt2-1.5b's 25): peak allocated with no checkpointing, checkpointing, + arena, P_a,
