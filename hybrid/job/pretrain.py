@@ -61,8 +61,9 @@ def _batches(dataset, consumed: int, job: Job, grid: ProcessGrid):
     from data.loader import build_data_loader
 
     cfg = job.cfg
+    # pinned host batches on CUDA: train_step's non_blocking copy is then truly asynchronous
     loader = build_data_loader(dataset, consumed, cfg.training.micro_batch_size, grid.dp_rank,
-                               grid.dp_size)
+                               grid.dp_size, pin_memory=grid.device.type == "cuda")
     return checked_tokens(loader, job.gpt.vocab_size, cfg.data.data_path)
 
 
