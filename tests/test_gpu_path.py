@@ -251,3 +251,14 @@ def test_reduce_from_tp_sums_an_intermediate_in_place(monkeypatch):
     assert reduce_from_tp(leaf, None).data_ptr() != leaf.data_ptr()
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
     assert reduce_from_tp(x, None).data_ptr() == x.data_ptr()
+
+
+def test_the_training_loop_reads_the_host_twice_per_iteration():
+    """The real loop (``hybrid.pretrain``, ZeRO-3, dropout, full recompute, 2 micro-batches):
+    the mean loss and the grad norm are its only host reads; the stop check read its own
+    all-reduced flag every iteration before (3 per iteration)."""
+    from hybrid.parallel.spawn import spawn_world
+    from scripts.gpu_sync_count import DEFAULT_ARGS, EXPECTED_SYNCS, count_loop_syncs
+
+    got = spawn_world(1, count_loop_syncs, DEFAULT_ARGS, "cpu", timeout_s=120)[0]
+    assert len(got) == 5 and all(len(x) == EXPECTED_SYNCS for x in got), got
