@@ -112,11 +112,14 @@ def measure(rank: int, world: int, args: dict) -> dict:
             torch.cuda.synchronize()
             peak_alloc = torch.cuda.max_memory_allocated(device)
             peak_reserved = torch.cuda.max_memory_reserved(device)
+        # per-parameter gradient norms (float64): every option must give the same gradients
+        grads = [p.grad.double().norm().item() for p in model.parameters()]
         saved = None
         if handle is not None:
             saved = handle.measure(lambda m=model: m(x, y).mean().backward())
         out[name] = dict(peak_allocated=peak_alloc, activations_peak=peak_alloc - base,
                          reserved_minus_allocated=peak_reserved - peak_alloc, saved=saved,
+                         grad_norms=grads,
                          arena_bytes=0 if handle is None or handle.arena is None
                          else handle.arena.nbytes)
         del model, handle
