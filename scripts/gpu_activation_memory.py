@@ -169,9 +169,16 @@ def run(num_layers=24, hidden_size=1024, heads=16, seq_length=1024, micro_batch_
     return spawn_world(tp, measure, args, timeout_s=300, backend="nccl" if nccl else "gloo")[0]
 
 
-def main(argv=None) -> None:
-    if not torch.cuda.is_available():
-        sys.exit("gpu_activation_memory: needs a CUDA device")
+def grads_agree(res: dict, rel: float) -> list[str]:
+    """The options whose per-parameter gradient norms differ from "no checkpointing"'s by more
+    than ``rel`` (relative); empty when every option gives the same gradients."""
+    ref = res["no checkpointing"]["grad_norms"]
+    return [name for name in OPTIONS if any(
+        abs(x - y) > rel * max(abs(y), 1e-30) for x, y in zip(res[name]["grad_norms"], ref,
+                                                                 strict=True))]
+
+
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     env = os.environ.get
     p.add_argument("--num-layers", type=int, default=int(env("NUM_LAYERS", 24)))
@@ -180,10 +187,20 @@ def main(argv=None) -> None:
     p.add_argument("--seq-length", type=int, default=int(env("SEQ_LENGTH", 1024)))
     p.add_argument("--micro-batch-size", type=int, default=int(env("MICRO_BATCH_SIZE", 16)))
     p.add_argument("--micro-batches", type=int, default=int(env("MICRO_BATCHES", 3)))
+    p.add_argument("--vocab-size", type=int, default=50257)
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="cpu: a rehearsal without memory figures")
     a = p.parse_args(argv)
-    print(report(run(a.num_layers, a.hidden_size, a.heads, a.seq_length, a.micro_batch_size,
-                     a.micro_batches)))
-
+    if a.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("gpu_activation_memory: needs a CUDA device")
+    res = run(a.num_layers, a.hidden_size, a.heads, a.seq_length, a.micro_batch_size,
+              a.micro_batches, vocab_size=a.vocab_size, device=a.device)
+    print(report(res))
+    # dropout 0.1: every option replays the same masks; bf16 on GPU, fp32 (exact) on CPU
+    bad = grads_agree(res, 1e-2 if a.device == "cuda" else 0.0)
+    print(f"gradients of every option equal to no checkpointing's (dropout 0.1): "
+          f"{'OK' if not bad else 'FAIL: ' + ', '.join(bad)}")
+    return 1 if bad else 0
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
