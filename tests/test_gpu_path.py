@@ -262,3 +262,19 @@ def test_the_training_loop_reads_the_host_twice_per_iteration():
 
     got = spawn_world(1, count_loop_syncs, DEFAULT_ARGS, "cpu", timeout_s=120)[0]
     assert len(got) == 5 and all(len(x) == EXPECTED_SYNCS for x in got), got
+
+
+@pytest.mark.timeout(200)
+def test_chunked_zero3_gathers_broadcast_into_their_slots():
+    """NCCL's list all-gather gathers into a temporary flat buffer and copies every rank's piece
+    out; the chunked ZeRO-3 gathers (and refresh) now broadcast each rank's piece straight into
+    its slot of the unit buffer. Same bits as the list all-gather (2 ranks, gloo)."""
+    from hybrid.parallel.spawn import spawn_world
+    from tests.gpu_path_worlds import list_gathers_by_broadcast
+
+    native, broadcast = spawn_world(2, list_gathers_by_broadcast, timeout_s=120)[0].values()
+    assert native["losses"] == broadcast["losses"]
+    assert all(torch.equal(native["final"][k], v) for k, v in broadcast["final"].items())
+    assert native["calls"]["all_gather"] > 0 and native["calls"]["broadcast"] == 0
+    assert broadcast["calls"]["all_gather"] == 0
+    assert broadcast["calls"]["broadcast"] == 2 * native["calls"]["all_gather"]  # one per rank
