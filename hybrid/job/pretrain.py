@@ -232,6 +232,10 @@ def main(argv: list[str] | None = None) -> int:
 
             time.sleep(3)
         return 2
+    from hybrid.job import fake_cuda
+
+    if cfg.grid.dry_run_device == "cuda" and not fake_cuda.loaded():
+        return fake_cuda.run_preloaded(sys.argv[1:] if argv is None else argv)
     import torch.distributed as dist
 
     from hybrid.training import TooManyNaNIterations
