@@ -120,11 +120,14 @@ def _engine_tensors(engine) -> list[torch.Tensor]:
 
 
 def _host_checkpoint_bytes(engine) -> int:
-    """Bytes of the host-memory checkpoint arena (``--checkpoint-in-cpu``), 0 without one."""
+    """Bytes of the host-memory checkpoints (``--checkpoint-in-cpu``): the arena, or the host
+    buffers the offload pool holds after the step (one micro-batch's); 0 without either."""
     for block in getattr(engine.model, "layers", []):
         store = getattr(block.__dict__.get("forward"), "store", None)
-        if store is not None and store.in_cpu and store.arena is not None:
-            return store.arena.nbytes
+        if store is not None and store.in_cpu:
+            pool = [] if store.offload is None else store.offload.pool.values()
+            pooled = sum(b.numel() * b.element_size() for bufs in pool for b in bufs)
+            return (store.arena.nbytes if store.arena is not None else 0) + pooled
     return 0
 
 

@@ -68,6 +68,35 @@ def run_preloaded(argv: list[str], code: str = "") -> int:
     return subprocess.run([sys.executable, "-c", program, *argv], env=env).returncode
 
 
+class _Event:
+    """A CUDA event that orders nothing (the dry run executes nothing)."""
+
+    def record(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+class _Stream:
+    """A CUDA stream that orders nothing (the dry run executes nothing)."""
+
+    def __init__(self, device=None, priority=0):
+        self.device = device
+
+    def record_event(self, event=None):
+        return event or _Event()
+
+    def wait_event(self, event):
+        pass
+
+    def wait_stream(self, stream):
+        pass
+
+    def synchronize(self):
+        pass
+
+
 @contextlib.contextmanager
 def stubs():
     """``torch.cuda``'s Python side for fake devices: per-device RNG states (real host
@@ -102,33 +131,10 @@ def stubs():
         finally:
             current[0] = before
 
-    class Stream:
-        def __init__(self, device=None, priority=0):
-            self.device = torch.device("cuda", index(device))
-
-        def record_event(self, event=None):
-            return event or Event()
-
-        def wait_event(self, event):
-            pass
-
-        def wait_stream(self, stream):
-            pass
-
-        def synchronize(self):
-            pass
-
-    class Event:
-        def record(self, stream=None):
-            pass
-
-        def synchronize(self):
-            pass
-
     fakes = dict(get_rng_state=get_state, set_rng_state=set_state, manual_seed=seed,
                  manual_seed_all=seed, set_device=lambda d: current.__setitem__(0, index(d)),
                  current_device=lambda: current[0], device_count=lambda: 64, device=device,
-                 Stream=Stream, Event=Event, current_stream=lambda device=None: Stream(device),
+                 Stream=_Stream, Event=_Event, current_stream=lambda device=None: _Stream(device),
                  stream=lambda s: contextlib.nullcontext(), synchronize=lambda device=None: None)
     with contextlib.ExitStack() as stack:
         for name, fn in fakes.items():
