@@ -80,3 +80,14 @@ def test_a_tensor_on_the_wrong_device_fails_the_dry_run():
         out.stdout[-2000:] + out.stderr[-3000:])
     clean = _run(argv)
     assert clean.returncode == 0, clean.stderr[-3000:]
+
+
+def test_a_cuda_build_of_torch_is_refused(monkeypatch):
+    """A CUDA torch registers its own CUDA guard and hooks; faking them there would clash."""
+    import torch
+
+    from hybrid.job import fake_cuda
+
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    with pytest.raises(RuntimeError, match="is built with CUDA 12.8: run the job on the GPU"):
+        fake_cuda.library()

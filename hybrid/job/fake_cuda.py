@@ -34,11 +34,19 @@ def library() -> str:
     under ``TORCH_EXTENSIONS_DIR``).
 
     Raises:
-        RuntimeError: no C++ compiler, or the build failed (the compiler's message included).
+        RuntimeError: a torch built with CUDA (its own CUDA guard and hooks are registered; run
+            on the GPU, or use ``--dry-run-device cpu``), no C++ compiler, or the build failed
+            (the compiler's message included).
     """
     import shutil
 
+    import torch
     from torch.utils import cpp_extension
+
+    if torch.version.cuda is not None:
+        raise RuntimeError(f"--dry-run-device cuda fakes CUDA on a CPU-only torch; this torch "
+                           f"({torch.__version__}) is built with CUDA {torch.version.cuda}: run "
+                           "the job on the GPU, or use --dry-run-device cpu")
 
     if not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
         raise RuntimeError("--dry-run-device cuda builds a small C++ extension: no C++ compiler "
