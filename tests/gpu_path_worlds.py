@@ -27,7 +27,7 @@ def list_gathers_by_broadcast(rank: int, world: int) -> dict:
         e.comm.list_gather_by_broadcast = by_broadcast
         calls = {"all_gather": 0, "broadcast": 0}
 
-        def counting(name):
+        def counting(name, calls=calls):
             real = getattr(dist, name)
 
             def call(*a, **k):

@@ -1,7 +1,8 @@
 """``scripts/gpu_check.sh`` and ``scripts/gpu_multi_check.sh`` stay runnable: bash parses them,
 shellcheck finds nothing, and the one-GPU check's CPU rehearsal (``GPU_CHECK_CPU=1``) runs its
-dry steps to a clean summary here. The full rehearsal (every step at tiny shapes) takes about
-2 minutes on a loaded 2-core machine, over this suite's one-minute budget for it, so the
+dry steps to a clean summary here. The full rehearsal (every step at tiny shapes) takes 31 s on
+an idle 2-core machine but about 2 minutes on a loaded one, over this suite's one-minute budget
+for it, so the
 training steps (parity, recompute, syncs, pretrain) are rehearsed by hand:
 ``GPU_CHECK_CPU=1 bash scripts/gpu_check.sh``."""
 

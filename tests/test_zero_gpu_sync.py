@@ -69,7 +69,9 @@ def test_training_loop_syncs_only_for_norm_and_loss():
     stop check), counted by ``torch.cuda.set_sync_debug_mode`` from the second iteration."""
     from scripts.gpu_sync_count import DEFAULT_ARGS, count_loop_syncs
 
+    # 4 x 512 tokens per micro-batch (flags given twice: the last one counts)
+    shape = ["--seq-length", "512", "--micro-batch-size", "4", "--global-batch-size", "8"]
     for extra in ([], ["--bf16"], ["--bf16", "--zero-stage", "1"]):
-        got = spawn_world(1, count_loop_syncs, DEFAULT_ARGS + extra, "cuda", timeout_s=300,
-                          backend="nccl")[0]
+        got = spawn_world(1, count_loop_syncs, DEFAULT_ARGS + shape + extra, "cuda",
+                          timeout_s=300, backend="nccl")[0]
         assert got and all(len(x) == EXPECTED_SYNCS for x in got), (extra, got)
