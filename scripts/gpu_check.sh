@@ -57,7 +57,8 @@ else
     PARITY=()
     ACT=(--num-layers 12 --hidden-size 1024 --heads 16 --seq-length 1024 --micro-batch-size 8
          --micro-batches 2)
-    SHAPE=(--preset zero-1.5b --seq-length 1024 --micro-batch-size 4 --global-batch-size 16
+    SHAPE=(--preset zero-1.5b --vocab-size 50257 --seq-length 1024 --micro-batch-size 4
+           --global-batch-size 16
            --train-iters 12 --log-interval 4)
     ATTN=()
 fi

@@ -166,8 +166,9 @@ def _where() -> str:
 
 
 def transfer_log():
-    """A dispatch mode recording host<->device copies (``copies``) and ``.item()`` host reads
-    (``reads``) with the source line that caused each; :meth:`note_read` adds other reads."""
+    """A dispatch mode recording host<->device copies (``copies``) and ``.item()`` reads of
+    device tensors (``reads``) with the source line that caused each; :meth:`note_read` adds
+    other reads."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -190,8 +191,8 @@ def transfer_log():
                         and src.device.type != dst.device.type):
                     self.copies.append(f"{src.device.type}->{dst.device.type} "
                                        f"{list(src.shape)} {src.dtype} at {_where()}")
-            elif name == "_local_scalar_dense":
-                self.note_read(".item()")
+            elif name == "_local_scalar_dense" and args[0].device.type != "cpu":
+                self.note_read(".item()")  # of a device tensor (a host tensor's is no sync)
             return out
 
     return TransferLog()
