@@ -71,8 +71,15 @@ class GridConfig:
                                                "fake process group and fake tensors, run one step, "
                                                "print its memory (no devices, no data)")
     dry_run_rank: int = arg(0, "the rank the dry run builds (0 .. N-1)")
+    dry_run_device: str = arg("cpu", "dry run: the device of its fake tensors; cuda: fake "
+                                     "cuda:LOCAL_RANK tensors on this CPU (a tensor on the wrong "
+                                     "device fails as on a GPU; builds a small C++ extension)",
+                              choices=("cpu", "cuda"))
 
     def __post_init__(self) -> None:
+        check_choice(self, "dry_run_device", ("cpu", "cuda"))
+        if self.dry_run_device != "cpu" and self.dry_run_world_size is None:
+            fail(self, "dry_run_device", "needs --dry-run-world-size N (a dry run)")
         check_int(self, "tensor_model_parallel_size", 1)
         check_number(self, "distributed_timeout_minutes", 0.0, strict=True)
 

@@ -37,6 +37,21 @@ def memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+def interval_memory(device: torch.device) -> dict[str, float]:
+    """The log record's memory fields, in MB (2**20 bytes), then a new interval begins.
+
+    ``memory_mb``: peak allocated since the last call (CUDA; on CPU the process's peak RSS,
+    which cannot be reset); ``memory_reserved_mb`` (CUDA only): peak reserved by the caching
+    allocator since the last call, so fragmentation shows as reserved minus allocated. On CUDA
+    the peak counters are reset after reading.
+    """
+    out = dict(memory_mb=memory_mb(device))
+    if device.type == "cuda":
+        out["memory_reserved_mb"] = torch.cuda.max_memory_reserved(device) / 2**20
+        torch.cuda.reset_peak_memory_stats(device)
+    return out
+
+
 def format_train_line(r: dict, train_iters: int) -> str:
     """Megatron-LM's log line for a training record ``r``."""
     parts = [
@@ -56,6 +71,8 @@ def format_train_line(r: dict, train_iters: int) -> str:
     if r.get("mfu") is not None:
         parts.append(f"MFU: {100 * r['mfu']:.1f}%")
     parts.append(f"memory (MB): {r['memory_mb']:.0f}")
+    if r.get("memory_reserved_mb") is not None:
+        parts.append(f"reserved (MB): {r['memory_reserved_mb']:.0f}")
     return " | ".join(parts) + " |"
 
 

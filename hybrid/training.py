@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from hybrid.metrics import MetricsWriter, memory_mb
+from hybrid.metrics import MetricsWriter, interval_memory
 from hybrid.zero.grad_norm import host_values
 from hybrid.zero.profile import NULL_TIMER
 
@@ -305,7 +305,8 @@ class Trainer:
             loss_scale=last.loss_scale, skipped_iterations=window.skipped,
             nan_iterations=window.nan, elapsed_ms=1000 * elapsed,
             tokens_per_sec=s.tokens_per_step * share / elapsed, tflops_per_device=tflops,
-            mfu=tflops / s.peak_tflops if s.peak_tflops else None, memory_mb=memory_mb(grid.device),
+            mfu=tflops / s.peak_tflops if s.peak_tflops else None,
+            **interval_memory(grid.device),
         )
         if timer.enabled:  # --profile-phases: ms per step of each phase in this window
             record.update({f"phase_{k}_ms": v for k, v in timer.per_step_ms().items()})

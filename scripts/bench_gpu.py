@@ -14,12 +14,14 @@ What runs, each in its own process (so each peak is its own):
    (tp = 1), ``ZeroEngine(stage=0, precision="bf16")``: bf16 parameters and compute, fp32
    gradient accumulation, fp32 master and AdamW (torch.optim.AdamW on the fp32 master
    fragments), clipping at 1.0: 18 bytes of state per parameter.
-2. **torch**: the same ``GPT`` (unpadded vocabulary), fp32 parameters, forward/backward under
-   ``torch.autocast("cuda", torch.bfloat16)``, ``torch.optim.AdamW(fused=True)``,
-   ``clip_grad_norm_(1.0)``: 16 bytes of state per parameter, bf16 GEMMs. This is the usual
-   plain-PyTorch mixed-precision loop (autocast, not bf16 parameters with a separate master).
-3. **activations**: ``scripts/gpu_activation_memory.py``'s measurement (tp = 2 sharing the GPU,
-   since P_a needs tp > 1): peak allocated with no checkpointing, checkpointing, + arena, P_a,
+2. **torch**: the same ``GPT`` (vocabulary padded as ours, to a multiple of 128), fp32
+   parameters, forward/backward under ``torch.autocast("cuda", torch.bfloat16)``,
+   ``torch.optim.AdamW(fused=True)``, ``clip_grad_norm_(1.0)``: 16 bytes of state per
+   parameter, bf16 GEMMs. This is the usual plain-PyTorch mixed-precision loop (autocast, not
+   bf16 parameters with a separate master).
+3. **activations**: ``scripts/gpu_activation_memory.py``'s measurement (``--pa-tp`` ranks sharing
+   the GPU, since P_a needs tp > 1; default the smallest tp > 1 that divides the heads: 5 for
+   gpt2-1.5b's 25): peak allocated with no checkpointing, checkpointing, + arena, P_a,
    P_a + arena, P_a + cpu, on the same model dimensions (forward/backward only, no optimizer).
 
 Timing: ``--warmup`` steps, then the median of ``--steps`` timed optimizer steps (forward,
@@ -50,7 +52,7 @@ def _config(a: dict):
     from models.presets import get_preset
 
     if a["smoke"]:
-        return GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=512,
+        return GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=500,
                          max_position_embeddings=a["seq_length"], hidden_dropout=0.0,
                          attention_dropout=0.0)
     return get_preset(a["model"], max_position_embeddings=a["seq_length"], hidden_dropout=0.0,
@@ -113,20 +115,24 @@ def run_ours(rank: int, world: int, a: dict) -> dict:
 
     out = _timed(step, a, device)
     out["state_bytes"] = sum(state[k] for k in ("params", "grads", "master", "optimizer"))
+    out["params"] = sum(p.numel() for p in engine.model.parameters())
     return out
 
 
 def run_torch(rank: int, world: int, a: dict) -> dict:
     """The plain loop: fp32 params, bf16 autocast, fused AdamW (fused only on CUDA)."""
+    import dataclasses
+
     import torch
 
+    from hybrid.parallel.vocab import pad_vocab_size
     from models.gpt import GPT
 
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     cfg = _config(a)
     torch.manual_seed(1234)
-    with torch.device(device):
-        model = GPT(cfg)
+    with torch.device(device):  # the padded vocabulary of ours (tp = 1): the same GEMMs
+        model = GPT(dataclasses.replace(cfg, vocab_size=pad_vocab_size(cfg.vocab_size)))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
 
     def step(i):
@@ -142,7 +148,13 @@ def run_torch(rank: int, world: int, a: dict) -> dict:
     out = _timed(step, a, device)
     n = sum(p.numel() for p in model.parameters())
     out["state_bytes"] = n * (4 + 4 + 8)
+    out["params"] = n
     return out
+
+
+def pa_tp_for(heads: int) -> int:
+    """The smallest tp > 1 that divides ``heads`` (P_a needs tp > 1; 1 when ``heads`` is 1)."""
+    return next((t for t in range(2, heads + 1) if heads % t == 0), 1)
 
 
 def throughput(res: dict, cfg, a: dict, peak: float | None) -> dict:
@@ -165,6 +177,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--pa-micro-batch-size", type=int, default=4,
                     help="micro-batch of the P_a / arena measurement")
+    ap.add_argument("--pa-tp", type=int, default=None,
+                    help="tp of the P_a / arena measurement (default: the smallest tp > 1 that "
+                         "divides the heads)")
     ap.add_argument("--skip-activations", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="tiny model, CPU allowed (for tests)")
     ap.add_argument("--out", default=str(REPO / "runs" / "bench"))
@@ -181,13 +196,20 @@ def main(argv=None) -> int:
     from hybrid.parallel.spawn import spawn_world
 
     cfg = _config(a)
+    heads = cfg.num_attention_heads
+    pa_tp = args.pa_tp or pa_tp_for(heads)
+    if pa_tp < 2 or heads % pa_tp:
+        print(f"bench_gpu: --pa-tp {pa_tp} must be > 1 and divide the {heads} attention heads",
+              file=sys.stderr)
+        return 2
     peak = device_peak_tflops()
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     t0 = time.time()
     results = {}
     for name, fn in (("ours: ZeRO stage 0 bf16", run_ours),
                      ("torch: autocast bf16 + fused AdamW", run_torch)):
-        res = spawn_world(1, fn, a, timeout_s=600)[0]
+        res = spawn_world(1, fn, a, timeout_s=600,
+                          backend="nccl" if torch.cuda.is_available() else "gloo")[0]
         res.update(throughput(res, cfg, a, peak))
         results[name] = res
         print(f"# {name}: {res['step_s'] * 1e3:.1f} ms/step", flush=True)
@@ -198,7 +220,8 @@ def main(argv=None) -> int:
         acts = G.run(num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
                      heads=cfg.num_attention_heads, seq_length=args.seq_length,
                      micro_batch_size=args.pa_micro_batch_size, micro_batches=2,
-                     vocab_size=cfg.vocab_size)
+                     vocab_size=cfg.vocab_size, tp=pa_tp,
+                     device=None if torch.cuda.is_available() else "cpu")
     wall = time.time() - t0
 
     lines = [f"{cfg.num_layers} layers, h={cfg.hidden_size}, heads={cfg.num_attention_heads}, "
@@ -220,7 +243,7 @@ def main(argv=None) -> int:
     if acts is not None:
         import gpu_activation_memory as G
 
-        lines += ["", f"Activation memory (tp = 2 on one device, micro-batch "
+        lines += ["", f"Activation memory (tp = {pa_tp} on one device, micro-batch "
                   f"{args.pa_micro_batch_size}, 2 micro-batches, no optimizer):", "```",
                   G.report(acts), "```"]
     text = "\n".join(lines)

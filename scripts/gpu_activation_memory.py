@@ -75,7 +75,7 @@ def _stage_gloo_through_host() -> None:
 
 def measure(rank: int, world: int, args: dict) -> dict:
     """Run every option of :data:`OPTIONS` on this rank; returns figures in bytes."""
-    cuda = torch.cuda.is_available()  # False only in the CPU smoke test: no memory figures
+    cuda = args["device"] == "cuda"  # False in the CPU smoke test: no memory figures
     device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
@@ -112,11 +112,14 @@ def measure(rank: int, world: int, args: dict) -> dict:
             torch.cuda.synchronize()
             peak_alloc = torch.cuda.max_memory_allocated(device)
             peak_reserved = torch.cuda.max_memory_reserved(device)
+        # per-parameter gradient norms (float64): every option must give the same gradients
+        grads = [p.grad.double().norm().item() for p in model.parameters()]
         saved = None
         if handle is not None:
             saved = handle.measure(lambda m=model: m(x, y).mean().backward())
         out[name] = dict(peak_allocated=peak_alloc, activations_peak=peak_alloc - base,
                          reserved_minus_allocated=peak_reserved - peak_alloc, saved=saved,
+                         grad_norms=grads,
                          arena_bytes=0 if handle is None or handle.arena is None
                          else handle.arena.nbytes)
         del model, handle
@@ -144,17 +147,38 @@ def report(res: dict) -> str:
 
 
 def run(num_layers=24, hidden_size=1024, heads=16, seq_length=1024, micro_batch_size=16,
-        micro_batches=3, tp=2, vocab_size=50257) -> dict:
-    """Spawn the tp-rank world and return rank 0's figures."""
+        micro_batches=3, tp=2, vocab_size=50257, device: str | None = None) -> dict:
+    """Spawn the tp-rank world and return rank 0's figures.
+
+    ``device``: "cuda" or "cpu" (None: CUDA when available). CUDA runs NCCL when there is one
+    GPU per rank, else gloo with host-staged collectives; CPU runs gloo.
+
+    Raises:
+        ValueError: ``heads`` is not divisible by ``tp``, or ``device`` is not cuda / cpu.
+    """
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"gpu_activation_memory: device {device!r}; valid: 'cuda', 'cpu'")
+    if heads % tp:
+        raise ValueError(f"gpu_activation_memory: {heads} attention heads do not split over tp "
+                         f"{tp}; use a tp that divides {heads}")
     args = dict(num_layers=num_layers, hidden_size=hidden_size, heads=heads, seq_length=seq_length,
                 micro_batch_size=micro_batch_size, micro_batches=micro_batches,
-                vocab_size=vocab_size)
-    return spawn_world(tp, measure, args, timeout_s=300)[0]
+                vocab_size=vocab_size, device=device)
+    nccl = device == "cuda" and torch.cuda.device_count() >= tp
+    return spawn_world(tp, measure, args, timeout_s=300, backend="nccl" if nccl else "gloo")[0]
 
 
-def main(argv=None) -> None:
-    if not torch.cuda.is_available():
-        sys.exit("gpu_activation_memory: needs a CUDA device")
+def grads_agree(res: dict, rel: float) -> list[str]:
+    """The options whose per-parameter gradient norms differ from "no checkpointing"'s by more
+    than ``rel`` (relative); empty when every option gives the same gradients."""
+    ref = res["no checkpointing"]["grad_norms"]
+    return [name for name in OPTIONS if any(
+        abs(x - y) > rel * max(abs(y), 1e-30) for x, y in zip(res[name]["grad_norms"], ref,
+                                                                 strict=True))]
+
+
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     env = os.environ.get
     p.add_argument("--num-layers", type=int, default=int(env("NUM_LAYERS", 24)))
@@ -163,10 +187,20 @@ def main(argv=None) -> None:
     p.add_argument("--seq-length", type=int, default=int(env("SEQ_LENGTH", 1024)))
     p.add_argument("--micro-batch-size", type=int, default=int(env("MICRO_BATCH_SIZE", 16)))
     p.add_argument("--micro-batches", type=int, default=int(env("MICRO_BATCHES", 3)))
+    p.add_argument("--vocab-size", type=int, default=50257)
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="cpu: a rehearsal without memory figures")
     a = p.parse_args(argv)
-    print(report(run(a.num_layers, a.hidden_size, a.heads, a.seq_length, a.micro_batch_size,
-                     a.micro_batches)))
-
+    if a.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("gpu_activation_memory: needs a CUDA device")
+    res = run(a.num_layers, a.hidden_size, a.heads, a.seq_length, a.micro_batch_size,
+              a.micro_batches, vocab_size=a.vocab_size, device=a.device)
+    print(report(res))
+    # dropout 0.1: every option replays the same masks; bf16 on GPU, fp32 (exact) on CPU
+    bad = grads_agree(res, 1e-2 if a.device == "cuda" else 0.0)
+    print(f"gradients of every option equal to no checkpointing's (dropout 0.1): "
+          f"{'OK' if not bad else 'FAIL: ' + ', '.join(bad)}")
+    return 1 if bad else 0
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -24,6 +24,8 @@ def test_smoke_writes_report(tmp_path):
     assert _load().main(["--smoke", "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "gpu_smoke.json").read_text())
     assert len(res["results"]) == 2
+    ours, plain = res["results"].values()
+    assert ours["params"] == plain["params"]  # both pad the 500-token vocabulary to 512
     for r in res["results"].values():
         assert r["tokens_per_s"] > 0 and r["tflops"] > 0
     assert {"checkpoint", "Pa", "Pa + arena"} <= set(res["activations"])
@@ -35,3 +37,12 @@ def test_smoke_writes_report(tmp_path):
 def test_refuses_without_gpu(capsys):
     assert _load().main([]) == 2
     assert "needs a CUDA device" in capsys.readouterr().err
+
+
+def test_the_activation_measurement_splits_the_heads():
+    mod = _load()
+    assert [mod.pa_tp_for(h) for h in (25, 16, 12, 7)] == [5, 2, 2, 7]  # gpt2-1.5b: 25 heads
+    import gpu_activation_memory as G
+
+    with pytest.raises(ValueError, match="25 attention heads do not split over tp 2"):
+        G.run(num_layers=1, hidden_size=50, heads=25, tp=2, device="cpu")

@@ -33,3 +33,28 @@ def test_nonpositive_sizes(bad):
 def test_grid_needs_process_group():
     with pytest.raises(RuntimeError, match="init_distributed"):
         ProcessGrid(tp=1)
+
+
+def test_a_gloo_world_on_a_gpu_host_stays_on_cpu(monkeypatch):
+    """The CPU tests' gloo worlds keep their CPU device (and fp32 byte counts) on a GPU host."""
+    import torch
+    import torch.distributed as dist
+
+    from hybrid.parallel import grid as grid_module
+    from hybrid.parallel.spawn import spawn_world
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    assert grid_module.default_device() == torch.device("cuda", 3)  # torchrun, before init
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    assert grid_module.default_device() == torch.device("cpu")
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    assert grid_module.default_device() == torch.device("cuda", 3)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="nccl needs one GPU per rank: 2 ranks, 1 GPUs"):
+        spawn_world(2, print, backend="nccl")
+    with pytest.raises(ValueError, match="backend 'mpi'"):
+        spawn_world(1, print, backend="mpi")

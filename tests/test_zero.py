@@ -279,7 +279,7 @@ def test_optimizer_config_validation():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_stages_on_one_cuda_device(ref):
-    out = spawn_world(1, world_gpu, timeout_s=120)[0]
+    out = spawn_world(1, world_gpu, timeout_s=120, backend="nccl")[0]
     for stage in STAGES:
         assert out[stage]["device"].startswith("cuda")
         # cuBLAS / SDPA kernels sum in another order than the CPU reference: 1e-4.

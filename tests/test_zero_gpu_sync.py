@@ -57,6 +57,21 @@ def _count_syncs(rank: int, world: int) -> dict:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_train_step_syncs_only_for_norm_and_loss():
-    got = spawn_world(1, _count_syncs, timeout_s=300)[0]
+    got = spawn_world(1, _count_syncs, timeout_s=300, backend="nccl")[0]
     for key, syncs in got.items():
         assert len(syncs) == EXPECTED_SYNCS, (key, syncs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_training_loop_syncs_only_for_norm_and_loss():
+    """The real loop (``hybrid.pretrain``: loader, dropout, full recompute, ZeRO-3, logging,
+    stop check), counted by ``torch.cuda.set_sync_debug_mode`` from the second iteration."""
+    from scripts.gpu_sync_count import DEFAULT_ARGS, count_loop_syncs
+
+    # 4 x 512 tokens per micro-batch (flags given twice: the last one counts)
+    shape = ["--seq-length", "512", "--micro-batch-size", "4", "--global-batch-size", "8"]
+    for extra in ([], ["--bf16"], ["--bf16", "--zero-stage", "1"]):
+        got = spawn_world(1, count_loop_syncs, DEFAULT_ARGS + shape + extra, "cuda",
+                          timeout_s=300, backend="nccl")[0]
+        assert got and all(len(x) == EXPECTED_SYNCS for x in got), (extra, got)

@@ -94,7 +94,7 @@ def train(engine: ZeroEngine, grid: ProcessGrid, steps: int = STEPS, inject=None
             if handle is not None:
                 handle.remove()
             total += loss.item()
-        t = torch.tensor([total], dtype=torch.float64)
+        t = torch.tensor([total], dtype=torch.float64, device=grid.device)  # NCCL: on the GPU
         dist.all_reduce(t, group=grid.dp_group)
         losses.append(t.item() / dp)
         info = engine.step(OPT["lr"])

@@ -11,8 +11,9 @@ back-propagated, and the RNG states of the moment are put back.
   tensor-parallel group, so each rank keeps only its ``1/t`` of the flattened input
   (``ceil(n / t)`` elements, zero-padded on the last rank) and one all-gather over the TP group
   rebuilds it just before recompute: exactly one extra all-gather per checkpointed block.
-- P_a+cpu: the kept piece is copied to host memory (page-locked on CUDA machines, copied
-  asynchronously) and back to the device for recompute.
+- P_a+cpu: the kept piece is copied to host memory and back to the device for recompute, by
+  :class:`hybrid.activation.offload.HostOffload` (on CUDA: a side stream with events, the next
+  checkpoint prefetched during a recompute, page-locked buffers reused from a pool).
 - M_D: the kept pieces go into :class:`hybrid.activation.arena.CheckpointArena` slots.
 
 Why our own autograd Function rather than ``torch.utils.checkpoint``: the TP dropout stream
@@ -29,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +38,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from hybrid.activation.arena import CheckpointArena
+from hybrid.activation.offload import HostOffload
 from hybrid.parallel.ops import all_gather_flat
 from hybrid.parallel.rng import RNGTracker, capture_torch_rng, restore_torch_rng
 
@@ -86,6 +89,14 @@ class _Saved:
     device: torch.device
     partitioned: bool
     lease: object | None
+    host: torch.Tensor | None = None
+    """The host copy (``in_cpu``), for the prefetch of the next recompute."""
+    pooled: bool = False
+    """``host`` came from the offload pool (no arena) and goes back to it after backward."""
+    copied: object = None
+    """The device->host copy's CUDA event (None on CPU)."""
+    prefetched: object = None
+    """A started host->device copy (:meth:`HostOffload.start_to_device`), or None."""
 
 
 class ActivationStore:
@@ -114,6 +125,13 @@ class ActivationStore:
         self.arena: CheckpointArena | None = None
         self.stats = CheckpointStats()
         self.meter = None  # a hybrid.activation.saved_bytes meter while one is measuring
+        self.offload: HostOffload | None = None
+        self._offloaded: list[weakref.ref] = []  # host checkpoints in save order (LIFO)
+
+    def _offload_for(self, device: torch.device) -> HostOffload:
+        if self.offload is None or self.offload.device != device:
+            self.offload = HostOffload(device)
+        return self.offload
 
     def _arena_for(self, device: torch.device) -> CheckpointArena:
         host = self.in_cpu
@@ -143,23 +161,56 @@ class ActivationStore:
                         logger.warning("checkpoint arena slot %d still in use (a second forward "
                                        "before the backward?); allocating this checkpoint on its "
                                        "own", index)
-            if got is not None:
-                stored, meta.lease = got
-            else:
-                where = torch.device("cpu") if self.in_cpu else x.device
-                stored = torch.empty(chunk, dtype=x.dtype, device=where,
-                                     pin_memory=self.in_cpu and x.device.type == "cuda")
-                self.stats.standalone_allocations += 1
+            stored = self._destination(got, meta, chunk, x)
             flat = x.detach().reshape(-1)
-            stored[:real].copy_(flat[start:start + real], non_blocking=True)
+            if self.in_cpu:
+                meta.host = stored
+                meta.copied = self._offload_for(x.device).to_host(stored[:real],
+                                                                  flat[start:start + real])
+                self._offloaded.append(weakref.ref(meta))
+            else:
+                stored[:real].copy_(flat[start:start + real], non_blocking=True)
             if real < chunk:
                 stored[real:].zero_()
         setattr(stored, CHECKPOINT_TAG, "host" if self.in_cpu else "device")
         return stored, meta
 
+    def _destination(self, got, meta: _Saved, chunk: int, x: torch.Tensor) -> torch.Tensor:
+        """Where the checkpoint is copied: the arena slot ``got`` (lease into ``meta``), a
+        pooled host buffer (``in_cpu``), or a new device tensor."""
+        if got is not None:
+            stored, meta.lease = got
+            return stored
+        if self.in_cpu:
+            offload = self._offload_for(x.device)
+            before = offload.allocations
+            meta.pooled = True
+            stored = offload.host_buffer(chunk, x.dtype)
+            self.stats.standalone_allocations += offload.allocations - before
+            return stored
+        self.stats.standalone_allocations += 1
+        return torch.empty(chunk, dtype=x.dtype, device=x.device)
+
+    def _from_host(self, stored: torch.Tensor, meta: _Saved) -> torch.Tensor:
+        """``meta``'s checkpoint on its device (prefetched or copied now), after starting the
+        prefetch of the checkpoint saved before it (the next one recomputed)."""
+        offload = self._offload_for(meta.device)
+        handle = meta.prefetched or offload.start_to_device(stored, meta.copied)
+        meta.prefetched = None
+        live = [r for r in self._offloaded if r() is not None and r() is not meta]
+        self._offloaded = live
+        if live and live[-1]().prefetched is None and live[-1]().host is not None:
+            nxt = live[-1]()
+            nxt.prefetched = offload.start_to_device(nxt.host, nxt.copied)
+            offload.prefetches += 1
+        return offload.finish_to_device(handle)
+
     def load(self, stored: torch.Tensor, meta: _Saved) -> torch.Tensor:
         """Rebuild the block input ``[b, s, h]`` on its device (all-gather for P_a)."""
-        src = stored.to(meta.device, non_blocking=True)
+        if self.in_cpu:
+            src = self._from_host(stored, meta)
+        else:
+            src = stored.to(meta.device, non_blocking=True)
         if meta.partitioned:
             full = torch.empty(src.numel() * self.tp_size, dtype=src.dtype, device=meta.device)
             all_gather_flat(full, src, self.tp_group)
@@ -172,6 +223,9 @@ class ActivationStore:
         if meta.lease is not None and self.arena is not None:
             self.arena.release(meta.lease)
             meta.lease = None
+        if meta.pooled and meta.host is not None and self.offload is not None:
+            self.offload.give_back(meta.host)
+        meta.host = meta.prefetched = None
 
 
 def autocast_state(device: torch.device) -> tuple[str, bool, torch.dtype]:

@@ -29,6 +29,7 @@ class Checkpointer:
         self.metadata = dict(_metadata(job), wandb_run_id=writer.wandb_run_id)
         # SIGTERM and the time limit stop the run with or without --save (saving only with it)
         self.stop = StopSignal(self.ck.exit_duration_in_mins)
+        engine.stop_source = self.stop.requested  # rides on the grad-norm all-reduce
         self.saved_at = None
 
     def save(self, state: TrainState) -> None:
@@ -49,7 +50,7 @@ class Checkpointer:
         ``after_iteration`` hook)."""
         if self.ck.save_interval and state.iteration % self.ck.save_interval == 0:
             self.save(state)
-        if self.stop.should_stop(self.grid.device):
+        if self.stop.should_stop(self.grid.device, self.engine.take_stop_request()):
             self.save(state)
             if self.grid.rank == 0:
                 self.writer.print(f" exiting at iteration {state.iteration}: {self.stop.reason()}")

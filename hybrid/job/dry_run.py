@@ -120,11 +120,14 @@ def _engine_tensors(engine) -> list[torch.Tensor]:
 
 
 def _host_checkpoint_bytes(engine) -> int:
-    """Bytes of the host-memory checkpoint arena (``--checkpoint-in-cpu``), 0 without one."""
+    """Bytes of the host-memory checkpoints (``--checkpoint-in-cpu``): the arena, or the host
+    buffers the offload pool holds after the step (one micro-batch's); 0 without either."""
     for block in getattr(engine.model, "layers", []):
         store = getattr(block.__dict__.get("forward"), "store", None)
-        if store is not None and store.in_cpu and store.arena is not None:
-            return store.arena.nbytes
+        if store is not None and store.in_cpu:
+            pool = [] if store.offload is None else store.offload.pool.values()
+            pooled = sum(b.numel() * b.element_size() for bufs in pool for b in bufs)
+            return (store.arena.nbytes if store.arena is not None else 0) + pooled
     return 0
 
 
@@ -180,59 +183,103 @@ def planner_figures(job) -> dict:
 def dry_run(job, rank: int = 0) -> dict:
     """Build rank ``rank`` of ``job.world_size`` ranks of ``job`` (a
     :class:`hybrid.job.config_checks.Job`) and run one step; returns the measured and planned
-    bytes (see the module docstring). Initialises the default process group with the fake
-    backend (destroy it before starting a real one in the same process).
+    bytes (see the module docstring), and with ``--dry-run-device cuda`` the step's host<->device
+    copies and host reads. Initialises the default process group with the fake backend (destroy
+    it before starting a real one in the same process).
+
+    ``--dry-run-device cuda`` (``job.cfg.grid.dry_run_device``): the rank's tensors are fake
+    ``cuda:(rank % 8)`` tensors (8 GPUs per node); run it through
+    :func:`hybrid.job.fake_cuda.run_preloaded` (``hybrid.pretrain`` does).
 
     Raises:
         ValueError: ``rank`` outside ``[0, world_size)``.
+        RuntimeError: ``--dry-run-device cuda`` in an interpreter without the fake CUDA library.
     """
+    import contextlib
+
     import torch.distributed as dist
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from hybrid.job import fake_cuda
     from hybrid.parallel.grid import ProcessGrid
-    from hybrid.parallel.rng import RNGTracker
-    from hybrid.parallelize import meta_gpt, parallelize
-    from hybrid.training import train_step
 
     cfg, world = job.cfg, job.world_size
     if not 0 <= rank < world:
         raise ValueError(f"--dry-run-rank {rank} must be in [0, {world})")
+    cuda = cfg.grid.dry_run_device == "cuda"
+    if cuda and not fake_cuda.loaded():
+        raise RuntimeError("--dry-run-device cuda runs in an interpreter that loaded the fake "
+                           "CUDA library first (hybrid.job.fake_cuda.run_preloaded)")
     t0 = time.perf_counter()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    grid = ProcessGrid(tp=job.tp, device=torch.device("cpu"))
+    with fake_cuda.stubs() if cuda else contextlib.nullcontext():
+        device = torch.device("cuda", rank % 8) if cuda else torch.device("cpu")
+        out = _build_and_step(job, ProcessGrid(tp=job.tp, device=device), t0)
+    out.update(rank=rank, world=world, device=str(device), wall_s=time.perf_counter() - t0)
+    return out
+
+
+def _build_and_step(job, grid, t0: float) -> dict:
+    """The dry run on ``grid`` under a fake-tensor mode: build, one step, the measured bytes."""
+    from unittest import mock
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from hybrid import training
+    from hybrid.job.fake_cuda import transfer_log
+    from hybrid.parallel.rng import RNGTracker
+    from hybrid.parallelize import meta_gpt, parallelize
+    from hybrid.zero import grad_norm
+
+    cfg = job.cfg
     tracker = RNGTracker(cfg.data.seed, grid.tp_rank, grid.device)
+    log, host_values = transfer_log(), grad_norm.host_values
+
+    def read(values):
+        log.note_read("host_values")
+        return host_values(values)
+
     # real inputs (the CPU RNG state an activation checkpoint saves) are converted as they come
     with FakeTensorMode(allow_non_fake_inputs=True):
         with StorageMeter() as build:
             engine = parallelize(meta_gpt(job.gpt), grid, cfg, tracker)
-        construction_peak = build.peak
         built_s = time.perf_counter() - t0
         held = engine.memory_bytes()
         step = StorageMeter()
         step.track(*_engine_tensors(engine))
         start = step.current
-        with step:
+        with step, log, mock.patch.object(training, "host_values", read), \
+                mock.patch.object(grad_norm, "host_values", read):
             tokens = torch.randint(0, job.gpt.vocab_size,
                                    (cfg.training.micro_batch_size, cfg.model.seq_length + 1))
-            train_step(engine, [tokens], cfg.optimizer.lr, grid)
-        step_peak = step.peak
+            training.train_step(engine, [tokens], cfg.optimizer.lr, grid)
         save_peak = _save_staging_peak(engine, grid)
     host = _host_checkpoint_bytes(engine)
     gathered = engine.memory_bytes()["gathered_peak"]
     measured = {k: held[k] for k in STATE_KEYS}
     measured.update(states=sum(held[k] for k in STATE_KEYS), buffers=held["buffers"] + gathered,
-                    activations=step_peak - start - gathered - host, host_checkpoints=host,
-                    total=step_peak - host, construction_peak=construction_peak,
+                    activations=step.peak - start - gathered - host, host_checkpoints=host,
+                    total=step.peak - host, construction_peak=build.peak,
                     save_peak=save_peak, gathered_peak=gathered, tracked_after_build=start)
-    return dict(rank=rank, world=world, tp=grid.tp_size, dp=grid.dp_size, tp_rank=grid.tp_rank,
+    return dict(tp=grid.tp_size, dp=grid.dp_size, tp_rank=grid.tp_rank,
                 dp_rank=grid.dp_rank, stage=engine.stage, precision=engine.config.precision,
                 local_params=engine.layout.numel, optimizer_steps=engine.optimizer_steps,
                 largest_param=max(sl.numel for sl in engine.layout.slots), measured=measured,
                 bound=start + 4 * max(u.padded for u in engine.layout.units),
                 save_bound=start + 12 * max(u.padded for u in engine.layout.units),
-                planned=planner_figures(job), build_s=built_s,
-                wall_s=time.perf_counter() - t0)
+                planned=planner_figures(job), build_s=built_s, copies=log.copies,
+                reads=log.reads)
+
+
+def _transfers(r: dict) -> list[str]:
+    """The step's host<->device copies and host reads, counted, with their source lines."""
+    from hybrid.job.fake_cuda import summarize
+
+    lines = [f"one step on {r['device']}: {len(r['copies'])} host<->device copies, "
+             f"{len(r['reads'])} host reads"]
+    lines += [f"  copy {x}" for x in summarize(r["copies"])]
+    lines += [f"  read {x}" for x in summarize(r["reads"])]
+    return lines
 
 
 def format_report(r: dict) -> str:
@@ -268,6 +315,7 @@ def format_report(r: dict) -> str:
                  f"  (= model states {m['states'] / unit:.3f} + communication buffers "
                  f"{(m['buffers'] - m['gathered_peak']) / unit:.3f}; stage 3's gathered units "
                  "come and go in the step)")
+    lines += _transfers(r)
     lines.append(f"{name} = 2^{30 if unit == GIB else 20} bytes. The planner's activations are "
                  "what backward keeps (arXiv 2205.05198 §4); the measured peak adds the step's "
                  "temporaries (a unit's gradients in the compute dtype before their reduction, the "

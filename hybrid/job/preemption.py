@@ -1,8 +1,11 @@
 """Graceful stops: SIGTERM (what SLURM sends before a kill) and a wall-clock limit.
 
 The signal handler only sets a flag; the training loop asks :meth:`StopSignal.should_stop`
-after each iteration, which all-reduces the flag (MAX) so that every rank stops after the same
-iteration, saves a checkpoint and exits 0.
+after each iteration, with the world's answer when the iteration's grad-norm all-reduce already
+carried :meth:`StopSignal.requested` (:func:`hybrid.zero.grad_norm.global_grad_norm_and_stop`,
+no extra collective or host read), else it all-reduces the flag (MAX) itself, so that every
+rank stops after the same iteration, saves a checkpoint and exits 0. A signal that arrives
+after the iteration's grad-norm all-reduce stops the run one iteration later.
 """
 
 from __future__ import annotations
@@ -64,14 +67,25 @@ class StopSignal:
             return f"received {signal.Signals(self.received).name}"
         return f"reached --exit-duration-in-mins ({self.limit_s / 60:g})"
 
-    def should_stop(self, device) -> bool:
-        """True on every rank when any rank got the signal or ran out of time (one all-reduce)."""
+    def requested(self) -> bool:
+        """This rank's own answer: the signal came or the time is up (no communication)."""
+        late = self.limit_s is not None and time.monotonic() - self.start >= self.limit_s
+        return self.received is not None or late
+
+    def should_stop(self, device, reduced: bool | None = None) -> bool:
+        """True on every rank when any rank got the signal or ran out of time.
+
+        Args:
+            device: where the fallback all-reduce's flag lives.
+            reduced: the world's OR of :meth:`requested` when a collective of this iteration
+                already carried it (the grad-norm all-reduce); None: one all-reduce here.
+        """
+        if reduced is not None:
+            return reduced
         import torch
         import torch.distributed as dist
 
-        late = self.limit_s is not None and time.monotonic() - self.start >= self.limit_s
-        local = self.received is not None or late
-        flag = torch.tensor([1.0 if local else 0.0], device=device)
+        flag = torch.tensor([1.0 if self.requested() else 0.0], device=device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())

@@ -71,8 +71,9 @@ def _batches(dataset, consumed: int, job: Job, grid: ProcessGrid):
     from data.loader import build_data_loader
 
     cfg = job.cfg
+    # pinned host batches on CUDA: train_step's non_blocking copy is then truly asynchronous
     loader = build_data_loader(dataset, consumed, cfg.training.micro_batch_size, grid.dp_rank,
-                               grid.dp_size)
+                               grid.dp_size, pin_memory=grid.device.type == "cuda")
     return checked_tokens(loader, job.gpt.vocab_size, cfg.data.data_path)
 
 
@@ -253,6 +254,10 @@ def main(argv: list[str] | None = None) -> int:
 
             time.sleep(3)
         return 2
+    from hybrid.job import fake_cuda
+
+    if cfg.grid.dry_run_device == "cuda" and not fake_cuda.loaded():
+        return fake_cuda.run_preloaded(sys.argv[1:] if argv is None else argv)
     import torch.distributed as dist
 
     from hybrid.training import TooManyNaNIterations

@@ -72,7 +72,15 @@ def validate_grid(world_size: int, tp: int, local_world_size: int | None = None)
 
 
 def default_device() -> torch.device:
-    """This process's device: ``cuda:LOCAL_RANK`` when CUDA is available, else CPU."""
+    """This process's device: ``cuda:LOCAL_RANK`` when CUDA is available, else CPU.
+
+    Once the default process group exists its backend decides: a gloo world is a CPU world
+    (e.g. the tests' :func:`hybrid.parallel.spawn.spawn_world` on a GPU host), so its fp32
+    arithmetic and byte counts are the CPU ones. A gloo job that wants CUDA tensors passes its
+    device explicitly.
+    """
+    if dist.is_initialized() and dist.get_backend() == "gloo":
+        return torch.device("cpu")
     if torch.cuda.is_available():
         return torch.device("cuda",
                             int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())

@@ -13,10 +13,22 @@ import torch.nn as nn
 
 
 def fused_layer_norm_class():
-    """apex's FusedLayerNorm class, or None when apex (with its CUDA extensions) is missing."""
+    """apex's FusedLayerNorm class, or None when apex or its CUDA extension is missing.
+
+    ``pip install apex`` without ``--cpp_ext --cuda_ext`` installs the Python package alone;
+    its ``FusedLayerNorm.__init__`` then fails importing ``fused_layer_norm_cuda``, so the
+    extension itself is probed here, not only the package.
+    """
     try:
         from apex.normalization import FusedLayerNorm
-    except Exception:  # ImportError, or a broken apex build without its extension
+    except Exception:  # ImportError, or a broken apex build
+        return None
+    import importlib.util
+
+    try:
+        if importlib.util.find_spec("fused_layer_norm_cuda") is None:
+            return None
+    except (ImportError, ValueError):
         return None
     return FusedLayerNorm
 

@@ -64,6 +64,12 @@ class TPLedger:
         self.calls.clear()
 
 
+def _autocast_state(device: torch.device) -> tuple[str, bool, torch.dtype]:
+    """``(device type, autocast enabled, autocast dtype)`` of the running forward."""
+    return device.type, torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(
+        device.type)
+
+
 def _nbytes(x: torch.Tensor) -> int:
     return x.numel() * x.element_size()
 
@@ -83,15 +89,29 @@ def _all_reduce(x: torch.Tensor, group, ledger: TPLedger | None = None,
 def all_gather_seq(x: torch.Tensor, group, ledger: TPLedger | None = None,
                    kind: str = "all_gather") -> torch.Tensor:
     """``[b, s/t, ...]`` on each rank -> ``[b, s, ...]`` (rank-major along dim 1); no autograd."""
+    return _gather_seq_start(x, group, ledger, kind)()
+
+
+def _gather_seq_start(x: torch.Tensor, group, ledger: TPLedger | None, kind: str):
+    """Launch :func:`all_gather_seq` asynchronously; returns ``finish()`` -> ``[b, s, ...]``.
+
+    The gather lands rank-major (``[t, b, s/t, ...]``); with ``b == 1`` the ``[b, s, ...]``
+    result is a view of it, otherwise ``[b, s, ...]``'s layout needs one reordering copy.
+    """
     n = dist.get_world_size(group)
     if n == 1:
-        return x
+        return lambda: x
     x = x.contiguous()
     out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
     if ledger is not None:
         ledger.count(kind, _nbytes(out), n)
-    all_gather_flat(out, x, group)
-    return out.view(n, *x.shape).movedim(0, SEQ_DIM).flatten(SEQ_DIM, SEQ_DIM + 1)
+    work = all_gather_flat(out, x, group, async_op=True)
+
+    def finish() -> torch.Tensor:
+        work.wait()
+        return out.view(n, *x.shape).movedim(0, SEQ_DIM).flatten(SEQ_DIM, SEQ_DIM + 1)
+
+    return finish
 
 
 def _check_seq(x: torch.Tensor, n: int) -> int:
@@ -108,16 +128,35 @@ def reduce_scatter_seq(x: torch.Tensor, group, ledger: TPLedger | None = None) -
     Raises:
         ValueError: ``s`` is not divisible by the group size.
     """
+    return _reduce_scatter_seq_start(x, group, ledger)()
+
+
+def _reduce_scatter_seq_start(x: torch.Tensor, group, ledger: TPLedger | None):
+    """Launch :func:`reduce_scatter_seq` asynchronously; returns ``finish()`` -> ``[b, s/t, ...]``.
+
+    The collective reads its input rank-major: with ``b == 1`` the ``s`` rows already are, so
+    the input is used as it is; otherwise one copy reorders ``[b, s, ...]`` to ``[t, b, s/t,
+    ...]``. The sum lands in the output directly.
+    """
     n = dist.get_world_size(group)
     if n == 1:
-        return x
+        return lambda: x
     _check_seq(x, n)
-    inp = torch.stack(x.chunk(n, dim=SEQ_DIM))  # [t, b, s/t, ...], rank-major and contiguous
+    if x.shape[0] == 1:
+        inp = x.contiguous().view(n, *x.shape[:SEQ_DIM], x.shape[SEQ_DIM] // n,
+                                  *x.shape[SEQ_DIM + 1:])
+    else:
+        inp = torch.stack(x.chunk(n, dim=SEQ_DIM))  # [t, b, s/t, ...], rank-major, contiguous
     out = torch.empty(inp.shape[1:], dtype=x.dtype, device=x.device)
     if ledger is not None:
         ledger.count("reduce_scatter", _nbytes(inp), n)
-    reduce_scatter_flat(out, inp.flatten(0, 1), group)
-    return out
+    work = reduce_scatter_flat(out, inp.flatten(0, 1), group, async_op=True)
+
+    def finish() -> torch.Tensor:
+        work.wait()
+        return out
+
+    return finish
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -134,7 +173,12 @@ class _CopyToTP(torch.autograd.Function):
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, ledger):
-        return _all_reduce(x.clone(), group, ledger)
+        if dist.get_world_size(group) == 1:
+            return x
+        if x.is_leaf or x._base is not None or not x.is_contiguous():
+            return _all_reduce(x.clone(), group, ledger)  # not ours to overwrite
+        ctx.mark_dirty(x)  # an intermediate (the row-parallel matmul's output): sum in place
+        return _all_reduce(x, group, ledger)
 
     @staticmethod
     def backward(ctx, grad):
@@ -219,18 +263,25 @@ class _SequenceParallelLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, group, ledger):
         ctx.group, ctx.ledger, ctx.has_bias = group, ledger, bias is not None
+        ctx.autocast = _autocast_state(x.device)
         ctx.save_for_backward(x, weight)
         return torch.nn.functional.linear(all_gather_seq(x, group, ledger), weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
+        # Under autocast as the forward ran (what torch.amp.custom_bwd does, for any device),
+        # and overlapped as in Megatron-LM: the re-gather runs during the input-gradient GEMM,
+        # the input gradient's reduce-scatter during the weight-gradient GEMM.
         x, weight = ctx.saved_tensors
-        full = all_gather_seq(x, ctx.group, ctx.ledger, kind="regather")
-        grad_x = reduce_scatter_seq(grad.matmul(weight), ctx.group, ctx.ledger)
-        g2 = grad.reshape(-1, grad.shape[-1])
-        grad_w = g2.t().matmul(full.reshape(-1, full.shape[-1]))
-        grad_b = g2.sum(0) if ctx.has_bias else None
-        return grad_x, grad_w, grad_b, None, None
+        kind, enabled, dtype = ctx.autocast
+        with torch.autocast(kind, dtype=dtype, enabled=enabled):
+            gathered = _gather_seq_start(x, ctx.group, ctx.ledger, "regather")
+            scatter = _reduce_scatter_seq_start(grad.matmul(weight), ctx.group, ctx.ledger)
+            full = gathered()
+            g2 = grad.reshape(-1, grad.shape[-1])
+            grad_w = g2.t().matmul(full.reshape(-1, full.shape[-1]))
+            grad_b = g2.sum(0) if ctx.has_bias else None
+            return scatter(), grad_w, grad_b, None, None
 
 
 def sequence_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

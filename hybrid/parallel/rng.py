@@ -46,7 +46,10 @@ class RNGTracker:
         saved = _get_state(self.device)
         gen_seed = seed + TP_SEED_OFFSET + tp_rank
         if self.device.type == "cuda":
-            torch.cuda.manual_seed(gen_seed)
+            # torch.cuda.manual_seed seeds the *current* device: make it this tracker's, whose
+            # state is read and restored here and in fork()
+            with torch.cuda.device(self.device):
+                torch.cuda.manual_seed(gen_seed)
         else:
             torch.manual_seed(gen_seed)
         self._state = _get_state(self.device)

@@ -1,4 +1,5 @@
-"""Run a function on a local multi-process world (gloo on CPU, NCCL when every rank has a GPU).
+"""Run a function on a local multi-process world (gloo on CPU by default; NCCL, one GPU per rank,
+when asked for).
 
 Used by the tests (one spawn serves many checks, since a 4-rank spawn costs ~20 s on 2 cores)
 and by anyone who wants a quick parallel experiment without torchrun. Production jobs launch
@@ -29,7 +30,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, timeout_s, queue):
+def _worker(rank, world_size, port, fn, args, timeout_s, queue, backend="gloo"):
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -41,8 +42,6 @@ def _worker(rank, world_size, port, fn, args, timeout_s, queue):
     )
     torch.set_num_threads(1)
     try:
-        backend = ("nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size
-                   else "gloo")
         if backend == "nccl":
             torch.cuda.set_device(rank)
         dist.init_process_group(
@@ -68,6 +67,7 @@ def spawn_world(
     *args: Any,
     timeout_s: float = 90.0,
     join_timeout_s: float | None = None,
+    backend: str = "gloo",
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes; their results.
 
@@ -75,19 +75,31 @@ def spawn_world(
     The process group is initialised before ``fn`` runs, with a collective timeout of
     ``timeout_s`` seconds so that a mismatched collective fails instead of hanging.
 
+    The backend is gloo unless ``backend="nccl"`` (rank r then runs on ``cuda:r``): a GPU on
+    the host never moves a CPU world to CUDA, and
+    :func:`hybrid.parallel.grid.default_device` follows the backend (gloo: CPU).
+
     Returns:
         ``[result of rank 0, result of rank 1, ...]``.
 
     Raises:
+        ValueError: ``backend`` is not gloo or nccl, or nccl without one GPU per rank.
         RuntimeError: if any rank raised (its traceback is included), or if the world did not
             finish within ``join_timeout_s`` seconds (default ``3 * timeout_s + 60``); every
             process is killed before raising.
     """
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"spawn_world: backend {backend!r}; valid: 'gloo', 'nccl'")
+    if backend == "nccl" and (not torch.cuda.is_available()
+                              or torch.cuda.device_count() < world_size):
+        raise ValueError(f"spawn_world: nccl needs one GPU per rank: {world_size} ranks, "
+                         f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} GPUs")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, timeout_s, queue),
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, timeout_s, queue,
+                                          backend),
                     daemon=False)
         for r in range(world_size)
     ]

@@ -25,8 +25,13 @@ gloo 32 MiB fp32, median ms: ``reduce_scatter_tensor`` 156, ``all_reduce`` 102,
 received chunks, in rank order, into ``out``; an all-gather of at least
 :attr:`DPComm.broadcast_min_numel` output elements is n broadcasts, one from each rank's chunk.
 Each rank sends the same (n-1)/n N bytes as in the ring, so the ledger is unchanged. NCCL (and
-the dry run's fake backend) keep their native collectives. ``DPComm.compose_on_gloo = False``
-(before the engine is built) or ``engine.comm.composed = False`` turns this off.
+the dry run's fake backend) keep their native collectives, except one: an all-gather into a
+*list* of slots (ZeRO-3's chunked gathers of a unit and the chunked parameter refresh, whose
+slots are strided pieces of the rank-major unit buffer) runs on NCCL as one broadcast per rank
+straight into its slot. NCCL's list all-gather would gather into a temporary flat buffer and copy
+each rank's piece out of it (:attr:`DPComm.list_gather_by_broadcast`).
+``DPComm.compose_on_gloo = False`` (before the engine is built) or ``engine.comm.composed =
+False`` turns the gloo compositions off.
 
 ``recorder`` (the benchmark's *collectives alone*): when a list, every collective appends
 ``(op, input elements, dtype)``; :func:`replay` issues the same collectives again with no compute
@@ -74,6 +79,9 @@ class DPComm:
     3.7 vs 4.3 ms at 262,144)."""
     recorder: list | None = None
     """When a list: ``(op, input elements, dtype)`` of every collective (see :func:`replay`)."""
+    list_gather_by_broadcast: bool
+    """All-gathers into a list of slots run as one broadcast per rank into its slot (NCCL: no
+    temporary flat buffer and no copies; see the module docstring)."""
 
     def __init__(self, group):
         self.group = group
@@ -83,6 +91,7 @@ class DPComm:
         self.composed = self.compose_on_gloo and self.size > 1 and dist.get_backend(group) == "gloo"
         """Compose reduce-scatter and large all-gathers from faster gloo collectives."""
         self.global_ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+        self.list_gather_by_broadcast = self.size > 1 and dist.get_backend(group) == "nccl"
 
     def _count(self, op: str, t: torch.Tensor, factor: float = 1.0, kind: str | None = None):
         """One collective on input ``t``: its ring volume (``factor`` x (n-1)/n x ``t``'s bytes)
@@ -139,7 +148,8 @@ class DPComm:
         return self._all_gather(out, inp, async_op)
 
     def _all_gather(self, out, inp, async_op):
-        if self.composed and inp.numel() * self.size >= self.broadcast_min_numel:
+        by_broadcast = isinstance(out, list) and self.list_gather_by_broadcast
+        if by_broadcast or self.composed and inp.numel() * self.size >= self.broadcast_min_numel:
             slots = out if isinstance(out, list) else out.view(self.size, -1)
             works = [dist.broadcast(inp if r == self.rank else slots[r], self.global_ranks[r],
                                     group=self.group, async_op=True) for r in range(self.size)]

@@ -39,6 +39,7 @@ persistent (small) parameters whole, and gathers units transiently (``gathered_p
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -48,7 +49,7 @@ import torch.nn as nn
 from hybrid.zero import refresh, state, storage
 from hybrid.zero.comm import DPComm
 from hybrid.zero.config import OptimizerConfig, ZeroConfig
-from hybrid.zero.grad_norm import clip_coefficient, global_grad_norm
+from hybrid.zero.grad_norm import clip_coefficient, global_grad_norm_and_stop
 from hybrid.zero.layout import Fragment, PartitionLayout
 from hybrid.zero.loss_scaler import LossScaler
 from hybrid.zero.profile import NULL_TIMER
@@ -116,6 +117,9 @@ class ZeroEngine:
         self._grads_ready = False
         self.skipped_steps = 0
         self.optimizer_steps = 0
+        self.stop_source: Callable[[], bool] | None = None
+        """This rank's stop request (SIGTERM, time limit), carried by the grad-norm all-reduce."""
+        self._stop_seen: bool | None = None
         self.last_comm_bytes: dict = {}
         self.activation_checkpointing = None
         """Set by ``hybrid.parallelize.parallelize``: the checkpointing handle, or None."""
@@ -260,8 +264,10 @@ class ZeroEngine:
         self._grads_ready = False
         scale = self.scaler.scale if self._scale_loss else 1.0
         with self.timer.phase("grad_norm"):
-            norm, overflow = global_grad_norm(self._norm_counted, self._norm_uncounted,
-                                              group=self.grid.world_group, ledger=self.comm)
+            norm, overflow, stop = global_grad_norm_and_stop(
+                self._norm_counted, self._norm_uncounted, group=self.grid.world_group,
+                ledger=self.comm, stop=self.stop_source is not None and self.stop_source())
+        self._stop_seen = stop
         if self._scale_loss:
             self.scaler.update(overflow)
         if overflow:
@@ -285,6 +291,12 @@ class ZeroEngine:
             self.reducer.zero()
         self.optimizer_steps += 1
         return StepInfo(False, norm, self.loss_scale, self._close_comm())
+
+    def take_stop_request(self) -> bool | None:
+        """Whether any rank asked to stop, as the last :meth:`step`'s grad-norm all-reduce
+        carried it (``stop_source``); None when no step ran since the last call."""
+        seen, self._stop_seen = self._stop_seen, None
+        return seen
 
     def zero_grad(self) -> None:
         """Discard the accumulated gradients without stepping (after a NaN/inf loss)."""

@@ -258,16 +258,7 @@ class GradReducer:
             inp, out = self.staging[k][0][:self.comm.size * n], self.staging[k][1][:n]
             scratch = self.staging[k][2] if self.staging[k][2].numel() else None
             with self.timer.phase("copies"):
-                if not self.plan.shards_gradients:
-                    for c in bucket.copy_in:
-                        inp[c.dst:c.dst + c.length].copy_(self.grad_flat[c.src:c.src + c.length])
-                else:
-                    inp.zero_()
-                    for c in bucket.copy_in:
-                        g = self.params[c.param].grad
-                        if g is not None:
-                            inp[c.dst:c.dst + c.length].copy_(
-                                g.reshape(-1)[c.param_start:c.param_start + c.length])
+                self._stage_in(bucket, inp)
                 if inv != 1.0:
                     inp.mul_(inv)
             with self.timer.phase("grad_comm"):
@@ -282,6 +273,24 @@ class GradReducer:
         if not self.overlap:
             self._finish()
 
+    def _stage_in(self, bucket: ReduceBucket, inp: torch.Tensor) -> None:
+        """Copy the bucket's gradients into its staging input ``inp``: one multi-tensor
+        ``_foreach_copy_`` (a 1.5B model at dp 8 has ~1,200 pieces per backward; a ``copy_``
+        each was a kernel launch each on CUDA). Values are those of the per-piece copies."""
+        if not self.plan.shards_gradients:
+            dst = [inp[c.dst:c.dst + c.length] for c in bucket.copy_in]
+            src = [self.grad_flat[c.src:c.src + c.length] for c in bucket.copy_in]
+        else:
+            inp.zero_()
+            dst, src = [], []
+            for c in bucket.copy_in:
+                g = self.params[c.param].grad
+                if g is not None:
+                    dst.append(inp[c.dst:c.dst + c.length])
+                    src.append(g.reshape(-1)[c.param_start:c.param_start + c.length])
+        if dst:
+            torch._foreach_copy_(dst, src)
+
     def _finish(self) -> None:
         work, bucket, out = self.inflight.popleft()
         with self.timer.phase("grad_comm"):
@@ -289,9 +298,10 @@ class GradReducer:
         with self.timer.phase("copies"):
             if self.plan.shards_gradients:
                 self.grad_part[bucket.start:bucket.end].add_(out)
-            elif not self.plan.grad_in_place:
-                for c in bucket.copy_out:
-                    self.grad_flat[c.dst:c.dst + c.length].copy_(out[c.src:c.src + c.length])
+            elif not self.plan.grad_in_place and bucket.copy_out:
+                torch._foreach_copy_(
+                    [self.grad_flat[c.dst:c.dst + c.length] for c in bucket.copy_out],
+                    [out[c.src:c.src + c.length] for c in bucket.copy_out])
         for u in bucket.units:
             self.left[u] -= 1
             if self.left[u] == 0 and self.plan.shards_gradients:

@@ -1,0 +1,166 @@
+#!/usr/bin/env bash
+# shellcheck disable=SC2317  # the step_* functions are called indirectly, as "step_$name"
+# The one prepared check for one GPU (at most 8 minutes, offline). It uses the machine's own
+# CUDA torch (never pip installs anything) with PYTHONPATH at this repository, and writes
+# everything to $LOG_DIR/gpu_check.log. Steps, each with its own time limit:
+#   env        python, torch, the GPU, the packages the steps import
+#   tests      the gpu-marked tests, file by file
+#   parity     CPU vs GPU training, 2,048 tokens per micro-batch, fp32 and bf16, ZeRO 0 and 3
+#   recompute  recompute / P_a / offload / arena: peak memory, same gradients with dropout 0.1
+#   syncs      host synchronisations per iteration of the real training loop
+#   pretrain   hybrid.pretrain --bf16 on a 1.5B-class shape (zero-1.5b): tokens/s, TFLOP/s, MFU
+#              and peak memory, beside the dry run's prediction of its memory
+#   attention  fused attention (SDPA) vs the explicit softmax path (dropout on)
+#
+# Environment:
+#   PYTHON           interpreter (default python3; .venv/bin/python in a rehearsal when present)
+#   LOG_DIR          where the log and the run's files go (default runs/gpu_check)
+#   GPU_CHECK_CPU=1  CPU rehearsal: tiny shapes on CPU, every step that can run without a GPU
+#   GPU_CHECK_STEPS  the steps to run, space-separated (default: all, in the order above)
+#   GPU_CHECK_BUDGET_S  the whole check's time limit (default 480); a step gets the smaller of
+#                    its own limit and what is left
+# Extra arguments go to the real hybrid.pretrain run (e.g. --micro-batch-size 8).
+set -uo pipefail
+
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT" || exit 2
+CPU=${GPU_CHECK_CPU:-0}
+if [ -z "${PYTHON:-}" ]; then
+    PYTHON=python3
+    if [ "$CPU" = 1 ] && [ -x "$ROOT/.venv/bin/python" ]; then
+        PYTHON=$ROOT/.venv/bin/python
+    fi
+fi
+LOG_DIR=${LOG_DIR:-$ROOT/runs/gpu_check}
+STEPS=${GPU_CHECK_STEPS:-env tests parity recompute syncs pretrain attention}
+export PYTHON LOG_DIR
+mkdir -p "$LOG_DIR"
+LOG=$LOG_DIR/gpu_check.log
+
+# offline: no package index, no hub, no wandb
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export PIP_NO_INDEX=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export WANDB_MODE=disabled
+
+if [ "$CPU" = 1 ]; then
+    DEVICE=cpu
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} CUDA_VISIBLE_DEVICES=""
+    PARITY=(--cpu --layers 2 --hidden 64 --heads 4 --vocab 512 --seq-length 64 --threads 1)
+    ACT=(--device cpu --num-layers 2 --hidden-size 32 --heads 4 --seq-length 16
+         --micro-batch-size 2 --micro-batches 1 --vocab-size 101)
+    SHAPE=(--num-layers 2 --hidden-size 64 --num-attention-heads 4 --vocab-size 512
+           --seq-length 64 --micro-batch-size 2 --global-batch-size 4 --train-iters 4
+           --log-interval 2)
+    ATTN=(--cpu --attn-shape 2 4 128 16 --reps 2)
+else
+    DEVICE=cuda
+    PARITY=()
+    ACT=(--num-layers 12 --hidden-size 1024 --heads 16 --seq-length 1024 --micro-batch-size 8
+         --micro-batches 2)
+    SHAPE=(--preset zero-1.5b --vocab-size 50257 --seq-length 1024 --micro-batch-size 4
+           --global-batch-size 16
+           --train-iters 12 --log-interval 4)
+    ATTN=()
+fi
+
+declare -a RESULTS=()
+FAILED=0
+DEADLINE=$(($(date +%s) + ${GPU_CHECK_BUDGET_S:-480}))
+
+# run NAME LIMIT_S [ARGS...]: step_NAME under a time limit, as this script run with --step (a
+# shell function cannot run under timeout); its status goes to the summary
+run() {
+    local name=$1 limit=$2 start rc left
+    shift 2
+    start=$(date +%s)
+    left=$((DEADLINE - start))
+    if [ "$left" -lt 10 ]; then
+        RESULTS+=("$name: FAIL, not run (the ${GPU_CHECK_BUDGET_S:-480} s budget is spent)")
+        FAILED=1
+        return
+    fi
+    [ "$left" -lt "$limit" ] && limit=$left
+    echo "=== $name (limit ${limit} s)"
+    timeout --kill-after=10 "$limit" bash "$ROOT/scripts/gpu_check.sh" --step "$name" "$@"
+    rc=$?
+    local took=$(($(date +%s) - start))
+    if [ "$rc" -eq 0 ]; then
+        RESULTS+=("$name: OK (${took} s)")
+    else
+        [ "$rc" -eq 124 ] && echo "=== $name: timed out after ${limit} s"
+        RESULTS+=("$name: FAIL, status $rc (${took} s)")
+        FAILED=1
+    fi
+}
+
+wanted() { case " $STEPS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+
+step_env() {
+    "$PYTHON" - "$DEVICE" <<'EOF'
+import importlib.util, sys
+import torch
+device = sys.argv[1]
+print(f"python {sys.version.split()[0]}, torch {torch.__version__}, CUDA build "
+      f"{torch.version.cuda}, CUDA available {torch.cuda.is_available()}")
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print(f"GPU 0: {p.name}, {p.total_memory / 2**30:.0f} GiB, {torch.cuda.device_count()} GPUs")
+need = ["numpy", "sentencepiece", "yaml", "tqdm", "safetensors", "pytest", "pytest_timeout"]
+missing = [m for m in need if importlib.util.find_spec(m) is None]
+print("missing packages: " + (", ".join(missing) if missing else "none"))
+ok = not missing and (device == "cpu" or torch.cuda.is_available())
+sys.exit(0 if ok else 1)
+EOF
+}
+
+step_tests() {
+    local f rc=0
+    for f in tests/test_zero.py tests/test_zero_gpu_sync.py tests/test_activations_gpu.py; do
+        echo "--- $f"
+        "$PYTHON" -m pytest -q -rs -m gpu -p no:cacheprovider "$f" || rc=1
+    done
+    return "$rc"
+}
+
+step_pretrain() {
+    local common=(--mock-data --bf16 --lr 1e-4 --min-lr 1e-5 --eval-iters 0 --seed 1234
+                  --zero-stage 1 "${SHAPE[@]}" "$@")
+    echo "--- dry run (fake tensors on CPU): the prediction"
+    "$PYTHON" -m hybrid.pretrain "${common[@]}" --dry-run-world-size 1 \
+        | tee "$LOG_DIR/dry_run.txt" || return 1
+    echo "--- the real run"
+    rm -f "$LOG_DIR/pretrain.jsonl"
+    "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 1 -m hybrid.pretrain \
+        "${common[@]}" --metrics-file "$LOG_DIR/pretrain.jsonl" || return 1
+    "$PYTHON" scripts/gpu_check_steps.py pretrain-summary --metrics "$LOG_DIR/pretrain.jsonl" \
+        --dry-run-report "$LOG_DIR/dry_run.txt"
+}
+
+step_parity() { "$PYTHON" scripts/gpu_check_steps.py parity "${PARITY[@]}"; }
+step_recompute() { "$PYTHON" scripts/gpu_activation_memory.py "${ACT[@]}"; }
+step_syncs() { "$PYTHON" scripts/gpu_sync_count.py --device "$DEVICE"; }
+step_attention() { "$PYTHON" scripts/gpu_check_steps.py attention "${ATTN[@]}"; }
+
+if [ "${1:-}" = --step ]; then  # one step, run by run() under its time limit
+    name=$2
+    shift 2
+    "step_$name" "$@"
+    exit
+fi
+
+: >"$LOG"
+exec > >(tee -a "$LOG") 2>&1
+echo "gpu_check: $(date -u +%FT%TZ), device $DEVICE, steps: $STEPS, log $LOG"
+wanted env && run env 30
+wanted tests && run tests 150
+wanted parity && run parity 90
+wanted recompute && run recompute 60
+wanted syncs && run syncs 60
+wanted pretrain && run pretrain 180 "$@"
+wanted attention && run attention 30
+
+echo "=== summary ($DEVICE)"
+for r in "${RESULTS[@]}"; do
+    echo "  $r"
+done
+exit "$FAILED"
