@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class ModelShape:
-    """Dimensions of a GPT-2-style decoder (pre-LN, learned positions, GeLU MLP)."""
+    """Dimensions of a decoder: GPT-2 style (pre-LN, learned positions, GeLU MLP) by default,
+    Llama style with ``swiglu``, ``num_query_groups`` and ``kv_channels``."""
 
     num_layers: int
     """Transformer layers l (L)."""
@@ -32,6 +33,12 @@ class ModelShape:
     """True adds a separate V x h output matrix."""
     final_layernorm: bool = True
     """Count the final LayerNorm (2h parameters); 2104.04473's formula leaves it out."""
+    swiglu: bool = False
+    """SwiGLU MLP (``--swiglu``): fc1 is ``[2f, h]`` (gate and up), fc2 ``[h, f]``."""
+    num_query_groups: int | None = None
+    """K/V heads G under grouped-query attention; None means G = a (multi-head)."""
+    kv_channels: int | None = None
+    """Channels per attention head d (``--kv-channels``); None means h / a."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -50,11 +57,30 @@ class ModelShape:
             raise ValueError(
                 f"ffn_hidden_size must be a positive integer or None, got {self.ffn_hidden_size!r}"
             )
-        if self.hidden_size % self.num_attention_heads:
+        for name in ("num_query_groups", "kv_channels"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        if self.num_attention_heads % self.query_groups:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not divisible by "
+                f"num_query_groups={self.query_groups}"
+            )
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size={self.hidden_size} is not divisible by "
                 f"num_attention_heads={self.num_attention_heads}"
             )
+
+    @property
+    def query_groups(self) -> int:
+        """K/V heads G (a when ``num_query_groups`` is None)."""
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        """Channels per head d (h / a when ``kv_channels`` is None)."""
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     @property
     def ffn(self) -> int:
@@ -88,4 +114,7 @@ class ModelShape:
                 getattr(model, "untie_embeddings_and_output_weights", False)
             ),
             final_layernorm=bool(getattr(model, "final_layernorm", True)),
+            swiglu=bool(getattr(model, "swiglu", False)),
+            num_query_groups=getattr(model, "num_query_groups", None),
+            kv_channels=getattr(model, "kv_channels", None),
         )
