@@ -39,6 +39,16 @@ class ModelShape:
     """K/V heads G under grouped-query attention; None means G = a (multi-head)."""
     kv_channels: int | None = None
     """Channels per attention head d (``--kv-channels``); None means h / a."""
+    normalization: str = "LayerNorm"
+    """``LayerNorm`` (weight and bias, 2 x width) or ``RMSNorm`` (weight only)."""
+    position_embedding_type: str = "learned_absolute"
+    """Only ``learned_absolute`` has a position table (s h parameters)."""
+    add_bias_linear: bool = True
+    """Biases on every linear layer (False under ``--disable-bias-linear``)."""
+    add_qkv_bias: bool = False
+    """QKV bias even without ``add_bias_linear``."""
+    qk_layernorm: bool = False
+    """Per-head q and k norms of width d."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -82,6 +92,15 @@ class ModelShape:
         """Channels per head d (h / a when ``kv_channels`` is None)."""
         return self.kv_channels or self.hidden_size // self.num_attention_heads
 
+    def norm_parameters(self, size: int) -> int:
+        """Elements of one norm of width ``size`` (2 size for LayerNorm, size for RMSNorm)."""
+        return size if self.normalization == "RMSNorm" else 2 * size
+
+    @property
+    def qkv_size(self) -> int:
+        """Output features of the fused QKV projection, ``(a + 2G) d``."""
+        return (self.num_attention_heads + 2 * self.query_groups) * self.head_dim
+
     @property
     def ffn(self) -> int:
         """MLP width f in elements (4h when ``ffn_hidden_size`` is None)."""
@@ -117,4 +136,9 @@ class ModelShape:
             swiglu=bool(getattr(model, "swiglu", False)),
             num_query_groups=getattr(model, "num_query_groups", None),
             kv_channels=getattr(model, "kv_channels", None),
+            normalization=getattr(model, "normalization", "LayerNorm"),
+            position_embedding_type=getattr(model, "position_embedding_type", "learned_absolute"),
+            add_bias_linear=bool(getattr(model, "add_bias_linear", True)),
+            add_qkv_bias=bool(getattr(model, "add_qkv_bias", False)),
+            qk_layernorm=bool(getattr(model, "qk_layernorm", False)),
         )

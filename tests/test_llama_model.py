@@ -174,3 +174,18 @@ def test_parameter_names_and_init():
     assert torch.all(names["layers.1.attn.q_norm.weight"] == 1)
     std = names["layers.0.mlp.fc2.weight"].std().item()
     assert std == pytest.approx(0.02 / math.sqrt(4), rel=0.1)
+
+
+@pytest.mark.parametrize("name,count", [
+    ("llama2-7b", 6_738_415_616),       # Meta's released Llama-2-7b-hf
+    ("llama3-8b", 8_030_261_248),       # Meta-Llama-3-8B
+    ("llama3-70b", 70_553_706_496),     # Meta-Llama-3-70B
+    ("llama3.1-405b", 405_853_388_800),  # Llama-3.1-405B
+])
+def test_llama_presets_count_the_published_parameters(name, count):
+    from models.presets import get_preset
+
+    cfg = get_preset(name)
+    assert cfg.num_parameters() == count
+    with torch.device("meta"):
+        assert sum(p.numel() for p in GPT(cfg).parameters()) == count
