@@ -34,7 +34,7 @@ class ModelShape:
     final_layernorm: bool = True
     """Count the final LayerNorm (2h parameters); 2104.04473's formula leaves it out."""
     swiglu: bool = False
-    """SwiGLU MLP (``--swiglu``): fc1 is ``[2f, h]`` (gate and up), fc2 ``[h, f]``."""
+    """SwiGLU MLP (``--swiglu``): gate and up each ``[f, h]``, fc2 ``[h, f]``."""
     num_query_groups: int | None = None
     """K/V heads G under grouped-query attention; None means G = a (multi-head)."""
     kv_channels: int | None = None
