@@ -118,3 +118,24 @@ def test_refused_before_any_process_group(capsys, monkeypatch):
                         "--tensor-model-parallel-size", "4"]) == 2
     assert "valid tp values: 1, 2" in capsys.readouterr().err
     assert not dist.is_initialized()
+
+
+def test_resume_refuses_another_architecture_and_reads_old_checkpoints():
+    import dataclasses
+
+    from hybrid.job.resume_checks import ResumeMismatch, check_model
+
+    gpt_model = gpt(BASE)
+    old = {k: v for k, v in dataclasses.asdict(gpt_model).items()
+           if k not in ("swiglu", "normalization", "num_query_groups", "position_embedding_type")}
+    check_model({"model": old, "iteration": 4}, gpt_model, "ck")  # predates the fields: defaults
+    llama = gpt(BASE + ["--swiglu", "--ffn-hidden-size", "256", "--group-query-attention",
+                        "--num-query-groups", "2"])
+    with pytest.raises(ResumeMismatch, match=r"--swiglu False in the checkpoint, True here; "
+                       r"--num-query-groups None in the checkpoint, 2 here; first differing "
+                       r"parameter layers.0.attn.qkv.weight: \(192, 64\) in the checkpoint, "
+                       r"\(96, 64\) here"):
+        check_model({"model": old, "iteration": 4}, llama, "ck")
+    rope = gpt(BASE + ["--position-embedding-type", "rope"])
+    longer = dataclasses.replace(rope, max_position_embeddings=64)
+    check_model({"model": dataclasses.asdict(rope), "iteration": 4}, longer, "ck")  # no table

@@ -24,8 +24,8 @@ BASE = ["--mock-data", "--vocab-size", "1000", "--num-layers", "2", "--hidden-si
         "--lr-decay-iters", "4", "--train-iters", "4", "--log-interval", "1",
         "--eval-interval", "1000", "--eval-iters", "1", "--seed", "5"]
 LLAMA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
-         "--ffn-hidden-size", "96", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
-         "--group-query-attention"]
+         "--ffn-hidden-size", "96", "--disable-bias-linear",
+         "--untie-embeddings-and-output-weights", "--group-query-attention"]
 NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
 CONFIGS = {
     "g2": LLAMA + ["--num-query-groups", "2"],
@@ -70,7 +70,7 @@ def runs(tmp_path_factory):
                        timeout_s=120)[0]
     n = len(GRIDS[4])
     return dict(refs=dict(zip(CONFIGS, refs, strict=True)), two=two, four=four[:n],
-                dropout=four[n:n + 4], resume=four[n + 4:])
+                dropout=four[n:n + 4], resume=four[n + 4:], ck=ck)
 
 
 @pytest.mark.timeout(900)
@@ -100,3 +100,26 @@ def test_resume_tp2_zero3_resharded_to_tp1_dp4_zero1_is_exact(runs):
     assert sorted(saved) == [1, 2] and sorted(resumed) == [3, 4]
     assert saved == pytest.approx({i: want[i] for i in (1, 2)}, abs=1e-5)
     assert resumed == pytest.approx({i: want[i] for i in (3, 4)}, abs=1e-5)
+
+
+@pytest.mark.timeout(900)
+def test_consolidated_llama_checkpoint_loads_strictly_into_the_plain_model(runs, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    from hybrid.checkpoint.consolidate import main as consolidate_main
+    from hybrid.checkpoint.directory import read_metadata
+    from models.gpt import GPT, GPTConfig
+
+    out = tmp_path / "llama.safetensors"
+    assert consolidate_main(["--load", runs["ck"], "--output", str(out)]) == 0
+    state = load_file(str(out))
+    cfg = GPTConfig(**read_metadata(runs["ck"], 2)["model"])
+    assert (cfg.swiglu, cfg.num_query_groups, cfg.normalization) == (True, 2, "RMSNorm")
+    model = GPT(cfg)
+    model.load_state_dict(state, strict=True)
+    assert state["layers.0.attn.qkv.weight"].shape == ((4 + 2 * 2) * 16, 64)
+    assert {"lm_head.weight", "layers.1.mlp.gate.weight"} <= set(state)
+    assert all(t.abs().sum() > 0 for t in state.values())
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.randint(0, 1000, (1, 32)))).all()
