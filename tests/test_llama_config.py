@@ -139,3 +139,17 @@ def test_resume_refuses_another_architecture_and_reads_old_checkpoints():
     rope = gpt(BASE + ["--position-embedding-type", "rope"])
     longer = dataclasses.replace(rope, max_position_embeddings=64)
     check_model({"model": dataclasses.asdict(rope), "iteration": 4}, longer, "ck")  # no table
+
+
+def test_gpt2_export_and_init_from_hf_refuse_a_llama_model():
+    from hybrid.hf.convert import (
+        UnsupportedModelError,
+        check_gpt2_architecture,
+        gpt_config_from_metadata,
+    )
+
+    check_gpt2_architecture(gpt(BASE + ["--kv-channels", "8"]))  # h / a spelled out: GPT-2
+    llama = gpt(BASE + ["--position-embedding-type", "rope", "--swiglu"])
+    with pytest.raises(UnsupportedModelError, match="position_embedding_type='rope' "
+                       r"\(GPT-2: 'learned_absolute'\), swiglu=True \(GPT-2: False\)"):
+        gpt_config_from_metadata(__import__("dataclasses").asdict(llama))
