@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from models.fused import RMSNorm, swiglu
 from models.rope import RotaryEmbedding
 
 if TYPE_CHECKING:
@@ -27,11 +28,11 @@ if TYPE_CHECKING:
 
 
 def make_norm(config: GPTConfig, size: int) -> nn.Module:
-    """``nn.LayerNorm`` (weight and bias) or ``nn.RMSNorm`` (weight only; Zhang & Sennrich 2019,
-    arXiv 1910.07467 Eq. 4) of width ``size``, per ``config.normalization``, with
+    """``nn.LayerNorm`` (weight and bias) or :class:`models.fused.RMSNorm` (weight only; Zhang &
+    Sennrich 2019, arXiv 1910.07467 Eq. 4) of width ``size``, per ``config.normalization``, with
     ``config.layernorm_epsilon``."""
     if config.normalization == "RMSNorm":
-        return nn.RMSNorm(size, eps=config.layernorm_epsilon)
+        return RMSNorm(size, eps=config.layernorm_epsilon)
     return nn.LayerNorm(size, eps=config.layernorm_epsilon)
 
 
@@ -68,13 +69,15 @@ class Attention(nn.Module):
         # whose RNG stream the TP plan controls; SDPA would draw from the default generator.
         b, heads, s, d = q.shape
         n = self.heads_per_group
-        if n > 1:  # [b, G, n, s, d] against K/V [b, G, 1, s, d]: no repeated K/V copies
-            q, k, v = q.reshape(b, heads // n, n, s, d), k.unsqueeze(2), v.unsqueeze(2)
-        scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
+        if n > 1:  # the n query heads of a group as n*s rows against its one K/V head: plain
+            q = q.reshape(b, heads // n, n * s, d)  # batched matmuls, no repeated K/V copies
+        scores = ((q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)).view(b, heads, s, s)
         causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
         scores = scores.masked_fill(~causal, float("-inf"))
-        out = self.attn_dropout(scores.softmax(dim=-1)) @ v
-        return out.reshape(b, heads, s, d)
+        probs = self.attn_dropout(scores.softmax(dim=-1))
+        if n > 1:
+            return (probs.view(b, heads // n, n * s, s) @ v).view(b, heads, s, d)
+        return probs @ v
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """RoPE on q, k, then ``dropout(softmax(q k^T / sqrt(d) + causal mask)) v``.
@@ -111,7 +114,8 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     """``fc2(gelu(fc1(x)))``, or with ``swiglu`` ``fc2(silu(gate(x)) * fc1(x))`` (Shazeer 2020,
-    arXiv 2002.05202 Eq. 6). ``gate`` and ``fc1`` (the "up" projection) are each ``[f, h]``,
+    arXiv 2002.05202 Eq. 6; :func:`models.fused.swiglu` saves only gate and up). ``gate`` and
+    ``fc1`` (the "up" projection) are each ``[f, h]``,
     ``fc2`` is ``[h, f]``. Input/output ``[b, s, h]``."""
 
     def __init__(self, config: GPTConfig):
@@ -123,7 +127,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate is not None:
-            return self.fc2(F.silu(self.gate(x)) * self.fc1(x))
+            return self.fc2(swiglu(self.gate(x), self.fc1(x)))
         return self.fc2(F.gelu(self.fc1(x)))
 
 

@@ -189,3 +189,27 @@ def test_llama_presets_count_the_published_parameters(name, count):
     assert cfg.num_parameters() == count
     with torch.device("meta"):
         assert sum(p.numel() for p in GPT(cfg).parameters()) == count
+
+
+def test_fused_rms_norm_and_swiglu_match_the_composite_forms():
+    """Same values and gradients as torch's composite forms (float64 gradcheck, fp32 1e-6)."""
+    from models.fused import rms_norm, swiglu
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(8, dtype=torch.float64, generator=g, requires_grad=True)
+    a = torch.randn(3, 5, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, w: rms_norm(x, w, 1e-5), (x, w))
+    assert torch.autograd.gradcheck(swiglu, (x, a))
+    xf, wf, af = (t.detach().float().requires_grad_(True) for t in (x, w, a))
+    for ours, theirs in ((lambda: rms_norm(xf, wf, 1e-5),
+                          lambda: torch.nn.functional.rms_norm(xf, (8,), wf, 1e-5)),
+                         (lambda: swiglu(xf, af),
+                          lambda: torch.nn.functional.silu(xf) * af)):
+        got = torch.autograd.grad(ours().square().sum(), (xf, wf, af), allow_unused=True)
+        want = torch.autograd.grad(theirs().square().sum(), (xf, wf, af), allow_unused=True)
+        torch.testing.assert_close(ours(), theirs(), atol=1e-6, rtol=1e-6)
+        for gg, ww in zip(got, want, strict=True):
+            assert (gg is None) == (ww is None)
+            if gg is not None:
+                torch.testing.assert_close(gg, ww, atol=1e-5, rtol=1e-5)

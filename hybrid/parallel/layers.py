@@ -33,6 +33,7 @@ from hybrid.parallel.ops import (
     sequence_parallel_linear,
 )
 from hybrid.parallel.rng import RNGTracker
+from models.fused import RMSNorm, rms_norm
 
 
 @dataclass(frozen=True)
@@ -283,7 +284,7 @@ class SequenceParallelLayerNorm(nn.Module):
                  sequence_parallel: bool = True):
         super().__init__()
         self.normalized_shape, self.eps = tuple(norm.normalized_shape), norm.eps
-        self.rms = isinstance(norm, nn.RMSNorm)
+        self.rms = isinstance(norm, RMSNorm)
         self.weight, self.bias = norm.weight, getattr(norm, "bias", None)
         self.group, self.ledger = group, ledger
         self.sequence_parallel = sequence_parallel
@@ -291,7 +292,7 @@ class SequenceParallelLayerNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = None if self.weight is None else tp_summed(self.weight, self.group, self.ledger)
         if self.rms:
-            return F.rms_norm(x, self.normalized_shape, w, self.eps)
+            return rms_norm(x, w, self.eps)
         b = None if self.bias is None else tp_summed(self.bias, self.group, self.ledger)
         return F.layer_norm(x, self.normalized_shape, w, b, self.eps)
 
