@@ -71,6 +71,7 @@ class Attention(nn.Module):
         n = self.heads_per_group
         if n > 1:  # the n query heads of a group as n*s rows against its one K/V head: plain
             q = q.reshape(b, heads // n, n * s, d)  # batched matmuls, no repeated K/V copies
+            v = v.contiguous()  # saved for backward: v alone, not the QKV output it views
         scores = ((q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)).view(b, heads, s, s)
         causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
         scores = scores.masked_fill(~causal, float("-inf"))

@@ -9,8 +9,8 @@ and fused ``bias_swiglu`` save, and recompute the rest in backward:
 - :func:`rms_norm`: the input and the per-token ``1 / rms`` (fp32), like ``F.layer_norm``;
 - :func:`swiglu`: ``gate`` and ``up`` only.
 
-Both compute in fp32 (float64 stays float64) and return the input dtype, so fp32 results equal the composite forms'
-up to rounding (checked by ``tests/test_llama_model.py``).
+Both compute in fp32 (float64 stays float64) and return the input dtype, so fp32 results equal
+the composite forms' up to rounding (checked by ``tests/test_llama_model.py``).
 """
 
 from __future__ import annotations
