@@ -65,3 +65,31 @@ def test_llama3_8b_layer_and_model():
     assert got == 8192 * (2 * (4 * 4096 + terms["split"]) + 4 * 32) // 8
     sel = activation_bytes(m, 8192, 1, 8, "sp+selective", dropout=False)["layers"]
     assert sel == 32 * 8192 * 2 * (4 * 4096 + (2 * 32 + 2 * 8) * 128 + 3 * 14336) // 8
+
+
+def test_plan_cli_takes_llama_presets_and_flags(capsys):
+    import json
+
+    from hybrid.planner.cli import main
+    from models.presets import get_preset
+
+    argv = ["--num-gpus", "8", "--device", "H100", "--tp", "2", "--zero-stage", "3",
+            "--activation", "sp", "--seq-length", "2048", "--json"]
+    assert main(["--model", "llama-125m", "--hidden-dropout", "0", "--attention-dropout", "0",
+                 *argv]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["num_parameters"] == get_preset("llama-125m").num_parameters()
+    (row,) = got["candidates"]
+    shape = ModelShape.of(get_preset("llama-125m"))
+    assert row["activations"]["layers"] == 12 * layer_activation_bytes(
+        2048, 1, 768, 12, 2, sequence_parallel=True, shape=shape, dropout=False)
+    # the same shape from flags, as a Megatron-LM script gives it
+    assert main(["--num-layers", "12", "--hidden-size", "768", "--num-attention-heads", "12",
+                 "--group-query-attention", "--num-query-groups", "4", "--swiglu",
+                 "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+                 "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+                 "--vocab-size", "32000", "--hidden-dropout", "0", "--attention-dropout", "0",
+                 *argv]) == 0
+    flags = json.loads(capsys.readouterr().out)
+    assert flags["num_parameters"] == got["num_parameters"]
+    assert flags["candidates"][0]["total_bytes"] == row["total_bytes"]
