@@ -21,6 +21,7 @@ from hybrid.config_fields import arg, check_choice, check_int, check_number, fai
 from hybrid.parallel import sequence
 from hybrid.schedule import DECAY_STYLES, WD_INCR_STYLES, WSD_DECAY_STYLES
 from hybrid.zero.config import OptimizerConfig, ZeroConfig
+from models.gpt import NORMALIZATIONS, POSITION_EMBEDDING_TYPES
 
 
 @dataclass
@@ -43,17 +44,61 @@ class ModelConfig:
     hidden_dropout: float = arg(0.1, "dropout on embeddings and residual branches")
     attention_dropout: float = arg(0.1, "dropout on attention probabilities")
     init_method_std: float = arg(0.02, "std of the normal weight init")
-    layernorm_epsilon: float = arg(1e-5, "LayerNorm epsilon")
-    untie_embeddings_and_output_weights: bool = arg(False, "give the output layer its own weight")
+    layernorm_epsilon: float = arg(1e-5, "epsilon of every LayerNorm / RMSNorm",
+                                   flag="--norm-epsilon", alt_flags=("--layernorm-epsilon",))
+    untie_embeddings_and_output_weights: bool | None = arg(
+        None, "give the output layer its own weight (default: the preset's, else tied)")
+    # The architecture flags below default to None: the preset's value, else Megatron-LM's
+    # default (models.gpt.GPTConfig); hybrid.job.config_checks resolves them.
+    position_embedding_type: str | None = arg(
+        None, "learned_absolute, rope or none (default: the preset's, else learned_absolute)",
+        choices=POSITION_EMBEDDING_TYPES,
+        aliases={"--use-rotary-position-embeddings": "rope"})
+    rotary_base: int | None = arg(None, "RoPE base theta (default: the preset's, else 10000)")
+    rotary_percent: float | None = arg(None, "fraction of each head's channels RoPE rotates, in "
+                                             "(0, 1] (default: the preset's, else 1.0)")
+    rotary_interleaved: bool | None = arg(None, "RoPE rotates (even, odd) channel pairs instead "
+                                                "of the two halves of each head")
+    use_rope_scaling: bool | None = arg(None, "Llama 3.1 RoPE frequency scaling (low/high "
+                                              "frequency factors 1 and 4, original context 8192)")
+    rope_scaling_factor: float | None = arg(None, "its factor (default: the preset's, else 8.0; "
+                                                  "no effect without --use-rope-scaling)")
+    normalization: str | None = arg(None, "LayerNorm or RMSNorm (default: the preset's, else "
+                                          "LayerNorm)", choices=NORMALIZATIONS)
+    swiglu: bool | None = arg(None, "SwiGLU MLP fc2(silu(gate(x)) * up(x)); --ffn-hidden-size is "
+                                    "each half (default int(4h * 2/3 / 64) * 64)")
+    group_query_attention: bool | None = arg(None, "grouped-query attention with "
+                                                   "--num-query-groups K/V heads")
+    num_query_groups: int | None = arg(None, "K/V heads under --group-query-attention (default: "
+                                             "the preset's, else 1; ignored without it)")
+    kv_channels: int | None = arg(None, "channels per attention head (default: hidden size / "
+                                        "heads)")
+    add_bias_linear: bool | None = arg(None, "biases on every linear layer (default: the preset's, "
+                                             "else on)", aliases={"--disable-bias-linear": False})
+    add_qkv_bias: bool | None = arg(None, "bias on the QKV projection even with "
+                                          "--disable-bias-linear")
+    qk_layernorm: bool | None = arg(None, "normalise q and k per head (the model's norm kind) "
+                                          "before RoPE")
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-                     "max_position_embeddings", "vocab_size"):
+                     "max_position_embeddings", "vocab_size", "num_query_groups", "kv_channels",
+                     "rotary_base"):
             check_int(self, name, 1, optional=True)
         check_int(self, "seq_length", 1)
         check_int(self, "make_vocab_size_divisible_by", 1)
         for name in ("hidden_dropout", "attention_dropout"):
             check_number(self, name, 0.0, high=1.0)
+        check_number(self, "layernorm_epsilon", 0.0, strict=True)
+        check_number(self, "rope_scaling_factor", 0.0, strict=True, optional=True)
+        for name, valid in (("position_embedding_type", POSITION_EMBEDDING_TYPES),
+                            ("normalization", NORMALIZATIONS)):
+            if getattr(self, name) is not None:
+                check_choice(self, name, valid)
+        p = self.rotary_percent
+        if p is not None and not (isinstance(p, int | float) and 0 < p <= 1):
+            fail(self, "rotary_percent", "must be in (0, 1] (the fraction of each head's "
+                                         "channels that rotate)")
 
 
 @dataclass

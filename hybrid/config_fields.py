@@ -28,7 +28,9 @@ def arg(default, help: str, *, flag: str | None = None, aliases: dict[str, objec
         help: one line, with units.
         flag: the command-line flag when it differs from ``--field-name`` (Megatron-LM's name).
         aliases: extra flags that set this field to a constant, e.g. ``{"--bf16": "bf16"}``.
-        extra: passed to ``argparse.add_argument`` (``choices``, ``nargs``).
+        extra: passed to ``argparse.add_argument`` (``choices``, ``nargs``), except
+            ``alt_flags``: more flags that take a value for this field, e.g. Megatron-LM's older
+            ``("--layernorm-epsilon",)`` beside ``--norm-epsilon``.
     """
     meta = dict(help=help, **extra)
     if flag is not None:

@@ -43,14 +43,22 @@ DEVICE_PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
 def layer_parameter_split(model: object) -> tuple[int, int]:
     """(TP-sharded, replicated) parameters of one transformer layer, in elements.
 
-    Attention 4h^2 + 4h (QKV 3h^2 + 3h column-parallel, projection h^2 row-parallel + h bias);
-    MLP 2hf + f + h (fc1 hf + f column-parallel, fc2 fh row-parallel + h bias); two LayerNorms 4h.
-    Row-parallel biases and LayerNorms are replicated on every TP rank (1909.08053 §3).
+    GPT: attention 4h^2 + 4h (QKV 3h^2 + 3h column-parallel, projection h^2 row-parallel + h
+    bias); MLP 2hf + f + h (fc1 hf + f column-parallel, fc2 fh row-parallel + h bias); two
+    LayerNorms 4h. In general QKV is ``(a + 2G) d h`` (GQA), the projection ``a d h``, a SwiGLU
+    MLP has two column-parallel ``[f, h]`` halves, biases follow ``add_bias_linear`` /
+    ``add_qkv_bias``, RMSNorms have no bias and ``qk_layernorm`` adds two norms of width d.
+    Row-parallel biases and norms are replicated on every TP rank (1909.08053 §3).
     """
     m = ModelShape.of(model)
-    h, f = m.hidden_size, m.ffn
-    sharded = 3 * h * h + 3 * h + h * h + h * f + f + f * h
-    replicated = h + h + 4 * h
+    h, f, qkv = m.hidden_size, m.ffn, m.qkv_size
+    halves = 2 if m.swiglu else 1
+    sharded = qkv * h + m.num_attention_heads * m.head_dim * h + (halves + 1) * f * h
+    sharded += qkv if m.add_bias_linear or m.add_qkv_bias else 0
+    sharded += halves * f if m.add_bias_linear else 0
+    replicated = 2 * h if m.add_bias_linear else 0
+    replicated += 2 * m.norm_parameters(h) + (2 * m.norm_parameters(m.head_dim)
+                                              if m.qk_layernorm else 0)
     return sharded, replicated
 
 
@@ -58,8 +66,9 @@ def parameter_split(model: object) -> tuple[int, int]:
     """(TP-sharded, replicated) parameter counts of the whole model, in elements.
 
     Sharded: the layers' column/row-parallel weights, the vocab-parallel word embedding (V h) and,
-    if untied, the output matrix (V h). Replicated: row-parallel biases, LayerNorms, the position
-    table (s h) and the final LayerNorm (2h). ``sharded + replicated == num_parameters(model)``.
+    if untied, the output matrix (V h). Replicated: row-parallel biases, norms, the learned
+    position table (s h) and the final norm (2h, or h for RMSNorm).
+    ``sharded + replicated == num_parameters(model)``.
     """
     m = ModelShape.of(model)
     h, v = m.hidden_size, m.vocab_size
@@ -67,9 +76,11 @@ def parameter_split(model: object) -> tuple[int, int]:
     sharded = m.num_layers * layer_sharded + v * h
     if m.untie_embeddings_and_output_weights:
         sharded += v * h
-    replicated = m.num_layers * layer_replicated + m.max_position_embeddings * h
+    replicated = m.num_layers * layer_replicated
+    if m.position_embedding_type == "learned_absolute":
+        replicated += m.max_position_embeddings * h
     if m.final_layernorm:
-        replicated += 2 * h
+        replicated += m.norm_parameters(h)
     return sharded, replicated
 
 
@@ -93,6 +104,7 @@ def parameters_per_tp_rank(model: object, tp: int) -> int:
         raise ValueError(f"tp must be positive, got {tp}")
     for name, value in (
         ("num_attention_heads", m.num_attention_heads),
+        ("num_query_groups", m.query_groups),
         ("ffn_hidden_size", m.ffn),
         ("vocab_size", m.vocab_size),
     ):

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class ModelShape:
-    """Dimensions of a GPT-2-style decoder (pre-LN, learned positions, GeLU MLP)."""
+    """Dimensions of a decoder: GPT-2 style (pre-LN, learned positions, GeLU MLP) by default,
+    Llama style with ``swiglu``, ``num_query_groups`` and ``kv_channels``."""
 
     num_layers: int
     """Transformer layers l (L)."""
@@ -33,11 +34,21 @@ class ModelShape:
     final_layernorm: bool = True
     """Count the final LayerNorm (2h parameters); 2104.04473's formula leaves it out."""
     swiglu: bool = False
-    """A SwiGLU MLP (three f x h matrices) instead of GeLU's two."""
+    """SwiGLU MLP (``--swiglu``): gate and up each ``[f, h]``, fc2 ``[h, f]``."""
     num_query_groups: int | None = None
-    """Key/value heads of grouped-query attention; None means one per head (MHA)."""
+    """K/V heads G under grouped-query attention; None means G = a (multi-head)."""
     kv_channels: int | None = None
-    """Width of one attention head; None means h / a."""
+    """Channels per attention head d (``--kv-channels``); None means h / a."""
+    normalization: str = "LayerNorm"
+    """``LayerNorm`` (weight and bias, 2 x width) or ``RMSNorm`` (weight only)."""
+    position_embedding_type: str = "learned_absolute"
+    """Only ``learned_absolute`` has a position table (s h parameters)."""
+    add_bias_linear: bool = True
+    """Biases on every linear layer (False under ``--disable-bias-linear``)."""
+    add_qkv_bias: bool = False
+    """QKV bias even without ``add_bias_linear``."""
+    qk_layernorm: bool = False
+    """Per-head q and k norms of width d."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -56,11 +67,39 @@ class ModelShape:
             raise ValueError(
                 f"ffn_hidden_size must be a positive integer or None, got {self.ffn_hidden_size!r}"
             )
-        if self.hidden_size % self.num_attention_heads:
+        for name in ("num_query_groups", "kv_channels"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        if self.num_attention_heads % self.query_groups:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not divisible by "
+                f"num_query_groups={self.query_groups}"
+            )
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size={self.hidden_size} is not divisible by "
                 f"num_attention_heads={self.num_attention_heads}"
             )
+
+    @property
+    def query_groups(self) -> int:
+        """K/V heads G (a when ``num_query_groups`` is None)."""
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        """Channels per head d (h / a when ``kv_channels`` is None)."""
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    def norm_parameters(self, size: int) -> int:
+        """Elements of one norm of width ``size`` (2 size for LayerNorm, size for RMSNorm)."""
+        return size if self.normalization == "RMSNorm" else 2 * size
+
+    @property
+    def qkv_size(self) -> int:
+        """Output features of the fused QKV projection, ``(a + 2G) d``."""
+        return (self.num_attention_heads + 2 * self.query_groups) * self.head_dim
 
     @property
     def ffn(self) -> int:
@@ -97,4 +136,9 @@ class ModelShape:
             swiglu=bool(getattr(model, "swiglu", False)),
             num_query_groups=getattr(model, "num_query_groups", None),
             kv_channels=getattr(model, "kv_channels", None),
+            normalization=getattr(model, "normalization", "LayerNorm"),
+            position_embedding_type=getattr(model, "position_embedding_type", "learned_absolute"),
+            add_bias_linear=bool(getattr(model, "add_bias_linear", True)),
+            add_qkv_bias=bool(getattr(model, "add_qkv_bias", False)),
+            qk_layernorm=bool(getattr(model, "qk_layernorm", False)),
         )

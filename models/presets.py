@@ -1,4 +1,5 @@
-"""Named GPT sizes from the GPT-2, GPT-3, Megatron-LM and ZeRO papers.
+"""Named model sizes: GPTs from the GPT-2, GPT-3, Megatron-LM and ZeRO papers, and the Llama
+family as Meta published it.
 
 ``get_preset(name)`` returns a fresh :class:`models.gpt.GPTConfig`; keyword overrides replace
 fields (``get_preset("gpt2-124m", hidden_dropout=0.0)``).
@@ -12,6 +13,15 @@ Notes on the sources:
   head dim 128. The 40B row is printed with h = 4096, which gives only 17.7B parameters at 88
   layers; h = 6144 gives 39.9B, so that is what ``zero-40b`` uses. 100/125/150 layers at 8192
   are the 80B/100B/120B sizes; 175 and 212 layers are 140B and 170B.
+- Llama 2 (Touvron et al. 2023, arXiv 2307.09288 Table 1 and the released config.json): 7B is
+  32 layers, h 4096, 32 heads (multi-head), SwiGLU width 11008, context 4096, RoPE base 10^4,
+  RMSNorm eps 1e-5, vocabulary 32000, untied output.
+- Llama 3 / 3.1 (Llama 3 Herd of Models, arXiv 2407.21783 Table 3 and the released configs):
+  8B 32 x 4096, 32 heads, 8 K/V heads, SwiGLU 14336; 70B 80 x 8192, 64 heads, 8 K/V heads,
+  28672; 405B 126 x 16384, 128 heads, 8 K/V heads, 53248. RoPE base 500000, vocabulary 128256,
+  untied; Llama 3 has an 8192 context, 3.1 131072 with the Llama 3.1 RoPE scaling (factor 8).
+- ``llama-125m`` is not published: a GPT-3-Small-sized (12 x 768) model of the Llama 3 shape
+  (12 heads, 4 K/V heads, Megatron's SwiGLU width 2048, Llama 2 vocabulary), for quick runs.
 """
 
 from __future__ import annotations
@@ -53,9 +63,33 @@ _SIZES: dict[str, tuple[int, int, int, int]] = {
 }
 
 
+_LLAMA_COMMON = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+                     add_bias_linear=False, untie_embeddings_and_output_weights=True,
+                     layernorm_epsilon=1e-5, rotary_base=500000)
+# name: GPTConfig fields on top of _LLAMA_COMMON
+_LLAMA: dict[str, dict] = {
+    "llama-125m": dict(num_layers=12, hidden_size=768, num_attention_heads=12,
+                       num_query_groups=4, ffn_hidden_size=2048, vocab_size=32000,
+                       max_position_embeddings=2048),
+    "llama2-7b": dict(num_layers=32, hidden_size=4096, num_attention_heads=32,
+                      ffn_hidden_size=11008, vocab_size=32000, max_position_embeddings=4096,
+                      rotary_base=10000),
+    "llama3-8b": dict(num_layers=32, hidden_size=4096, num_attention_heads=32,
+                      num_query_groups=8, ffn_hidden_size=14336, vocab_size=128256,
+                      max_position_embeddings=8192),
+    "llama3-70b": dict(num_layers=80, hidden_size=8192, num_attention_heads=64,
+                       num_query_groups=8, ffn_hidden_size=28672, vocab_size=128256,
+                       max_position_embeddings=8192),
+    "llama3.1-405b": dict(num_layers=126, hidden_size=16384, num_attention_heads=128,
+                          num_query_groups=8, ffn_hidden_size=53248, vocab_size=128256,
+                          max_position_embeddings=131072, use_rope_scaling=True,
+                          rope_scaling_factor=8.0),
+}
+
+
 def list_presets() -> list[str]:
-    """All preset names, smallest family first."""
-    return list(_SIZES)
+    """All preset names, smallest family first (GPTs, then the Llama family)."""
+    return [*_SIZES, *_LLAMA]
 
 
 def get_preset(name: str, **overrides) -> GPTConfig:
@@ -65,8 +99,11 @@ def get_preset(name: str, **overrides) -> GPTConfig:
         KeyError: ``name`` is not a preset; the message lists the valid names.
     """
     key = name.lower()
+    if key in _LLAMA:
+        config = GPTConfig(**dict(_LLAMA_COMMON, **_LLAMA[key]))
+        return replace(config, **overrides) if overrides else config
     if key not in _SIZES:
-        raise KeyError(f"unknown GPT preset {name!r}; valid presets: {', '.join(_SIZES)}")
+        raise KeyError(f"unknown GPT preset {name!r}; valid presets: {', '.join(list_presets())}")
     layers, hidden, heads, positions = _SIZES[key]
     config = GPTConfig(
         num_layers=layers,

@@ -188,9 +188,12 @@ def test_init_from_hf_is_checked_before_any_process_group(tmp_path):
 
 
 def test_export_refuses_what_gpt2_cannot_express():
-    with pytest.raises(UnsupportedModelError, match="rotary_base"):
+    with pytest.raises(UnsupportedModelError, match="num_experts"):
         gpt_config_from_metadata(dict(num_layers=2, hidden_size=64, num_attention_heads=4,
-                                      rotary_base=10000))
+                                      num_experts=8))
+    with pytest.raises(UnsupportedModelError, match="normalization='RMSNorm'"):
+        gpt_config_from_metadata(dict(num_layers=2, hidden_size=64, num_attention_heads=4,
+                                      normalization="RMSNorm"))
 
 
 def test_nothing_outside_hybrid_hf_imports_transformers():

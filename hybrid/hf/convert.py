@@ -144,6 +144,28 @@ def from_hf(name: str, tensor: torch.Tensor, config: GPTConfig) -> torch.Tensor:
     return tensor
 
 
+# Llama-class GPTConfig fields and the value GPT-2 has (GPT2LMHeadModel cannot express others).
+_GPT2_ARCHITECTURE = {
+    "position_embedding_type": "learned_absolute", "normalization": "LayerNorm", "swiglu": False,
+    "num_query_groups": None, "kv_channels": None, "add_bias_linear": True,
+    "add_qkv_bias": False, "qk_layernorm": False,
+}
+
+
+def check_gpt2_architecture(config: GPTConfig) -> None:
+    """Raise :class:`UnsupportedModelError` naming each setting of ``config`` that GPT-2 cannot
+    express (RoPE, RMSNorm, SwiGLU, GQA, ...), with the value GPT-2 needs."""
+    def same(k, v) -> bool:  # kv_channels = h / a is GPT-2's head size spelled out
+        ours = getattr(config, k)
+        return ours == v or (k == "kv_channels"
+                             and ours * config.num_attention_heads == config.hidden_size)
+
+    bad = [f"{k}={getattr(config, k)!r} (GPT-2: {v!r})" for k, v in _GPT2_ARCHITECTURE.items()
+           if not same(k, v)]
+    if bad:
+        raise UnsupportedModelError(f"GPT-2 (GPT2LMHeadModel) has no form for {', '.join(bad)}")
+
+
 def gpt_config_from_metadata(model: dict) -> GPTConfig:
     """The :class:`GPTConfig` a checkpoint's ``metadata.json`` ``model`` entry describes.
 
@@ -155,7 +177,9 @@ def gpt_config_from_metadata(model: dict) -> GPTConfig:
     if unknown:
         raise UnsupportedModelError("the checkpoint's model has settings GPT-2 export does not "
                                     f"know: {unknown}")
-    return GPTConfig(**model)
+    config = GPTConfig(**model)
+    check_gpt2_architecture(config)
+    return config
 
 
 def hf_config_dict(config: GPTConfig, token_ids: dict[str, int] | None = None) -> dict:
@@ -185,6 +209,10 @@ def check_hf_config(hf: dict, config: GPTConfig, where: str = "config.json") -> 
     if hf.get("model_type") != "gpt2":
         raise UnsupportedModelError(f"{where}: model_type={hf.get('model_type')!r}; only 'gpt2' "
                                     "(GPT2LMHeadModel) models can be loaded")
+    try:
+        check_gpt2_architecture(config)
+    except UnsupportedModelError as e:
+        raise UnsupportedModelError(f"{where}: this run's model is not GPT-2: {e}") from None
     for key, need in _HF_REQUIRED.items():
         value = hf.get(key, need if key != "activation_function" else "gelu_new")
         if value != need:

@@ -110,7 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
               for s, kind in PretrainConfig.sections().items()}
     for section, f in PretrainConfig.flat_fields():
         kind = _base_type(_annotation(f))
-        meta = {k: v for k, v in f.metadata.items() if k not in ("help", "flag", "aliases")}
+        meta = {k: v for k, v in f.metadata.items()
+                if k not in ("help", "flag", "aliases", "alt_flags")}
+        flags = (flag_of(f), *f.metadata.get("alt_flags", ()))  # --norm-epsilon, --layernorm-...
         help_ = f.metadata["help"]
         if "default" not in help_:
             help_ += f" (default: {_default(f)!r})"
@@ -118,9 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
         if kind is bool and f.name.startswith("no_"):  # --no-load-optim: no --no-no-load-optim
             g.add_argument(flag_of(f), dest=key, action="store_true", help=help_)
         elif kind is bool:
-            g.add_argument(flag_of(f), dest=key, action=argparse.BooleanOptionalAction, help=help_)
+            g.add_argument(*flags, dest=key, action=argparse.BooleanOptionalAction, help=help_)
         else:
-            g.add_argument(flag_of(f), dest=key, type=kind, help=help_, **meta)
+            g.add_argument(*flags, dest=key, type=kind, help=help_, **meta)
         for alias, const in f.metadata.get("aliases", {}).items():
             g.add_argument(alias, dest=key, action=_Alias, const=const, main_flag=flag_of(f),
                            help=f"same as {flag_of(f)} {const}")
@@ -131,6 +133,12 @@ def _file_keys() -> dict[str, tuple[str, dataclasses.Field]]:
     return {_key(f): (s, f) for s, f in PretrainConfig.flat_fields()}
 
 
+def _alt_keys() -> dict[str, str]:
+    """``{alternative flag's flat name: its field's flat name}`` (``layernorm_epsilon``)."""
+    return {a[2:].replace("-", "_"): _key(f) for _, f in PretrainConfig.flat_fields()
+            for a in f.metadata.get("alt_flags", ())}
+
+
 def load_config_file(path: str) -> dict:
     """Flat ``{flat field name: value}`` from a YAML (.yaml/.yml) or TOML (.toml) file.
 
@@ -138,9 +146,10 @@ def load_config_file(path: str) -> dict:
         ConfigError: missing file, unknown suffix, unparsable content, or an unknown field or
             section (the message lists the valid names).
     """
-    keys, aliases = _file_keys(), _alias_keys()
+    keys, aliases, alt = _file_keys(), _alias_keys(), _alt_keys()
     flat, unknown, sections = {}, [], []
     for key, value in _entries(_read_config_file(path)):
+        key = alt.get(key, key)
         if key in aliases:
             target, const = aliases[key]
             if value:

@@ -171,7 +171,8 @@ def planner_figures(job) -> dict:
         reduce_bucket_elements=z.reduce_bucket_size,
         allgather_bucket_elements=z.allgather_bucket_size,
         make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
-        overlap_comm=z.overlap_comm, grad_reduce=z.grad_reduce)
+        overlap_comm=z.overlap_comm, grad_reduce=z.grad_reduce,
+        dropout=job.gpt.hidden_dropout > 0 or job.gpt.attention_dropout > 0)
     cluster = Cluster(num_gpus=job.world_size, gpus_per_node=job.tp, reserved_bytes=0)
     c = evaluate(job.gpt, cluster, training, job.tp, z.stage, activation)
     out = {k: c.model_states[k] for k in STATE_KEYS}

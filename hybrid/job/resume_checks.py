@@ -23,8 +23,12 @@ import dataclasses
 from hybrid.config import PretrainConfig
 
 SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
-                "max_position_embeddings", "untie_embeddings_and_output_weights")
-"""GPTConfig fields that change a parameter's shape (dropout, init std and epsilon do not)."""
+                "max_position_embeddings", "untie_embeddings_and_output_weights",
+                "position_embedding_type", "normalization", "swiglu", "num_query_groups",
+                "kv_channels", "add_bias_linear", "add_qkv_bias", "qk_layernorm")
+"""GPTConfig fields that change a parameter's shape or name (dropout, init std, epsilon and the
+RoPE frequencies do not: a fine-tune may change ``--rotary-base``). A checkpoint written before
+a field existed holds GPTConfig's default for it."""
 
 DATA_POSITION_FIELDS = (("model", "seq_length"), ("data", "data_path"), ("data", "split"),
                         ("data", "seed"), ("data", "mock_data"))
@@ -60,6 +64,14 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _with_defaults(model_fields: dict) -> dict:
+    """A checkpoint's ``model`` entry with GPTConfig's defaults for the fields it predates."""
+    from models.gpt import GPTConfig
+
+    defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
+    return {**{k: defaults[k] for k in SHAPE_FIELDS if k not in model_fields}, **model_fields}
+
+
 def _parameter_shapes(model_fields: dict) -> dict[str, tuple[int, ...]]:
     import torch
 
@@ -75,11 +87,12 @@ def check_model(meta: dict, gpt, load: str, position_hint: bool = False) -> None
     """Raise :class:`ResumeMismatch` when ``gpt`` (a ``GPTConfig``) differs in shape from the
     checkpoint's model, naming the differing fields and the first differing parameter;
     ``position_hint``: say how to keep the position table at another ``--seq-length``."""
-    saved, ours = meta["model"], dataclasses.asdict(gpt)
+    saved, ours = _with_defaults(meta["model"]), dataclasses.asdict(gpt)
+    learned = ours.get("position_embedding_type") == "learned_absolute"
     diffs = [f"{_flag(k)} {saved.get(k)} in the checkpoint, {ours[k]} here" for k in SHAPE_FIELDS
-             if saved.get(k) != ours[k]]
+             if saved.get(k) != ours[k] and (learned or k != "max_position_embeddings")]
     pos = saved.get("max_position_embeddings")
-    if position_hint and pos != ours["max_position_embeddings"] and pos is not None:
+    if position_hint and learned and pos != ours["max_position_embeddings"] and pos is not None:
         diffs.append(f"--max-position-embeddings defaults to --seq-length: give "
                      f"--max-position-embeddings {pos} to keep the checkpoint's position table at "
                      "another --seq-length")

@@ -33,6 +33,7 @@ from hybrid.parallel.ops import (
     sequence_parallel_linear,
 )
 from hybrid.parallel.rng import RNGTracker
+from models.fused import RMSNorm, rms_norm
 
 
 @dataclass(frozen=True)
@@ -270,18 +271,28 @@ def tp_summed(param: torch.Tensor, group, ledger: TPLedger | None = None) -> tor
 
 
 class SequenceParallelLayerNorm(nn.Module):
-    """LayerNorm over ``[b, s/t, h]`` whose replicated weight and bias (the same Parameter
-    objects as the module it replaces) get TP-summed gradients (:func:`tp_summed`)."""
+    """A LayerNorm or RMSNorm whose replicated weight (and bias) — the same Parameter objects as
+    the module it replaces — get TP-summed gradients (:func:`tp_summed`).
 
-    def __init__(self, norm: nn.LayerNorm, group, ledger: TPLedger | None = None):
+    Used where each TP rank normalises different data with the same weights: the ``[b, s/t, h]``
+    slices of sequence parallelism, and the per-head q/k norms of ``qk_layernorm`` (each rank
+    holds other heads, so the weight's gradient is the sum over ranks; tp > 1 with or without
+    sequence parallelism).
+    """
+
+    def __init__(self, norm: nn.Module, group, ledger: TPLedger | None = None,
+                 sequence_parallel: bool = True):
         super().__init__()
         self.normalized_shape, self.eps = tuple(norm.normalized_shape), norm.eps
-        self.weight, self.bias = norm.weight, norm.bias
+        self.rms = isinstance(norm, RMSNorm)
+        self.weight, self.bias = norm.weight, getattr(norm, "bias", None)
         self.group, self.ledger = group, ledger
-        self.sequence_parallel = True
+        self.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = None if self.weight is None else tp_summed(self.weight, self.group, self.ledger)
+        if self.rms:
+            return rms_norm(x, w, self.eps)
         b = None if self.bias is None else tp_summed(self.bias, self.group, self.ledger)
         return F.layer_norm(x, self.normalized_shape, w, b, self.eps)
 

@@ -5,10 +5,14 @@ The plan maps module-name patterns to parallel styles (arXiv 1909.08053 §3), ea
 
     wte                      -> VocabParallelEmbedding (vocabulary padded, rows split)
     lm_head (untied only)    -> vocabulary-split output weight
-    layers.*.attn.qkv        -> ColumnParallelLinear  (heads split)
+    layers.*.attn.qkv        -> ColumnParallelLinear  (query groups split: whole K/V heads and
+                                                     their query heads per rank; G % tp == 0)
     layers.*.attn.proj       -> RowParallelLinear
-    layers.*.mlp.fc1         -> ColumnParallelLinear
+    layers.*.mlp.gate, fc1   -> ColumnParallelLinear  (SwiGLU: each rank holds the matching
+                                                     rows of gate and up)
     layers.*.mlp.fc2         -> RowParallelLinear
+    layers.*.attn.q_norm, k_norm -> SequenceParallelLayerNorm (replicated weight, TP-summed
+                                gradient: each rank normalises other heads; qk_layernorm only)
     layers.*.attn.attn_dropout -> TPRegionDropout (per-TP-rank RNG stream)
     output_layer             -> ParallelOutputLayer (local logits)
     loss_fn                  -> VocabParallelLoss
@@ -50,7 +54,10 @@ GPT_TP_PLAN: dict[str, str] = {
     "lm_head": "vocab_output",
     "layers.*.attn.qkv": "column",
     "layers.*.attn.proj": "row",
+    "layers.*.mlp.gate": "column",
     "layers.*.mlp.fc1": "column",
+    "layers.*.attn.q_norm": "tp_summed_norm",
+    "layers.*.attn.k_norm": "tp_summed_norm",
     "layers.*.mlp.fc2": "row",
     "layers.*.attn.attn_dropout": "tp_dropout",
     "output_layer": "parallel_output",
@@ -73,10 +80,14 @@ def _set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
 
 
 def _check_fits(cfg, tp: int, sequence_parallel: bool, tracker: RNGTracker | None) -> None:
-    """Raises ValueError: tp does not divide heads / MLP width; TP-region dropout, no tracker."""
+    """Raises ValueError: tp does not divide heads / K/V groups / MLP width; TP-region dropout
+    without a tracker."""
     if cfg.num_attention_heads % tp:
         raise ValueError(f"tensor-model-parallel size {tp} does not divide num_attention_heads="
                          f"{cfg.num_attention_heads}")
+    if cfg.query_groups % tp:
+        raise ValueError(f"tensor-model-parallel size {tp} does not divide num_query_groups="
+                         f"{cfg.query_groups} (each TP rank holds whole K/V heads)")
     if cfg.ffn_hidden_size % tp:
         raise ValueError(f"tensor-model-parallel size {tp} does not divide "
                          f"ffn_hidden_size={cfg.ffn_hidden_size}")

@@ -3,8 +3,9 @@
 :data:`STYLES` maps a style name, as the plans of :mod:`hybrid.parallel.tp_plan` name it, to a
 callable ``(module, swap) -> replacement`` (the layers are :mod:`hybrid.parallel.layers`'):
 ``vocab_embedding``, ``vocab_output`` (the untied head), ``column``, ``row``, ``tp_dropout``,
-``parallel_output``, ``vocab_parallel_loss`` and, with sequence parallelism, ``sp_layernorm``
-and ``sp_positions``. :class:`Swap` carries what they need besides the module.
+``parallel_output``, ``vocab_parallel_loss``, ``tp_summed_norm`` (the per-head q/k norms) and,
+with sequence parallelism, ``sp_layernorm`` and ``sp_positions``. :class:`Swap` carries what
+they need besides the module.
 """
 
 from __future__ import annotations
@@ -90,6 +91,8 @@ STYLES: dict[str, Callable[[nn.Module, Swap], nn.Module]] = {
     "row": _row,
     "tp_dropout": lambda module, s: TPRegionDropout(module.p, s.tracker),
     "sp_layernorm": lambda module, s: SequenceParallelLayerNorm(module, s.tp_group, s.ledger),
+    "tp_summed_norm": lambda module, s: SequenceParallelLayerNorm(module, s.tp_group, s.ledger,
+                                                                  sequence_parallel=False),
     "sp_positions": lambda module, s: SequenceParallelPositionEmbedding(
         module, s.tp_group, s.ledger),
     "parallel_output": lambda module, s: ParallelOutputLayer(s.tp_group, **s.sp),

@@ -15,16 +15,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import re
 import sys
 
 from hybrid.config_fields import flag_hints
 from hybrid.flops import device_peak_tflops, num_parameters
-from hybrid.model_shape import ModelShape
 from hybrid.planner.devices import DEFAULT_DEVICE, device_preset, preset_names
 from hybrid.planner.max_model import max_layers, max_params
 from hybrid.planner.memory import ACTIVATION_OPTIONS, ZERO_STAGES
+from hybrid.planner.model_args import _finite, add_model_args, model_from_args
 from hybrid.planner.plan import (
     DEFAULT_BUCKET_ELEMENTS,
     GB,
@@ -36,20 +35,6 @@ from hybrid.planner.plan import (
 )
 from hybrid.planner.precision import ACCOUNTINGS, PRECISIONS
 from hybrid.planner.table import max_model_text, plan_text
-from models.presets import get_preset
-
-_DIMS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size")
-
-
-def _finite(text: str) -> float:
-    """argparse type: a float that is a number (nan and inf would pass every comparison check)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
-    return value
 
 
 class _Parser(argparse.ArgumentParser):
@@ -85,25 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Per-rank memory, traffic and a step-time estimate for every TP x ZeRO x "
         "activation-checkpointing layout; picks the fastest one that fits.",
     )
-    _add_model_args(p.add_argument_group("model"))
+    add_model_args(p.add_argument_group("model"))
     _add_training_args(p.add_argument_group("training"))
     _add_cluster_args(p.add_argument_group("cluster"))
     _add_search_args(p.add_argument_group("search"))
     p.add_argument("--json", action="store_true", help="print one JSON document")
     return p
-
-
-def _add_model_args(g) -> None:
-    g.add_argument("--model", help="preset name (models.presets.get_preset); dims below override")
-    g.add_argument("--num-layers", type=int, help="transformer blocks (--max-model: searched)")
-    g.add_argument("--hidden-size", type=int, help="model width h")
-    g.add_argument("--num-attention-heads", type=int, help="tp must divide it")
-    g.add_argument("--ffn-hidden-size", type=int, help="default 4 * hidden")
-    g.add_argument("--vocab-size", type=int, default=None, help="default 50257 (GPT-2)")
-    g.add_argument("--seq-length", type=int, default=1024, help="tokens per sample s")
-    g.add_argument("--max-position-embeddings", type=int, help="default --seq-length")
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
-                   help="a separate output matrix (V x h more parameters)")
 
 
 def _add_training_args(g) -> None:
@@ -160,44 +132,6 @@ def _add_search_args(g) -> None:
     g.add_argument("--max-model", action="store_true",
                    help="largest model per TP x stage (ZeRO Table 2: model states only; with "
                    "model dims also the largest layer count counting activations)")
-
-
-def _load_preset(name: str) -> ModelShape:
-    try:
-        return ModelShape.of(get_preset(name))
-    except KeyError as err:
-        raise ValueError(f"--model: {err.args[0]}") from None
-
-
-def _model(args: argparse.Namespace, required: bool) -> ModelShape | None:
-    base = _load_preset(args.model) if args.model else None
-    given = {d: getattr(args, d) for d in _DIMS if getattr(args, d) is not None}
-    for name, value in given.items():
-        if value <= 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
-    if base is None:
-        missing = [
-            d for d in ("num_layers", "hidden_size", "num_attention_heads") if d not in given
-        ]
-        if missing and not required and len(missing) == 3:
-            return None
-        if not required and missing == ["num_layers"]:
-            given["num_layers"] = 1  # --max-model searches the layer count itself
-            missing = []
-        if missing:
-            raise ValueError(
-                "give --model or " + ", ".join(f"--{d.replace('_', '-')}" for d in missing)
-            )
-        given.setdefault("vocab_size", 50257)
-        base = ModelShape(
-            max_position_embeddings=args.max_position_embeddings or args.seq_length,
-            untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
-            **given,
-        )
-        return base
-    if args.max_position_embeddings:
-        given["max_position_embeddings"] = args.max_position_embeddings
-    return dataclasses.replace(base, **given)
 
 
 def _cluster(args: argparse.Namespace, planning: bool) -> Cluster:
@@ -301,6 +235,7 @@ def _training(args: argparse.Namespace) -> Training:
         allgather_bucket_elements=args.allgather_bucket_size,
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
         grad_reduce=args.grad_reduce,
+        dropout=args.hidden_dropout > 0 or args.attention_dropout > 0,
     )
 
 
@@ -344,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        model = _model(args, required=not args.max_model)
+        model = model_from_args(args, required=not args.max_model)
         cluster = _cluster(args, planning=not args.max_model)
         training = _training(args)
         if args.max_model:

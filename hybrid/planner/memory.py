@@ -35,8 +35,10 @@ from __future__ import annotations
 
 import math
 
-from hybrid.flops import RECOMPUTE_MODES, parameters_per_tp_rank
+from hybrid.flops import parameters_per_tp_rank
 from hybrid.model_shape import ModelShape
+from hybrid.planner.activations import layer_activation_bytes as layer_activation_bytes
+from hybrid.planner.activations import layer_saved_terms as layer_saved_terms
 from hybrid.planner.precision import Precision, get_precision
 from hybrid.zero.stage import ZERO_STAGES as ZERO_STAGES  # re-exported for the planner
 from hybrid.zero.stage import stage_plan
@@ -75,20 +77,28 @@ def persistent_parameters(model: object, tp: int, threshold: int) -> int:
 
     ``ZeroConfig.param_persistence_threshold``: every local parameter tensor with fewer than
     ``threshold`` elements (LayerNorms and biases at real sizes; everything in a toy model).
-    Local sizes per layer: qkv [3h/t, h] + [3h/t], proj [h, h/t] + [h], fc1 [f/t, h] + [f/t],
-    fc2 [h, f/t] + [h], two LayerNorms 4 x [h]; outside: wte [V/t, h], wpe [s, h], ln_f 2 x [h],
-    untied head [V/t, h]. ``model`` must have a TP-padded vocabulary
-    (``hybrid.parallel.vocab.pad_vocab_size``).
+    Local sizes per layer: qkv [(a+2G)d/t, h] + [(a+2G)d/t], proj [h, ad/t] + [h], fc1 (and
+    SwiGLU's gate) [f/t, h] + [f/t], fc2 [h, f/t] + [h], two norms 2 x [h] (+ 2 x [h] biases for
+    LayerNorm), q/k norms [d]; biases only as the model has them; outside: wte [V/t, h], wpe
+    [s, h] (learned positions), ln_f [h] (+ [h]), untied head [V/t, h]. ``model`` must have a
+    TP-padded vocabulary (``hybrid.parallel.vocab.pad_vocab_size``).
     """
     m = ModelShape.of(model)
     if threshold <= 0:
         return 0
     _check_positive(tp=tp)
-    h, f, v = m.hidden_size, m.ffn, m.vocab_size
-    layer = [3 * h * h // tp, 3 * h // tp, h * h // tp, h, f * h // tp, f // tp, h * f // tp, h]
-    layer += [h] * 4
-    outside = [v * h // tp, m.max_position_embeddings * h]
-    outside += [h, h] if m.final_layernorm else []
+    h, f, v, qkv = m.hidden_size, m.ffn, m.vocab_size, m.qkv_size
+    ad = m.num_attention_heads * m.head_dim
+    bias, rms = m.add_bias_linear, m.normalization == "RMSNorm"
+    layer = [qkv * h // tp, ad * h // tp] + [f * h // tp] * (3 if m.swiglu else 2)
+    layer += [qkv // tp] if bias or m.add_qkv_bias else []
+    layer += [h, h] + [f // tp] * (2 if m.swiglu else 1) if bias else []
+    norm = [1] if rms else [1, 1]
+    layer += [h] * 2 * len(norm) + ([m.head_dim] * 2 * len(norm) if m.qk_layernorm else [])
+    outside = [v * h // tp]
+    outside += [m.max_position_embeddings * h] if m.position_embedding_type == "learned_absolute" \
+        else []
+    outside += [h] * len(norm) if m.final_layernorm else []
     outside += [v * h // tp] if m.untie_embeddings_and_output_weights else []
     small = m.num_layers * sum(n for n in layer if n < threshold)
     return small + sum(n for n in outside if n < threshold)
@@ -148,62 +158,6 @@ def state_bytes_per_param(stage: int, dp: int, precision: str | Precision = "bf1
 # ----------------------------------------------------------------------------- activations
 
 
-def layer_activation_bytes(
-    seq_length: int,
-    micro_batch_size: int,
-    hidden_size: int,
-    num_attention_heads: int,
-    tp: int = 1,
-    ffn_hidden_size: int | None = None,
-    sequence_parallel: bool = False,
-    recompute: str = "none",
-    bytes_per_element: int = 2,
-    mask_bytes: int = 1,
-) -> int:
-    """Activation bytes one transformer layer keeps for backward, per TP rank.
-
-    Element-by-element accounting of 2205.05198 §4.1 (activations ``bytes_per_element``, dropout
-    masks ``mask_bytes``: 1 in the paper and CUDA, the activation dtype on CPU; LayerNorm
-    statistics ignored), generalised to an MLP of width f:
-    attention 11sbh + 5as^2b, MLP 3sbh + 4sbf, LayerNorms 4sbh. At f = 4h, 2 bytes:
-    sbh(34 + 5as/h) with t = 1, sbh(10 + 24/t + 5as/(ht)) with TP, (sbh/t)(34 + 5as/h) with TP+SP,
-    minus the 5as^2b/t term with selective recompute, and 2sbh (the layer input) with full
-    recompute (Table 2; /t with SP, whose layer input is the s/t slice). Under TP the 10sbh
-    replicated part is the two LayerNorm inputs, the QKV and fc1 inputs and the two residual
-    dropout masks. Exact integer bytes (ceil of /t).
-    """
-    _check_positive(
-        seq_length=seq_length,
-        micro_batch_size=micro_batch_size,
-        hidden_size=hidden_size,
-        num_attention_heads=num_attention_heads,
-        tp=tp,
-    )
-    if recompute not in RECOMPUTE_MODES:
-        raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
-    s, b, h, a, e = (
-        seq_length,
-        micro_batch_size,
-        hidden_size,
-        num_attention_heads,
-        bytes_per_element,
-    )
-    f = 4 * h if ffn_hidden_size is None else ffn_hidden_size
-    sbh = s * b * h
-    if recompute == "full":
-        return math.ceil(sbh * e / tp) if sequence_parallel else sbh * e
-    # LN1 + LN2 inputs, QKV input, fc1 input (elements) and two residual-dropout masks.
-    replicated = 4 * sbh * e + 2 * sbh * mask_bytes
-    # Q, K, V, projection input, fc2 input and GeLU input: split by t (heads / columns).
-    split = 4 * sbh * e + 2 * s * b * f * e
-    if recompute == "none":
-        # softmax output, its dropout mask, dropout output: a s^2 b each.
-        split += a * s * s * b * (2 * e + mask_bytes)
-    if sequence_parallel:
-        return math.ceil((replicated + split) / tp)
-    return replicated + math.ceil(split / tp)
-
-
 def checkpoint_bytes(
     num_layers: int,
     seq_length: int,
@@ -253,8 +207,13 @@ def activation_bytes(
     option: str = "none",
     precision: str | Precision = "bf16",
     mask_bytes: int = 1,
+    dropout: bool = True,
 ) -> dict[str, int]:
     """Activation memory of one micro-batch per rank, for one of ``ACTIVATION_OPTIONS``.
+
+    The layer terms follow ``model``'s shape (GQA, SwiGLU, RoPE, q/k norms:
+    :func:`hybrid.planner.activations.layer_saved_terms`); ``dropout=False`` is a model trained
+    without dropout (no masks, SDPA attention core).
 
     - ``none``: L layers of ``layer_activation_bytes`` (TP form) + non-layer activations.
     - ``selective``, ``sp``, ``sp+selective``: L layers in that form (Table 2 rows).
@@ -273,9 +232,10 @@ def activation_bytes(
     sp, full = "sp" in parts, "full" in parts
     s, b, h, a, f = seq_length, micro_batch_size, m.hidden_size, m.num_attention_heads, m.ffn
     recompute = "selective" if "selective" in parts else "none"
-    one_layer = layer_activation_bytes(s, b, h, a, tp, f, sp, recompute,
-                                       bytes_per_element=e, mask_bytes=mask_bytes)
-    non_layer = non_layer_activation_bytes(s, b, h, m.vocab_size, tp, e, sp, mask_bytes)
+    one_layer = layer_activation_bytes(s, b, h, a, tp, f, sp, recompute, bytes_per_element=e,
+                                       mask_bytes=mask_bytes, shape=m, dropout=dropout)
+    non_layer = non_layer_activation_bytes(s, b, h, m.vocab_size, tp, e, sp,
+                                           mask_bytes if dropout else 0)
     if not full:
         checkpoints, layers = 0, m.num_layers * one_layer
     else:

@@ -142,6 +142,9 @@ class Training:
     """ZeroConfig.grad_reduce: 'reduce_scatter' or 'all_reduce' (2x the gradient bytes)."""
     overlap_comm: bool = True
     """Two reduce-scatter staging buffers (reduction overlapped with backward) instead of one."""
+    dropout: bool = True
+    """The model trains with dropout (Megatron's default 0.1): masks saved, the attention core
+    explicit; False (Llama recipes): no masks, SDPA (``hybrid.planner.activations``)."""
 
     def __post_init__(self) -> None:
         get_precision(self.precision, self.accounting)
@@ -332,7 +335,7 @@ def evaluate(
     zero = stage_plan(stage, param_persistence_threshold=training.param_persistence_threshold)
     persistent = persistent_parameters(m, tp, zero.persistence_threshold)
     states = model_state_bytes(m, tp, dp, stage, prec, persistent)
-    acts = activation_bytes(m, s, b, tp, activation, prec)
+    acts = activation_bytes(m, s, b, tp, activation, prec, dropout=training.dropout)
     buffers = _buffer_bytes(m, tp, dp, stage, prec, psi_t, training)
     total = states["total"] + acts["gpu"] + buffers + int(cluster.reserved_bytes)
 

@@ -1,0 +1,149 @@
+"""The transformer block of :class:`models.gpt.GPT`: norms, attention, MLP.
+
+Tensor layout ``[b, s, h]``; attention internals ``[b, heads, s, d]``. Every module infers its
+local head count from the shapes it receives, so the same code runs with all heads and with a
+tensor-parallel rank's share (``hybrid.parallel.tp_plan`` swaps the linears, never this code).
+
+Grouped-query attention (Ainslie et al. 2023, arXiv 2305.13245 §2.2): ``G`` K/V heads, each
+shared by ``n = a / G`` query heads (``G = a`` is multi-head, ``G = 1`` multi-query). The fused
+``qkv`` output is ordered ``(group, [q_1 .. q_n, k, v], d)`` as in Megatron-LM, so a contiguous
+split of its rows over ``tp`` (with ``G % tp == 0``) gives each rank whole groups; at ``G = a``
+this is the GPT's ``(head, q|k|v, d)`` order.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from models.fused import RMSNorm, swiglu
+from models.rope import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from models.gpt import GPTConfig
+
+
+def make_norm(config: GPTConfig, size: int) -> nn.Module:
+    """``nn.LayerNorm`` (weight and bias) or :class:`models.fused.RMSNorm` (weight only; Zhang &
+    Sennrich 2019, arXiv 1910.07467 Eq. 4) of width ``size``, per ``config.normalization``, with
+    ``config.layernorm_epsilon``."""
+    if config.normalization == "RMSNorm":
+        return RMSNorm(size, eps=config.layernorm_epsilon)
+    return nn.LayerNorm(size, eps=config.layernorm_epsilon)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with optional GQA, RoPE and q/k norms. Input/output ``[b, s, h]``.
+
+    ``qkv`` is ``[(a + 2G) d, h]``, ``proj`` is ``[h, a d]``. With ``qk_layernorm`` q and k are
+    normalised per head over ``d`` (``q_norm``, ``k_norm``, one weight shared by all heads,
+    the model's norm kind) before RoPE, as Megatron-LM does. :meth:`core` (RoPE, then the
+    attention) is the part selective recompute replays in backward; the norms hold parameters
+    and stay outside it.
+
+    Args:
+        config: the model's ``GPTConfig``.
+        rotary: the model's shared :class:`RotaryEmbedding` (None without RoPE); a plain
+            attribute, not a submodule, so it adds no names.
+    """
+
+    def __init__(self, config: GPTConfig, rotary: RotaryEmbedding | None = None):
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        a, g = config.num_attention_heads, config.query_groups
+        self.head_dim = d
+        self.heads_per_group = a // g
+        self.qkv = nn.Linear(h, (a + 2 * g) * d, bias=config.add_bias_linear or config.add_qkv_bias)
+        self.proj = nn.Linear(a * d, h, bias=config.add_bias_linear)
+        self.attn_dropout = nn.Dropout(config.attention_dropout)
+        self.q_norm = make_norm(config, d) if config.qk_layernorm else None
+        self.k_norm = make_norm(config, d) if config.qk_layernorm else None
+        self.rotary = rotary
+
+    def _explicit(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # Explicit softmax so that the dropout mask comes from the (swappable) dropout module,
+        # whose RNG stream the TP plan controls; SDPA would draw from the default generator.
+        b, heads, s, d = q.shape
+        n = self.heads_per_group
+        if n > 1:  # the n query heads of a group as n*s rows against its one K/V head: plain
+            q = q.reshape(b, heads // n, n * s, d)  # batched matmuls, no repeated K/V copies
+            v = v.contiguous()  # saved for backward: v alone, not the QKV output it views
+        scores = ((q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)).view(b, heads, s, s)
+        causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+        probs = self.attn_dropout(scores.softmax(dim=-1))
+        if n > 1:
+            return (probs.view(b, heads // n, n * s, s) @ v).view(b, heads, s, d)
+        return probs @ v
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """RoPE on q, k, then ``dropout(softmax(q k^T / sqrt(d) + causal mask)) v``.
+
+        q ``[b, heads, s, d]``; k, v ``[b, groups, s, d]``; output ``[b, heads, s, d]``.
+        """
+        if self.rotary is not None:
+            q, k = self.rotary(q, k)
+        if self.attn_dropout.p > 0 and self.training:
+            return self._explicit(q, k, v)
+        if self.heads_per_group > 1:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``qkv`` output ``[b, s, G_local (n + 2) d]`` -> q ``[b, s, G_local n, d]``, k and v
+        ``[b, s, G_local, d]``."""
+        b, s = qkv.shape[:2]
+        n = self.heads_per_group
+        qkv = qkv.view(b, s, -1, n + 2, self.head_dim)  # [b, s, groups_local, n + 2, d]
+        if n == 1:
+            return qkv.unbind(dim=3)
+        return qkv[:, :, :, :n].flatten(2, 3), qkv[:, :, :, n], qkv[:, :, :, n + 1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv(x)
+        b, s = qkv.shape[:2]
+        q, k, v = self.split_qkv(qkv)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        y = self.core(*(t.transpose(1, 2) for t in (q, k, v)))  # each [b, heads_local, s, d]
+        return self.proj(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    """``fc2(gelu(fc1(x)))``, or with ``swiglu`` ``fc2(silu(gate(x)) * fc1(x))`` (Shazeer 2020,
+    arXiv 2002.05202 Eq. 6; :func:`models.fused.swiglu` saves only gate and up). ``gate`` and
+    ``fc1`` (the "up" projection) are each ``[f, h]``,
+    ``fc2`` is ``[h, f]``. Input/output ``[b, s, h]``."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        h, f, bias = config.hidden_size, config.ffn_hidden_size, config.add_bias_linear
+        self.gate = nn.Linear(h, f, bias=bias) if config.swiglu else None
+        self.fc1 = nn.Linear(h, f, bias=bias)
+        self.fc2 = nn.Linear(f, h, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate is not None:
+            return self.fc2(swiglu(self.gate(x), self.fc1(x)))
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: ``x + drop(attn(ln1(x)))`` then ``+ drop(mlp(ln2(.)))``."""
+
+    def __init__(self, config: GPTConfig, rotary: RotaryEmbedding | None = None):
+        super().__init__()
+        self.ln1 = make_norm(config, config.hidden_size)
+        self.attn = Attention(config, rotary)
+        self.ln2 = make_norm(config, config.hidden_size)
+        self.mlp = MLP(config)
+        self.drop1 = nn.Dropout(config.hidden_dropout)
+        self.drop2 = nn.Dropout(config.hidden_dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop1(self.attn(self.ln1(x)))
+        return x + self.drop2(self.mlp(self.ln2(x)))

@@ -1,0 +1,91 @@
+"""RMSNorm and SwiGLU with the saved-for-backward footprint of fused kernels.
+
+Autograd through torch's composite forms keeps more than the math needs: ``nn.RMSNorm`` on a
+16-bit input saves the fp32 upcast and the fp32 normalised input (two ``[s, b, h]`` fp32
+tensors, 8x a bf16 input), and ``silu(gate) * up`` saves the gate, the SiLU output and the up
+projection. These functions save what Megatron-LM's fused RMSNorm (Apex / Transformer Engine)
+and fused ``bias_swiglu`` save, and recompute the rest in backward:
+
+- :func:`rms_norm`: the input and the per-token ``1 / rms`` (fp32), like ``F.layer_norm``;
+- :func:`swiglu`: ``gate`` and ``up`` only.
+
+Both compute in fp32 (float64 stays float64) and return the input dtype, so fp32 results equal
+the composite forms' up to rounding (checked by ``tests/test_llama_model.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in fp32, or as it is when wider (float64)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+        xf = _wide(x)
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        y = xf * rstd
+        if weight is not None:
+            y = y * _wide(weight)
+        ctx.save_for_backward(x, weight, rstd)
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        xhat = _wide(x) * rstd
+        g = _wide(grad)
+        grad_w = None
+        if weight is not None:
+            if ctx.needs_input_grad[1]:
+                grad_w = (g * xhat).flatten(0, -2).sum(0).to(weight.dtype)
+            g = g * _wide(weight)
+        grad_x = rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))
+        return grad_x.to(x.dtype), grad_w, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dimension (Zhang & Sennrich 2019,
+    arXiv 1910.07467 Eq. 4), computed in fp32; ``x`` ``[..., n]``, ``weight`` ``[n]``. Saves
+    ``x`` and the fp32 ``[..., 1]`` reciprocal rms for backward."""
+    return _RMSNorm.apply(x, weight, eps)
+
+
+class RMSNorm(nn.Module):
+    """``nn.RMSNorm``'s interface (``normalized_shape``, ``eps``, ``weight`` of ones) over
+    :func:`rms_norm`. Input/output ``[..., size]``."""
+
+    def __init__(self, size: int, eps: float = 1e-5):
+        super().__init__()
+        self.normalized_shape, self.eps = (size,), eps
+        self.weight = nn.Parameter(torch.ones(size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        return (torch.nn.functional.silu(_wide(gate)) * _wide(up)).to(gate.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        gate, up = ctx.saved_tensors
+        g, a, u = _wide(grad), _wide(gate), _wide(up)
+        sig = torch.sigmoid(a)
+        silu = a * sig
+        grad_gate = g * u * sig * (1 + a * (1 - sig))  # d silu(a) / da = s (1 + a (1 - s))
+        return grad_gate.to(gate.dtype), (g * silu).to(up.dtype)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` (Shazeer 2020, arXiv 2002.05202 Eq. 6), computed in fp32; both
+    ``[..., f]``. Saves only ``gate`` and ``up`` for backward (SiLU is recomputed)."""
+    return _SwiGLU.apply(gate, up)
