@@ -30,7 +30,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data.blended_dataset import BlendedDataset, blending_indices, parse_data_path
+from data.blended_dataset import (
+    MID_LEVEL_SURPLUS,
+    BlendedDataset,
+    blending_indices,
+    normalize,
+    parse_data_path,
+    sizes_per_dataset,
+)
 from data.index_cache import load_or_build
 from data.indexed_dataset import IndexedDataset, idx_path
 from data.rank0_first import run_rank0_first
@@ -185,12 +192,18 @@ def build_gpt_datasets(
     num_samples: Sequence[int],
     cache_dir: str | os.PathLike | None = None,
     build_timeout_s: float = 1800.0,
+    surplus: float = MID_LEVEL_SURPLUS,
 ) -> tuple[torch.utils.data.Dataset | None, ...]:
     """Train, valid and test datasets (None where 0 samples are asked) from ``--data-path``.
 
     Args:
-        data_path: one prefix, a list of prefixes (blended by token count), or
-            ``[w1, p1, w2, p2, ...]`` (blended by weight, Megatron's ``--data-path 0.3 A 0.7 B``).
+        data_path: one prefix, a list of prefixes, or ``[w1, p1, w2, p2, ...]`` (Megatron's
+            ``--data-path 0.3 A 0.7 B``), blended as Megatron-LM blends them
+            (:mod:`data.blended_dataset`): weights normalised, each dataset built for
+            ``ceil(ceil(n * w_i) * (1 + surplus))`` samples; a list without weights is weighted
+            by the samples in one epoch of each dataset's split, each dataset built for one
+            epoch (more only when the split asks for more samples than one epoch of all holds,
+            where Megatron-LM's blend would run out).
         split: ``"949,50,1"``-style string (:func:`data.split.parse_split`); each dataset is
             split by documents.
         seq_length: tokens per sample minus one.
@@ -198,13 +211,16 @@ def build_gpt_datasets(
         num_samples: ``(train, valid, test)`` samples needed.
         cache_dir: index cache directory (default: beside each dataset's files).
         build_timeout_s: how long other ranks wait for rank 0's index build.
+        surplus: extra fraction of samples built per weighted dataset (Megatron-LM's
+            ``--mid-level-dataset-surplus``, default 0.005).
 
     Returns:
         ``(train, valid, test)``; each a :class:`GPTDataset` or, for several prefixes, a
         :class:`data.blended_dataset.BlendedDataset` of exactly the requested length.
 
     Raises:
-        ValueError: malformed split or data path, a split with no documents but samples asked.
+        ValueError: malformed split or data path, a split with no documents but samples asked,
+            an unweighted blend's dataset with no sample in a split.
         RuntimeError / TimeoutError: the index build failed or stalled on another rank.
     """
     weights, prefixes = parse_data_path(data_path)
@@ -218,20 +234,17 @@ def build_gpt_datasets(
     )
     return run_rank0_first(
         functools.partial(_build_splits, prefixes, weights, fractions, split, num_samples,
-                          seq_length, seed, cache_dir),
+                          seq_length, seed, cache_dir, surplus),
         what, build_timeout_s)
 
 
 def _build_splits(prefixes: list[str], weights: list[float] | None,
                   fractions: tuple[float, float, float], split: str,
                   num_samples: Sequence[int], seq_length: int, seed: int,
-                  cache_dir: str | os.PathLike | None) -> tuple:
+                  cache_dir: str | os.PathLike | None, surplus: float) -> tuple:
     """``(train, valid, test)`` of :func:`build_gpt_datasets` (building the indices, run on
     rank 0 first)."""
     indexed = [IndexedDataset(p) for p in prefixes]
-    # a plain list is blended by size, i.e. concatenated in proportion
-    w = np.array([d.num_tokens for d in indexed] if weights is None else weights, np.float64)
-    w = w / w.sum()
     out = []
     for s, name in enumerate(SPLIT_NAMES):
         n = int(num_samples[s])
@@ -243,20 +256,46 @@ def _build_splits(prefixes: list[str], weights: list[float] | None,
             for p, d in zip(prefixes, indexed, strict=True)
         ]
         extra = {"split_string": split}
-        if len(prefixes) == 1:
+        if len(prefixes) == 1 and weights is None:
             out.append(
                 GPTDataset(
                     parts[0][0], parts[0][1], n, seq_length, seed, name, cache_dir, extra
                 )
             )
-        else:
-            out.append(_blend(parts, w, n, seq_length, seed, name, cache_dir, extra))
+            continue
+        if weights is None:  # Megatron-LM: weighted by one epoch's samples of each dataset
+            w = [_one_epoch_samples(d, p, rng, seq_length, name)
+                 for d, (p, rng) in zip(indexed, parts, strict=True)]
+            build = w
+        else:  # Megatron-LM: normalised weights, each dataset built with a surplus
+            w = normalize(weights)
+            build = sizes_per_dataset(w, n, surplus)
+        out.append(_blend(parts, w, build, n, seq_length, seed, name, cache_dir, extra))
     return tuple(out)
+
+
+def _one_epoch_samples(
+    indexed: IndexedDataset, prefix: str, document_range: tuple[int, int], seq_length: int,
+    split_name: str,
+) -> int:
+    """Samples in one epoch of a split, ``(tokens - 1) // seq_length`` (Megatron-LM's length of a
+    dataset built for no sample count); raises ValueError when that is 0."""
+    d0, d1 = document_range
+    s0, s1 = int(indexed.document_indices[d0]), int(indexed.document_indices[d1])
+    tokens = int(np.asarray(indexed.sizes[s0:s1], np.int64).sum())
+    if (tokens - 1) // seq_length < 1:
+        raise ValueError(
+            f"{split_name} split of {prefix} has {tokens} tokens, not one {seq_length + 1}-token "
+            "sample; an unweighted --data-path blends by sample count, so every dataset needs "
+            "one (give weights, or drop it)"
+        )
+    return (tokens - 1) // seq_length
 
 
 def _blend(
     parts: list[tuple[str, tuple[int, int]]],
-    w: np.ndarray,
+    w: list[float] | list[int],
+    build: list[int],
     n: int,
     seq_length: int,
     seed: int,
@@ -264,8 +303,8 @@ def _blend(
     cache_dir: str | os.PathLike | None,
     extra: dict,
 ) -> BlendedDataset:
-    """One split of several datasets blended by ``w``; each builds exactly the samples drawn from
-    it."""
+    """One split of several datasets blended by ``w`` (:func:`blending_indices`); dataset ``i``
+    is built for ``max(build[i], samples drawn from it)`` samples, or not at all if none are."""
     prefixes = [os.path.abspath(p) for p, _ in parts]
     blend = load_or_build(
         cache_dir or Path(prefixes[0]).parent / "cache" / "GPTDataset_indices",
@@ -273,7 +312,8 @@ def _blend(
         {
             "class": "BlendedDataset",
             "version": INDEX_FORMAT_VERSION,
-            "weights": w.tolist(),
+            "algorithm": "megatron-greedy",
+            "weights": list(w),
             "prefixes": prefixes,
             "num_samples": n,
         },
@@ -282,7 +322,7 @@ def _blend(
     )
     counts = np.bincount(blend["dataset"], minlength=len(parts))
     datasets = [
-        GPTDataset(p, rng, int(c), seq_length, seed, name, cache_dir, extra) if c else None
-        for (p, rng), c in zip(parts, counts, strict=True)
+        GPTDataset(p, rng, max(int(c), b), seq_length, seed, name, cache_dir, extra) if c else None
+        for (p, rng), c, b in zip(parts, counts, build, strict=True)
     ]
-    return BlendedDataset(datasets, w, blend["dataset"], blend["sample"])
+    return BlendedDataset(datasets, normalize(w), blend["dataset"], blend["sample"])

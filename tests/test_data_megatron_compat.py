@@ -60,3 +60,62 @@ def test_we_read_megatron_core_files(tmp_path):
     for ext in (".bin", ".idx"):
         assert (tmp_path / f"mine{ext}").read_bytes() == (tmp_path / f"theirs{ext}").read_bytes()
     assert len(Megatron(str(tmp_path / "mine"))) == 3
+
+
+class _Tokenizer:
+    """The little of a tokenizer that megatron-core's GPTDatasetConfig reads."""
+
+    eod, pad, vocab_size = 0, -1, 1000
+    unique_identifiers = {"class": "_Tokenizer"}
+
+
+def _megatron_blend(prefixes, weights, n, seq_length, seed):
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    config = GPTDatasetConfig(
+        random_seed=seed, sequence_length=seq_length, blend=(prefixes, weights),
+        split="100,0,0", path_to_cache=None, tokenizer=_Tokenizer(), reset_position_ids=False,
+        reset_attention_mask=False, eod_mask_loss=False,
+    )
+    return BlendedMegatronDatasetBuilder(GPTDataset, [n, 0, 0], lambda: True, config).build()[0]
+
+
+@pytest.mark.parametrize(
+    "weights,n,one_epoch",
+    [([0.3, 0.7], 30, True), (None, 40, True), ([2.0, 1.0, 0.5], 25, True),
+     ([0.3, 0.7], 1000, False), ([1.0, 1e-3, 3.0], 517, False)],
+)
+def test_blend_equals_megatron_cores(tmp_path, weights, n, one_epoch):
+    """Our blend against megatron-core's BlendedMegatronDatasetBuilder on the same files: the
+    same datasets in the same order, and (while each dataset is built for one epoch, see
+    docs/training.md) the same tokens."""
+    _megatron_reader()
+    import warnings
+
+    from data.gpt_dataset import build_gpt_datasets
+
+    rng = np.random.RandomState(7)
+    prefixes = []
+    for k in range(3 if weights is None or len(weights) == 3 else 2):
+        docs = [rng.randint(100 * k + 1, 100 * k + 100, size=m).tolist()
+                for m in rng.randint(1, 40, size=12)]
+        prefixes.append(str(write_token_dataset(tmp_path / f"d{k}", docs)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = _megatron_blend(prefixes, weights, n, 9, 5)
+    data_path = prefixes if weights is None else [x for w, p in zip(weights, prefixes)
+                                                  for x in (str(w), p)]
+    ours = build_gpt_datasets(data_path, "1", 9, 5, (n, 0, 0))[0]
+    assert len(ours) == n <= len(theirs)
+    assert ours.dataset_index.tolist() == theirs.dataset_index[:n].tolist()
+    assert ours.dataset_sample_index.tolist() == theirs.dataset_sample_index[:n].tolist()
+    for mine, megatron in zip(ours.datasets, theirs.datasets, strict=True):
+        assert mine is None or len(mine) == len(megatron)  # built for the same samples
+    if one_epoch:
+        for i in range(n):
+            tokens = ours[i]["tokens"]
+            assert tokens[:-1].tolist() == theirs[i]["tokens"].tolist()
+            assert tokens[1:].tolist() == theirs[i]["labels"].tolist()
