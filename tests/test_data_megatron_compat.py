@@ -106,8 +106,9 @@ def test_blend_equals_megatron_cores(tmp_path, weights, n, one_epoch):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         theirs = _megatron_blend(prefixes, weights, n, 9, 5)
-    data_path = prefixes if weights is None else [x for w, p in zip(weights, prefixes)
-                                                  for x in (str(w), p)]
+    data_path = prefixes if weights is None else [
+        x for w, p in zip(weights, prefixes, strict=True) for x in (str(w), p)
+    ]
     ours = build_gpt_datasets(data_path, "1", 9, 5, (n, 0, 0))[0]
     assert len(ours) == n <= len(theirs)
     assert ours.dataset_index.tolist() == theirs.dataset_index[:n].tolist()
