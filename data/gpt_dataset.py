@@ -2,18 +2,21 @@
 
 For one split of one indexed dataset (a contiguous range of its documents):
 
-* **document index** ``doc_idx[e * D]``: the split's D sequences, one fresh permutation per
-  epoch (``numpy.random.RandomState(seed)``, frozen across numpy versions), for as many epochs
-  ``e`` as ``num_samples`` needs. Every epoch holds every document exactly once.
+* **document index** ``doc_idx[e * D]``: the split's D sequences repeated for as many epochs
+  ``e`` as ``num_samples`` needs, shuffled together (``numpy.random.RandomState(seed)``, frozen
+  across numpy versions). When the samples asked of the last epoch are fewer than 80% of an
+  epoch, the first ``e - 1`` epochs are shuffled together and the last on its own after them.
 * **sample index** ``sample_idx[S + 1, 2]``: ``(position in doc_idx, token offset)`` where
   sample ``j`` starts; sample ``j`` is the tokens from its start up to and *including* the
   start of sample ``j + 1``. Samples run across document boundaries, consecutive samples
   share one token (the last input's label), so the samples in order, each without its last
   token, are exactly the document stream: no gap, no overlap.
   ``S = (e * T - 1) // seq_length`` for ``T`` tokens per epoch.
-* **shuffle index** ``shuffle_idx[S]``: a permutation of samples; the samples of the first
-  ``e - 1`` epochs are shuffled among themselves and come first, the rest (which reach into
-  the last, partly used epoch) after, so a run that stops early has seen whole epochs.
+* **shuffle index** ``shuffle_idx[S]``: a permutation of samples; with a separate last epoch,
+  the samples of the first ``e - 1`` epochs are shuffled among themselves and come first, the
+  rest after.
+
+This is Megatron-LM's ``GPTDataset`` (the same seed gives the same samples in the same order).
 
 The three arrays are cached as ``.npy`` beside the data (``<data dir>/cache/GPTDataset_indices``,
 or ``cache_dir``) under a hash of every setting (:mod:`data.index_cache`) and reused; with
@@ -43,7 +46,7 @@ from data.indexed_dataset import IndexedDataset, idx_path
 from data.rank0_first import run_rank0_first
 from data.split import SPLIT_NAMES, parse_split, split_ranges
 
-INDEX_FORMAT_VERSION = 1  # bump when the index construction changes, to invalidate caches
+INDEX_FORMAT_VERSION = 2  # bump when the index construction changes, to invalidate caches
 
 
 def build_sample_indices(
@@ -73,19 +76,26 @@ def build_sample_indices(
         )
     epochs = -(-(num_samples * seq_length + 1) // tokens)  # smallest e with (e*T - 1)//L >= n
     n_docs = len(sizes)
+    total = (epochs * tokens - 1) // seq_length
+    full = ((epochs - 1) * tokens - 1) // seq_length if epochs > 1 else 0
+    separate = epochs > 1 and num_samples - full < int(0.80 * ((tokens - 1) // seq_length))
     rng = np.random.RandomState(seed)
+
+    def shuffled_epochs(e: int) -> np.ndarray:
+        return np.tile(np.arange(n_docs, dtype=np.int64), e)[rng.permutation(e * n_docs)]
+
+    local = (np.concatenate([shuffled_epochs(epochs - 1), shuffled_epochs(1)]) if separate
+             else shuffled_epochs(epochs))
     idx_dtype = np.int32 if first_sequence + n_docs < 2**31 else np.int64
-    local = np.concatenate([rng.permutation(n_docs) for _ in range(epochs)])
     lengths = sizes[local]
     ends = np.cumsum(lengths)
-    total = (epochs * tokens - 1) // seq_length
     starts = np.arange(total + 1, dtype=np.int64) * seq_length
     pos = np.searchsorted(ends, starts, side="right")  # skips empty documents
     offsets = starts - (ends[pos] - lengths[pos])
     pair_dtype = np.int32 if len(local) < 2**31 and int(sizes.max()) < 2**31 else np.int64
     sample = np.stack([pos, offsets], axis=1).astype(pair_dtype)
-    full = ((epochs - 1) * tokens - 1) // seq_length if epochs > 1 else 0
-    shuffle = np.concatenate([rng.permutation(full), full + rng.permutation(total - full)])
+    shuffle = (np.concatenate([rng.permutation(full), full + rng.permutation(total - full)])
+               if separate else rng.permutation(total))
     return {"doc": (local + first_sequence).astype(idx_dtype), "sample": sample, "shuffle": shuffle}
 
 

@@ -84,14 +84,13 @@ def _megatron_blend(prefixes, weights, n, seq_length, seed):
 
 
 @pytest.mark.parametrize(
-    "weights,n,one_epoch",
-    [([0.3, 0.7], 30, True), (None, 40, True), ([2.0, 1.0, 0.5], 25, True),
-     ([0.3, 0.7], 1000, False), ([1.0, 1e-3, 3.0], 517, False)],
+    "weights,n",
+    [([0.3, 0.7], 30), (None, 40), ([2.0, 1.0, 0.5], 25), ([0.3, 0.7], 1000),
+     ([1.0, 1e-3, 3.0], 517), ([1.0], 300), ([0.5, 0.5], 37)],
 )
-def test_blend_equals_megatron_cores(tmp_path, weights, n, one_epoch):
-    """Our blend against megatron-core's BlendedMegatronDatasetBuilder on the same files: the
-    same datasets in the same order, and (while each dataset is built for one epoch, see
-    docs/training.md) the same tokens."""
+def test_blend_equals_megatron_cores(tmp_path, weights, n):
+    """Our blend against megatron-core's BlendedMegatronDatasetBuilder on the same files (one
+    epoch or many, with and without a separate last epoch): the same samples in the same order."""
     _megatron_reader()
     import warnings
 
@@ -99,7 +98,7 @@ def test_blend_equals_megatron_cores(tmp_path, weights, n, one_epoch):
 
     rng = np.random.RandomState(7)
     prefixes = []
-    for k in range(3 if weights is None or len(weights) == 3 else 2):
+    for k in range(3 if weights is None else len(weights)):
         docs = [rng.randint(100 * k + 1, 100 * k + 100, size=m).tolist()
                 for m in rng.randint(1, 40, size=12)]
         prefixes.append(str(write_token_dataset(tmp_path / f"d{k}", docs)))
@@ -115,8 +114,30 @@ def test_blend_equals_megatron_cores(tmp_path, weights, n, one_epoch):
     assert ours.dataset_sample_index.tolist() == theirs.dataset_sample_index[:n].tolist()
     for mine, megatron in zip(ours.datasets, theirs.datasets, strict=True):
         assert mine is None or len(mine) == len(megatron)  # built for the same samples
-    if one_epoch:
-        for i in range(n):
-            tokens = ours[i]["tokens"]
-            assert tokens[:-1].tolist() == theirs[i]["tokens"].tolist()
-            assert tokens[1:].tolist() == theirs[i]["labels"].tolist()
+    for i in range(n):
+        tokens = ours[i]["tokens"]
+        assert tokens[:-1].tolist() == theirs[i]["tokens"].tolist()
+        assert tokens[1:].tolist() == theirs[i]["labels"].tolist()
+
+
+@pytest.mark.parametrize("n", [5, 23, 300, 335])
+def test_single_dataset_equals_megatron_cores(tmp_path, n):
+    """``--data-path A`` (no blend): megatron-core's GPTDataset, sample for sample, for one epoch
+    and many, with (n=300) and without (n=335) a separately shuffled last epoch."""
+    _megatron_reader()
+    import warnings
+
+    from data.gpt_dataset import build_gpt_datasets
+
+    rng = np.random.RandomState(3)
+    docs = [rng.randint(1, 100, size=m).tolist() for m in rng.randint(1, 40, size=12)]
+    prefix = str(write_token_dataset(tmp_path / "d", docs))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = _megatron_blend([prefix], None, n, 9, 11)
+    ours = build_gpt_datasets(prefix, "1", 9, 11, (n, 0, 0))[0]
+    assert len(ours) == len(theirs) >= n
+    assert ours.doc_idx.tolist() == theirs.document_index.tolist()
+    assert ours.shuffle_idx.tolist() == theirs.shuffle_index.tolist()
+    for i in range(len(ours)):
+        assert ours[i]["tokens"][:-1].tolist() == theirs[i]["tokens"].tolist()
