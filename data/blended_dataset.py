@@ -15,7 +15,7 @@ resumed run sees the same order:
   ``mid_level_dataset_surplus``).
 
 The rule is prefix-stable: the first ``n'`` samples of a blend of ``n >= n'`` are the blend of
-``n'``. After ``n`` samples each dataset has contributed ``n * w_i`` give or take one.
+``n'``. After ``n`` samples dataset ``i`` has contributed ``n * w_i`` within two samples.
 """
 
 from __future__ import annotations
