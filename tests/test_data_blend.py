@@ -112,3 +112,17 @@ def test_unweighted_data_path_blends_by_one_epoch_sample_counts(two, tmp_path):
     tiny = str(write_token_dataset(tmp_path / "tiny", [[3] * 5]))
     with pytest.raises(ValueError, match="tiny has 5 tokens"):
         build_gpt_datasets([a, tiny], "1", seq, 4, (10, 0, 0))
+
+
+def test_mid_level_dataset_surplus(two):
+    from hybrid.config import DataConfig
+    from hybrid.config_fields import ConfigError
+
+    a, b, _, _ = two
+    w, n = megatron_normalize([0.3, 0.7]), 2000
+    train, _, _ = build_gpt_datasets(["0.3", a, "0.7", b], "1", 9, 1, (n, 0, 0), surplus=0.25)
+    sizes = [ds.description["num_samples"] for ds in train.datasets]
+    assert sizes == megatron_sizes(w, n, 0.25) != megatron_sizes(w, n, 0.005)
+    assert DataConfig().mid_level_dataset_surplus == 0.005  # Megatron-LM's default
+    with pytest.raises(ConfigError, match="--mid-level-dataset-surplus -0.1 .* >= 0"):
+        DataConfig(mid_level_dataset_surplus=-0.1)

@@ -122,7 +122,7 @@ def test_blending(tmp_path):
         assert np.all(np.abs(c - n * np.array([0.2, 0.5, 0.3])) <= 1)
     for i in range(3):
         assert local[which == i].tolist() == list(range(int((which == i).sum())))
-    plain, _, _ = build_gpt_datasets([a, b], "1", 9, 1, (10, 0, 0))  # no weights: by one-epoch samples
+    plain, _, _ = build_gpt_datasets([a, b], "1", 9, 1, (10, 0, 0))  # by one-epoch samples
     assert np.bincount(plain.dataset_index).tolist() == [5, 5]
 
 
