@@ -213,7 +213,7 @@ def build_gpt_datasets(
             ``ceil(ceil(n * w_i) * (1 + surplus))`` samples; a list without weights is weighted
             by the samples in one epoch of each dataset's split, each dataset built for one
             epoch (more only when the split asks for more samples than one epoch of all holds,
-            where Megatron-LM's blend would run out).
+            where Megatron-LM's blend would run out; the samples then differ from Megatron's).
         split: ``"949,50,1"``-style string (:func:`data.split.parse_split`); each dataset is
             split by documents.
         seq_length: tokens per sample minus one.

@@ -69,7 +69,7 @@ class _Tokenizer:
     unique_identifiers = {"class": "_Tokenizer"}
 
 
-def _megatron_blend(prefixes, weights, n, seq_length, seed):
+def _megatron_blend(prefixes, weights, n, seq_length, seed, split="100,0,0"):
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,
     )
@@ -77,10 +77,12 @@ def _megatron_blend(prefixes, weights, n, seq_length, seed):
 
     config = GPTDatasetConfig(
         random_seed=seed, sequence_length=seq_length, blend=(prefixes, weights),
-        split="100,0,0", path_to_cache=None, tokenizer=_Tokenizer(), reset_position_ids=False,
+        split=split, path_to_cache=None, tokenizer=_Tokenizer(), reset_position_ids=False,
         reset_attention_mask=False, eod_mask_loss=False,
     )
-    return BlendedMegatronDatasetBuilder(GPTDataset, [n, 0, 0], lambda: True, config).build()[0]
+    sizes = list(n) if isinstance(n, tuple) else [n, 0, 0]
+    built = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
+    return tuple(built) if isinstance(n, tuple) else built[0]
 
 
 @pytest.mark.parametrize(
@@ -120,10 +122,11 @@ def test_blend_equals_megatron_cores(tmp_path, weights, n):
         assert tokens[1:].tolist() == theirs[i]["labels"].tolist()
 
 
-@pytest.mark.parametrize("n", [5, 23, 300, 335])
+@pytest.mark.parametrize("n", [5, 23, 300, 331, 335])
 def test_single_dataset_equals_megatron_cores(tmp_path, n):
     """``--data-path A`` (no blend): megatron-core's GPTDataset, sample for sample, for one epoch
-    and many, with (n=300) and without (n=335) a separately shuffled last epoch."""
+    and many, with (n=300; n=331: 17 of the last epoch's 24 samples, under 80%) and without
+    (n=335: 21 of 24) a separately shuffled last epoch."""
     _megatron_reader()
     import warnings
 
@@ -141,3 +144,27 @@ def test_single_dataset_equals_megatron_cores(tmp_path, n):
     assert ours.shuffle_idx.tolist() == theirs.shuffle_index.tolist()
     for i in range(len(ours)):
         assert ours[i]["tokens"][:-1].tolist() == theirs[i]["tokens"].tolist()
+
+
+@pytest.mark.parametrize("weights", [None, [0.4, 0.6]])
+def test_train_valid_test_splits_equal_megatron_cores(tmp_path, weights):
+    """``--split 8,1,1``: every split, single dataset and weighted blend, sample for sample."""
+    _megatron_reader()
+    import warnings
+
+    from data.gpt_dataset import build_gpt_datasets
+
+    rng = np.random.RandomState(5)
+    prefixes = []
+    for k in range(1 if weights is None else 2):
+        docs = [rng.randint(1, 100, size=m).tolist() for m in rng.randint(1, 40, size=37)]
+        prefixes.append(str(write_token_dataset(tmp_path / f"p{k}", docs)))
+    sizes = (200, 30, 9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = _megatron_blend(prefixes, weights, sizes, 7, 9, split="8,1,1")
+    data_path = prefixes[0] if weights is None else ["0.4", prefixes[0], "0.6", prefixes[1]]
+    ours = build_gpt_datasets(data_path, "8,1,1", 7, 9, sizes)
+    for mine, megatron, n in zip(ours, theirs, sizes, strict=True):
+        for i in range(n):
+            assert mine[i]["tokens"][:-1].tolist() == megatron[i]["tokens"].tolist()
