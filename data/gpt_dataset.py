@@ -2,18 +2,21 @@
 
 For one split of one indexed dataset (a contiguous range of its documents):
 
-* **document index** ``doc_idx[e * D]``: the split's D sequences, one fresh permutation per
-  epoch (``numpy.random.RandomState(seed)``, frozen across numpy versions), for as many epochs
-  ``e`` as ``num_samples`` needs. Every epoch holds every document exactly once.
+* **document index** ``doc_idx[e * D]``: the split's D sequences repeated for as many epochs
+  ``e`` as ``num_samples`` needs, shuffled together (``numpy.random.RandomState(seed)``, frozen
+  across numpy versions). When the samples asked of the last epoch are fewer than 80% of an
+  epoch, the first ``e - 1`` epochs are shuffled together and the last on its own after them.
 * **sample index** ``sample_idx[S + 1, 2]``: ``(position in doc_idx, token offset)`` where
   sample ``j`` starts; sample ``j`` is the tokens from its start up to and *including* the
   start of sample ``j + 1``. Samples run across document boundaries, consecutive samples
   share one token (the last input's label), so the samples in order, each without its last
   token, are exactly the document stream: no gap, no overlap.
   ``S = (e * T - 1) // seq_length`` for ``T`` tokens per epoch.
-* **shuffle index** ``shuffle_idx[S]``: a permutation of samples; the samples of the first
-  ``e - 1`` epochs are shuffled among themselves and come first, the rest (which reach into
-  the last, partly used epoch) after, so a run that stops early has seen whole epochs.
+* **shuffle index** ``shuffle_idx[S]``: a permutation of samples; with a separate last epoch,
+  the samples of the first ``e - 1`` epochs are shuffled among themselves and come first, the
+  rest after.
+
+This is Megatron-LM's ``GPTDataset`` (the same seed gives the same samples in the same order).
 
 The three arrays are cached as ``.npy`` beside the data (``<data dir>/cache/GPTDataset_indices``,
 or ``cache_dir``) under a hash of every setting (:mod:`data.index_cache`) and reused; with
@@ -30,13 +33,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data.blended_dataset import BlendedDataset, blending_indices, parse_data_path
+from data.blended_dataset import (
+    MID_LEVEL_SURPLUS,
+    BlendedDataset,
+    blending_indices,
+    normalize,
+    parse_data_path,
+    sizes_per_dataset,
+)
 from data.index_cache import load_or_build
 from data.indexed_dataset import IndexedDataset, idx_path
 from data.rank0_first import run_rank0_first
 from data.split import SPLIT_NAMES, parse_split, split_ranges
 
-INDEX_FORMAT_VERSION = 1  # bump when the index construction changes, to invalidate caches
+INDEX_FORMAT_VERSION = 2  # bump when the index construction changes, to invalidate caches
 
 
 def build_sample_indices(
@@ -66,19 +76,26 @@ def build_sample_indices(
         )
     epochs = -(-(num_samples * seq_length + 1) // tokens)  # smallest e with (e*T - 1)//L >= n
     n_docs = len(sizes)
+    total = (epochs * tokens - 1) // seq_length
+    full = ((epochs - 1) * tokens - 1) // seq_length if epochs > 1 else 0
+    separate = epochs > 1 and num_samples - full < int(0.80 * ((tokens - 1) // seq_length))
     rng = np.random.RandomState(seed)
+
+    def shuffled_epochs(e: int) -> np.ndarray:
+        return np.tile(np.arange(n_docs, dtype=np.int64), e)[rng.permutation(e * n_docs)]
+
+    local = (np.concatenate([shuffled_epochs(epochs - 1), shuffled_epochs(1)]) if separate
+             else shuffled_epochs(epochs))
     idx_dtype = np.int32 if first_sequence + n_docs < 2**31 else np.int64
-    local = np.concatenate([rng.permutation(n_docs) for _ in range(epochs)])
     lengths = sizes[local]
     ends = np.cumsum(lengths)
-    total = (epochs * tokens - 1) // seq_length
     starts = np.arange(total + 1, dtype=np.int64) * seq_length
     pos = np.searchsorted(ends, starts, side="right")  # skips empty documents
     offsets = starts - (ends[pos] - lengths[pos])
     pair_dtype = np.int32 if len(local) < 2**31 and int(sizes.max()) < 2**31 else np.int64
     sample = np.stack([pos, offsets], axis=1).astype(pair_dtype)
-    full = ((epochs - 1) * tokens - 1) // seq_length if epochs > 1 else 0
-    shuffle = np.concatenate([rng.permutation(full), full + rng.permutation(total - full)])
+    shuffle = (np.concatenate([rng.permutation(full), full + rng.permutation(total - full)])
+               if separate else rng.permutation(total))
     return {"doc": (local + first_sequence).astype(idx_dtype), "sample": sample, "shuffle": shuffle}
 
 
@@ -185,12 +202,18 @@ def build_gpt_datasets(
     num_samples: Sequence[int],
     cache_dir: str | os.PathLike | None = None,
     build_timeout_s: float = 1800.0,
+    surplus: float = MID_LEVEL_SURPLUS,
 ) -> tuple[torch.utils.data.Dataset | None, ...]:
     """Train, valid and test datasets (None where 0 samples are asked) from ``--data-path``.
 
     Args:
-        data_path: one prefix, a list of prefixes (blended by token count), or
-            ``[w1, p1, w2, p2, ...]`` (blended by weight, Megatron's ``--data-path 0.3 A 0.7 B``).
+        data_path: one prefix, a list of prefixes, or ``[w1, p1, w2, p2, ...]`` (Megatron's
+            ``--data-path 0.3 A 0.7 B``), blended as Megatron-LM blends them
+            (:mod:`data.blended_dataset`): weights normalised, each dataset built for
+            ``ceil(ceil(n * w_i) * (1 + surplus))`` samples; a list without weights is weighted
+            by the samples in one epoch of each dataset's split, each dataset built for one
+            epoch (more only when the split asks for more samples than one epoch of all holds,
+            where Megatron-LM's blend would run out; the samples then differ from Megatron's).
         split: ``"949,50,1"``-style string (:func:`data.split.parse_split`); each dataset is
             split by documents.
         seq_length: tokens per sample minus one.
@@ -198,13 +221,16 @@ def build_gpt_datasets(
         num_samples: ``(train, valid, test)`` samples needed.
         cache_dir: index cache directory (default: beside each dataset's files).
         build_timeout_s: how long other ranks wait for rank 0's index build.
+        surplus: extra fraction of samples built per weighted dataset (Megatron-LM's
+            ``--mid-level-dataset-surplus``, default 0.005).
 
     Returns:
         ``(train, valid, test)``; each a :class:`GPTDataset` or, for several prefixes, a
         :class:`data.blended_dataset.BlendedDataset` of exactly the requested length.
 
     Raises:
-        ValueError: malformed split or data path, a split with no documents but samples asked.
+        ValueError: malformed split or data path, a split with no documents but samples asked,
+            an unweighted blend's dataset with no sample in a split.
         RuntimeError / TimeoutError: the index build failed or stalled on another rank.
     """
     weights, prefixes = parse_data_path(data_path)
@@ -218,20 +244,17 @@ def build_gpt_datasets(
     )
     return run_rank0_first(
         functools.partial(_build_splits, prefixes, weights, fractions, split, num_samples,
-                          seq_length, seed, cache_dir),
+                          seq_length, seed, cache_dir, surplus),
         what, build_timeout_s)
 
 
 def _build_splits(prefixes: list[str], weights: list[float] | None,
                   fractions: tuple[float, float, float], split: str,
                   num_samples: Sequence[int], seq_length: int, seed: int,
-                  cache_dir: str | os.PathLike | None) -> tuple:
+                  cache_dir: str | os.PathLike | None, surplus: float) -> tuple:
     """``(train, valid, test)`` of :func:`build_gpt_datasets` (building the indices, run on
     rank 0 first)."""
     indexed = [IndexedDataset(p) for p in prefixes]
-    # a plain list is blended by size, i.e. concatenated in proportion
-    w = np.array([d.num_tokens for d in indexed] if weights is None else weights, np.float64)
-    w = w / w.sum()
     out = []
     for s, name in enumerate(SPLIT_NAMES):
         n = int(num_samples[s])
@@ -243,20 +266,46 @@ def _build_splits(prefixes: list[str], weights: list[float] | None,
             for p, d in zip(prefixes, indexed, strict=True)
         ]
         extra = {"split_string": split}
-        if len(prefixes) == 1:
+        if len(prefixes) == 1 and weights is None:
             out.append(
                 GPTDataset(
                     parts[0][0], parts[0][1], n, seq_length, seed, name, cache_dir, extra
                 )
             )
-        else:
-            out.append(_blend(parts, w, n, seq_length, seed, name, cache_dir, extra))
+            continue
+        if weights is None:  # Megatron-LM: weighted by one epoch's samples of each dataset
+            w = [_one_epoch_samples(d, p, rng, seq_length, name)
+                 for d, (p, rng) in zip(indexed, parts, strict=True)]
+            build = w
+        else:  # Megatron-LM: normalised weights, each dataset built with a surplus
+            w = normalize(weights)
+            build = sizes_per_dataset(w, n, surplus)
+        out.append(_blend(parts, w, build, n, seq_length, seed, name, cache_dir, extra))
     return tuple(out)
+
+
+def _one_epoch_samples(
+    indexed: IndexedDataset, prefix: str, document_range: tuple[int, int], seq_length: int,
+    split_name: str,
+) -> int:
+    """Samples in one epoch of a split, ``(tokens - 1) // seq_length`` (Megatron-LM's length of a
+    dataset built for no sample count); raises ValueError when that is 0."""
+    d0, d1 = document_range
+    s0, s1 = int(indexed.document_indices[d0]), int(indexed.document_indices[d1])
+    tokens = int(np.asarray(indexed.sizes[s0:s1], np.int64).sum())
+    if (tokens - 1) // seq_length < 1:
+        raise ValueError(
+            f"{split_name} split of {prefix} has {tokens} tokens, not one {seq_length + 1}-token "
+            "sample; an unweighted --data-path blends by sample count, so every dataset needs "
+            "one (give weights, or drop it)"
+        )
+    return (tokens - 1) // seq_length
 
 
 def _blend(
     parts: list[tuple[str, tuple[int, int]]],
-    w: np.ndarray,
+    w: list[float] | list[int],
+    build: list[int],
     n: int,
     seq_length: int,
     seed: int,
@@ -264,8 +313,8 @@ def _blend(
     cache_dir: str | os.PathLike | None,
     extra: dict,
 ) -> BlendedDataset:
-    """One split of several datasets blended by ``w``; each builds exactly the samples drawn from
-    it."""
+    """One split of several datasets blended by ``w`` (:func:`blending_indices`); dataset ``i``
+    is built for ``max(build[i], samples drawn from it)`` samples, or not at all if none are."""
     prefixes = [os.path.abspath(p) for p, _ in parts]
     blend = load_or_build(
         cache_dir or Path(prefixes[0]).parent / "cache" / "GPTDataset_indices",
@@ -273,7 +322,8 @@ def _blend(
         {
             "class": "BlendedDataset",
             "version": INDEX_FORMAT_VERSION,
-            "weights": w.tolist(),
+            "algorithm": "megatron-greedy",
+            "weights": list(w),
             "prefixes": prefixes,
             "num_samples": n,
         },
@@ -282,7 +332,7 @@ def _blend(
     )
     counts = np.bincount(blend["dataset"], minlength=len(parts))
     datasets = [
-        GPTDataset(p, rng, int(c), seq_length, seed, name, cache_dir, extra) if c else None
-        for (p, rng), c in zip(parts, counts, strict=True)
+        GPTDataset(p, rng, max(int(c), b), seq_length, seed, name, cache_dir, extra) if c else None
+        for (p, rng), c, b in zip(parts, counts, build, strict=True)
     ]
-    return BlendedDataset(datasets, w, blend["dataset"], blend["sample"])
+    return BlendedDataset(datasets, normalize(w), blend["dataset"], blend["sample"])

@@ -216,6 +216,11 @@ class DataConfig:
     data_cache_path: str | None = arg(None,
                                       "where sample indices are cached (default: beside the data)")
     seed: int = arg(1234, "random seed for init, dropout and data shuffling")
+    mid_level_dataset_surplus: float = arg(
+        0.005, "extra fraction of samples built per dataset of a weighted --data-path blend")
+
+    def __post_init__(self) -> None:
+        check_number(self, "mid_level_dataset_surplus", 0.0)
 
 
 @dataclass

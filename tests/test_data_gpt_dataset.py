@@ -47,12 +47,18 @@ def test_epochs_seed_and_cache(prefix, tmp_path, monkeypatch):
     tokens = sum(map(len, DOCS))
     epochs = len(train.doc_idx) // len(DOCS)
     assert epochs == -(-(100 * 16 + 1) // tokens) and len(train) >= 100
-    for e in range(epochs):  # each epoch is a fresh permutation of all documents
-        assert sorted(train.doc_idx[e * len(DOCS) : (e + 1) * len(DOCS)].tolist()) == list(
-            range(len(DOCS))
-        )
-    full = ((epochs - 1) * tokens - 1) // 16  # samples of the complete epochs come first
-    assert sorted(train.shuffle_idx[:full].tolist()) == list(range(full))
+    full = ((epochs - 1) * tokens - 1) // 16  # samples before the last epoch
+    # Megatron-LM's rule: all epochs shuffled together unless the last is asked for under 80% of
+    # its samples, then it is shuffled apart and comes last
+    assert 100 - full >= int(0.8 * ((tokens - 1) // 16))
+    assert np.bincount(train.doc_idx).tolist() == [epochs] * len(DOCS)
+    assert sorted(train.doc_idx[: len(DOCS)].tolist()) != list(range(len(DOCS)))
+    apart = build_sample_indices(IndexedDataset(prefix).sizes, 0, full + 5, 16, 5)
+    assert len(apart["doc"]) == epochs * len(DOCS) and 5 < int(0.8 * ((tokens - 1) // 16))
+    first = apart["doc"][: (epochs - 1) * len(DOCS)]
+    assert np.bincount(first, minlength=len(DOCS)).tolist() == [epochs - 1] * len(DOCS)
+    assert sorted(apart["doc"][len(first) :].tolist()) == list(range(len(DOCS)))
+    assert sorted(apart["shuffle"][:full].tolist()) == list(range(full))
     assert np.array_equal(
         _stream(train)[: len(train) * 16],
         np.concatenate([train.unshuffled_tokens(j)[:-1] for j in range(len(train))]),
@@ -116,7 +122,7 @@ def test_blending(tmp_path):
         assert np.all(np.abs(c - n * np.array([0.2, 0.5, 0.3])) <= 1)
     for i in range(3):
         assert local[which == i].tolist() == list(range(int((which == i).sum())))
-    plain, _, _ = build_gpt_datasets([a, b], "1", 9, 1, (10, 0, 0))  # no weights: by size
+    plain, _, _ = build_gpt_datasets([a, b], "1", 9, 1, (10, 0, 0))  # by one-epoch samples
     assert np.bincount(plain.dataset_index).tolist() == [5, 5]
 
 

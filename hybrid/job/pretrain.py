@@ -64,7 +64,8 @@ def build_datasets(job: Job, state: TrainState | None = None):
     from data.gpt_dataset import build_gpt_datasets
 
     return build_gpt_datasets(cfg.data.data_path, cfg.data.split, seq, cfg.data.seed, counts,
-                              cache_dir=cfg.data.data_cache_path)
+                              cache_dir=cfg.data.data_cache_path,
+                              surplus=cfg.data.mid_level_dataset_surplus)
 
 
 def _batches(dataset, consumed: int, job: Job, grid: ProcessGrid):
