@@ -19,7 +19,7 @@ class BatchRampup:
     """The global batch size after ``consumed`` samples (:meth:`batch_size`).
 
     Raises:
-        ValueError: a non-positive start or increment, negative samples, a start above the
+        ValueError: a non-positive start, increment or samples, a start above the
             global batch, or a difference not divisible by the increment (Megatron-LM's
             assertions).
     """
@@ -30,9 +30,11 @@ class BatchRampup:
     global_batch_size: int
 
     def __post_init__(self):
-        if self.start <= 0 or self.increment <= 0 or self.samples < 0:
+        if self.start <= 0 or self.increment <= 0 or self.samples <= 0:
+            # samples 0 would divide by zero (as in Megatron-LM); no rampup is no flag
             raise ValueError(f"--rampup-batch-size {self.start} {self.increment} {self.samples}: "
-                             "need a positive start and increment and samples >= 0")
+                             "need a positive start, increment and number of samples (to train "
+                             "without a rampup, drop the flag)")
         diff = self.global_batch_size - self.start
         if diff < 0 or diff % self.increment:
             raise ValueError(f"--rampup-batch-size start {self.start} must be at most "

@@ -103,6 +103,8 @@ def test_the_loop_steps_megatrons_batches_and_rates():
      "global batch 3 of the rampup is not divisible by --micro-batch-size 2"),
     (["--train-samples", "40", "--rampup-batch-size", "4", "5", "16"],
      "the difference a multiple of the increment 5"),
+    (["--train-samples", "40", "--rampup-batch-size", "4", "4", "0"],
+     "need a positive start, increment and number of samples"),
 ])
 def test_bad_rampups_are_refused(extra, message):
     with pytest.raises(ConfigError, match=message):

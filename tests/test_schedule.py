@@ -246,7 +246,7 @@ def test_a_resumed_run_continues_the_schedule_exactly(a):
     (["--lr-warmup-init", "1"], r"--lr-warmup-init \(1.0\) <= --lr"),
     (["--start-weight-decay", "0.1"], "need --weight-decay-incr-style linear or cosine"),
     (["--weight-decay-incr-style", "linear"], "needs --start-weight-decay and --end-weight-decay"),
-    (["--lr-decay-samples", "40"], "--lr-decay-samples need sample-based training"),
+    (["--lr-decay-samples", "40"], "--lr-decay-samples needs sample-based training"),
     (["--train-samples", "80"], "--train-samples 80 is sample-based training: give the "
                                 "\\*-samples flags instead of --train-iters"),
     (["--train-samples", "4"], "--train-samples 4 is less than one global batch"),

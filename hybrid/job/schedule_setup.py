@@ -50,7 +50,8 @@ def training_iterations(cfg: PretrainConfig, global_batch_size: int) -> int:
                                   ("--lr-decay-samples", t.lr_decay_samples),
                                   ("--lr-wsd-decay-samples", t.lr_wsd_decay_samples)) if v]
         if samples:
-            raise ConfigError(f"{', '.join(samples)} need sample-based training "
+            verb = "needs" if len(samples) == 1 else "need"
+            raise ConfigError(f"{', '.join(samples)} {verb} sample-based training "
                               "(--train-samples instead of --train-iters)")
         return t.train_iters if t.train_iters is not None else DEFAULT_TRAIN_ITERS
     iters = [f for f, v in (("--train-iters", t.train_iters), ("--lr-warmup-iters",
