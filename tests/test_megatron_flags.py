@@ -63,6 +63,10 @@ def test_megatron_flags_take_their_meaning_here():
                        "--distributed-backend nccl", "--ckpt-format torch_dist",
                        "--no-masked-softmax-fusion"]
     assert translate(["--tokenizer-type", "GPTSentencePieceTokenizer"]) == ([], [])
+    both = ["--recompute-activations", "--recompute-granularity", "selective"]
+    assert parse_config(both).activation.selective_recompute
+    with pytest.raises(ConfigError, match="--recompute-activations is selective recompute"):
+        translate(["--recompute-activations", "--recompute-granularity", "full"])
 
 
 @pytest.mark.timeout(200)

@@ -128,6 +128,11 @@ def translate(argv: list[str]) -> tuple[list[str], list[str]]:
     if refused:
         raise ConfigError("Megatron-LM flags for features this trainer does not have:\n  "
                           + "\n  ".join(refused))
+    granularity = [v for f, v in items if f == "--recompute-granularity"]
+    if "--recompute-activations" in given and granularity and granularity[-1] != ["selective"]:
+        raise ConfigError(f"--recompute-activations is selective recompute (Megatron-LM sets "
+                          f"--recompute-granularity selective for it), but --recompute-granularity "
+                          f"{' '.join(granularity[-1])} is given too: give one of them")
     for flag, values in items:
         if flag in MEANING:
             equivalent = MEANING[flag]
