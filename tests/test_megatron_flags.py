@@ -63,6 +63,12 @@ def test_megatron_flags_take_their_meaning_here():
                        "--distributed-backend nccl", "--ckpt-format torch_dist",
                        "--no-masked-softmax-fusion"]
     assert translate(["--tokenizer-type", "GPTSentencePieceTokenizer"]) == ([], [])
+    rope = ["--use-rotary-position-embeddings", "--no-position-embedding"]
+    assert parse_config(rope).model.position_embedding_type == "rope"
+    assert parse_config(["--no-position-embedding"]).model.position_embedding_type == "none"
+    assert translate(["--no-query-key-layer-scaling"]) == ([], ["--no-query-key-layer-scaling"])
+    with pytest.raises(ConfigError, match="RoPE sequence-length interpolation"):
+        translate(["--rotary-seq-len-interpolation-factor", "2"])
     both = ["--recompute-activations", "--recompute-granularity", "selective"]
     assert parse_config(both).activation.selective_recompute
     with pytest.raises(ConfigError, match="--recompute-activations is selective recompute"):

@@ -25,6 +25,7 @@ MEANING = {
     "--distribute-saved-activations": ["--partition-activations"],
     "--exit-signal-handler": [],  # SIGTERM always finishes the iteration, saves and exits
     "--accumulate-allreduce-grads-in-fp32": [],  # gradients are always accumulated in fp32
+    "--no-position-embedding": ["--position-embedding-type", "none"],  # [] beside RoPE
 }
 """Flag -> the equivalent flags here (empty: what happens here anyway)."""
 
@@ -49,6 +50,8 @@ NO_OP = {
     "--tiktoken-pattern",  # read by TikTokenizer only, which is refused
     "--tensorboard-log-interval", "--tensorboard-queue-size", "--log-timers-to-tensorboard",
     "--log-validation-ppl-to-tensorboard", "--log-memory-to-tensorboard",
+    # Q.K^T / (layer number) before an fp32 softmax: the same probabilities, kept for fp16 range
+    "--apply-query-key-layer-scaling", "--no-query-key-layer-scaling",
 }
 """Kernel, fusion, backend and logging choices with no effect on the result here."""
 
@@ -74,6 +77,7 @@ REFUSED = {
     "--eod-mask-loss": "masking the loss at end-of-document tokens",
     "--reset-position-ids": "per-document position ids",
     "--reset-attention-mask": "per-document attention masks",
+    "--rotary-seq-len-interpolation-factor": "RoPE sequence-length interpolation",
 }
 """Flag -> the feature it asks for, which this trainer does not have."""
 
@@ -138,6 +142,9 @@ def translate(argv: list[str]) -> tuple[list[str], list[str]]:
             equivalent = MEANING[flag]
             if flag == "--use-distributed-optimizer" and "--zero-stage" in given:
                 equivalent = []  # an explicit ZeRO stage already partitions (or not)
+            if flag == "--no-position-embedding" and given & {
+                    "--use-rotary-position-embeddings", "--position-embedding-type"}:
+                equivalent = []  # Megatron's older spelling beside RoPE: no learned table
             if equivalent and equivalent[0] not in out:
                 out += equivalent
         elif flag in SIZE_ONE or flag == "--tokenizer-type" or flag in NO_OP:
