@@ -56,6 +56,7 @@ from hybrid.planner.memory import (
     persistent_parameters,
 )
 from hybrid.planner.precision import ACCOUNTINGS, get_precision
+from hybrid.planner.temporaries import temporary_bytes
 from hybrid.planner.traffic import dp_traffic_bytes, tp_traffic_elements
 from hybrid.zero.stage import stage_plan
 
@@ -185,7 +186,7 @@ class Candidate:
     """Constant-size communication buffers (and stage 3's gathered units at their peak), bytes:
     ``memory.comm_buffer_bytes``, the engine's ``buffers`` (+ ``gathered_peak``)."""
     total_bytes: int
-    """model states + GPU activations + buffers + reserved, bytes."""
+    """model states + GPU activations + temporaries + buffers + reserved, bytes."""
     fits: bool
     dp_bytes: float
     """Data-parallel bytes sent per step by this rank."""
@@ -202,6 +203,8 @@ class Candidate:
     names)."""
     persistent_params: int = 0
     """Stage 3: elements of the TP shard kept whole (``Training.param_persistence_threshold``)."""
+    temporaries: dict = field(default_factory=dict)
+    """``temporaries.temporary_bytes``: the step's short-lived bytes beyond the activations."""
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -226,15 +229,11 @@ def _padded(model: object, tp: int, training: Training) -> ModelShape:
 
 def _check_tp(m: ModelShape, tp: int, cluster: Cluster) -> None:
     if tp <= 0 or m.num_attention_heads % tp or m.ffn % tp:
-        raise ValueError(
-            f"tp={tp} must divide num_attention_heads={m.num_attention_heads} "
-            f"and ffn_hidden_size={m.ffn}"
-        )
+        raise ValueError(f"tp={tp} must divide num_attention_heads={m.num_attention_heads} "
+                         f"and ffn_hidden_size={m.ffn}")
     if tp > cluster.gpus_per_node or cluster.num_gpus % tp:
-        raise ValueError(
-            f"tp={tp} must divide num_gpus={cluster.num_gpus} and be <= "
-            f"gpus_per_node={cluster.gpus_per_node}"
-        )
+        raise ValueError(f"tp={tp} must divide num_gpus={cluster.num_gpus} and be <= "
+                         f"gpus_per_node={cluster.gpus_per_node}")
 
 
 def _check_layout(model: object, cluster: Cluster, training: Training, tp: int,
@@ -337,7 +336,9 @@ def evaluate(
     states = model_state_bytes(m, tp, dp, stage, prec, persistent)
     acts = activation_bytes(m, s, b, tp, activation, prec, dropout=training.dropout)
     buffers = _buffer_bytes(m, tp, dp, stage, prec, psi_t, training)
-    total = states["total"] + acts["gpu"] + buffers + int(cluster.reserved_bytes)
+    temps = temporary_bytes(m, s, b, tp, stage, activation, prec.activation_bytes,
+                            ModelShape.of(model).vocab_size, acts["layers"])
+    total = states["total"] + acts["gpu"] + temps["total"] + buffers + int(cluster.reserved_bytes)
 
     dp_kinds, tp_bytes, cpu_bytes = _traffic(m, tp, dp, stage, prec, micro_batches, persistent,
                                              activation, training, acts)
@@ -349,7 +350,7 @@ def evaluate(
         total_bytes=total, fits=total <= cluster.gpu_memory_bytes, dp_bytes=dp_bytes,
         tp_bytes=tp_bytes, cpu_bytes=cpu_bytes, times=times,
         tokens_per_s=gbs * s / times["step_s"], mfu=mfu, dp_bytes_by_kind=dp_kinds,
-        persistent_params=persistent,
+        persistent_params=persistent, temporaries=temps,
     )
 
 

@@ -1,0 +1,76 @@
+"""The step's temporaries: bytes alive at a training step's peak beyond what backward keeps.
+
+``hybrid.planner.memory.activation_bytes`` counts what autograd saves for backward (2205.05198
+§4, checked against the saved-bytes meter). The step peak the dry run measures
+(``hybrid.job.dry_run``) also holds short-lived tensors; :func:`temporary_bytes` adds them so the
+planner's total is the step peak. Derived from what the engine allocates (elements per TP rank;
+``e`` the compute dtype's bytes, s sequence, b micro batch, h width, V the padded vocabulary,
+t the TP degree):
+
+- The loss's forward (``hybrid.parallel.cross_entropy``): the output layer's logits
+  ``[s, b, V/t]`` in the compute dtype (``e`` B each) are alive while the loss upcasts them to fp32
+  (``x``, 4 B; no copy in fp32 training) and forms ``shifted = x - max`` (4 B, which becomes the
+  saved softmax the planner already counts as ``non_layer``). A rank holding padded vocabulary
+  columns masks them in a further fp32 clone (4 B). The peak there is therefore
+  ``sbV/t (e + 4 [e != 4] + 4 [padded])`` above the planner's activations; with full recompute the
+  layer working set the planner counts (one layer's activations) is not alive in the forward,
+  so it is subtracted.
+- A block's backward: the softmax (4 sbV/t) has been turned into the logits' gradient and freed;
+  held instead are the gradients of the root unit's output layer ``[V/t, h]`` (``e`` B) when they
+  wait for the unit's reduction (ZeRO 2/3: ``hybrid.zero.reduce`` frees a unit's ``.grad`` only
+  after its last bucket is reduced, and the root unit completes with the embedding, last) or for
+  a tied embedding's second contribution (autograd sums both uses before accumulating);
+  one block's gradients in the compute dtype before their reduce-scatter (ZeRO 2/3; stages 0/1
+  add each ``.grad`` into the fp32 flat buffer as it arrives, so only its largest weight,
+  ``max(f, qkv) h / t`` elements); the MLP's backward working set, the gradients of its
+  ``[s, b, f/t]`` activations (``k`` of them, 2 for GeLU, 3 for SwiGLU's gate, up and product);
+  and under sequence parallelism the all-gathered full-sequence input ``[s, b, h]`` of a
+  column-parallel layer and its gradient (``2 sbh e``; ``hybrid.parallel.ops``).
+
+``temporaries = max(loss forward, block backward)`` (at least 0), bytes per rank.
+"""
+
+from __future__ import annotations
+
+from hybrid.flops import layer_parameter_split
+from hybrid.model_shape import ModelShape
+
+
+def temporary_bytes(model: object, seq_length: int, micro_batch_size: int, tp: int, stage: int,
+                    activation: str, bytes_per_element: int, real_vocab_size: int | None = None,
+                    layer_bytes: int = 0) -> dict[str, int]:
+    """Bytes per rank alive at the step peak beyond the activations backward keeps.
+
+    Args:
+        model: config-like object (its ``vocab_size`` TP-padded).
+        seq_length, micro_batch_size: s and b (tokens).
+        tp: TP degree t; stage: ZeRO stage (0-3); activation: a ``memory.ACTIVATION_OPTIONS``
+            name (``sp`` and ``full`` in it matter).
+        bytes_per_element: the compute dtype's bytes e (2 for bf16/fp16, 4 for fp32).
+        real_vocab_size: the unpadded vocabulary (None: no padding); a rank with padded columns
+            pays one more fp32 ``[s, b, V/t]`` clone.
+        layer_bytes: the one-layer working set the planner counts under full recompute.
+
+    Returns:
+        ``{"loss_forward", "block_backward", "total"}`` bytes (see the module docstring);
+        ``total`` is the larger of the two, at least 0.
+    """
+    m = ModelShape.of(model)
+    parts = set(activation.split("+"))
+    e, s, b, h = bytes_per_element, seq_length, micro_batch_size, m.hidden_size
+    logits = s * b * (m.vocab_size // tp)
+    padded = real_vocab_size is not None and real_vocab_size < m.vocab_size
+    loss = logits * (e + (4 if e != 4 else 0) + (4 if padded else 0))
+    loss -= layer_bytes if "full" in parts else 0
+    sharded, replicated = layer_parameter_split(m)
+    tied = not m.untie_embeddings_and_output_weights
+    head = (m.vocab_size // tp) * h if stage >= 2 or tied else 0
+    if stage >= 2:
+        block = sharded // tp + replicated
+    else:
+        block = max(m.ffn, m.qkv_size) * h // tp
+    mlp = (3 if m.swiglu else 2) * s * b * (m.ffn // tp)
+    gathered = 2 * s * b * h if "sp" in parts and tp > 1 else 0
+    backward = (head + block + mlp + gathered) * e - 4 * logits
+    return {"loss_forward": loss, "block_backward": backward,
+            "total": max(0, loss, backward)}
