@@ -337,7 +337,7 @@ def evaluate(
     acts = activation_bytes(m, s, b, tp, activation, prec, dropout=training.dropout)
     buffers = _buffer_bytes(m, tp, dp, stage, prec, psi_t, training)
     temps = temporary_bytes(m, s, b, tp, stage, activation, prec.activation_bytes,
-                            ModelShape.of(model).vocab_size, acts["layers"])
+                            ModelShape.of(model).vocab_size, acts["layers"], training.dropout)
     total = states["total"] + acts["gpu"] + temps["total"] + buffers + int(cluster.reserved_bytes)
 
     dp_kinds, tp_bytes, cpu_bytes = _traffic(m, tp, dp, stage, prec, micro_batches, persistent,

@@ -15,17 +15,25 @@ t the TP degree):
   ``sbV/t (e + 4 [e != 4] + 4 [padded])`` above the planner's activations; with full recompute the
   layer working set the planner counts (one layer's activations) is not alive in the forward,
   so it is subtracted.
-- A block's backward: the softmax (4 sbV/t) has been turned into the logits' gradient and freed;
-  held instead are the gradients of the root unit's output layer ``[V/t, h]`` (``e`` B) when they
+- A block's backward: the loss's saved softmax (4 sbV/t, turned into the logits' gradient in
+  place) is counted by the planner's activations and stays alive in the measured step (the dry
+  run sees it through the blocks' backward); held beside it are the gradients of the root
+  unit's output layer ``[V/t, h]`` (``e`` B) when they
   wait for the unit's reduction (ZeRO 2/3: ``hybrid.zero.reduce`` frees a unit's ``.grad`` only
   after its last bucket is reduced, and the root unit completes with the embedding, last) or for
   a tied embedding's second contribution (autograd sums both uses before accumulating);
   one block's gradients in the compute dtype before their reduce-scatter (ZeRO 2/3; stages 0/1
   add each ``.grad`` into the fp32 flat buffer as it arrives, so only its largest weight,
-  ``max(f, qkv) h / t`` elements); the MLP's backward working set, the gradients of its
-  ``[s, b, f/t]`` activations (``k`` of them, 2 for GeLU, 3 for SwiGLU's gate, up and product);
-  and under sequence parallelism the all-gathered full-sequence input ``[s, b, h]`` of a
-  column-parallel layer and its gradient (``2 sbh e``; ``hybrid.parallel.ops``).
+  ``max(f, qkv) h / t`` elements); and the larger of two working sets that are not alive
+  together: the MLP's backward, the gradients of its ``[s, b, f/t]`` activations (GeLU: 2 in
+  the compute dtype; SwiGLU, ``models.fused``, works in fp32: the upcast gradient, gate and up
+  (16-bit training only), the sigmoid, SiLU and one product of the chain, ``6 x 4 B``, ``3 x 4 B``
+  in fp32), or under sequence parallelism the all-gathered full-sequence input ``[s, b, h]`` of
+  a column-parallel layer and its gradient (``2 sbh e``; ``hybrid.parallel.ops``). Besides,
+  with the explicit attention core (``models.blocks``, attention dropout on) the gradients of
+  its ``[b, a/t, s, s]`` scores as they pass back through dropout, softmax, the causal fill and
+  the scaling, 4 of them alive at once as measured (``4 a s^2 b e / t``), and under selective
+  recompute also the recomputed core, ``a s^2 b (2e + mask) / t`` (Table 2's ``5as^2b`` term).
 
 ``temporaries = max(loss forward, block backward)`` (at least 0), bytes per rank.
 """
@@ -38,7 +46,8 @@ from hybrid.model_shape import ModelShape
 
 def temporary_bytes(model: object, seq_length: int, micro_batch_size: int, tp: int, stage: int,
                     activation: str, bytes_per_element: int, real_vocab_size: int | None = None,
-                    layer_bytes: int = 0) -> dict[str, int]:
+                    layer_bytes: int = 0, dropout: bool = True, mask_bytes: int = 1
+                    ) -> dict[str, int]:
     """Bytes per rank alive at the step peak beyond the activations backward keeps.
 
     Args:
@@ -50,6 +59,8 @@ def temporary_bytes(model: object, seq_length: int, micro_batch_size: int, tp: i
         real_vocab_size: the unpadded vocabulary (None: no padding); a rank with padded columns
             pays one more fp32 ``[s, b, V/t]`` clone.
         layer_bytes: the one-layer working set the planner counts under full recompute.
+        dropout: attention dropout on (the explicit attention core; off: SDPA).
+        mask_bytes: bytes of a dropout-mask element.
 
     Returns:
         ``{"loss_forward", "block_backward", "total"}`` bytes (see the module docstring);
@@ -69,8 +80,11 @@ def temporary_bytes(model: object, seq_length: int, micro_batch_size: int, tp: i
         block = sharded // tp + replicated
     else:
         block = max(m.ffn, m.qkv_size) * h // tp
-    mlp = (3 if m.swiglu else 2) * s * b * (m.ffn // tp)
-    gathered = 2 * s * b * h if "sp" in parts and tp > 1 else 0
-    backward = (head + block + mlp + gathered) * e - 4 * logits
+    mlp = s * b * (m.ffn // tp) * ((6 if e < 4 else 3) * 4 if m.swiglu else 2 * e)
+    gathered = 2 * s * b * h * e if "sp" in parts and tp > 1 else 0
+    backward = (head + block) * e + max(mlp, gathered)
+    if dropout:
+        scores = m.num_attention_heads // tp * s * s * b
+        backward += scores * 4 * e + (scores * (2 * e + mask_bytes) if "selective" in parts else 0)
     return {"loss_forward": loss, "block_backward": backward,
             "total": max(0, loss, backward)}
