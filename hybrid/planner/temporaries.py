@@ -65,7 +65,12 @@ def temporary_bytes(model: object, seq_length: int, micro_batch_size: int, tp: i
     Returns:
         ``{"loss_forward", "block_backward", "total"}`` bytes (see the module docstring);
         ``total`` is the larger of the two, at least 0.
+
+    Raises:
+        ValueError: ``tp`` not positive or ``stage`` outside 0-3.
     """
+    if tp <= 0 or stage not in (0, 1, 2, 3):
+        raise ValueError(f"tp must be positive and stage in 0-3, got tp={tp}, stage={stage}")
     m = ModelShape.of(model)
     parts = set(activation.split("+"))
     e, s, b, h = bytes_per_element, seq_length, micro_batch_size, m.hidden_size
