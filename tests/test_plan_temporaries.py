@@ -61,3 +61,20 @@ def test_planner_total_and_fit_include_the_temporaries():
 def test_bad_tp_is_refused(bad):
     with pytest.raises(ValueError, match="tp"):
         temps(tp=bad)
+
+
+def test_embedding_backward_by_hand():
+    """Tied: lookup gradient, the output layer's contribution and their sum, 3 V h / t; the
+    blocks whose reductions wait (ZeRO 2/3: min(L blocks, 3 buckets with overlap)); less the
+    activations (freed by then) and, at ZeRO 3, the two gathered blocks (released)."""
+    from hybrid.planner.temporaries import embedding_backward_bytes
+
+    vh = 4096 * 256
+    block = (3 * 256**2 + 3 * 256 + 256**2 + 2 * 256 * 1024 + 1024) // 2 + 2 * 256 + 4 * 256
+    assert embedding_backward_bytes(GPT, 2, 1, 2, 10**9, 1000) == 3 * vh * 2 - 1000
+    assert embedding_backward_bytes(GPT, 2, 2, 2, 10**9, 0) == (3 * vh + 2 * block) * 2
+    assert embedding_backward_bytes(GPT, 2, 2, 2, 1000, 0) == (3 * vh + 3000) * 2
+    assert embedding_backward_bytes(GPT, 2, 2, 2, 1000, 0, overlap=False) == (3 * vh + 2000) * 2
+    assert embedding_backward_bytes(GPT, 2, 3, 2, 10**9, 0) == 3 * vh * 2
+    with pytest.raises(ValueError, match="tp"):
+        embedding_backward_bytes(GPT, 0, 2, 2, 1000, 0)

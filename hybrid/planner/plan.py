@@ -56,7 +56,7 @@ from hybrid.planner.memory import (
     persistent_parameters,
 )
 from hybrid.planner.precision import ACCOUNTINGS, get_precision
-from hybrid.planner.temporaries import temporary_bytes
+from hybrid.planner.temporaries import embedding_backward_bytes, temporary_bytes
 from hybrid.planner.traffic import dp_traffic_bytes, tp_traffic_elements
 from hybrid.zero.stage import stage_plan
 
@@ -329,7 +329,6 @@ def evaluate(
     s, b = training.seq_length, training.micro_batch_size
     gbs, micro_batches = _batch(training, cluster, dp)
     prec = get_precision(training.precision, training.accounting)
-
     psi_t = params_per_tp_rank(m, tp)
     zero = stage_plan(stage, param_persistence_threshold=training.param_persistence_threshold)
     persistent = persistent_parameters(m, tp, zero.persistence_threshold)
@@ -338,8 +337,11 @@ def evaluate(
     buffers = _buffer_bytes(m, tp, dp, stage, prec, psi_t, training)
     temps = temporary_bytes(m, s, b, tp, stage, activation, prec.activation_bytes,
                             ModelShape.of(model).vocab_size, acts["layers"], training.dropout)
+    bucket = min(max(1, training.reduce_bucket_elements // dp), -(-psi_t // dp)) * dp
+    temps["embedding_backward"] = embedding_backward_bytes(
+        m, tp, stage, prec.activation_bytes, bucket, acts["gpu"], training.overlap_comm)
+    temps["total"] = max(temps["total"], temps["embedding_backward"])
     total = states["total"] + acts["gpu"] + temps["total"] + buffers + int(cluster.reserved_bytes)
-
     dp_kinds, tp_bytes, cpu_bytes = _traffic(m, tp, dp, stage, prec, micro_batches, persistent,
                                              activation, training, acts)
     dp_bytes = sum(dp_kinds.values())

@@ -35,7 +35,14 @@ t the TP degree):
   the scaling, 4 of them alive at once as measured (``4 a s^2 b e / t``), and under selective
   recompute also the recomputed core, ``a s^2 b (2e + mask) / t`` (Table 2's ``5as^2b`` term).
 
-``temporaries = max(loss forward, block backward)`` (at least 0), bytes per rank.
+- The embedding's backward, last: its lookup gradient ``[V/t, h]`` (``e`` B), for a tied
+  embedding beside the output layer's contribution and their sum (``3 V h e / t``; untied: the
+  output layer's still waits at ZeRO 2/3, ``2 V h e / t``), and at ZeRO 2/3 the gradients of
+  the blocks whose reductions still wait (:func:`embedding_backward_bytes`); the activations
+  saved for backward are freed by then.
+
+``temporaries = max(loss forward, block backward, embedding backward)`` (at least 0), bytes per
+rank.
 """
 
 from __future__ import annotations
@@ -64,7 +71,7 @@ def temporary_bytes(model: object, seq_length: int, micro_batch_size: int, tp: i
 
     Returns:
         ``{"loss_forward", "block_backward", "total"}`` bytes (see the module docstring);
-        ``total`` is the larger of the two, at least 0.
+        ``total`` is the larger, at least 0 (the planner adds :func:`embedding_backward_bytes`).
 
     Raises:
         ValueError: ``tp`` not positive or ``stage`` outside 0-3.
@@ -91,5 +98,28 @@ def temporary_bytes(model: object, seq_length: int, micro_batch_size: int, tp: i
     if dropout:
         scores = m.num_attention_heads // tp * s * s * b
         backward += scores * 4 * e + (scores * (2 * e + mask_bytes) if "selective" in parts else 0)
-    return {"loss_forward": loss, "block_backward": backward,
-            "total": max(0, loss, backward)}
+    return {"loss_forward": loss, "block_backward": backward, "total": max(0, loss, backward)}
+
+
+def embedding_backward_bytes(model: object, tp: int, stage: int, bytes_per_element: int,
+                             bucket_elements: int, kept_bytes: int, overlap: bool = True) -> int:
+    """Temporaries of the embedding's backward, the last of the step (module docstring), bytes
+    per rank: ``(V h / t x (3 tied, 2 untied at ZeRO 2/3, else 1) + held) e - kept_bytes`` (the
+    saved activations are freed by then) ``- 2 x block e`` at ZeRO 3 (only the root unit is
+    gathered then). ``held`` (ZeRO 2/3): the blocks' gradients still waiting, ``min(L x block,
+    (3 with overlap, else 2) x bucket_elements)``: the bucket shared with the root unit, which
+    completes only now, and the reductions in flight. ``bucket_elements``: one reduce bucket over
+    the data-parallel group (``dp x chunk``, ``memory.comm_buffer_bytes``); ``block``: one
+    layer's local parameters. Raises ValueError for tp <= 0."""
+    if tp <= 0:
+        raise ValueError(f"tp must be positive, got {tp}")
+    m = ModelShape.of(model)
+    sharded, replicated = layer_parameter_split(m)
+    block = sharded // tp + replicated
+    vh = (m.vocab_size // tp) * m.hidden_size
+    tied = not m.untie_embeddings_and_output_weights
+    out = vh * (3 if tied else 2 if stage >= 2 else 1)
+    if stage >= 2:
+        out += min(m.num_layers * block, (3 if overlap else 2) * bucket_elements)
+    return out * bytes_per_element - kept_bytes - (2 * block * bytes_per_element if stage == 3
+                                                   else 0)
