@@ -2,8 +2,8 @@
 heads, SwiGLU 28672, RoPE, RMSNorm, no biases, untied, vocabulary 128256) at world 64 (tp 8 x
 dp 8, ZeRO-3, sequence parallel, full recompute, s 8192, no dropout), beside the GPT one of
 ``tests/test_dry_run.py``: the step completes; the model states and buffers the engine holds
-equal the planner's within 1%; the measured step peak is the planner's total plus temporaries
-the planner does not count (never less)."""
+equal the planner's within 1%; the measured step peak is within 10% of the planner's total,
+which counts the step's temporaries (issue 23, issue 27 item 13)."""
 
 import json
 import subprocess
@@ -38,4 +38,5 @@ def test_llama3_70b_shaped_dry_run_world_64():
     assert r["optimizer_steps"] == 1
     for k in ("params", "grads", "master", "optimizer", "states", "buffers"):
         assert abs(m[k] - p[k]) <= 0.01 * p[k], (k, m[k], p[k])
-    assert p["total"] <= m["total"] <= 1.35 * p["total"], (m["total"], p["total"])
+    # the planner's total counts the step's temporaries (hybrid.planner.temporaries)
+    assert abs(m["total"] - p["total"]) <= 0.10 * p["total"], (m["total"], p["total"])

@@ -176,7 +176,9 @@ def planner_figures(job) -> dict:
     cluster = Cluster(num_gpus=job.world_size, gpus_per_node=job.tp, reserved_bytes=0)
     c = evaluate(job.gpt, cluster, training, job.tp, z.stage, activation)
     out = {k: c.model_states[k] for k in STATE_KEYS}
-    out.update(states=c.model_states["total"], buffers=c.buffers, activations=c.activations["gpu"],
+    out.update(states=c.model_states["total"], buffers=c.buffers,
+               activations=c.activations["gpu"] + c.temporaries["total"],
+               kept_activations=c.activations["gpu"], temporaries=c.temporaries["total"],
                host_checkpoints=c.activations["cpu"], total=c.total_bytes)
     return out
 
@@ -304,6 +306,9 @@ def format_report(r: dict) -> str:
     for label, k in rows:
         diff = f"{(m[k] - p[k]) / p[k]:+.1%}" if p[k] else "-"
         lines.append(f"{label:<34}{m[k] / unit:>14.3f}{p[k] / unit:>14.3f}{diff:>9}")
+        if k == "activations" and "temporaries" in p:
+            lines += [f"{'  kept for backward':<34}{'':>14}{p['kept_activations'] / unit:>14.3f}",
+                      f"{'  temporaries':<34}{'':>14}{p['temporaries'] / unit:>14.3f}"]
     lines.append(f"{'construction peak':<34}{m['construction_peak'] / unit:>14.3f}{'':>14}"
                  f"  (bound: steady state + one unit in fp32 = {r['bound'] / unit:.3f}; units are "
                  "filled before the gradient and staging buffers exist, so it may equal the steady "
@@ -318,7 +323,8 @@ def format_report(r: dict) -> str:
                  "come and go in the step)")
     lines += _transfers(r)
     lines.append(f"{name} = 2^{30 if unit == GIB else 20} bytes. The planner's activations are "
-                 "what backward keeps (arXiv 2205.05198 §4); the measured peak adds the step's "
-                 "temporaries (a unit's gradients in the compute dtype before their reduction, the "
-                 "loss's fp32 logits and their gradient).")
+                 "what backward keeps (arXiv 2205.05198 §4) plus the step's temporaries "
+                 "(hybrid.planner.temporaries: the loss's logits and their fp32 copies, a unit's "
+                 "gradients in the compute dtype before their reduction, sequence parallelism's "
+                 "gathered inputs).")
     return "\n".join(lines)

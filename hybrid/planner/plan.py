@@ -56,6 +56,7 @@ from hybrid.planner.memory import (
     persistent_parameters,
 )
 from hybrid.planner.precision import ACCOUNTINGS, get_precision
+from hybrid.planner.temporaries import embedding_backward_bytes, temporary_bytes
 from hybrid.planner.traffic import dp_traffic_bytes, tp_traffic_elements
 from hybrid.zero.stage import stage_plan
 
@@ -185,7 +186,7 @@ class Candidate:
     """Constant-size communication buffers (and stage 3's gathered units at their peak), bytes:
     ``memory.comm_buffer_bytes``, the engine's ``buffers`` (+ ``gathered_peak``)."""
     total_bytes: int
-    """model states + GPU activations + buffers + reserved, bytes."""
+    """model states + GPU activations + temporaries + buffers + reserved, bytes."""
     fits: bool
     dp_bytes: float
     """Data-parallel bytes sent per step by this rank."""
@@ -202,6 +203,8 @@ class Candidate:
     names)."""
     persistent_params: int = 0
     """Stage 3: elements of the TP shard kept whole (``Training.param_persistence_threshold``)."""
+    temporaries: dict = field(default_factory=dict)
+    """``temporaries.temporary_bytes``: the step's short-lived bytes beyond the activations."""
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -226,15 +229,11 @@ def _padded(model: object, tp: int, training: Training) -> ModelShape:
 
 def _check_tp(m: ModelShape, tp: int, cluster: Cluster) -> None:
     if tp <= 0 or m.num_attention_heads % tp or m.ffn % tp:
-        raise ValueError(
-            f"tp={tp} must divide num_attention_heads={m.num_attention_heads} "
-            f"and ffn_hidden_size={m.ffn}"
-        )
+        raise ValueError(f"tp={tp} must divide num_attention_heads={m.num_attention_heads} "
+                         f"and ffn_hidden_size={m.ffn}")
     if tp > cluster.gpus_per_node or cluster.num_gpus % tp:
-        raise ValueError(
-            f"tp={tp} must divide num_gpus={cluster.num_gpus} and be <= "
-            f"gpus_per_node={cluster.gpus_per_node}"
-        )
+        raise ValueError(f"tp={tp} must divide num_gpus={cluster.num_gpus} and be <= "
+                         f"gpus_per_node={cluster.gpus_per_node}")
 
 
 def _check_layout(model: object, cluster: Cluster, training: Training, tp: int,
@@ -330,15 +329,19 @@ def evaluate(
     s, b = training.seq_length, training.micro_batch_size
     gbs, micro_batches = _batch(training, cluster, dp)
     prec = get_precision(training.precision, training.accounting)
-
     psi_t = params_per_tp_rank(m, tp)
     zero = stage_plan(stage, param_persistence_threshold=training.param_persistence_threshold)
     persistent = persistent_parameters(m, tp, zero.persistence_threshold)
     states = model_state_bytes(m, tp, dp, stage, prec, persistent)
     acts = activation_bytes(m, s, b, tp, activation, prec, dropout=training.dropout)
     buffers = _buffer_bytes(m, tp, dp, stage, prec, psi_t, training)
-    total = states["total"] + acts["gpu"] + buffers + int(cluster.reserved_bytes)
-
+    temps = temporary_bytes(m, s, b, tp, stage, activation, prec.activation_bytes,
+                            ModelShape.of(model).vocab_size, acts["layers"], training.dropout)
+    bucket = min(max(1, training.reduce_bucket_elements // dp), -(-psi_t // dp)) * dp
+    temps["embedding_backward"] = embedding_backward_bytes(
+        m, tp, stage, prec.activation_bytes, bucket, acts["gpu"], training.overlap_comm)
+    temps["total"] = max(temps["total"], temps["embedding_backward"])
+    total = states["total"] + acts["gpu"] + temps["total"] + buffers + int(cluster.reserved_bytes)
     dp_kinds, tp_bytes, cpu_bytes = _traffic(m, tp, dp, stage, prec, micro_batches, persistent,
                                              activation, training, acts)
     dp_bytes = sum(dp_kinds.values())
@@ -349,7 +352,7 @@ def evaluate(
         total_bytes=total, fits=total <= cluster.gpu_memory_bytes, dp_bytes=dp_bytes,
         tp_bytes=tp_bytes, cpu_bytes=cpu_bytes, times=times,
         tokens_per_s=gbs * s / times["step_s"], mfu=mfu, dp_bytes_by_kind=dp_kinds,
-        persistent_params=persistent,
+        persistent_params=persistent, temporaries=temps,
     )
 
 

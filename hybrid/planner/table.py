@@ -23,13 +23,16 @@ def plan_text(model, cluster, training, cands, skipped, chosen, fitting_only, de
         f"{cluster.gpu_memory_bytes / GB:g} GB, peak {cluster.peak_tflops:g} TFLOP/s x "
         f"{cluster.efficiency:g}; s={training.seq_length}, b={training.micro_batch_size}, "
         f"{training.precision} ({training.accounting} accounting)",
-        "per-rank GB (1e9 B): total = params + grads + master + optim + activ + buffers + "
+        "per-rank GB (1e9 B): total = params + grads + master + optim + activ + temps + buffers + "
         f"reserve (--reserved-gb {cluster.reserved_bytes / GB:g}: CUDA context, fragmentation); "
-        "fit = total <= GPU memory",
+        "fit = total <= GPU memory; activ = what backward keeps, temps = the step's temporaries "
+        "(loss logits, a unit's 16-bit gradients, SP's gathered inputs: hybrid.planner."
+        "temporaries)",
         "z = ZeRO stage; m = micro-batches per step (gradient accumulation: global batch / "
         "(b * dp)); dpGB, tpGB = GB each rank sends per step; step_s in s",
         f"{'tp':>3} {'dp':>4} {'z':>1} {'activation':<11} {'m':>3} {'params':>8} {'grads':>8} "
-        f"{'master':>8} {'optim':>8} {'activ':>8} {'buffers':>8} {'reserve':>8} {'total':>8} fit "
+        f"{'master':>8} {'optim':>8} {'activ':>8} {'temps':>8} {'buffers':>8} {'reserve':>8} "
+        f"{'total':>8} fit "
         f"{'dpGB':>8} {'tpGB':>8} {'step_s':>9} {'MFU':>5}",
     ]
     for c in cands:
@@ -39,7 +42,8 @@ def plan_text(model, cluster, training, cands, skipped, chosen, fitting_only, de
         lines.append(
             f"{c.tp:>3} {c.dp:>4} {c.stage:>1} {c.activation:<11} {c.micro_batches:>3} "
             f"{_gb(s['params'])} {_gb(s['grads'])} {_gb(s['master'])} {_gb(s['optimizer'])} "
-            f"{_gb(c.activations['gpu'])} {_gb(c.buffers)} {_gb(cluster.reserved_bytes)} "
+            f"{_gb(c.activations['gpu'])} {_gb(c.temporaries['total'])} {_gb(c.buffers)} "
+            f"{_gb(cluster.reserved_bytes)} "
             f"{_gb(c.total_bytes)} "
             f"{'yes' if c.fits else ' no'} {_gb(c.dp_bytes)} {_gb(c.tp_bytes)} "
             f"{c.times['step_s']:9.3f} {c.mfu:5.1%}"
