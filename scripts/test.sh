@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Lint (ruff) and run the whole test suite (CPU, gloo, about 12 minutes on 2 cores); skip reasons
+# Lint (ruff) and run the whole test suite (CPU, gloo, about 8 minutes on 2 idle cores); skip reasons
 # are shown. Sets up .venv first if needed.
 #   VENV   which environment (default .venv); extra arguments go to pytest.
 set -euo pipefail
