@@ -92,6 +92,21 @@ def list_presets() -> list[str]:
     return [*_SIZES, *_LLAMA]
 
 
+def preset_table() -> str:
+    """One line per preset (:func:`list_presets` order): name, layers, hidden size, attention
+    heads (and K/V heads when grouped) and the exact parameter count
+    (:meth:`GPTConfig.num_parameters`, in billions), under a header line."""
+    rows = [f"{'preset':<16}{'layers':>7}{'hidden':>8}{'heads':>8}{'params':>10}"]
+    for name in list_presets():
+        c = get_preset(name)
+        heads = str(c.num_attention_heads)
+        if c.query_groups != c.num_attention_heads:
+            heads += f"/{c.query_groups}"
+        rows.append(f"{name:<16}{c.num_layers:>7}{c.hidden_size:>8}{heads:>8}"
+                    f"{c.num_parameters() / 1e9:>9.3f}B")
+    return "\n".join(rows)
+
+
 def get_preset(name: str, **overrides) -> GPTConfig:
     """Return the :class:`GPTConfig` of preset ``name`` with ``overrides`` applied.
 

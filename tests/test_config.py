@@ -205,3 +205,30 @@ def test_component_configs_are_the_sections_and_flags_keep_megatron_names():
     with pytest.raises(ConfigError,
                        match=r"--micro-batch-size 0 \(TrainingConfig\.micro_batch_size\)"):
         parse_config(BASE + ["--micro-batch-size", "0"])
+
+
+def test_list_presets_and_generate_help_show_values(capsys):
+    from hybrid.hf.generate import main as generate_main
+    from hybrid.job.cli import build_parser
+    from models.presets import get_preset, list_presets
+
+    with pytest.raises(SystemExit) as stop:
+        parse_config(["--list-presets"])
+    assert stop.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["preset", "layers", "hidden", "heads", "params"]
+    assert [line.split()[0] for line in lines[1:]] == list_presets()
+    row = dict((line.split()[0], line.split()[1:]) for line in lines[1:])
+    assert row["gpt2-124m"] == ["12", "768", "12", "0.124B"]  # GPT-2 small, tied embeddings
+    c = get_preset("llama3-8b")
+    assert row["llama3-8b"] == ["32", "4096", "32/8", f"{c.num_parameters() / 1e9:.3f}B"]
+    assert row["llama3-8b"][3] == "8.030B"  # Meta's 8.03B
+    assert "--list-presets" in build_parser().format_help()
+    with pytest.raises(SystemExit) as stop:
+        generate_main(["--help"])
+    assert stop.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for default in ("(default: 64)", "(default: 1.0)", "(default: 50)", "(default: 1234)",
+                    "(default: the latest)", "(default: start a new document)"):
+        assert default in text, default
+    assert "(default: None)" not in text

@@ -67,9 +67,19 @@ def generate(hf_dir: str, prompt: str, max_new_tokens: int = 64, temperature: fl
     return tok.decode(out[0, len(ids):].tolist(), skip_special_tokens=True)
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` appends "(default: X)" to every flag whose help does not already name one."""
+
+    def _get_help_string(self, action):
+        if "default" in (action.help or "") or action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(allow_abbrev=False, prog="hybrid-generate",
-                                description=__doc__.split("\n")[0])
+                                description=__doc__.split("\n")[0],
+                                formatter_class=_DefaultsFormatter)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--hf-dir", help="Hugging Face model directory (from hybrid.export_hf)")
     src.add_argument("--load",
@@ -86,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="sample among the K most likely tokens (0: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
     p.add_argument("--seed", type=int, default=1234, help="random seed (same seed, same text)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="torch device to sample on")
     a = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="hybrid-generate-") as tmp:
         hf_dir = a.hf_dir

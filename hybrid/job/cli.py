@@ -84,6 +84,19 @@ def _check_aliases(ns: dict) -> None:
             raise ConfigError(f"{alias} and {main_flag} {ns[dest]} are mutually exclusive")
 
 
+class _ListPresets(argparse.Action):
+    """``--list-presets``: print every preset's shape and parameter count, then exit 0."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from models.presets import preset_table
+
+        print(preset_table())
+        parser.exit(0)
+
+
 class _Parser(argparse.ArgumentParser):
     """Raises :class:`ConfigError` (one short line, printed once per node by ``main``) instead
     of printing the whole usage on every rank, and names the closest valid flag."""
@@ -106,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     parser.add_argument("--config", help="YAML or TOML file with the same fields as the flags")
+    parser.add_argument("--list-presets", action=_ListPresets,
+                        help="print every --preset with its layers, hidden size, heads (/ K/V "
+                        "heads) and parameters, then exit")
     groups = {s: parser.add_argument_group(s, " ".join(kind.__doc__.split("\n\n")[0].split()))
               for s, kind in PretrainConfig.sections().items()}
     for section, f in PretrainConfig.flat_fields():
