@@ -81,6 +81,13 @@ def test_missing_data_files_and_tokenizer(tmp_path):
     tok = tiny_tokenizer(tmp_path)
     with pytest.raises(ConfigError, match=r"missing .*x\.bin"):
         check(base + ["--data-path", str(tmp_path / "x"), "--tokenizer-model", str(tok)])
+    # data.preprocess --output-prefix P writes P_<key>_document: a bare P names that file
+    write_token_dataset(tmp_path / "corpus_text_document", [[1, 2, 3]] * 5)
+    with pytest.raises(ConfigError, match=r"missing \S+corpus\.bin, \S+corpus\.idx; .* did you "
+                                          r"mean --data-path \S+corpus_text_document\?$"):
+        check(base + ["--data-path", str(tmp_path / "corpus"), "--tokenizer-model", str(tok)])
+    with pytest.raises(ConfigError, match=r"x\.bin, \S+x\.idx$"):  # nothing to suggest
+        check(base + ["--data-path", str(tmp_path / "x"), "--tokenizer-model", str(tok)])
     with pytest.raises(ConfigError, match="file not found"):
         check(base + ["--data-path", str(tmp_path / "x"), "--tokenizer-model",
                       str(tmp_path / "nope.model")])

@@ -262,6 +262,23 @@ TOKEN_SAMPLE = 1 << 20
 most); the training loop checks every micro-batch too (``hybrid.job.pretrain.checked_tokens``)."""
 
 
+def _check_pair(prefix: str) -> None:
+    """Raise :class:`ConfigError` when ``prefix.bin`` or ``prefix.idx`` is missing, suggesting
+    the ``<prefix>_<key>_document`` datasets beside it (what ``data.preprocess --output-prefix
+    <prefix>`` writes, one per ``--json-keys`` column) when there are any."""
+    missing = [s for s in (".bin", ".idx") if not Path(prefix + s).is_file()]
+    if not missing:
+        return
+    msg = f"--data-path {prefix}: missing {', '.join(prefix + s for s in missing)}"
+    base = Path(prefix)
+    found = sorted(str(p)[:-len(".idx")] for p in base.parent.glob(base.name + "_*_document.idx")
+                   if p.with_suffix(".bin").is_file())
+    if found:
+        msg += (f"; data.preprocess --output-prefix {prefix} writes <prefix>_<key>_document: "
+                f"did you mean --data-path {' or '.join(found)}?")
+    raise ConfigError(msg)
+
+
 def _check_data(cfg: PretrainConfig, vocab: int) -> None:
     d = cfg.data
     from data.blended_dataset import parse_data_path
@@ -287,10 +304,7 @@ def _check_data(cfg: PretrainConfig, vocab: int) -> None:
 
     fractions = parse_split(d.split)
     for prefix in prefixes:
-        missing = [s for s in (".bin", ".idx") if not Path(prefix + s).is_file()]
-        if missing:
-            raise ConfigError(f"--data-path {prefix}: missing "
-                              f"{', '.join(prefix + s for s in missing)}")
+        _check_pair(prefix)
         ds = IndexedDataset(prefix)
         docs = len(ds.document_indices) - 1
         head = ds.all_tokens[:TOKEN_SAMPLE]  # a mismatched tokenizer shows in the first tokens
