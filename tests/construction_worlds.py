@@ -88,3 +88,21 @@ def _compare(grid, cfg: GPTConfig, stage: int) -> dict:
     out.update(loaded_master=diff(a.states.master, c.states.master),
                loaded_params=diff(compute(a), compute(c)))
     return out
+
+
+def stage3_engine_lines(rank: int, world: int, model_kw: dict, thresholds) -> dict:
+    """``hybrid.job.pretrain.engine_line`` of a stage-3 engine per persistence threshold."""
+    from hybrid.job.pretrain import engine_line
+
+    grid = ProcessGrid(tp=1)
+    cfg = GPTConfig(**model_kw, hidden_dropout=0.0, attention_dropout=0.0)
+    out = {}
+    for threshold in thresholds:
+        with torch.device("meta"):
+            model = GPT(cfg)
+        parallelize_gpt(model, grid.tp_group)
+        zc = ZeroConfig(stage=3, param_persistence_threshold=threshold)
+        engine = ZeroEngine(model, grid, zc, OptimizerConfig(lr=1e-3),
+                            weights=seeded_weights(cfg, SEED))
+        out[threshold] = engine_line(engine)
+    return out

@@ -15,7 +15,7 @@ equals an engine built from that model.
 import pytest
 
 from hybrid.parallel.spawn import spawn_world
-from tests.construction_worlds import construction_peaks, same_as_materialised
+from tests.construction_worlds import construction_peaks, same_as_materialised, stage3_engine_lines
 
 MIB = 2**20
 MODEL = dict(num_layers=16, hidden_size=128, num_attention_heads=4, vocab_size=2048,
@@ -45,3 +45,18 @@ def test_built_by_unit_equals_materialised():
         for stage, r in by_stage.items():
             assert r == dict(master=0.0, params=0.0, loaded_master=0.0, loaded_params=0.0), (stage,
                                                                                              r)
+
+
+@pytest.mark.timeout(300)
+def test_stage3_line_says_which_flag_partitions_parameters_kept_whole():
+    """SMALL's largest parameter (the 1001 x 64 embedding) is under the default threshold
+    (100,000 elements), so stage 3 would partition nothing: the start-up line says so and
+    names the flag; with some parameters partitioned (10,000) or none kept (0) it does not."""
+    lines = spawn_world(2, stage3_engine_lines, SMALL, (100_000, 10_000, 0), timeout_s=120)[0]
+    whole = lines[100_000]
+    n = int(whole.split(" of ")[1].split()[0].replace(",", ""))
+    assert f"{n:,} of {n:,} parameters kept whole" in whole, whole
+    assert ("so none is partitioned: a smaller --param-persistence-threshold partitions the "
+            "larger ones, 0 partitions all)") in whole, whole
+    assert "kept whole" in lines[10_000] and "none is partitioned" not in lines[10_000]
+    assert "kept whole" not in lines[0], lines[0]

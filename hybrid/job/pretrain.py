@@ -100,7 +100,9 @@ def checked_tokens(batches, vocab_size: int, source):
 
 
 def engine_line(engine) -> str:
-    """One start-up line: ZeRO stage, precision and this rank's bytes held per kind."""
+    """One start-up line: ZeRO stage, precision and this rank's bytes held per kind; on stage 3
+    also how many parameters ``--param-persistence-threshold`` keeps whole, and when that is
+    all of them, which flag value partitions them."""
     held = ", ".join(f"{k} {v / 2**20:.2f}" for k, v in engine.memory_bytes().items() if v)
     config, layout = engine.config, engine.layout
     kept = [u for u in layout.units if u.persistent] if engine.plan.shards_parameters else []
@@ -109,7 +111,11 @@ def engine_line(engine) -> str:
         n = sum(u.numel for u in kept)
         note = (f" (params: the shard plus {n:,} of {layout.numel:,} parameters kept whole, "
                 f"those under --param-persistence-threshold "
-                f"{config.param_persistence_threshold:,})")
+                f"{config.param_persistence_threshold:,}")
+        if n == layout.numel:  # stage 3 then saves no parameter memory: say how to change it
+            note += ("; so none is partitioned: a smaller --param-persistence-threshold "
+                     "partitions the larger ones, 0 partitions all")
+        note += ")"
     return (f"ZeRO stage {engine.stage} {config.precision} over dp {engine.dp} | MiB held on "
             f"rank 0: {held}{note}")
 
