@@ -75,6 +75,9 @@ def flags_by_command() -> dict[str, set[str]]:
     from hybrid.job import megatron_flags as mf
     found["hybrid.pretrain"] |= (set(mf.MEANING) | set(mf.SIZE_ONE) | mf.NO_OP | set(mf.REFUSED)
                                  | {"--tokenizer-type"})
+    # the shell scripts' own options: tested as `[ "$1" = "--fast" ]` (scripts/test.sh)
+    found["scripts/*.sh"] = {m for p in (ROOT / "scripts").glob("*.sh")
+                             for m in re.findall(r'= "(--[a-z][a-z0-9-]*)"', p.read_text())}
     empty = [k for k, v in found.items() if not v and "gpu" not in k]
     assert not empty, f"no parser seen for {empty}"
     return found
