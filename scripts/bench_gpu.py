@@ -1,4 +1,4 @@
-"""GPU benchmark (issue 8 item 4): tokens/s, TFLOP/s and MFU of a GPT-2 1.5B-class model on one
+"""GPU benchmark: tokens/s, TFLOP/s and MFU of a GPT-2 1.5B-class model on one
 GPU in bf16, our ZeRO stage 0 vs a plain torch loop, and peak memory with and without P_a and the
 checkpoint arena. One command, a few minutes on one H200:
 

@@ -1,4 +1,4 @@
-"""GPU memory of activation checkpointing: P_a vs not, and the arena vs not (issue 5, GPU part).
+"""GPU memory of activation checkpointing: P_a vs not, and the arena vs not (ZeRO-R, GPU).
 
 Prints, per option, on tensor-parallel rank 0 of a tp = 2 world:
 
