@@ -27,8 +27,9 @@ MODULES = [
 ]
 CONSOLE = {"hybrid-pretrain": "hybrid.pretrain", "hybrid-plan": "hybrid.plan",
            "torchrun": "torch.distributed.run"}
-# Flags of other programs that the prose names (pip's, in a TORCH_SPEC value).
-FOREIGN = {"--index-url"}
+# Flags of other programs that the prose names (pip's, in a TORCH_SPEC value; SLURM's sbatch and
+# scancel).
+FOREIGN = {"--index-url", "--signal"}
 
 _COLLECT = r"""
 import argparse, json, runpy, sys

@@ -32,9 +32,9 @@ class Checkpointer:
         engine.stop_source = self.stop.requested  # rides on the grad-norm all-reduce
         self.saved_at = None
 
-    def save(self, state: TrainState) -> None:
+    def save(self, state: TrainState, report: bool = True) -> None:
         """Save ``state``'s iteration under ``--save`` (once per iteration; nothing without
-        ``--save``)."""
+        ``--save``); ``report``: rank 0 prints the saved line."""
         from hybrid.checkpoint.shards import save_checkpoint
 
         if not self.ck.save or self.saved_at == state.iteration:
@@ -42,18 +42,21 @@ class Checkpointer:
         save_checkpoint(self.ck.save, state.iteration, self.engine, self.grid, state.counters(),
                         self.metadata, self.tracker, self.ck.save_keep_last)
         self.saved_at = state.iteration
-        if self.grid.rank == 0:
+        if self.grid.rank == 0 and report:
             self.writer.print(f" saved checkpoint at iteration {state.iteration} to {self.ck.save}")
 
     def after_iteration(self, state: TrainState) -> bool:
         """Save when due; True (on every rank) when the run must stop now (the Trainer's
-        ``after_iteration`` hook)."""
+        ``after_iteration`` hook). A stop is one line: why, and where the checkpoint is."""
         if self.ck.save_interval and state.iteration % self.ck.save_interval == 0:
             self.save(state)
         if self.stop.should_stop(self.grid.device, self.engine.take_stop_request()):
-            self.save(state)
+            self.save(state, report=False)
             if self.grid.rank == 0:
-                self.writer.print(f" exiting at iteration {state.iteration}: {self.stop.reason()}")
+                saved = (f"saved checkpoint at iteration {state.iteration} to {self.ck.save}"
+                         if self.ck.save else "not saved (no --save)")
+                self.writer.print(f" exiting at iteration {state.iteration}: "
+                                  f"{self.stop.reason()}; {saved}")
             return True
         return False
 

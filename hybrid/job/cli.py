@@ -22,6 +22,13 @@ import tomllib
 from hybrid.config import PretrainConfig
 from hybrid.config_fields import ConfigError, flag_hints, flag_of
 
+# torchrun's options that make hybrid-pretrain a launcher (hybrid.job.launch): flag -> has a value
+LAUNCH_OPTIONS = {
+    "--nproc-per-node": True, "--nnodes": True, "--node-rank": True, "--master-addr": True,
+    "--master-port": True, "--rdzv-backend": True, "--rdzv-endpoint": True, "--rdzv-id": True,
+    "--max-restarts": True, "--standalone": False,
+}
+
 
 def _annotation(f: dataclasses.Field):
     # Our own annotations ("int | None", "list[str]") are strings under postponed evaluation.
@@ -122,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--list-presets", action=_ListPresets,
                         help="print every --preset with its layers, hidden size, heads (/ K/V "
                         "heads) and parameters, then exit")
+    _add_launch_options(parser)
     groups = {s: parser.add_argument_group(s, " ".join(kind.__doc__.split("\n\n")[0].split()))
               for s, kind in PretrainConfig.sections().items()}
     for section, f in PretrainConfig.flat_fields():
@@ -143,6 +151,18 @@ def build_parser() -> argparse.ArgumentParser:
             g.add_argument(alias, dest=key, action=_Alias, const=const, main_flag=flag_of(f),
                            help=f"same as {flag_of(f)} {const}")
     return parser
+
+
+def _add_launch_options(parser: argparse.ArgumentParser) -> None:
+    """torchrun's options that make ``hybrid-pretrain`` a launcher (:mod:`hybrid.job.launch`
+    takes them out of the flags before parsing; listed here for ``--help``)."""
+    g = parser.add_argument_group(
+        "launch", "hybrid-pretrain --nproc-per-node N [...]: check the flags once in this process, "
+        "then start torchrun with these options; SIGTERM/SIGINT reach the workers, which save "
+        "and exit 0, whatever torchrun's shutdown timeout")
+    for flag, takes_value in LAUNCH_OPTIONS.items():
+        kind = {"metavar": flag[2:].upper()} if takes_value else {"action": "store_true"}
+        g.add_argument(flag, dest=f"launch_{flag[2:]}", help=f"torchrun's {flag}", **kind)
 
 
 def _file_keys() -> dict[str, tuple[str, dataclasses.Field]]:

@@ -1,4 +1,5 @@
-"""Graceful stops: SIGTERM (what SLURM sends before a kill) and a wall-clock limit.
+"""Graceful stops: SIGTERM (what SLURM sends before a kill), SIGINT (Ctrl-C) and a wall-clock
+limit.
 
 The signal handler only sets a flag; the training loop asks :meth:`StopSignal.should_stop`
 after each iteration, with the world's answer when the iteration's grad-norm all-reduce already
@@ -6,6 +7,10 @@ carried :meth:`StopSignal.requested` (:func:`hybrid.zero.grad_norm.global_grad_n
 no extra collective or host read), else it all-reduces the flag (MAX) itself, so that every
 rank stops after the same iteration, saves a checkpoint and exits 0. A signal that arrives
 after the iteration's grad-norm all-reduce stops the run one iteration later.
+
+A second SIGINT ends the process at once (exit status 130) with one line and without saving.
+A stop that arrives while the job starts (:func:`catch_stops_early`, before the loop's handler
+exists) is kept and honoured after the first iteration.
 """
 
 from __future__ import annotations
@@ -37,30 +42,63 @@ def process_start() -> float:
 
 
 _START: float | None = None
+_EARLY: list[int] = []  # signals caught by catch_stops_early() that no StopSignal took yet
+
+
+def catch_stops_early() -> None:
+    """From now on, record SIGTERM / SIGINT for the :class:`StopSignal` built later (the
+    process entry point calls it, before the slow imports; a second SIGINT exits at once)."""
+    def record(signum, frame):
+        _EARLY.append(signum)
+        if _EARLY.count(signal.SIGINT) > 1:
+            _exit_interrupted()
+
+    for s in STOP_SIGNALS:
+        signal.signal(s, record)
+
+
+def _exit_interrupted() -> None:
+    """A second Ctrl-C: end now, one line from rank 0 (the others end silently)."""
+    if os.environ.get("RANK", "0") == "0":
+        os.write(2, b"hybrid-pretrain: second interrupt: exiting now, without saving (the last "
+                    b"saved checkpoint stays)\n")
+    os._exit(130)
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class StopSignal:
-    """Tracks SIGTERM and ``--exit-duration-in-mins``.
+    """Tracks SIGTERM, SIGINT and ``--exit-duration-in-mins``.
 
     Args:
         exit_duration_mins: stop once this many minutes have passed since ``start`` (None: no
             limit).
-        signals: which signals request a stop (default SIGTERM).
+        signals: which signals request a stop (default SIGTERM and SIGINT; a second SIGINT
+            exits at once). A stop that :func:`catch_stops_early` recorded counts as received.
         start: :func:`time.monotonic` time the limit counts from (default: the process start,
             :func:`process_start`, so model build, data indexing and wandb start-up count).
     """
 
-    def __init__(self, exit_duration_mins: float | None = None, signals=(signal.SIGTERM,),
+    def __init__(self, exit_duration_mins: float | None = None, signals=STOP_SIGNALS,
                  start: float | None = None):
         self.start = process_start() if start is None else start
         self.limit_s = None if exit_duration_mins is None else 60.0 * exit_duration_mins
-        self.received: int | None = None
+        early = [s for s in _EARLY if s in signals]
+        _EARLY.clear()
+        self.received: int | None = early[0] if early else None
+        self.interrupts = early.count(signal.SIGINT)
         self._previous = {}
         for s in signals:
             self._previous[s] = signal.signal(s, self._handle)
 
     def _handle(self, signum, frame):
-        self.received = signum
+        if signum == signal.SIGINT:
+            self.interrupts += 1
+            if self.interrupts > 1:
+                _exit_interrupted()
+        if self.received is None:
+            self.received = signum
 
     def reason(self) -> str:
         if self.received is not None:

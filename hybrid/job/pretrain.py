@@ -247,6 +247,10 @@ def main(argv: list[str] | None = None) -> int:
     # a user's warning is a line of its own, not a source file and line of this package
     warnings.formatwarning = lambda msg, cat, *_, **__: f"{cat.__name__}: {msg}\n"
     try:
+        from hybrid.job import launch
+
+        if launch.wanted(sys.argv[1:] if argv is None else argv):  # --nproc-per-node N
+            return launch.launch(sys.argv[1:] if argv is None else argv)
         ignored: list[str] = []
         cfg = parse_config(argv, ignored)
         job = validate(cfg, world_size=cfg.grid.dry_run_world_size)

@@ -1,0 +1,189 @@
+"""``hybrid-pretrain --nproc-per-node N [torchrun options] [flags]``: validate, then torchrun.
+
+The launcher checks the configuration once, in this process, for the world it is about to
+start (``--nnodes`` x ``--nproc-per-node`` ranks): a bad flag is one error line and exit status
+2, before any worker or process group exists. Only then does it run torchrun
+(``python -m torch.distributed.run``) with the same options and ``-m hybrid.pretrain`` and the
+remaining flags, and it returns torchrun's exit status.
+
+Signals. A stop (SIGTERM from SLURM or ``kill``, SIGINT from Ctrl-C) must reach the workers and
+nothing else: each worker finishes its iteration, saves and exits 0
+(:mod:`hybrid.job.preemption`), however long the save takes. torchrun, left to itself,
+forwards such a signal, waits its shutdown timeout (30 s) and SIGKILLs workers that are still
+saving, then exits 1. So torchrun is started with SIGTERM and SIGINT ignored (a disposition it
+keeps, because ``--signals-to-handle`` here names neither) and this launcher forwards them to
+torchrun's workers (which torchrun starts in sessions of their own, out of reach of the
+terminal's Ctrl-C). SLURM, which signals every process of the job step, then reaches the
+launcher, torchrun and the workers at once: torchrun ignores it, each worker sees a stop (once
+or twice, the same stop). A second Ctrl-C SIGKILLs torchrun and its workers at once, prints
+one line and exits 130.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+from hybrid.job.cli import LAUNCH_OPTIONS, parse_config
+from hybrid.job.config_checks import ConfigError, validate
+
+# what torchrun itself still handles (forwarded to the workers, which then end at once)
+TORCHRUN_SIGNALS = "SIGHUP,SIGQUIT"
+
+
+def split_launch_options(argv: list[str]) -> tuple[dict[str, str | None], list[str]]:
+    """``(torchrun options, hybrid.pretrain flags)`` of ``argv``. torchrun's ``_`` spellings
+    (``--nproc_per_node``) and ``--flag=value`` are accepted; ``None`` for ``--standalone``.
+
+    Raises:
+        ConfigError: a launcher option without its value.
+    """
+    options: dict[str, str | None] = {}
+    rest: list[str] = []
+    args = iter(argv)
+    for arg in args:
+        name, eq, value = arg.partition("=")
+        flag = name.replace("_", "-") if name.startswith("--") else name
+        if flag not in LAUNCH_OPTIONS:
+            rest.append(arg)
+            continue
+        if LAUNCH_OPTIONS[flag] and not eq:
+            value = next(args, None)
+            if value is None or value.startswith("--"):
+                raise ConfigError(f"{flag} needs a value (torchrun's option)")
+        options[flag] = value if LAUNCH_OPTIONS[flag] else None
+    return options, rest
+
+
+def wanted(argv: list[str]) -> bool:
+    """True when ``argv`` asks this process to launch torchrun (``--nproc-per-node``), outside
+    torchrun.
+
+    Raises:
+        ConfigError: a launcher option given to a process that torchrun already started.
+    """
+    options, _ = split_launch_options(argv)
+    if not options:
+        return False
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        raise ConfigError(f"{' '.join(options)}: torchrun already started this process; give "
+                          "torchrun's options to torchrun, or run hybrid-pretrain "
+                          "--nproc-per-node N without torchrun")
+    if "--nproc-per-node" not in options:
+        raise ConfigError(f"{' '.join(options)} launches torchrun: add --nproc-per-node N "
+                          "(processes per node)")
+    return True
+
+
+def world_of(options: dict[str, str | None]) -> tuple[int, int]:
+    """``(world size, processes per node)`` that ``options`` start (``--nnodes MIN:MAX``: MAX).
+
+    Raises:
+        ConfigError: a value that is not a positive number (``gpu``/``auto``: the GPU count).
+    """
+    nproc, nnodes = options["--nproc-per-node"], options.get("--nnodes") or "1"
+    if nproc in ("gpu", "auto"):
+        import torch
+
+        nproc = str(torch.cuda.device_count() or (os.cpu_count() if nproc == "auto" else 0))
+    try:
+        per_node, nodes = int(nproc), int(nnodes.split(":")[-1])
+    except ValueError:
+        per_node = nodes = 0
+    if per_node < 1 or nodes < 1:
+        raise ConfigError(f"--nproc-per-node {options['--nproc-per-node']} --nnodes {nnodes}: "
+                          "give positive numbers of processes per node and of nodes")
+    return per_node * nodes, per_node
+
+
+def torchrun_command(options: dict[str, str | None], flags: list[str],
+                     module: str = "hybrid.pretrain") -> list[str]:
+    """The torchrun command line: ``options``, the signals it keeps handling, then
+    ``-m module flags``. One node without a rendezvous address runs ``--standalone`` (a free
+    port, so two jobs on one machine do not collide)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--signals-to-handle", TORCHRUN_SIGNALS]
+    for flag, value in options.items():
+        cmd += [flag] if value is None else [flag, value]
+    addressed = {"--master-addr", "--master-port", "--rdzv-endpoint", "--standalone"}
+    if (options.get("--nnodes") or "1") == "1" and not addressed & options.keys():
+        cmd.append("--standalone")
+    return cmd + ["-m", module, *flags]
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (Linux ``/proc``; empty elsewhere)."""
+    found = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid == pid:
+                found.append(int(entry))
+    return found
+
+
+def _ignore_stops() -> None:
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, signal.SIG_IGN)
+
+
+def _kill(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+class _Forward:
+    """The launcher's SIGTERM / SIGINT handler: pass the stop to torchrun's workers; a second
+    SIGINT (or a stop before any worker exists) ends torchrun and the workers at once."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc, self.interrupts = proc, 0
+
+    def __call__(self, signum, frame) -> None:
+        workers = children(self.proc.pid)
+        self.interrupts += signum == signal.SIGINT
+        if self.interrupts < 2 and workers:
+            _kill(workers, signum)
+            return
+        _kill([self.proc.pid, *workers], signal.SIGKILL)
+        why = "second interrupt" if self.interrupts >= 2 else "stopped before training started"
+        print(f"hybrid-pretrain: {why}: ended every process now, without saving (the last "
+              "saved checkpoint stays)", file=sys.stderr, flush=True)
+        os._exit(128 + signum)
+
+
+def supervise(cmd: list[str]) -> int:
+    """Run torchrun ``cmd`` with SIGTERM/SIGINT ignored, forwarding them to its workers; returns
+    its exit status (128 + n when signal n killed it)."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default too, without its warning
+    proc = subprocess.Popen(cmd, env=env, preexec_fn=_ignore_stops)
+    forward = _Forward(proc)
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        status = proc.wait()
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    return 128 - status if status < 0 else status
+
+
+def launch(argv: list[str], module: str = "hybrid.pretrain") -> int:
+    """Validate ``argv``'s flags for the world its launcher options start, then run torchrun;
+    returns the exit status (2: a configuration error, printed as one line)."""
+    try:
+        options, flags = split_launch_options(argv)
+        world, per_node = world_of(options)
+        validate(parse_config(flags), world_size=world, local_world_size=per_node)
+    except ConfigError as e:
+        print(f"hybrid-pretrain: error: {e}", file=sys.stderr)
+        return 2
+    return supervise(torchrun_command(options, flags, module))

@@ -1,0 +1,106 @@
+"""The launcher ``hybrid-pretrain --nproc-per-node N`` (:mod:`hybrid.job.launch`): stops by
+signal under torchrun (issue 27 kind 1, issue 28 item 4) and one-line configuration errors.
+
+Each job is a real torchrun of 2 CPU ranks (gloo) started through the launcher, so these tests
+are few and each one checks many things. The workers run ``tests.slow_save_launch``, which is
+``hybrid.pretrain`` with a slowed checkpoint save.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hybrid.checkpoint.directory import latest_iteration
+from hybrid.job.launch import children
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length",
+        "32", "--mock-data", "--vocab-size", "500", "--micro-batch-size", "2",
+        "--global-batch-size", "8", "--lr-decay-style", "constant", "--eval-iters", "0",
+        "--log-interval", "1", "--seed", "3", "--distributed-timeout-minutes", "1"]
+FULL = 60  # iterations of the uninterrupted reference run
+
+
+def launch(extra, metrics, slow_save_s=0.0):
+    """Start the launcher (2 ranks) in a session of its own, as a job step of its own."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1",
+               SLOW_SAVE_S=str(slow_save_s), TORCH_ELASTIC_SHUTDOWN_TIMEOUT="3")
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.slow_save_launch", "--nproc-per-node", "2", *BASE,
+         "--metrics-file", str(metrics), *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
+        start_new_session=True)
+
+
+def losses(metrics: Path) -> dict[int, float]:
+    return {r["iteration"]: r["lm_loss"]
+            for r in map(json.loads, metrics.read_text().splitlines()) if r["kind"] == "train"}
+
+
+def wait_for_iterations(proc, metrics: Path, n: int) -> list[int]:
+    """Wait until ``n`` iterations are logged; returns ``[launcher, torchrun, workers...]``."""
+    deadline = time.monotonic() + 150
+    while not metrics.exists() or metrics.read_text().count('"train"') < n:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+        time.sleep(0.2)
+    (torchrun,) = children(proc.pid)
+    workers = children(torchrun)
+    assert len(workers) == 2, workers
+    return [proc.pid, torchrun, *workers]
+
+
+def finish(proc, timeout=150) -> tuple[int, list[str]]:
+    out, _ = proc.communicate(timeout=timeout)
+    return proc.returncode, out.splitlines()
+
+
+def noise(lines):
+    """Lines that are neither the log nor start-up lines: what a stop added."""
+    return [x for x in lines if not x.startswith((" iteration", "hybrid-zero", "ZeRO stage"))]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run's losses (the same seed and data, constant learning rate)."""
+    m = tmp_path_factory.mktemp("reference") / "m.jsonl"
+    rc, lines = finish(launch(["--train-iters", str(FULL)], m))
+    assert rc == 0, lines[-30:]
+    return losses(m)
+
+
+def resume_matches(ck: Path, stopped: int, tmp: Path, reference: dict) -> None:
+    """A job resumed from ``ck`` continues at ``stopped + 1`` with the reference's losses."""
+    assert stopped + 2 <= FULL
+    m = tmp / "resumed.jsonl"
+    rc, lines = finish(launch(["--train-iters", str(stopped + 2), "--load", str(ck)], m))
+    assert rc == 0, lines[-30:]
+    resumed = losses(m)
+    assert sorted(resumed) == [stopped + 1, stopped + 2]
+    assert all(resumed[i] == reference[i] for i in resumed), (resumed, reference)  # bitwise
+
+
+@pytest.mark.timeout(600)
+def test_sigterm_to_every_process_saves_past_torchrun_timeout_and_exits_0(tmp_path, reference):
+    """SLURM's stop signals every process of the step (launcher, torchrun, workers) at once.
+    The save takes 8 s, past torchrun's shutdown timeout (3 s here, 30 s by default, after
+    which a torchrun that handled the SIGTERM itself SIGKILLs the workers and exits 1)."""
+    ck, m = tmp_path / "ck", tmp_path / "m.jsonl"
+    proc = launch(["--train-iters", "10000", "--save", str(ck)], m, slow_save_s=8)
+    pids = wait_for_iterations(proc, m, 3)
+    t0 = time.monotonic()
+    for pid in pids:
+        os.kill(pid, signal.SIGTERM)
+    rc, lines = finish(proc)
+    assert rc == 0, lines[-30:]
+    assert time.monotonic() - t0 > 8  # the save outlasted torchrun's timeout
+    stopped = latest_iteration(ck)
+    assert stopped is not None and stopped >= 3
+    assert noise(lines) == [f" exiting at iteration {stopped}: received SIGTERM; saved "
+                            f"checkpoint at iteration {stopped} to {ck}"], lines[-30:]
+    resume_matches(ck, stopped, tmp_path, reference)
