@@ -27,12 +27,14 @@ BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
 FULL = 60  # iterations of the uninterrupted reference run
 
 
-def launch(extra, metrics, slow_save_s=0.0):
-    """Start the launcher (2 ranks) in a session of its own, as a job step of its own."""
+def launch(extra, metrics, slow_save_s=0.0, program="tests.slow_save_launch"):
+    """Start the launcher (2 ranks) in a session of its own, as a terminal or a job step would:
+    its process group is the launcher and torchrun (torchrun's workers have sessions of their
+    own). ``program``: ``hybrid.pretrain`` itself, or the same with slow saves."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1",
                SLOW_SAVE_S=str(slow_save_s), TORCH_ELASTIC_SHUTDOWN_TIMEOUT="3")
     return subprocess.Popen(
-        [sys.executable, "-m", "tests.slow_save_launch", "--nproc-per-node", "2", *BASE,
+        [sys.executable, "-m", program, "--nproc-per-node", "2", *BASE,
          "--metrics-file", str(metrics), *extra],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
         start_new_session=True)
@@ -104,3 +106,42 @@ def test_sigterm_to_every_process_saves_past_torchrun_timeout_and_exits_0(tmp_pa
     assert noise(lines) == [f" exiting at iteration {stopped}: received SIGTERM; saved "
                             f"checkpoint at iteration {stopped} to {ck}"], lines[-30:]
     resume_matches(ck, stopped, tmp_path, reference)
+
+
+@pytest.mark.timeout(600)
+def test_ctrl_c_saves_with_one_line_and_the_job_resumes_exactly(tmp_path, reference):
+    """Ctrl-C at the terminal (SIGINT to the foreground process group: the documented launcher
+    ``python -m hybrid.pretrain --nproc-per-node 2`` and torchrun) stops like SIGTERM."""
+    ck, m = tmp_path / "ck", tmp_path / "m.jsonl"
+    proc = launch(["--train-iters", "10000", "--save", str(ck)], m, program="hybrid.pretrain")
+    wait_for_iterations(proc, m, 3)
+    os.killpg(proc.pid, signal.SIGINT)
+    rc, lines = finish(proc)
+    assert rc == 0, lines[-30:]
+    stopped = latest_iteration(ck)
+    assert stopped is not None and stopped >= 3
+    assert noise(lines) == [f" exiting at iteration {stopped}: received SIGINT; saved "
+                            f"checkpoint at iteration {stopped} to {ck}"], lines[-30:]
+    resume_matches(ck, stopped, tmp_path, reference)
+
+
+@pytest.mark.timeout(300)
+def test_second_ctrl_c_ends_every_process_at_once_with_one_line(tmp_path):
+    """The second Ctrl-C lands during a 60 s save: every process ends now, nothing is
+    published, one line, exit status 130."""
+    ck, m = tmp_path / "ck", tmp_path / "m.jsonl"
+    proc = launch(["--train-iters", "10000", "--save", str(ck)], m, slow_save_s=60)
+    pids = wait_for_iterations(proc, m, 3)
+    os.killpg(proc.pid, signal.SIGINT)
+    time.sleep(3)  # the stop is agreed after one iteration (~0.1 s); the save now sleeps
+    t0 = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)
+    rc, lines = finish(proc, timeout=30)
+    assert rc == 130 and time.monotonic() - t0 < 10, (rc, lines[-30:])
+    assert noise(lines) == ["hybrid-pretrain: second interrupt: ended every process now, without "
+                            "saving (the last saved checkpoint stays)"], lines[-30:]
+    assert latest_iteration(ck) is None
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{p}").exists() for p in pids[1:]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in pids[1:] if Path(f"/proc/{p}").exists()]
