@@ -117,8 +117,12 @@ def train_step(engine: ZeroEngine, micro_batches: list[torch.Tensor], lr: float,
 
 @torch.no_grad()
 def evaluate(engine: ZeroEngine, batches: Iterator[torch.Tensor], num_micro_batches: int,
-             grid: ProcessGrid) -> float:
-    """Mean loss over ``num_micro_batches`` micro-batches of this rank, averaged over dp."""
+             grid: ProcessGrid, stop: Callable[[], bool] | None = None) -> float | None:
+    """Mean loss over ``num_micro_batches`` micro-batches of this rank, averaged over dp.
+
+    ``stop()`` (the same answer on every rank, e.g. SIGTERM) is asked after each micro-batch;
+    when it says stop the evaluation ends there and returns None (a partial mean is dropped).
+    """
     engine.eval()
     total = torch.zeros(1, dtype=torch.float64)
     count = 0
@@ -129,6 +133,9 @@ def evaluate(engine: ZeroEngine, batches: Iterator[torch.Tensor], num_micro_batc
             break
         total += engine.model(tokens[:, :-1], tokens[:, 1:]).mean().double().cpu()
         count += 1
+        if stop is not None and stop():
+            engine.train()
+            return None
     engine.train()
     if count == 0:
         return float("nan")
@@ -210,6 +217,8 @@ class Trainer:
             nothing to do, train to the end).
         progress: a tqdm-like bar with ``update(n)``, or None.
         state: the progress counters (restored on resume).
+        stop_now: the world's answer whether the job must stop now (SIGTERM, time limit; one
+            collective), asked after each evaluation micro-batch; None: never asked.
     """
 
     engine: ZeroEngine
@@ -221,6 +230,7 @@ class Trainer:
     after_iteration: AfterIteration | None = None
     progress: Any = None
     state: TrainState = field(default_factory=TrainState)
+    stop_now: Callable[[], bool] | None = None
 
     def train(self, train_batches: Iterator[torch.Tensor]) -> TrainState:
         """Run until ``settings.train_iters`` steps; returns the final :class:`TrainState`.
@@ -316,16 +326,21 @@ class Trainer:
 
     def evaluate(self, split: str) -> float | None:
         """Evaluate ``--eval-iters`` global batches of ``split`` ("valid" or "test") and log one
-        record; None if the split is empty. Validation moves forward through its split from one
-        evaluation to the next (``state.consumed_valid_samples``), as in Megatron-LM."""
+        record; None if the split is empty or a stop (``stop_now``) ended the evaluation, which
+        is then dropped. Validation moves forward through its split from one evaluation to the
+        next (``state.consumed_valid_samples``, a dropped one included, so that a resumed run
+        validates on the samples of an uninterrupted one), as in Megatron-LM."""
         s, state = self.settings, self.state
         start = state.consumed_valid_samples if split == "valid" else 0
         batches = self.eval_batches(split, start)
         if batches is None:
             return None
-        loss = evaluate(self.engine, batches, s.eval_iters * s.grad_accum_steps, self.grid)
+        loss = evaluate(self.engine, batches, s.eval_iters * s.grad_accum_steps, self.grid,
+                        self.stop_now)
         if split == "valid":
             state.consumed_valid_samples += s.eval_iters * s.global_batch_size
+        if loss is None:
+            return None
         record = dict(split=split, iteration=state.iteration,
                       consumed_samples=state.consumed_samples, lm_loss=loss)
         self.writer.eval(record)

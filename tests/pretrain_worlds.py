@@ -69,6 +69,31 @@ def sigterm_at(rank: int, world: int, argv: list[str], iteration: int) -> list[d
     return run_configs(rank, world, [argv])[0]
 
 
+def sigterm_in_evaluation(rank: int, world: int, argv: list[str], batch: int) -> tuple:
+    """Run ``argv`` with SIGTERM delivered to rank 0 while the first evaluation reads its
+    micro-batch ``batch``; returns ``(history, micro-batches each evaluation read)``."""
+    import os
+    import signal
+
+    import hybrid.training as training
+
+    evaluate, counts = training.evaluate, []
+
+    def counted(engine, batches, n, grid, stop=None):
+        counts.append(0)
+
+        def reading():
+            for b in batches:
+                counts[-1] += 1
+                if rank == 0 and len(counts) == 1 and counts[-1] == batch:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                yield b
+        return evaluate(engine, reading(), n, grid, stop)
+
+    training.evaluate = counted
+    return run_configs(rank, world, [argv])[0], counts
+
+
 def engine_lifetime(rank: int, world: int, argv: list[str]) -> tuple[bool, bool]:
     """``(collected without close, collected after close)`` for the engine of a short run."""
     import gc

@@ -15,7 +15,7 @@ import pytest
 
 from hybrid.job.preemption import StopSignal
 from hybrid.parallel.spawn import spawn_world
-from tests.pretrain_worlds import run_configs, sigterm_at
+from tests.pretrain_worlds import run_configs, sigterm_at, sigterm_in_evaluation
 
 ROOT = Path(__file__).resolve().parents[1]
 MOCK = ["--mock-data", "--vocab-size", "500", "--num-layers", "1", "--hidden-size", "32",
@@ -48,6 +48,24 @@ def test_sigterm_and_time_limit_stop_without_save(tmp_path):
     assert [iterations(h) for h in termed] == [[1, 2, 3], [1, 2, 3]]
     assert signal.getsignal(signal.SIGTERM) == before
     assert not list(tmp_path.iterdir())  # nothing saved anywhere we own
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_during_a_long_evaluation_stops_within_one_batch_and_saves(tmp_path):
+    # issue 27 kind 2: SIGTERM during a 10,000-batch validation waited for all of it
+    from hybrid.checkpoint.directory import latest_iteration, read_metadata
+
+    ck = tmp_path / "ck"
+    argv = MOCK + ["--global-batch-size", "4", "--eval-interval", "2", "--eval-iters", "5000",
+                   "--save", str(ck)]
+    runs = spawn_world(2, sigterm_in_evaluation, argv, 3, timeout_s=60)
+    for history, counts in runs:
+        assert iterations(history) == [1, 2]
+        assert not [r for r in history if "split" in r]  # the partial evaluation is dropped
+        assert counts == [3]  # the signal came with batch 3: its forward, then the stop
+    assert latest_iteration(ck) == 2
+    meta = read_metadata(ck, 2)
+    assert meta["train_state"]["consumed_valid_samples"] == 5000 * 4  # as if it had finished
 
 
 @pytest.mark.timeout(400)

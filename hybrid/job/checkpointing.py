@@ -31,6 +31,7 @@ class Checkpointer:
         self.stop = StopSignal(self.ck.exit_duration_in_mins)
         engine.stop_source = self.stop.requested  # rides on the grad-norm all-reduce
         self.saved_at = None
+        self.stop_agreed = False  # stop_now() said stop: the next after_iteration stops
 
     def save(self, state: TrainState, report: bool = True) -> None:
         """Save ``state``'s iteration under ``--save`` (once per iteration; nothing without
@@ -50,7 +51,8 @@ class Checkpointer:
         ``after_iteration`` hook). A stop is one line: why, and where the checkpoint is."""
         if self.ck.save_interval and state.iteration % self.ck.save_interval == 0:
             self.save(state)
-        if self.stop.should_stop(self.grid.device, self.engine.take_stop_request()):
+        reduced = self.engine.take_stop_request()
+        if self.stop_agreed or self.stop.should_stop(self.grid.device, reduced):
             self.save(state, report=False)
             if self.grid.rank == 0:
                 saved = (f"saved checkpoint at iteration {state.iteration} to {self.ck.save}"
@@ -59,6 +61,13 @@ class Checkpointer:
                                   f"{self.stop.reason()}; {saved}")
             return True
         return False
+
+    def stop_now(self) -> bool:
+        """The world's answer (one all-reduce): must the job stop now? The Trainer asks it
+        between evaluation batches; once True, the next :meth:`after_iteration` saves and stops
+        without asking again."""
+        self.stop_agreed = self.stop_agreed or self.stop.should_stop(self.grid.device)
+        return self.stop_agreed
 
     def close(self) -> None:
         """Reinstall the signal handlers the stop signal replaced."""

@@ -207,7 +207,7 @@ def run(job: Job) -> dict:
     checkpointer = Checkpointer(job, engine, grid, tracker, writer)
     checkpointer.metadata["lr_schedule"] = settings  # the one followed, for the next resume
     trainer = Trainer(engine, grid, loop_settings(job, grid), schedule, writer, eval_batches,
-                      checkpointer.after_iteration, progress, state)
+                      checkpointer.after_iteration, progress, state, checkpointer.stop_now)
     try:
         trainer.train(_batches(train_ds, state.consumed_samples, job, grid))
         checkpointer.save(state)
