@@ -145,3 +145,26 @@ def test_second_ctrl_c_ends_every_process_at_once_with_one_line(tmp_path):
     while any(Path(f"/proc/{p}").exists() for p in pids[1:]) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not [p for p in pids[1:] if Path(f"/proc/{p}").exists()]
+
+
+@pytest.mark.timeout(120)
+def test_a_bad_flag_under_the_launcher_is_one_line_before_any_rank_starts():
+    """Issue 28 item 3: at most 3 lines and a non-zero exit, with --nproc-per-node 4 through
+    the documented launcher and through scripts/pretrain_gpt.sh (no worker starts: torchrun's
+    ~45 lines of ChildFailedError never come)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), GPUS_PER_NODE="4", MASTER_PORT="1")
+    model = ["--mock-data", "--vocab-size", "512", "--num-layers", "2", "--hidden-size", "64",
+             "--num-attention-heads", "4"]
+    cases = [
+        ([sys.executable, "-m", "hybrid.pretrain", "--nproc-per-node", "4", *model,
+          "--zero-stage", "7"], "--zero-stage 7 (ZeroConfig.stage): valid values are 0, 1, 2, 3"),
+        (["bash", "scripts/pretrain_gpt.sh", *model, "--tensor-model-parallel-size", "3"],
+         "tensor-model-parallel size 3 does not divide the world size 4"),
+        ([sys.executable, "-m", "hybrid.pretrain", "--nproc_per_node=4", "--nnodes", "two",
+          *model], "--nproc-per-node 4 --nnodes two: give positive numbers"),
+    ]
+    for cmd, message in cases:
+        out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=100)
+        lines = (out.stdout + out.stderr).splitlines()
+        assert out.returncode == 2 and len(lines) <= 3, (cmd, lines[-40:])
+        assert lines[0].startswith("hybrid-pretrain: error: ") and message in lines[0], lines
