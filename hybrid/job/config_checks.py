@@ -16,6 +16,7 @@ from hybrid.batch_rampup import BatchRampup
 from hybrid.config import PretrainConfig
 from hybrid.config_fields import ConfigError
 from hybrid.job.model_config import model_config
+from hybrid.job.preflight import check_paths
 from hybrid.job.schedule_setup import batch_rampup, schedule_settings, training_iterations
 from hybrid.parallel.grid import validate_grid
 from hybrid.parallel.vocab import pad_vocab_size
@@ -149,6 +150,8 @@ def validate(cfg: PretrainConfig, world_size: int | None = None,
     if cfg.logging.tensorboard_dir and (why := tensorboard_missing()):
         raise ConfigError(why)
     _check_checkpoint(cfg, gpt, schedule)
+    if cfg.grid.dry_run_world_size is None:  # a dry run writes none of them
+        check_paths(cfg)
     return Job(
         cfg=cfg, gpt=gpt, world_size=world, tp=tp, dp=dp, global_batch_size=gbs,
         grad_accum_steps=gbs // (t.micro_batch_size * dp), tokens_per_step=gbs * m.seq_length,

@@ -1,0 +1,110 @@
+"""Pre-flight checks of every path the job writes, before any process group starts.
+
+A ``--save`` under a regular file, on a read-only file system or in ``/proc``, a metrics file, a
+TensorBoard or wandb directory that cannot be written, or a data index cache beside read-only
+data would otherwise fail at its first write: after the process groups start (a traceback from
+every rank) or, for ``--save``, a whole save interval into training. Each path is probed for
+real (a file created and removed), because permissions alone do not show a read-only mount, and
+root passes every permission check.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from hybrid.config import PretrainConfig
+from hybrid.config_fields import ConfigError
+
+CACHE_SUBDIR = Path("cache") / "GPTDataset_indices"  # the index cache beside the data
+
+
+def unwritable(path: str | os.PathLike, is_dir: bool = True) -> str | None:
+    """Why ``path`` cannot be written (a directory, or with ``is_dir=False`` a file), or None.
+
+    A path that does not exist yet counts as writable when its nearest existing ancestor is a
+    directory where one can create it. The probe creates and removes a uniquely named entry.
+    """
+    p = Path(path).absolute()
+    if p.exists():
+        if p.is_dir() != is_dir:
+            return "it is a directory" if p.is_dir() else "it is a file, not a directory"
+        return _probe(p) if is_dir else _open_for_append(p)
+    ancestor = p.parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        return f"{ancestor} is a file, not a directory"
+    why = _probe(ancestor)
+    return why and f"{why} (creating it in {ancestor})"
+
+
+def _probe(directory: Path) -> str | None:
+    try:
+        fd, name = tempfile.mkstemp(prefix=".hybrid-preflight-", dir=directory)
+    except OSError as e:
+        return e.strerror or str(e)
+    os.close(fd)
+    os.unlink(name)
+    return None
+
+
+def _open_for_append(file: Path) -> str | None:
+    try:
+        with open(file, "a"):
+            pass
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
+
+
+def index_cache_dirs(cfg: PretrainConfig) -> list[tuple[Path, bool]]:
+    """``(directory, given)`` of every data index cache the job may write: ``--data-cache-path``
+    (given), else the ``cache/GPTDataset_indices`` beside each ``--data-path`` dataset."""
+    d = cfg.data
+    if d.mock_data or not d.data_path:
+        return []
+    if d.data_cache_path:
+        return [(Path(d.data_cache_path), True)]
+    from data.blended_dataset import parse_data_path
+
+    _, prefixes = parse_data_path(d.data_path)
+    return list(dict.fromkeys((Path(os.path.abspath(p)).parent / CACHE_SUBDIR, False)
+                              for p in prefixes))
+
+
+def _cache_problem(directory: Path, given: bool) -> str | None:
+    why = unwritable(directory)
+    if why is None:
+        return None
+    if given:
+        return f"--data-cache-path {directory} cannot be written: {why}; give a writable directory"
+    if directory.is_dir() and any(directory.glob("*.npy")):
+        return None  # a cache built beforehand (say, by whoever made the shared data) is read
+    return (f"the data index cache {directory} (default: beside --data-path) cannot be written: "
+            f"{why}; give --data-cache-path DIR, a writable directory (read-only data is fine)")
+
+
+def check_paths(cfg: PretrainConfig) -> None:
+    """Refuse the first output path that cannot be written, naming it and the flag that moves it.
+
+    Checks ``--save``, the data index cache (:func:`index_cache_dirs`), ``--metrics-file``,
+    ``--tensorboard-dir`` and, with ``--wandb-project``, ``--wandb-save-dir`` (default
+    ``$WANDB_DIR`` or ``./wandb``).
+
+    Raises:
+        ConfigError: ``<flag> <path> cannot be written: <reason>; ...``.
+    """
+    lg = cfg.logging
+    wandb_dir = lg.wandb_project and (lg.wandb_save_dir or os.environ.get("WANDB_DIR") or "wandb")
+    outputs = [("--save", cfg.checkpoint.save, True), ("--metrics-file", lg.metrics_file, False),
+               ("--tensorboard-dir", lg.tensorboard_dir, True),
+               ("--wandb-save-dir", wandb_dir, True)]
+    for flag, path, is_dir in outputs:
+        if path and (why := unwritable(path, is_dir)):
+            raise ConfigError(f"{flag} {path} cannot be written: {why}; give {flag} a writable "
+                              f"{'directory' if is_dir else 'file'}")
+    for directory, given in index_cache_dirs(cfg):
+        if why := _cache_problem(directory, given):
+            raise ConfigError(why)

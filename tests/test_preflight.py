@@ -1,0 +1,91 @@
+"""Pre-flight checks of the paths a job writes (issue 27 kinds 3 and 7): each unusable path is
+refused before any process group starts, naming the path and the flag that moves it, and
+read-only data works with ``--data-cache-path``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybrid.job.cli import parse_config
+from hybrid.job.config_checks import ConfigError, validate
+from tests.pretrain_worlds import MODEL, prepare_data
+
+ROOT = Path(__file__).resolve().parents[1]
+MOCK = ["--mock-data", "--vocab-size", "512", "--num-layers", "1", "--hidden-size", "32",
+        "--num-attention-heads", "2", "--seq-length", "16", "--train-iters", "2",
+        "--eval-iters", "0"]
+
+
+def refusal(argv: list[str]) -> str:
+    with pytest.raises(ConfigError) as e:
+        validate(parse_config(argv), world_size=1, local_world_size=1)
+    return str(e.value)
+
+
+def test_every_unwritable_output_path_is_refused_naming_it_and_its_flag(tmp_path):
+    # kind 3: --save under a regular file or in /proc was found at the first save
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    assert refusal(MOCK + ["--save", f"{blocker}/ck"]) == (
+        f"--save {blocker}/ck cannot be written: {blocker} is a file, not a directory; give "
+        "--save a writable directory")
+    assert refusal(MOCK + ["--save", "/proc/ck"]).startswith("--save /proc/ck cannot be written: ")
+    assert refusal(MOCK + ["--save", str(blocker)]).startswith(
+        f"--save {blocker} cannot be written: it is a file, not a directory")
+    assert refusal(MOCK + ["--metrics-file", str(tmp_path)]).startswith(
+        f"--metrics-file {tmp_path} cannot be written: it is a directory")
+    assert refusal(MOCK + ["--metrics-file", f"{blocker}/m.jsonl"]).startswith("--metrics-file ")
+    assert refusal(MOCK + ["--tensorboard-dir", f"{blocker}/tb"]).startswith("--tensorboard-dir ")
+    assert refusal(MOCK + ["--wandb-project", "p", "--wandb-save-dir", "/proc/w"]).startswith(
+        "--wandb-save-dir /proc/w cannot be written: ")
+    # writable paths pass, and nothing is left behind by the probes
+    validate(parse_config(MOCK + ["--save", str(tmp_path / "new" / "ck"), "--metrics-file",
+                                  str(tmp_path / "m.jsonl")]), world_size=1, local_world_size=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
+    # through the launcher: one line, before torchrun starts
+    out = subprocess.run([sys.executable, "-m", "hybrid.pretrain", "--nproc-per-node", "2", *MOCK,
+                          "--save", "/proc/ck"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=100, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert out.returncode == 2 and (out.stdout + out.stderr).splitlines() == [
+        f"hybrid-pretrain: error: {refusal(MOCK + ['--save', '/proc/ck'])}"]
+
+
+def _read_only(directory: Path, cmd: list[str]) -> list[str]:
+    """``cmd`` run with ``directory`` mounted read-only (a private mount namespace)."""
+    return ["unshare", "-rm", "sh", "-c", 'mount --bind -o ro "$0" "$0" && exec "$@"',
+            str(directory), *cmd]
+
+
+@pytest.mark.timeout(300)
+def test_read_only_data_directory_is_refused_at_once_and_runs_with_data_cache_path(tmp_path):
+    # kind 7: the index cache beside read-only data failed on every rank after the groups started
+    data = tmp_path / "shared"
+    data.mkdir(parents=True)
+    prefix, tok = prepare_data(data)
+    probe = subprocess.run(_read_only(data, ["touch", str(data / "x")]), capture_output=True)
+    if probe.returncode == 0 or b"Read-only" not in probe.stderr:
+        pytest.skip(f"no read-only bind mount here (unshare -rm): {probe.stderr[-200:]!r}")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    job = MODEL + ["--data-path", prefix, "--tokenizer-model", tok, "--split", "1",
+                   "--micro-batch-size", "2", "--train-iters", "2", "--eval-iters", "0"]
+    launcher = [sys.executable, "-m", "hybrid.pretrain"]
+    out = subprocess.run(_read_only(data, [*launcher, "--nproc-per-node", "2", *job]), cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=100)
+    lines = (out.stdout + out.stderr).splitlines()
+    cache = data / "cache" / "GPTDataset_indices"
+    assert out.returncode == 2 and len(lines) == 1, lines[-30:]
+    assert lines[0].startswith(
+        f"hybrid-pretrain: error: the data index cache {cache} (default: beside --data-path) "
+        "cannot be written: Read-only file system"), lines
+    assert "give --data-cache-path DIR" in lines[0]
+    moved = tmp_path / "index-cache"
+    out = subprocess.run(_read_only(data, [*launcher, *job, "--data-cache-path", str(moved)]),
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=200)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    assert " iteration        2/" in out.stdout
+    assert list(moved.glob("*-GPTDataset-train-*.npy")) and not cache.exists()
