@@ -8,6 +8,10 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from hybrid.job.preemption import catch_stops_early  # noqa: E402
+
+if __name__ == "__main__":  # before torch loads: a stop during the imports is kept too
+    catch_stops_early()
+
 from hybrid.job.pretrain import exit_now  # noqa: E402
 from hybrid.job.pretrain import main as _main  # noqa: E402
 

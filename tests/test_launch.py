@@ -168,3 +168,28 @@ def test_a_bad_flag_under_the_launcher_is_one_line_before_any_rank_starts():
         lines = (out.stdout + out.stderr).splitlines()
         assert out.returncode == 2 and len(lines) <= 3, (cmd, lines[-40:])
         assert lines[0].startswith("hybrid-pretrain: error: ") and message in lines[0], lines
+
+
+def test_a_second_interrupt_exits_at_once_and_a_repeated_one_does_not():
+    """Without the launcher (``python -m hybrid.pretrain``, torchrun alone): a stop during
+    start-up is kept; the same Ctrl-C delivered twice (srun, torchrun) is one; a second one
+    later ends the process with one line and status 130."""
+    code = "\n".join([
+        "import os, signal, time",
+        "from hybrid.job.preemption import StopSignal, catch_stops_early",
+        "catch_stops_early()",
+        "os.kill(os.getpid(), signal.SIGINT)",
+        "stop = StopSignal()",
+        "assert stop.received == signal.SIGINT and stop.requested()",
+        "os.kill(os.getpid(), signal.SIGINT)",
+        "print('kept', flush=True)",
+        "time.sleep(1.5)",
+        "os.kill(os.getpid(), signal.SIGINT)",
+        "time.sleep(5)",
+        "print('not reached')",
+    ])
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert out.returncode == 130 and out.stdout == "kept\n", (out.stdout, out.stderr)
+    assert out.stderr == ("hybrid-pretrain: second interrupt: exiting now, without saving (the "
+                          "last saved checkpoint stays)\n")

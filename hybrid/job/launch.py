@@ -25,6 +25,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 from hybrid.job.cli import LAUNCH_OPTIONS, parse_config
 from hybrid.job.config_checks import ConfigError, validate
@@ -145,13 +146,18 @@ class _Forward:
     SIGINT (or a stop before any worker exists) ends torchrun and the workers at once."""
 
     def __init__(self, proc: subprocess.Popen):
-        self.proc, self.interrupts = proc, 0
+        self.proc, self.interrupts, self.started = proc, 0, False
+
+    def watch(self) -> None:
+        """Note once that torchrun's workers exist (afterwards, no worker means they ended)."""
+        self.started = self.started or bool(children(self.proc.pid))
 
     def __call__(self, signum, frame) -> None:
         workers = children(self.proc.pid)
+        self.started = self.started or bool(workers)
         self.interrupts += signum == signal.SIGINT
-        if self.interrupts < 2 and workers:
-            _kill(workers, signum)
+        if self.interrupts < 2 and (workers or self.started):
+            _kill(workers, signum)  # none left: they finished, torchrun ends by itself
             return
         _kill([self.proc.pid, *workers], signal.SIGKILL)
         why = "second interrupt" if self.interrupts >= 2 else "stopped before training started"
@@ -169,6 +175,9 @@ def supervise(cmd: list[str]) -> int:
     forward = _Forward(proc)
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
+        while forward.started is False and proc.poll() is None:
+            forward.watch()
+            time.sleep(0.5)
         status = proc.wait()
     finally:
         for s, h in previous.items():

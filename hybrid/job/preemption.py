@@ -8,7 +8,8 @@ no extra collective or host read), else it all-reduces the flag (MAX) itself, so
 rank stops after the same iteration, saves a checkpoint and exits 0. A signal that arrives
 after the iteration's grad-norm all-reduce stops the run one iteration later.
 
-A second SIGINT ends the process at once (exit status 130) with one line and without saving.
+A second SIGINT (more than :data:`REPEAT_S` after the first) ends the process at once (exit
+status 130) with one line and without saving.
 A stop that arrives while the job starts (:func:`catch_stops_early`, before the loop's handler
 exists) is kept and honoured after the first iteration.
 """
@@ -42,15 +43,19 @@ def process_start() -> float:
 
 
 _START: float | None = None
-_EARLY: list[int] = []  # signals caught by catch_stops_early() that no StopSignal took yet
+# (signal, monotonic time) caught by catch_stops_early() that no StopSignal took yet
+_EARLY: list[tuple[int, float]] = []
 
 
 def catch_stops_early() -> None:
     """From now on, record SIGTERM / SIGINT for the :class:`StopSignal` built later (the
     process entry point calls it, before the slow imports; a second SIGINT exits at once)."""
     def record(signum, frame):
-        _EARLY.append(signum)
-        if _EARLY.count(signal.SIGINT) > 1:
+        now = time.monotonic()
+        last = max((t for s, t in _EARLY if s == signal.SIGINT), default=-REPEAT_S)
+        if signum != signal.SIGINT or now - last > REPEAT_S:  # else: the same Ctrl-C again
+            _EARLY.append((signum, now))
+        if [s for s, _ in _EARLY].count(signal.SIGINT) > 1:
             _exit_interrupted()
 
     for s in STOP_SIGNALS:
@@ -66,6 +71,7 @@ def _exit_interrupted() -> None:
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+REPEAT_S = 1.0  # a SIGINT this soon after the last one is the same Ctrl-C, delivered twice
 
 
 class StopSignal:
@@ -84,17 +90,23 @@ class StopSignal:
                  start: float | None = None):
         self.start = process_start() if start is None else start
         self.limit_s = None if exit_duration_mins is None else 60.0 * exit_duration_mins
-        early = [s for s in _EARLY if s in signals]
+        early = [(s, t) for s, t in _EARLY if s in signals]
         _EARLY.clear()
-        self.received: int | None = early[0] if early else None
-        self.interrupts = early.count(signal.SIGINT)
+        self.received: int | None = early[0][0] if early else None
+        interrupts = [t for s, t in early if s == signal.SIGINT]
+        self.interrupts = len(interrupts)
+        self._last_interrupt = interrupts[-1] if interrupts else -REPEAT_S
         self._previous = {}
         for s in signals:
             self._previous[s] = signal.signal(s, self._handle)
 
     def _handle(self, signum, frame):
         if signum == signal.SIGINT:
-            self.interrupts += 1
+            now = time.monotonic()
+            # the same Ctrl-C twice (SLURM's srun delivers it, torchrun forwards it) is one
+            if now - self._last_interrupt > REPEAT_S:
+                self.interrupts += 1
+            self._last_interrupt = now
             if self.interrupts > 1:
                 _exit_interrupted()
         if self.received is None:
