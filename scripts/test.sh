@@ -4,7 +4,7 @@
 #   --fast  (first argument) only the FAST subset below: every subsystem (CLI and config, docs and
 #           code shape, models, TP, ZeRO 0-3, activation checkpointing, checkpoints and exact
 #           resume, data, the end-to-end job, HF import, planner, FLOPs, schedule, golden
-#           losses), under 3 minutes on 2 idle cores.
+#           losses, the launcher and pre-flight checks), under 3 minutes on 2 idle cores.
 #   VENV    which environment (default .venv); extra arguments go to pytest.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -24,6 +24,8 @@ FAST=(
     tests/test_hf.py::test_gpt2_weights_give_our_logits_and_convert_back_bitwise
     tests/test_hf.py::test_init_from_hf_is_checked_before_any_process_group
     tests/test_plan.py tests/test_flops.py tests/test_schedule.py tests/test_training_loop.py
+    tests/test_launch.py::test_a_bad_flag_under_the_launcher_is_one_line_before_any_rank_starts
+    tests/test_preflight.py::test_every_unwritable_output_path_is_refused_naming_it_and_its_flag
 )
 if [ "${1:-}" = "--fast" ]; then
     shift
