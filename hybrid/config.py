@@ -208,7 +208,14 @@ class DataConfig:
     data_path: list[str] = arg([], "dataset prefixes, optionally weighted: 'A' or '0.3 A 0.7 B'",
                                nargs="*")
     split: str = arg("969,30,1", "train,valid,test proportions of the documents")
-    tokenizer_model: str | None = arg(None, "sentencepiece .model file")
+    tokenizer_type: str | None = arg(
+        None, "SentencePieceTokenizer (a .model file) or HuggingFaceTokenizer (a directory with "
+              "tokenizer.json) for --tokenizer-model; GPT2BPETokenizer / NullTokenizer are "
+              "implied by --vocab-file / --vocab-size (default: from --tokenizer-model)",
+        choices=["SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
+                 "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer"])
+    tokenizer_model: str | None = arg(None, "sentencepiece .model file, or a Hugging Face "
+                                            "tokenizer directory (tokenizer.json)")
     vocab_file: str | None = arg(None, "GPT-2 BPE vocab.json (with --merge-file; data "
                                        "preprocessed with Megatron-LM's GPT2BPETokenizer)")
     merge_file: str | None = arg(None, "GPT-2 BPE merges.txt (with --vocab-file)")
