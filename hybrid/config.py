@@ -281,9 +281,10 @@ class CheckpointConfig:
     no_load_rng: bool = arg(False, "do not restore the RNG states")
     finetune: bool = arg(False, "load weights only and start from iteration 0 (new optimizer, "
                                 "schedule, data order)")
-    init_from_hf: str | None = arg(None, "start from a local Hugging Face GPT-2 directory's "
-                                   "weights, as --finetune does (iteration 0, new optimizer); a "
-                                   "checkpoint under --load wins when there is one")
+    init_from_hf: str | None = arg(None, "start from a local Hugging Face directory's weights "
+                                   "(GPT-2, Llama, Qwen2, Qwen3; sharded or not), as --finetune "
+                                   "does (iteration 0, new optimizer); a checkpoint under --load "
+                                   "wins when there is one")
     exit_duration_in_mins: float | None = arg(
         None, "stop (and save, with --save) at the first iteration past this many minutes from "
               "process start")

@@ -342,14 +342,14 @@ def _check_data(cfg: PretrainConfig, vocab: int) -> None:
 
 
 def _check_init_from_hf(c, gpt: GPTConfig) -> None:
-    """``--init-from-hf DIR``: a GPT-2 directory whose config.json describes this run's model."""
+    """``--init-from-hf DIR``: a GPT-2 / Llama / Qwen2 / Qwen3 directory whose config.json
+    describes this run's model."""
     if c.finetune:
         raise ConfigError("--init-from-hf and --finetune both name the starting weights: give one")
-    from hybrid.hf.convert import check_hf_config
-    from hybrid.hf.weights import read_hf_config
+    from hybrid.hf.weights import check_config, read_hf_config
 
     try:
-        check_hf_config(read_hf_config(c.init_from_hf), gpt,
+        check_config(read_hf_config(c.init_from_hf), gpt,
                         where=f"--init-from-hf {c.init_from_hf}")
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(str(e)) from None
