@@ -130,11 +130,12 @@ class HFWeights:
         self._check_shapes()
 
     def _check_complete(self) -> None:
-        wanted = {k for n in self.family.params for k in self.family.keys(n)}
-        missing = sorted(wanted - set(self._where))
+        owner = {k: n for n in self.family.params for k in self.family.keys(n)}
+        missing = [k for k in owner if k not in self._where]
         if missing:
-            raise ValueError(f"{self.dir}: no tensor {missing[0]!r} ({len(missing)} missing in "
-                             "all)")
+            raise ValueError(f"{self.dir}: no tensor {missing[0]!r} for our parameter "
+                             f"{owner[missing[0]]!r} ({len(missing)} missing in all)")
+        wanted = set(owner)
         for key in sorted(set(self._where) - wanted):
             if key == "lm_head.weight" and self.config.tied:
                 self._check_tied_head()
@@ -187,8 +188,10 @@ class HFWeights:
             except RuntimeError:  # not even reshapeable into our layout
                 want = None
             if want != tuple(ours[name].shape):
-                raise ValueError(f"{self.dir}: {', '.join(keys)} of shape "
-                                 f"{[list(s) for s in stored]} do not give {name} of shape "
+                shapes = " and ".join(f"{k} has shape {list(s)}" for k, s in zip(
+                    keys, stored, strict=True))
+                raise ValueError(f"{self.dir}: {shapes}, which gives {name} shape "
+                                 f"{list(want) if want else '(none)'}; our model has "
                                  f"{list(ours[name].shape)}")
 
     def names(self) -> list[str]:
