@@ -119,13 +119,13 @@ class HFWeights:
         hf = read_hf_config(hf_dir)
         check_config(hf, config, where=str(self.dir / "config.json"))
         self.family = _Family(hf.get("model_type"), config)
-        self._where: dict[str, tuple[object, str]] = {}  # HF key -> (file, key in the file)
-        self._handles = []
+        self._where: dict[str, tuple[str, str]] = {}  # HF key -> (file, key in the file)
+        self._shapes: dict[str, tuple[int, ...]] = {}
         for path in _weight_files(self.dir):
-            f = safe_open(str(path), framework="pt")
-            self._handles.append(f)
-            for key in f.keys():
-                self._where[self.family.canonical(key)] = (f, key)
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    self._where[self.family.canonical(key)] = (str(path), key)
+                    self._shapes[self.family.canonical(key)] = tuple(f.get_slice(key).get_shape())
         self._check_complete()
         self._check_shapes()
 
@@ -148,13 +148,11 @@ class HFWeights:
 
     def _check_tied_head(self) -> None:
         """A tied model's saved ``lm_head.weight`` must equal the embedding, bitwise."""
-        (fh, kh), (fe, ke) = self._where["lm_head.weight"], self._where[self.family.embed]
-        head, embed = fh.get_slice(kh), fe.get_slice(ke)
-        rows = head.get_shape()[0]
-        if list(head.get_shape()) != list(embed.get_shape()):
-            rows = -1
+        shape = self._shapes["lm_head.weight"]
+        rows = shape[0] if shape == self._shapes[self.family.embed] else -1
         for lo in range(0, max(rows, 0), _ROWS):
-            if not torch.equal(head[lo:lo + _ROWS], embed[lo:lo + _ROWS]):
+            if not torch.equal(self._read("lm_head.weight", lo, lo + _ROWS),
+                               self._read(self.family.embed, lo, lo + _ROWS)):
                 rows = -1
                 break
         if rows < 0:
@@ -165,8 +163,7 @@ class HFWeights:
     def _check_derived(self, key: str) -> None:
         if self.family.gpt2:
             return  # the causal mask: a constant
-        f, k = self._where[key]
-        stored, ours = f.get_tensor(k).float(), self.config.rotary().inv_freq()
+        stored, ours = self._read(key).float(), self.config.rotary().inv_freq()
         if stored.shape != ours.shape or not torch.allclose(stored, ours, rtol=1e-5, atol=0):
             raise ValueError(f"{self.dir}: {key} differs from the RoPE frequencies of this "
                              "run's --rotary-base / --use-rope-scaling; refusing to drop it")
@@ -180,8 +177,7 @@ class HFWeights:
             ours = dict(GPT(self.config).named_parameters())
         for name in self.family.params:
             keys = self.family.keys(name)
-            stored = [tuple(self._where[k][0].get_slice(self._where[k][1]).get_shape())
-                      for k in keys]
+            stored = [self._shapes[k] for k in keys]
             try:
                 want = tuple(self.family.build(
                     name, [torch.empty(s, device="meta") for s in stored]).shape)
@@ -194,6 +190,13 @@ class HFWeights:
                                  f"{list(want) if want else '(none)'}; our model has "
                                  f"{list(ours[name].shape)}")
 
+    def _read(self, key: str, lo: int | None = None, hi: int | None = None) -> torch.Tensor:
+        """HF tensor ``key`` (rows ``lo:hi``), its file opened for this read only: no mapping
+        stays resident after it."""
+        path, k = self._where[key]
+        with safe_open(path, framework="pt") as f:
+            return f.get_tensor(k) if lo is None else f.get_slice(k)[lo:hi]
+
     def names(self) -> list[str]:
         """Our parameter names this source provides (every one of the model's)."""
         return list(self.family.params)
@@ -202,5 +205,5 @@ class HFWeights:
         """Our full fp32 tensor ``name``, contiguous."""
         if name not in self.family.params:
             raise KeyError(f"{self.dir} has no tensor for our parameter {name!r}")
-        parts = [self._where[k][0].get_tensor(self._where[k][1]) for k in self.family.keys(name)]
+        parts = [self._read(k) for k in self.family.keys(name)]
         return self.family.build(name, parts).float().contiguous()
