@@ -64,15 +64,17 @@ MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
          "--norm-epsilon", "1e-5"]
 
 
-def random_hf(family: str, directory: Path, seed: int = 0):
-    """A transformers model of ``family`` with every tensor random, saved sharded (index)."""
+def random_hf(family: str, directory: Path, seed: int = 0, dtype=torch.float32):
+    """A transformers model of ``family`` with every tensor random, saved sharded (index) in
+    ``dtype``; returned in fp32."""
     cls, config, _ = FAMILIES[family]
     torch.manual_seed(seed)
     model = cls(config()).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.2)
-    model.save_pretrained(str(directory), max_shard_size="60KB")
+    model.to(dtype).save_pretrained(str(directory), max_shard_size="60KB")
+    model.float()
     assert (directory / "model.safetensors.index.json").is_file()
     return model
 
@@ -104,6 +106,7 @@ def setup(tmp_path_factory):
     preprocess([str(write_jsonl(d / "c.jsonl", texts + HARD_TEXTS))], d / "data", tok,
                append_eod=True, progress=False, cache_dir=str(d / "cache"))
     models = {f: random_hf(f, d / f, seed=i) for i, f in enumerate(FAMILIES)}
+    random_hf("llama", d / "bf16", seed=9, dtype=torch.bfloat16)
     common = ["--split", "1", "--eval-iters", "0", "--micro-batch-size", "2", "--log-interval",
               "1", "--seed", "5", "--hidden-dropout", "0", "--attention-dropout", "0"]
     data = ["--data-path", f"{d}/data_text_document", "--tokenizer-type", "HuggingFaceTokenizer",
@@ -117,15 +120,17 @@ def setup(tmp_path_factory):
         argv[f, 4] = base + ["--global-batch-size", "8", "--train-iters", "3", "--lr", "3e-3",
                              "--tensor-model-parallel-size", "2", "--zero-stage", "3",
                              "--save", str(d / f"{f}_tp2")]
+    argv["bf16", 1] = argv["llama", 1] + ["--init-from-hf", str(d / "bf16"), "--save",
+                                          str(d / "bf16_tp1")]
     # the same Llama run with dropout on (later flags win): its export must match as well
     argv["dropout", 4] = argv["llama", 4] + ["--hidden-dropout", "0.1", "--attention-dropout",
                                              "0.1", "--save", str(d / "dropout_tp2")]
     tokens = torch.randint(0, 400, (2, 17), generator=torch.Generator().manual_seed(3))
-    one = spawn_world(1, run_and_evaluate, [argv[f, 1] for f in FAMILIES], tokens,
+    one = spawn_world(1, run_and_evaluate, [argv[f, 1] for f in (*FAMILIES, "bf16")], tokens,
                       timeout_s=300)[0]
     four = spawn_world(4, run_and_evaluate, [argv[f, 4] for f in (*FAMILIES, "dropout")],
                        tokens, timeout_s=300)[0]
-    runs = {(f, 1): r for f, r in zip(FAMILIES, one, strict=True)}
+    runs = {(f, 1): r for f, r in zip((*FAMILIES, "bf16"), one, strict=True)}
     runs.update({(f, 4): r for f, r in zip((*FAMILIES, "dropout"), four, strict=True)})
     return dict(d=d, tok=tok, models=models, argv=argv, runs=runs, tokens=tokens)
 
@@ -168,14 +173,15 @@ def test_export_after_training_loads_exactly_and_gives_our_logits(setup, family)
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", [*FAMILIES, "bf16"])
 def test_round_trip_hf_ours_hf_is_bitwise(setup, family):
     d = setup["d"]
-    export_hf(d / f"{family}_tp1", d / f"again_{family}", max_shard_size="60KB")
+    export_hf(d / f"{family}_tp1", d / f"again_{family}", max_shard_size="60KB",
+              dtype="bfloat16" if family == "bf16" else "float32")
     original, again = read_all(d / family), read_all(d / f"again_{family}")
     assert sorted(original) == sorted(again)
     for key, t in original.items():
-        assert torch.equal(again[key], t), key
+        assert again[key].dtype == t.dtype and torch.equal(again[key], t), key
 
 
 @pytest.mark.timeout(900)

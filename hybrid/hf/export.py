@@ -84,8 +84,14 @@ class _Tensors:
         return self.tensor
 
 
-def entries(reader: CheckpointReader, config: GPTConfig, family: str) -> list[Entry]:
-    """The HF tensors of the checkpoint, in our parameter order, each produced on demand.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""``--dtype`` values: the weights' type in the export (fp32 masters rounded to nearest)."""
+
+
+def entries(reader: CheckpointReader, config: GPTConfig, family: str,
+            dtype: torch.dtype = torch.float32) -> list[Entry]:
+    """The HF tensors of the checkpoint in ``dtype``, in our parameter order, each produced on
+    demand.
 
     Raises:
         UnsupportedModelError: the checkpoint's parameters are not the class's.
@@ -106,7 +112,7 @@ def entries(reader: CheckpointReader, config: GPTConfig, family: str) -> list[En
             keys, metas = llama.hf_keys(name), llama.to_hf(name, shape, config)
             make = [lambda n=name, i=i: llama.to_hf(n, full(n), config)[i]
                     for i in range(len(keys))]
-        out += [Entry(k, torch.float32, tuple(m.shape), f)
+        out += [Entry(k, dtype, tuple(m.shape), lambda f=f: f().to(dtype))
                 for k, m, f in zip(keys, metas, make, strict=True)]
     return out
 
@@ -127,7 +133,7 @@ def _config_json(config: GPTConfig, family: str, token_ids: dict) -> dict:
 def export_hf(load: str | os.PathLike, output: str | os.PathLike, iteration: int | None = None,
               tokenizer_model: str | os.PathLike | None = None,
               max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
-              tokenizer_type: str | None = None) -> dict:
+              tokenizer_type: str | None = None, dtype: str = "float32") -> dict:
     """Write the HF directory ``output`` from checkpoint ``load`` (latest, or ``iteration``).
 
     Args:
@@ -137,6 +143,9 @@ def export_hf(load: str | os.PathLike, output: str | os.PathLike, iteration: int
         max_shard_size: largest safetensors file (``"5GB"``: 5 10^9 bytes, as transformers).
         tokenizer_type: ``SentencePieceTokenizer`` / ``HuggingFaceTokenizer`` (default: the
             checkpoint's ``--tokenizer-type``, else inferred from the path).
+        dtype: ``float32`` (the masters as they are), ``bfloat16`` or ``float16`` (rounded to
+            nearest; a bf16 Hugging Face model imported and exported untrained comes back
+            bitwise).
 
     Returns:
         The checkpoint's ``metadata.json`` with ``"hf_config"`` (``config.json``),
@@ -146,22 +155,24 @@ def export_hf(load: str | os.PathLike, output: str | os.PathLike, iteration: int
         FileNotFoundError / IncompleteCheckpointError: no complete checkpoint, or the tokenizer
             is missing.
         FileExistsError: ``output`` exists and is not empty.
-        ValueError: a bad ``max_shard_size``; a tokenizer of another vocabulary.
+        ValueError: a bad ``max_shard_size`` or ``dtype``; a tokenizer of another vocabulary.
         UnsupportedModelError: no transformers class holds the model exactly (the setting
             named).
     """
     output, max_bytes = Path(output), parse_size(max_shard_size)
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype}: valid: {', '.join(DTYPES)}")
     _check_output(output)
     reader = CheckpointReader(load, iteration)
     config, family = model_family(reader.meta.get("model", {}))
-    tensors = entries(reader, config, family)
+    tensors = entries(reader, config, family, DTYPES[dtype])
     tok = tokenizer_source(tokenizer_model, tokenizer_type, reader.meta, config.vocab_size)
     tmp = output.with_name(output.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
         token_ids = export_tokenizer(tok, tmp) if tok is not None else {}
-        hf = _config_json(config, family, token_ids)
+        hf = _config_json(config, family, token_ids) | {"dtype": dtype}
         (tmp / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
         gen = {k: v for k, v in token_ids.items() if v is not None}
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
@@ -189,13 +200,15 @@ def main(argv: list[str] | None = None) -> int:
                         "the one the checkpoint names)")
     p.add_argument("--tokenizer-type", choices=["SentencePieceTokenizer", "HuggingFaceTokenizer"],
                    help="what --tokenizer-model is (default: a directory is HuggingFaceTokenizer)")
+    p.add_argument("--dtype", choices=list(DTYPES), default="float32",
+                   help="weights' type in the export (default: float32, the fp32 masters)")
     p.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE,
                    help="largest safetensors file: 5GB (10^9), 2GiB (2^30) or bytes (default: "
                         "%(default)s, as transformers)")
     args = p.parse_args(argv)
     try:
         meta = export_hf(args.load, args.output, args.iteration, args.tokenizer_model,
-                         args.max_shard_size, args.tokenizer_type)
+                         args.max_shard_size, args.tokenizer_type, args.dtype)
     # UnsupportedModelError is a ValueError
     except (OSError, IncompleteCheckpointError, ValueError) as e:
         print(f"export_hf: error: {e}", file=sys.stderr)

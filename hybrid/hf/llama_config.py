@@ -194,7 +194,7 @@ def llama_config_dict(config: GPTConfig, token_ids: dict[str, int] | None = None
                rms_norm_eps=config.layernorm_epsilon, hidden_act="silu",
                tie_word_embeddings=config.tied, attention_dropout=config.attention_dropout,
                initializer_range=config.init_method_std, rope_parameters=rope,
-               rope_theta=rope["rope_theta"], dtype="float32",
+               rope_theta=rope["rope_theta"],
                bos_token_id=None, eos_token_id=None, pad_token_id=None)
     if config.use_rope_scaling:
         out["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
