@@ -47,7 +47,7 @@ from tqdm import tqdm
 
 from data.indexed_dataset import IndexedDatasetWriter, dtype_for_vocab
 from data.text_source import add_input_args, check_columns, exit_with_error, open_text_dataset
-from data.tokenizer import Tokenizer
+from data.tokenizer import SENTENCEPIECE_ALIASES, TOKENIZER_TYPES, load_tokenizer
 
 
 class _Encoder:
@@ -57,19 +57,22 @@ class _Encoder:
     empty list (an empty document). Picklable: worker processes load the model themselves.
     """
 
-    def __init__(self, model_path: str, keys: list[str], append_eod: bool):
+    def __init__(self, model_path: str, keys: list[str], append_eod: bool,
+                 tokenizer_type: str | None = None):
         self.model_path, self.keys, self.append_eod = model_path, keys, append_eod
-        self._tok: Tokenizer | None = None
+        self.tokenizer_type = tokenizer_type
+        self._tok = None
 
     def __getstate__(self) -> dict:
-        return {"model_path": self.model_path, "keys": self.keys, "append_eod": self.append_eod}
+        return {"model_path": self.model_path, "keys": self.keys, "append_eod": self.append_eod,
+                "tokenizer_type": self.tokenizer_type}
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(**state)
 
     def __call__(self, batch: dict[str, list]) -> dict[str, list]:
         if self._tok is None:
-            self._tok = Tokenizer(self.model_path)
+            self._tok = load_tokenizer(self.model_path, self.tokenizer_type)
         eod = [self._tok.eod] if self.append_eod else []
         out = {}
         for key in self.keys:
@@ -124,6 +127,7 @@ def preprocess(
     cache_dir: str | None = None,
     chunk_documents: int = 100_000,
     progress: bool = True,
+    tokenizer_type: str | None = None,
 ) -> PreprocessStats:
     """Tokenize ``inputs`` into ``<output_prefix>_<key>_document.bin/.idx`` for each key.
 
@@ -131,8 +135,12 @@ def preprocess(
         inputs: see :func:`data.text_source.open_text_dataset`; local files are read for
             ``json_keys`` only, unreadable rows skipped and counted (``stats.unreadable``,
             with file and line in a warning).
+        tokenizer_model: a sentencepiece ``.model`` file or a Hugging Face tokenizer directory
+            (:func:`data.tokenizer.load_tokenizer`, with ``tokenizer_type``; None: inferred).
+            A Hugging Face tokenizer's ids are ``tokenizers``' ``encode`` of each document,
+            with the special tokens its post-processor adds (Llama 3: BOS).
         workers: processes for the batched ``map`` (1: in this process).
-        append_eod: end every kept document with the tokenizer's eod id.
+        append_eod: end every kept document with the tokenizer's eod (EOS) id; nothing else.
         chunk_documents: rows tokenized per ``map`` call; bounds scratch disk and memory.
 
     Raises:
@@ -143,12 +151,8 @@ def preprocess(
         KeyError: a key is not a column (the existing columns are listed).
     """
     keys = list(json_keys)
-    for flag, value in (("--workers", workers), ("--chunk-documents", chunk_documents)):
-        if value < 1:
-            raise ValueError(f"{flag} {value} must be 1 or more")
-    tok = Tokenizer(tokenizer_model)
-    if append_eod:
-        tok.eod  # noqa: B018 - raises now, not in a worker, when the model has no eos
+    tok = _checked_tokenizer(tokenizer_model, tokenizer_type, workers, chunk_documents,
+                             append_eod)
     ds, report = open_text_dataset(
         inputs, keys=keys, config=config, split=split, cache_dir=cache_dir
     )
@@ -157,8 +161,9 @@ def preprocess(
     stats = PreprocessStats(rows=len(ds), keys={k: KeyStats() for k in keys})
     stats.unreadable = report.unreadable if report else 0
     t0 = time.perf_counter()
-    _write_datasets(ds, _Encoder(tok.model_path, keys, append_eod), dtype_for_vocab(tok.vocab_size),
-                    output_prefix, workers, chunk_documents, progress, stats)
+    encoder = _Encoder(tok.model_path, keys, append_eod, tok.kind)
+    _write_datasets(ds, encoder, dtype_for_vocab(tok.vocab_size), output_prefix, workers,
+                    chunk_documents, progress, stats)
     stats.seconds = time.perf_counter() - t0
     skipped = {k: ks.invalid for k, ks in stats.keys.items() if ks.invalid}
     if skipped:
@@ -168,6 +173,18 @@ def preprocess(
             stacklevel=2,
         )
     return stats
+
+
+def _checked_tokenizer(model, tokenizer_type, workers: int, chunk_documents: int,
+                       append_eod: bool):
+    """The tokenizer, after the counts are checked; its eod is checked now (not in a worker)."""
+    for flag, value in (("--workers", workers), ("--chunk-documents", chunk_documents)):
+        if value < 1:
+            raise ValueError(f"{flag} {value} must be 1 or more")
+    tok = load_tokenizer(model, tokenizer_type)
+    if append_eod:
+        tok.eod  # noqa: B018 - raises when the model has no eos
+    return tok
 
 
 def _write_datasets(ds: datasets.Dataset, encoder: _Encoder, dtype,
@@ -260,7 +277,12 @@ def main(argv: list[str] | None = None) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_input_args(p, "text column(s), one output each")
-    p.add_argument("--tokenizer-model", required=True, help="sentencepiece .model file")
+    p.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES + SENTENCEPIECE_ALIASES,
+                   help="default: HuggingFaceTokenizer for a directory or .json file, else "
+                        "SentencePieceTokenizer")
+    p.add_argument("--tokenizer-model", required=True,
+                   help="sentencepiece .model file, or a Hugging Face tokenizer directory "
+                        "(tokenizer.json + tokenizer_config.json)")
     p.add_argument("--output-prefix", required=True, help="writes <prefix>_<key>_document.bin/.idx")
     p.add_argument("--workers", type=int, default=1, help="tokenizer processes")
     p.add_argument("--append-eod", action="store_true", help="end each document with the eod id")
@@ -282,6 +304,7 @@ def main(argv: list[str] | None = None) -> None:
             a.cache_dir,
             a.chunk_documents,
             not a.no_progress,
+            a.tokenizer_type,
         )
     except (ValueError, FileNotFoundError) as e:  # nothing was written; the message says why
         exit_with_error(p.prog, str(e))

@@ -20,6 +20,45 @@ import sentencepiece as spm
 _WS = "\u2581"  # sentencepiece's whitespace symbol
 
 
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "HuggingFaceTokenizer")
+"""``--tokenizer-type`` values with a ``--tokenizer-model`` (Megatron-LM's names)."""
+SENTENCEPIECE_ALIASES = ("GPTSentencePieceTokenizer", "Llama2Tokenizer")
+"""Megatron-LM's other sentencepiece types: the same tokenizer here (no ids added)."""
+
+
+def infer_tokenizer_type(model_path: str | os.PathLike) -> str:
+    """``HuggingFaceTokenizer`` for a directory or a ``.json`` file, else
+    ``SentencePieceTokenizer`` (a ``.model`` file)."""
+    p = Path(model_path)
+    return "HuggingFaceTokenizer" if p.is_dir() or p.suffix == ".json" else "SentencePieceTokenizer"
+
+
+def load_tokenizer(model_path: str | os.PathLike, tokenizer_type: str | None = None):
+    """The tokenizer of ``--tokenizer-model`` (``--tokenizer-type``; None: inferred by
+    :func:`infer_tokenizer_type`): :class:`Tokenizer` or :class:`data.hf_tokenizer.HFTokenizer`,
+    which share ``encode``, ``decode``, ``eod``, ``bos``, ``adds_bos`` and ``vocab_size``.
+
+    Raises:
+        ValueError: an unknown type (the valid ones named) or an unreadable model.
+        FileNotFoundError: the file or directory is missing.
+    """
+    kind = tokenizer_type or infer_tokenizer_type(model_path)
+    if kind in SENTENCEPIECE_ALIASES:
+        kind = "SentencePieceTokenizer"
+    if kind == "SentencePieceTokenizer":
+        if Path(model_path).is_dir():
+            raise ValueError(f"--tokenizer-model {model_path} is a directory; "
+                             "--tokenizer-type SentencePieceTokenizer needs a .model file (a "
+                             "directory with tokenizer.json: HuggingFaceTokenizer)")
+        return Tokenizer(model_path)
+    if kind == "HuggingFaceTokenizer":
+        from data.hf_tokenizer import HFTokenizer
+
+        return HFTokenizer(model_path)
+    raise ValueError(f"--tokenizer-type {kind}: valid with --tokenizer-model are "
+                     f"{', '.join(TOKENIZER_TYPES + SENTENCEPIECE_ALIASES)}")
+
+
 class Tokenizer:
     """A sentencepiece model with the ids a GPT pipeline needs.
 
@@ -30,6 +69,8 @@ class Tokenizer:
         vocab_size: number of ids, ``0 .. vocab_size - 1`` (the model's embedding needs at
             least this many rows).
         bos, pad, unk: special ids, -1 when the model has none.
+        adds_bos: always False: :meth:`encode` adds no id (Megatron-LM's sentencepiece
+            tokenizers neither).
         model_path: the path it was loaded from.
 
     Raises:
@@ -40,6 +81,9 @@ class Tokenizer:
         UserWarning: the model decodes a space as U+2581 (a model trained, before the
             whitespace piece was required, on a corpus without spaces).
     """
+
+    kind = "SentencePieceTokenizer"
+    adds_bos = False
 
     def __init__(self, model_path: str | os.PathLike):
         self.model_path = os.fspath(model_path)
@@ -126,6 +170,10 @@ class Tokenizer:
     def piece_to_id(self, piece: str) -> int:
         """The id of ``piece``, or the unk id when the model has no such piece."""
         return self._sp.PieceToId(piece)
+
+    def vocabulary(self) -> dict[str, int]:
+        """Piece -> id."""
+        return {self._sp.IdToPiece(i): i for i in range(self.vocab_size)}
 
     def __getstate__(self) -> dict:
         # SentencePieceProcessor does not pickle; worker processes reload from the path.

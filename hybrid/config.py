@@ -208,7 +208,14 @@ class DataConfig:
     data_path: list[str] = arg([], "dataset prefixes, optionally weighted: 'A' or '0.3 A 0.7 B'",
                                nargs="*")
     split: str = arg("969,30,1", "train,valid,test proportions of the documents")
-    tokenizer_model: str | None = arg(None, "sentencepiece .model file")
+    tokenizer_type: str | None = arg(
+        None, "SentencePieceTokenizer (a .model file) or HuggingFaceTokenizer (a directory with "
+              "tokenizer.json) for --tokenizer-model; GPT2BPETokenizer / NullTokenizer are "
+              "implied by --vocab-file / --vocab-size (default: from --tokenizer-model)",
+        choices=["SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
+                 "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer"])
+    tokenizer_model: str | None = arg(None, "sentencepiece .model file, or a Hugging Face "
+                                            "tokenizer directory (tokenizer.json)")
     vocab_file: str | None = arg(None, "GPT-2 BPE vocab.json (with --merge-file; data "
                                        "preprocessed with Megatron-LM's GPT2BPETokenizer)")
     merge_file: str | None = arg(None, "GPT-2 BPE merges.txt (with --vocab-file)")
@@ -274,9 +281,10 @@ class CheckpointConfig:
     no_load_rng: bool = arg(False, "do not restore the RNG states")
     finetune: bool = arg(False, "load weights only and start from iteration 0 (new optimizer, "
                                 "schedule, data order)")
-    init_from_hf: str | None = arg(None, "start from a local Hugging Face GPT-2 directory's "
-                                   "weights, as --finetune does (iteration 0, new optimizer); a "
-                                   "checkpoint under --load wins when there is one")
+    init_from_hf: str | None = arg(None, "start from a local Hugging Face directory's weights "
+                                   "(GPT-2, Llama, Qwen2, Qwen3; sharded or not), as --finetune "
+                                   "does (iteration 0, new optimizer); a checkpoint under --load "
+                                   "wins when there is one")
     exit_duration_in_mins: float | None = arg(
         None, "stop (and save, with --save) at the first iteration past this many minutes from "
               "process start")

@@ -1,5 +1,5 @@
-"""``python -m hybrid.export_hf``: a Hugging Face GPT-2 directory from a training checkpoint
-(see ``hybrid.hf.export``)."""
+"""``python -m hybrid.export_hf``: a Hugging Face model directory (GPT-2, Llama, Qwen2, Qwen3)
+from a training checkpoint (see ``hybrid.hf.export``)."""
 
 from hybrid.hf.export import main
 

@@ -171,7 +171,8 @@ def test_import_names_the_first_mismatch(tmp_path):
         HFWeights(tmp_path, config)
     del state["transformer.h.1.mlp.c_fc.weight"]
     save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(ValueError, match="no tensor for our parameter 'layers.1.mlp.fc1.weight'"):
+    with pytest.raises(ValueError, match="no tensor 'transformer.h.1.mlp.c_fc.weight' for our "
+                       "parameter 'layers.1.mlp.fc1.weight'"):
         HFWeights(tmp_path, config)
 
 

@@ -36,7 +36,7 @@ OUT_OF_SCOPE = {  # the script's own, with its values, and a few of the Llama-3 
     ("--context-parallel-size", "2"): "context parallelism",
     ("--fp8-format", "hybrid"): "FP8 training",
     ("--num-experts", "8"): "mixture of experts",
-    ("--tokenizer-type", "HuggingFaceTokenizer"): "only sentencepiece",
+    ("--tokenizer-type", "TikTokenizer"): "only sentencepiece",
 }
 
 
@@ -62,7 +62,8 @@ def test_megatron_flags_take_their_meaning_here():
     assert ignored == ["--attention-backend auto", "--use-mcore-models",
                        "--distributed-backend nccl", "--ckpt-format torch_dist",
                        "--no-masked-softmax-fusion"]
-    assert translate(["--tokenizer-type", "GPTSentencePieceTokenizer"]) == ([], [])
+    assert translate(["--tokenizer-type", "GPTSentencePieceTokenizer"]) == (
+        ["--tokenizer-type", "GPTSentencePieceTokenizer"], [])
     rope = ["--use-rotary-position-embeddings", "--no-position-embedding"]
     assert parse_config(rope).model.position_embedding_type == "rope"
     assert parse_config(["--no-position-embedding"]).model.position_embedding_type == "none"

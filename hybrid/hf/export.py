@@ -1,13 +1,18 @@
-"""Export a training checkpoint as a Hugging Face GPT-2 model directory.
+"""Export a training checkpoint as a Hugging Face model directory.
 
-``python -m hybrid.export_hf --load CKPT_DIR --output HF_DIR [--iteration N]``
+``python -m hybrid.export_hf --load CKPT_DIR --output HF_DIR [--iteration N]
+[--tokenizer-model TOK] [--max-shard-size 5GB]``
 
-Writes ``config.json`` (``GPT2LMHeadModel``, exact GELU), ``model.safetensors`` (fp32 master
-weights, streamed one tensor at a time from the sharded checkpoint, whatever grid saved it)
-and the tokenizer (``tokenizer.json``, ``tokenizer_config.json``) so that
-``AutoModelForCausalLM.from_pretrained(HF_DIR)`` and ``AutoTokenizer.from_pretrained(HF_DIR)``
-reproduce our model and our sentencepiece tokenizer; the end-of-document id is
-``eos_token_id``. The directory appears complete or not at all.
+Picks the transformers class that computes the checkpoint's model exactly: ``GPT2LMHeadModel``
+(learned positions, LayerNorm, exact GELU), ``LlamaForCausalLM`` (RoPE, RMSNorm, SwiGLU, GQA,
+biases on every linear layer or none), ``Qwen2ForCausalLM`` (Q/K/V biases only) or
+``Qwen3ForCausalLM`` (QK-norm); anything else is refused, naming the setting. Writes
+``config.json``, ``generation_config.json`` (the EOS id), the fp32 master weights as sharded
+safetensors with ``model.safetensors.index.json`` (``--max-shard-size``; one
+``model.safetensors`` when it fits), streamed one tensor at a time from a checkpoint saved on
+any grid, and the tokenizer: a sentencepiece model translated to ``tokenizer.json``, or a
+Hugging Face tokenizer's files copied. A tokenizer whose vocabulary is not the model's is
+refused. The directory appears complete or not at all.
 """
 
 from __future__ import annotations
@@ -23,15 +28,14 @@ import torch
 
 from hybrid.checkpoint.directory import IncompleteCheckpointError
 from hybrid.checkpoint.shards import CheckpointReader
-from hybrid.checkpoint.stream import Entry, write_safetensors
-from hybrid.hf.convert import (
-    UnsupportedModelError,
-    gpt_config_from_metadata,
-    hf_config_dict,
-    hf_name,
-    parameter_names,
-    to_hf,
-)
+from hybrid.checkpoint.stream import Entry
+from hybrid.hf import convert as gpt2
+from hybrid.hf import llama_weights as llama
+from hybrid.hf.convert import UnsupportedModelError
+from hybrid.hf.export_tokenizer import export_tokenizer, tokenizer_source
+from hybrid.hf.llama_config import export_family, llama_config_dict
+from hybrid.hf.sharded import DEFAULT_MAX_SHARD_SIZE, parse_size, write_sharded
+from models.gpt import GPTConfig
 
 
 def _check_output(output: Path) -> None:
@@ -40,81 +44,148 @@ def _check_output(output: Path) -> None:
                               "give a new directory (nothing is overwritten)")
 
 
-def _check_parameters(saved: list[str], expected: list[str]) -> None:
-    """Raises UnsupportedModelError when the saved names are not GPT-2's."""
+def model_family(model: dict) -> tuple[GPTConfig, str]:
+    """``(config, model_type)`` of a checkpoint's ``metadata.json`` ``model`` entry:
+    ``gpt2``, ``llama``, ``qwen2`` or ``qwen3``.
+
+    Raises:
+        UnsupportedModelError: a field this code does not know, or a model no class holds
+            exactly (the setting named).
+    """
+    import dataclasses
+
+    known = {f.name for f in dataclasses.fields(GPTConfig)}
+    unknown = sorted(set(model) - known)
+    if unknown:
+        raise UnsupportedModelError(f"the checkpoint's model has settings export does not know: "
+                                    f"{unknown}")
+    config = GPTConfig(**model)
+    if config.position_embedding_type == "learned_absolute":
+        gpt2.check_gpt2_architecture(config)
+        return config, "gpt2"
+    try:
+        return config, export_family(config)
+    except ValueError as e:
+        raise UnsupportedModelError(f"no transformers class holds this model exactly: {e}") \
+            from None
+
+
+class _Tensors:
+    """Our full tensors read from the checkpoint, the last one kept (q, k and v are three HF
+    tensors of one of ours): one of our tensors held at a time."""
+
+    def __init__(self, reader: CheckpointReader):
+        self.reader, self.name, self.tensor = reader, None, None
+
+    def __call__(self, name: str) -> torch.Tensor:
+        if name != self.name:
+            self.name, self.tensor = None, None  # free the previous one first
+            self.tensor, self.name = self.reader.full_tensor(name, "master").contiguous(), name
+        return self.tensor
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""``--dtype`` values: the weights' type in the export (fp32 masters rounded to nearest)."""
+
+
+def entries(reader: CheckpointReader, config: GPTConfig, family: str,
+            dtype: torch.dtype = torch.float32) -> list[Entry]:
+    """The HF tensors of the checkpoint in ``dtype``, in our parameter order, each produced on
+    demand.
+
+    Raises:
+        UnsupportedModelError: the checkpoint's parameters are not the class's.
+    """
+    saved = reader.param_names()
+    expected = gpt2.parameter_names(config) if family == "gpt2" else llama.parameter_names(config)
     if sorted(saved) != sorted(expected):
-        extra = sorted(set(saved) - set(expected))
-        raise UnsupportedModelError(f"checkpoint parameters GPT-2 has no place for: {extra}"
-                                    if extra else
-                                    "checkpoint lacks GPT-2 parameters: "
+        raise UnsupportedModelError(f"checkpoint parameters differ from {family}'s: extra "
+                                    f"{sorted(set(saved) - set(expected))}, missing "
                                     f"{sorted(set(expected) - set(saved))}")
+    full, out = _Tensors(reader), []
+    for name in expected:
+        shape = torch.empty(reader.meta["params"][name]["full_shape"], device="meta")
+        if family == "gpt2":
+            keys, metas = [gpt2.hf_name(name)], [gpt2.to_hf(name, shape, config)]
+            make = [lambda n=name: gpt2.to_hf(n, full(n), config).contiguous()]
+        else:
+            keys, metas = llama.hf_keys(name), llama.to_hf(name, shape, config)
+            make = [lambda n=name, i=i: llama.to_hf(n, full(n), config)[i]
+                    for i in range(len(keys))]
+        out += [Entry(k, dtype, tuple(m.shape), lambda f=f: f().to(dtype))
+                for k, m, f in zip(keys, metas, make, strict=True)]
+    return out
 
 
-def _tokenizer_path(given: str | os.PathLike | None, named: str | None) -> str | None:
-    """The tokenizer to export: ``--tokenizer-model``, else the checkpoint's; FileNotFoundError
-    when that file is missing."""
-    path = given or named
-    if path and not Path(path).is_file():
-        raise FileNotFoundError(f"--tokenizer-model {path}: file not found" if given else
-                                f"tokenizer {path} (named by the checkpoint) not found: give "
-                                "--tokenizer-model")
-    return path
+def _config_json(config: GPTConfig, family: str, token_ids: dict) -> dict:
+    from transformers import AutoConfig
+
+    hf = (gpt2.hf_config_dict(config, token_ids) if family == "gpt2"
+          else llama_config_dict(config, token_ids))
+    kind = "gpt2" if family == "gpt2" else hf.pop("model_type")
+    out = AutoConfig.for_model(kind, **hf).to_dict()
+    for key in ("rope_theta", "rope_scaling"):  # the older spelling too, for older readers
+        if key in hf:
+            out[key] = hf[key]
+    return out
 
 
 def export_hf(load: str | os.PathLike, output: str | os.PathLike, iteration: int | None = None,
-              tokenizer_model: str | os.PathLike | None = None) -> dict:
+              tokenizer_model: str | os.PathLike | None = None,
+              max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+              tokenizer_type: str | None = None, dtype: str = "float32") -> dict:
     """Write the HF directory ``output`` from checkpoint ``load`` (latest, or ``iteration``).
 
     Args:
-        tokenizer_model: sentencepiece model to export (default: the one the checkpoint's
-            ``metadata.json`` names); without one only the model is written.
+        tokenizer_model: tokenizer to export (a ``.model`` file or a Hugging Face tokenizer
+            directory; default: the one the checkpoint's ``metadata.json`` names); without one
+            only the model is written.
+        max_shard_size: largest safetensors file (``"5GB"``: 5 10^9 bytes, as transformers).
+        tokenizer_type: ``SentencePieceTokenizer`` / ``HuggingFaceTokenizer`` (default: the
+            checkpoint's ``--tokenizer-type``, else inferred from the path).
+        dtype: ``float32`` (the masters as they are), ``bfloat16`` or ``float16`` (rounded to
+            nearest; a bf16 Hugging Face model imported and exported untrained comes back
+            bitwise).
 
     Returns:
-        The checkpoint's ``metadata.json``, with ``"hf_config"`` (what ``config.json`` holds)
-        and ``"tokenizer_exported"`` (the tokenizer path, or None) added.
+        The checkpoint's ``metadata.json`` with ``"hf_config"`` (``config.json``),
+        ``"tokenizer_exported"`` (the tokenizer path, or None) and ``"files"`` added.
 
     Raises:
         FileNotFoundError / IncompleteCheckpointError: no complete checkpoint, or the tokenizer
-            file is missing.
+            is missing.
         FileExistsError: ``output`` exists and is not empty.
-        UnsupportedModelError: the checkpoint's model has a setting or a parameter GPT-2
-            cannot express (named).
+        ValueError: a bad ``max_shard_size`` or ``dtype``; a tokenizer of another vocabulary.
+        UnsupportedModelError: no transformers class holds the model exactly (the setting
+            named).
     """
-    from transformers import GPT2Config
-
-    output = Path(output)
+    output, max_bytes = Path(output), parse_size(max_shard_size)
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype}: valid: {', '.join(DTYPES)}")
     _check_output(output)
     reader = CheckpointReader(load, iteration)
-    config = gpt_config_from_metadata(reader.meta.get("model", {}))
-    saved = reader.param_names()
-    _check_parameters(saved, parameter_names(config))
-    tok_path = _tokenizer_path(tokenizer_model, reader.meta.get("tokenizer"))
+    config, family = model_family(reader.meta.get("model", {}))
+    tensors = entries(reader, config, family, DTYPES[dtype])
+    tok = tokenizer_source(tokenizer_model, tokenizer_type, reader.meta, config.vocab_size)
     tmp = output.with_name(output.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        token_ids = {}
-        if tok_path:
-            from hybrid.hf.tokenizer import save_tokenizer
-
-            token_ids = save_tokenizer(tok_path, tmp)
-        hf = hf_config_dict(config, token_ids)
-        GPT2Config(**hf).save_pretrained(str(tmp))
-        entries = []  # one full tensor at a time (its read, then GPT-2's layout of it)
-        for name in saved:
-            shape = reader.meta["params"][name]["full_shape"]
-            hf_shape = tuple(to_hf(name, torch.empty(shape, device="meta"), config).shape)
-            entries.append(Entry(hf_name(name), torch.float32, hf_shape, lambda n=name: to_hf(
-                n, reader.full_tensor(n, "master").contiguous(), config).contiguous()))
-        write_safetensors(tmp / "model.safetensors", entries,
-                          metadata={"format": "pt", "iteration": str(reader.iteration)})
+        token_ids = export_tokenizer(tok, tmp) if tok is not None else {}
+        hf = _config_json(config, family, token_ids) | {"dtype": dtype}
+        (tmp / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+        gen = {k: v for k, v in token_ids.items() if v is not None}
+        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+        files = write_sharded(tmp, tensors, max_bytes,
+                              metadata={"format": "pt", "iteration": str(reader.iteration)})
         if output.exists():
             output.rmdir()  # empty, checked above
         os.replace(tmp, output)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return dict(reader.meta, hf_config=hf, tokenizer_exported=tok_path or None)
+    return dict(reader.meta, hf_config=hf, files=files,
+                tokenizer_exported=tok.model_path if tok is not None else None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,17 +196,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iteration", type=int,
                    help="which iteration (default: the latest complete one)")
     p.add_argument("--tokenizer-model",
-                   help="sentencepiece model (default: the one the checkpoint names)")
+                   help="sentencepiece .model file or Hugging Face tokenizer directory (default: "
+                        "the one the checkpoint names)")
+    p.add_argument("--tokenizer-type", choices=["SentencePieceTokenizer", "HuggingFaceTokenizer"],
+                   help="what --tokenizer-model is (default: a directory is HuggingFaceTokenizer)")
+    p.add_argument("--dtype", choices=list(DTYPES), default="float32",
+                   help="weights' type in the export (default: float32, the fp32 masters)")
+    p.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE,
+                   help="largest safetensors file: 5GB (10^9), 2GiB (2^30) or bytes (default: "
+                        "%(default)s, as transformers)")
     args = p.parse_args(argv)
     try:
-        meta = export_hf(args.load, args.output, args.iteration, args.tokenizer_model)
+        meta = export_hf(args.load, args.output, args.iteration, args.tokenizer_model,
+                         args.max_shard_size, args.tokenizer_type, args.dtype)
     # UnsupportedModelError is a ValueError
     except (OSError, IncompleteCheckpointError, ValueError) as e:
         print(f"export_hf: error: {e}", file=sys.stderr)
         return 2
     g = meta["grid"]
-    shape = {k: meta["hf_config"][k] for k in ("n_layer", "n_embd", "n_head", "vocab_size")}
-    print(f"wrote {args.output}: GPT2LMHeadModel {json.dumps(shape)} "
+    hf = meta["hf_config"]
+    shape = {k: hf[k] for k in ("n_layer", "num_hidden_layers", "n_embd", "hidden_size",
+                                "vocab_size") if k in hf}
+    print(f"wrote {args.output}: {hf['architectures'][0]} {json.dumps(shape)} in "
+          f"{len(meta['files'])} file(s) "
           f"from iteration {meta['iteration']} (saved at tp={g['tp']} x dp={g['dp']}, ZeRO stage "
           f"{meta['zero_stage']}); tokenizer: "
           f"{meta['tokenizer_exported'] or 'none (no --tokenizer-model)'}")

@@ -4,9 +4,11 @@
 [--temperature T] [--top-k K] [--top-p P] [--seed S]``, or ``--load CKPT_DIR [--iteration N]``
 to sample straight from a training checkpoint (exported to a temporary directory first).
 
-The prompt is preceded by the end-of-document id, as every document after the first is in
-training, and sampling stops at the next end of document. ``--temperature 0`` is greedy. The
-same seed gives the same text.
+The prompt starts as a document starts in training: with the tokenizer's BOS where its
+post-processor adds one (Llama 3's ``<|begin_of_text|>``), else after the end-of-document id
+(EOS) that precedes every document but the first; sampling stops at the next end of document.
+Works for every class ``hybrid.export_hf`` writes (GPT-2, Llama, Qwen2, Qwen3).
+``--temperature 0`` is greedy. The same seed gives the same text.
 """
 
 from __future__ import annotations
@@ -18,13 +20,30 @@ import tempfile
 import torch
 
 
+def prompt_ids(tok, prompt: str, eod: int | None) -> list[int]:
+    """The ids the model continues: ``tok``'s own encoding of ``prompt`` with its special
+    tokens when it adds any (BOS), else ``[eod] + ids``.
+
+    Raises:
+        ValueError: no BOS, no EOS and an empty prompt (nothing to condition on).
+    """
+    ids = tok.encode(prompt, add_special_tokens=True)
+    if not tok.encode("", add_special_tokens=True) and eod is not None:
+        ids = [eod] + ids
+    if not ids:
+        raise ValueError("the model has no eos_token_id and the tokenizer adds no BOS, so the "
+                         "prompt must not be empty")
+    return ids
+
+
 def generate(hf_dir: str, prompt: str, max_new_tokens: int = 64, temperature: float = 1.0,
              top_k: int = 50, top_p: float = 1.0, seed: int = 1234, device: str = "cpu") -> str:
     """The text the model writes after ``prompt`` (the prompt itself not included).
 
     Raises:
         ValueError: a bad sampling setting, or prompt plus ``max_new_tokens`` longer than the
-            model's position table (``n_positions``); the message gives the numbers.
+            model's positions (``n_positions`` / ``max_position_embeddings``); the message
+            gives the numbers.
         FileNotFoundError: ``hf_dir`` is not a directory, or holds no tokenizer.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -49,10 +68,8 @@ def generate(hf_dir: str, prompt: str, max_new_tokens: int = 64, temperature: fl
     tok = AutoTokenizer.from_pretrained(hf_dir)
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(device).eval()
     eod = model.config.eos_token_id
-    ids = ([] if eod is None else [eod]) + tok.encode(prompt, add_special_tokens=False)
-    if not ids:
-        raise ValueError("the model has no eos_token_id, so the prompt must not be empty")
-    limit = model.config.n_positions
+    ids = prompt_ids(tok, prompt, eod)
+    limit = getattr(model.config, "n_positions", None) or model.config.max_position_embeddings
     if len(ids) + max_new_tokens > limit:
         raise ValueError(f"{len(ids)} prompt tokens + --max-new-tokens {max_new_tokens} exceed the "
                          f"model's {limit} positions")
@@ -87,7 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iteration", type=int,
                    help="with --load: which iteration (default: the latest)")
     p.add_argument("--tokenizer-model",
-                   help="with --load: sentencepiece model (default: the checkpoint's)")
+                   help="with --load: sentencepiece .model file or Hugging Face tokenizer "
+                        "directory (default: the checkpoint's)")
+    p.add_argument("--tokenizer-type", choices=["SentencePieceTokenizer", "HuggingFaceTokenizer"],
+                   help="with --load: what --tokenizer-model is (default: from the path)")
     p.add_argument("--prompt", default="", help="text to continue (default: start a new document)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most")
     p.add_argument("--temperature", type=float, default=1.0,
@@ -106,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                 from hybrid.hf.export import export_hf
 
                 hf_dir = f"{tmp}/hf"
-                export_hf(a.load, hf_dir, a.iteration, a.tokenizer_model)
+                export_hf(a.load, hf_dir, a.iteration, a.tokenizer_model,
+                          tokenizer_type=a.tokenizer_type)
             text = generate(hf_dir, a.prompt, a.max_new_tokens, a.temperature, a.top_k, a.top_p,
                             a.seed, a.device)
         except (OSError, ValueError) as e:

@@ -1,8 +1,15 @@
-"""A local Hugging Face GPT-2 directory as a source of our full tensors (``--init-from-hf``).
+"""A local Hugging Face directory (GPT-2, Llama, Qwen2, Qwen3) as a source of our full tensors
+(``--init-from-hf``).
 
 Reads ``config.json`` and ``model.safetensors`` (or the shards a ``model.safetensors.index.json``
 lists) with safetensors only: no ``transformers``, and nothing unpickled (``pytorch_model.bin``
-is refused). Tensors are read one at a time when asked for.
+is refused). Tensors are read one at a time when asked for (an HF tensor memory-mapped, ours
+built from it), so the loader holds one of our tensors at a time.
+
+Nothing in the files is dropped silently: a tensor our model has no place for is refused by
+name; a tied model's ``lm_head.weight`` is accepted only when it equals the embedding (compared
+in row blocks), and older Llama files' ``rotary_emb.inv_freq`` only when it equals the
+frequencies our RoPE computes.
 """
 
 from __future__ import annotations
@@ -14,7 +21,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from hybrid.hf.convert import check_hf_config, from_hf, our_name, parameter_names
+from hybrid.hf import convert as gpt2
+from hybrid.hf import llama_weights as llama
+from hybrid.hf.llama_config import check_llama_config
 from models.gpt import GPTConfig
 
 
@@ -44,46 +53,120 @@ def _weight_files(hf_dir: Path) -> list[Path]:
            "save_pretrained(..., safe_serialization=True)" if pickled else ""))
 
 
-class HFWeights:
-    """Our full tensors (``GPT.named_parameters()`` names, fp32) read from a GPT-2 directory.
+_ROWS = 1024  # rows per block when a tied head is compared with the embedding
 
-    Call it with a name: ``source("layers.0.attn.qkv.weight") -> [3h, h]``.
+
+def check_config(hf: dict, config: GPTConfig, where: str = "config.json") -> None:
+    """Check that ``hf`` (a ``config.json``: GPT-2, Llama, Qwen2 or Qwen3) describes ``config``.
+
+    Raises:
+        ValueError (UnsupportedModelError / UnsupportedHFSetting among them): the first setting
+            that differs or that we cannot hold, named.
+    """
+    if hf.get("model_type") == "gpt2":
+        gpt2.check_hf_config(hf, config, where)
+    else:
+        check_llama_config(hf, config, where)
+
+
+class _Family:
+    """One model family's names and layouts, as :class:`HFWeights` uses them."""
+
+    def __init__(self, model_type: str, config: GPTConfig):
+        self.gpt2, self.config = model_type == "gpt2", config
+        self.embed = "transformer.wte.weight" if self.gpt2 else "model.embed_tokens.weight"
+        self.params = (gpt2.parameter_names(config) if self.gpt2
+                       else llama.parameter_names(config))
+
+    def canonical(self, key: str) -> str:
+        """GPT-2 files may omit the ``transformer.`` prefix."""
+        if self.gpt2 and not key.startswith(("transformer.", "lm_head.")):
+            return "transformer." + key
+        return key
+
+    def keys(self, name: str) -> list[str]:
+        return [gpt2.hf_name(name)] if self.gpt2 else llama.hf_keys(name)
+
+    def build(self, name: str, tensors: list[torch.Tensor]) -> torch.Tensor:
+        return (gpt2.from_hf(name, tensors[0], self.config) if self.gpt2
+                else llama.from_hf(name, tensors, self.config))
+
+    def derived(self, key: str) -> bool:
+        """A stored tensor that is no weight: GPT-2's causal masks, Llama's inv_freq."""
+        return bool(gpt2._HF_BUFFERS.match(key) if self.gpt2 else llama.ROTARY_BUFFER.match(key))
+
+
+class HFWeights:
+    """Our full tensors (``GPT.named_parameters()`` names, fp32) read from an HF directory.
+
+    Call it with a name: ``source("layers.0.attn.qkv.weight") -> [(a + 2G) d, h]``.
 
     Args:
-        hf_dir: a directory written by ``save_pretrained`` (or ``hybrid.export_hf``).
+        hf_dir: a directory written by ``save_pretrained`` (or ``hybrid.export_hf``), sharded
+            or not.
         config: the model the weights go into; ``config.json`` must describe it.
 
     Raises:
         FileNotFoundError: missing config or weights.
-        hybrid.hf.convert.UnsupportedModelError / ValueError: see
-            :func:`hybrid.hf.convert.check_hf_config`; a tensor our model has no place for;
-            a parameter missing from the files; a tensor whose shape differs from ours (the
-            first one, named, with both shapes).
+        ValueError: see :func:`check_config`; a tensor our model has no place for (it would be
+            dropped); a tied model's differing ``lm_head.weight``; a parameter missing from the
+            files; a tensor whose shape differs from ours (the first one, named, with both
+            shapes).
     """
 
     def __init__(self, hf_dir: str | os.PathLike, config: GPTConfig):
         self.dir, self.config = Path(hf_dir), config
-        check_hf_config(read_hf_config(hf_dir), config, where=str(self.dir / "config.json"))
-        self._where: dict[str, tuple[object, str]] = {}
-        self._handles = []
+        hf = read_hf_config(hf_dir)
+        check_config(hf, config, where=str(self.dir / "config.json"))
+        self.family = _Family(hf.get("model_type"), config)
+        self._where: dict[str, tuple[str, str]] = {}  # HF key -> (file, key in the file)
+        self._shapes: dict[str, tuple[int, ...]] = {}
         for path in _weight_files(self.dir):
-            f = safe_open(str(path), framework="pt")
-            self._handles.append(f)
-            for key in f.keys():
-                name = our_name(key)
-                if name == "lm_head.weight" and config.tied:
-                    continue  # a tied head saved anyway: it is wte.weight
-                if name is not None:
-                    self._where[name] = (f, key)
-        expected = parameter_names(config)
-        missing = [n for n in expected if n not in self._where]
-        unexpected = sorted(set(self._where) - set(expected))
-        if missing:
-            raise ValueError(f"{self.dir}: no tensor for our parameter {missing[0]!r} "
-                             f"({len(missing)} missing in all)")
-        if unexpected:
-            raise ValueError(f"{self.dir}: tensors our model has no place for: {unexpected}")
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    self._where[self.family.canonical(key)] = (str(path), key)
+                    self._shapes[self.family.canonical(key)] = tuple(f.get_slice(key).get_shape())
+        self._check_complete()
         self._check_shapes()
+
+    def _check_complete(self) -> None:
+        owner = {k: n for n in self.family.params for k in self.family.keys(n)}
+        missing = [k for k in owner if k not in self._where]
+        if missing:
+            raise ValueError(f"{self.dir}: no tensor {missing[0]!r} for our parameter "
+                             f"{owner[missing[0]]!r} ({len(missing)} missing in all)")
+        wanted = set(owner)
+        for key in sorted(set(self._where) - wanted):
+            if key == "lm_head.weight" and self.config.tied:
+                self._check_tied_head()
+            elif self.family.derived(key):
+                self._check_derived(key)
+            else:
+                raise ValueError(f"{self.dir}: tensor {key!r} has no place in this run's model "
+                                 "and would be dropped; refusing (does config.json describe "
+                                 "the files?)")
+
+    def _check_tied_head(self) -> None:
+        """A tied model's saved ``lm_head.weight`` must equal the embedding, bitwise."""
+        shape = self._shapes["lm_head.weight"]
+        rows = shape[0] if shape == self._shapes[self.family.embed] else -1
+        for lo in range(0, max(rows, 0), _ROWS):
+            if not torch.equal(self._read("lm_head.weight", lo, lo + _ROWS),
+                               self._read(self.family.embed, lo, lo + _ROWS)):
+                rows = -1
+                break
+        if rows < 0:
+            raise ValueError(f"{self.dir}: lm_head.weight differs from {self.family.embed}, but "
+                             "this run ties them and would drop it: give "
+                             "--untie-embeddings-and-output-weights")
+
+    def _check_derived(self, key: str) -> None:
+        if self.family.gpt2:
+            return  # the causal mask: a constant
+        stored, ours = self._read(key).float(), self.config.rotary().inv_freq()
+        if stored.shape != ours.shape or not torch.allclose(stored, ours, rtol=1e-5, atol=0):
+            raise ValueError(f"{self.dir}: {key} differs from the RoPE frequencies of this "
+                             "run's --rotary-base / --use-rope-scaling; refusing to drop it")
 
     def _check_shapes(self) -> None:
         """Compare every stored shape with ours before any tensor is read; name the first
@@ -92,24 +175,35 @@ class HFWeights:
 
         with torch.device("meta"):
             ours = dict(GPT(self.config).named_parameters())
-        for name in parameter_names(self.config):
-            f, key = self._where[name]
-            stored = tuple(f.get_slice(key).get_shape())
+        for name in self.family.params:
+            keys = self.family.keys(name)
+            stored = [self._shapes[k] for k in keys]
             try:
-                want = tuple(from_hf(name, torch.empty(stored, device="meta"), self.config).shape)
+                want = tuple(self.family.build(
+                    name, [torch.empty(s, device="meta") for s in stored]).shape)
             except RuntimeError:  # not even reshapeable into our layout
-                want = stored
+                want = None
             if want != tuple(ours[name].shape):
-                raise ValueError(f"{self.dir}: {key} has shape {list(stored)}, which gives {name} "
-                                 f"shape {list(want)}; our model has {list(ours[name].shape)}")
+                shapes = " and ".join(f"{k} has shape {list(s)}" for k, s in zip(
+                    keys, stored, strict=True))
+                raise ValueError(f"{self.dir}: {shapes}, which gives {name} shape "
+                                 f"{list(want) if want else '(none)'}; our model has "
+                                 f"{list(ours[name].shape)}")
+
+    def _read(self, key: str, lo: int | None = None, hi: int | None = None) -> torch.Tensor:
+        """HF tensor ``key`` (rows ``lo:hi``), its file opened for this read only: no mapping
+        stays resident after it."""
+        path, k = self._where[key]
+        with safe_open(path, framework="pt") as f:
+            return f.get_tensor(k) if lo is None else f.get_slice(k)[lo:hi]
 
     def names(self) -> list[str]:
         """Our parameter names this source provides (every one of the model's)."""
-        return parameter_names(self.config)
+        return list(self.family.params)
 
     def __call__(self, name: str) -> torch.Tensor:
         """Our full fp32 tensor ``name``, contiguous."""
-        if name not in self._where:
+        if name not in self.family.params:
             raise KeyError(f"{self.dir} has no tensor for our parameter {name!r}")
-        f, key = self._where[name]
-        return from_hf(name, f.get_tensor(key), self.config).float().contiguous()
+        parts = [self._read(k) for k in self.family.keys(name)]
+        return self.family.build(name, parts).float().contiguous()

@@ -91,18 +91,7 @@ def _vocab_size(cfg: PretrainConfig) -> int:
     if d.vocab_file or d.merge_file:
         return _gpt2_bpe_vocab_size(cfg)
     if d.tokenizer_model:
-        if not Path(d.tokenizer_model).is_file():
-            raise ConfigError(f"--tokenizer-model {d.tokenizer_model}: file not found")
-        from data.tokenizer import Tokenizer
-
-        try:
-            vocab = Tokenizer(d.tokenizer_model).vocab_size
-        except ValueError as e:
-            raise ConfigError(f"--tokenizer-model {d.tokenizer_model}: {e}") from None
-        if m.vocab_size is not None and m.vocab_size != vocab:
-            raise ConfigError(f"--vocab-size {m.vocab_size} does not match the tokenizer's "
-                              f"vocabulary of {vocab} ({d.tokenizer_model})")
-        return vocab
+        return _tokenizer_vocab_size(cfg)
     if m.vocab_size is None:
         if d.mock_data:
             raise ConfigError("--mock-data without --tokenizer-model needs --vocab-size")
@@ -111,6 +100,33 @@ def _vocab_size(cfg: PretrainConfig) -> int:
         raise ConfigError("--tokenizer-model (or --vocab-file and --merge-file) is required "
                           "with --data-path (or give --mock-data --vocab-size N)")
     return m.vocab_size
+
+
+def _tokenizer_vocab_size(cfg: PretrainConfig) -> int:
+    """The model's vocabulary for ``--tokenizer-model`` (``--tokenizer-type``): the tokenizer's,
+    or a larger ``--vocab-size`` for a Hugging Face tokenizer (Qwen's models have 151936 rows
+    for 151665 tokens)."""
+    d, m = cfg.data, cfg.model
+    if d.tokenizer_type in ("GPT2BPETokenizer", "NullTokenizer"):
+        raise ConfigError(f"--tokenizer-type {d.tokenizer_type} takes no --tokenizer-model "
+                          "(GPT2BPETokenizer: --vocab-file and --merge-file; NullTokenizer: "
+                          "--vocab-size)")
+    if not Path(d.tokenizer_model).exists():
+        raise ConfigError(f"--tokenizer-model {d.tokenizer_model}: file not found")
+    from data.tokenizer import load_tokenizer
+
+    try:
+        tok = load_tokenizer(d.tokenizer_model, d.tokenizer_type)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--tokenizer-model {d.tokenizer_model}: {e}") from None
+    vocab = tok.vocab_size
+    if m.vocab_size is not None and (m.vocab_size < vocab if tok.kind == "HuggingFaceTokenizer"
+                                     else m.vocab_size != vocab):
+        raise ConfigError(f"--vocab-size {m.vocab_size} does not match the tokenizer's "
+                          f"vocabulary of {vocab} ({d.tokenizer_model})"
+                          + (": it may be larger, never smaller"
+                             if tok.kind == "HuggingFaceTokenizer" else ""))
+    return m.vocab_size or vocab
 
 
 def validate(cfg: PretrainConfig, world_size: int | None = None,
@@ -329,14 +345,14 @@ def _check_data(cfg: PretrainConfig, vocab: int) -> None:
 
 
 def _check_init_from_hf(c, gpt: GPTConfig) -> None:
-    """``--init-from-hf DIR``: a GPT-2 directory whose config.json describes this run's model."""
+    """``--init-from-hf DIR``: a GPT-2 / Llama / Qwen2 / Qwen3 directory whose config.json
+    describes this run's model."""
     if c.finetune:
         raise ConfigError("--init-from-hf and --finetune both name the starting weights: give one")
-    from hybrid.hf.convert import check_hf_config
-    from hybrid.hf.weights import read_hf_config
+    from hybrid.hf.weights import check_config, read_hf_config
 
     try:
-        check_hf_config(read_hf_config(c.init_from_hf), gpt,
+        check_config(read_hf_config(c.init_from_hf), gpt,
                         where=f"--init-from-hf {c.init_from_hf}")
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(str(e)) from None

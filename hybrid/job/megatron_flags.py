@@ -84,10 +84,11 @@ REFUSED = {
 REFUSED_PREFIXES = {"--moe-": "mixture of experts (MoE)", "--fp8-": "FP8 training"}
 
 SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
-TOKENIZER_TYPES = (*SENTENCEPIECE_TYPES, "GPT2BPETokenizer", "NullTokenizer")
-"""``--tokenizer-type`` values this trainer reads: sentencepiece (``--tokenizer-model``), GPT-2
-BPE (``--vocab-file``, ``--merge-file``) and none (``--vocab-size`` alone, token ids as they
-are)."""
+TOKENIZER_TYPES = (*SENTENCEPIECE_TYPES, "HuggingFaceTokenizer", "GPT2BPETokenizer",
+                   "NullTokenizer")
+"""``--tokenizer-type`` values this trainer reads: sentencepiece and Hugging Face
+(``--tokenizer-model``), GPT-2 BPE (``--vocab-file``, ``--merge-file``) and none
+(``--vocab-size`` alone, token ids as they are)."""
 
 
 def _split(argv: list[str]) -> list[tuple[str, list[str]]]:
@@ -112,8 +113,9 @@ def _refusal(flag: str, values: list[str]) -> str | None:
         return f"{flag}: {REFUSED_PREFIXES[prefix]} is not supported here"
     if flag == "--tokenizer-type" and values and values[0] not in TOKENIZER_TYPES:
         sp = ", ".join(SENTENCEPIECE_TYPES)
-        return (f"--tokenizer-type {values[0]}: only sentencepiece ({sp} with --tokenizer-model), "
-                "GPT2BPETokenizer (--vocab-file, --merge-file) and NullTokenizer (--vocab-size) "
+        return (f"--tokenizer-type {values[0]}: only sentencepiece ({sp}) and "
+                "HuggingFaceTokenizer with --tokenizer-model, GPT2BPETokenizer (--vocab-file, "
+                "--merge-file) and NullTokenizer (--vocab-size) "
                 "are supported here")
     return None
 
@@ -147,7 +149,7 @@ def translate(argv: list[str]) -> tuple[list[str], list[str]]:
                 equivalent = []  # Megatron's older spelling beside RoPE: no learned table
             if equivalent and equivalent[0] not in out:
                 out += equivalent
-        elif flag in SIZE_ONE or flag == "--tokenizer-type" or flag in NO_OP:
+        elif flag in SIZE_ONE or flag in NO_OP:
             if flag in NO_OP:
                 ignored.append(" ".join([flag, *values]))
         else:
