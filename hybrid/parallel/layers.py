@@ -245,7 +245,10 @@ class ParallelOutputLayer(nn.Module):
 
 class TPRegionDropout(nn.Module):
     """Dropout inside a tensor-parallel region: masks come from the TP rank's own RNG stream
-    (Megatron-LM Appendix B.2), so different TP ranks drop different heads' probabilities."""
+    (Megatron-LM Appendix B.2), so different TP ranks drop different heads' probabilities.
+
+    Attention does not call it: it draws its mask inside ``F.scaled_dot_product_attention``
+    within :meth:`rng_scope` (``models.blocks.dropout_rng_scope``)."""
 
     def __init__(self, p: float, tracker: RNGTracker):
         super().__init__()
@@ -257,6 +260,11 @@ class TPRegionDropout(nn.Module):
             return x
         with self.tracker.fork():
             return F.dropout(x, self.p, True)
+
+    def rng_scope(self):
+        """Context in which the TP rank's stream is the default generator (for a mask drawn
+        inside a fused kernel, as attention's)."""
+        return self.tracker.fork()
 
 
 def tp_summed(param: torch.Tensor, group, ledger: TPLedger | None = None) -> torch.Tensor:

@@ -110,6 +110,11 @@ def layer_saved_terms(shape: ModelShape, recompute: str = "none", dropout: bool 
 
     At G = a, d = h/a, f = 4h with dropout this is Table 2's ``34sbh + 5as^2b`` in bytes.
 
+    The dropout core counted here is the explicit one (``models.blocks.Attention`` on CPU). On
+    GPU attention dropout runs inside the fused kernel, which keeps no ``s^2`` terms (what the
+    core keeps is then the ``dropout=False`` core's), and selective recompute has nothing to
+    recompute on it: with dropout these figures are an upper bound there.
+
     Returns:
         ``{"replicated", "masks_replicated", "split", "fp32_split", "scores"}``, elements per
         token (``scores`` per token and per position of the sequence).
