@@ -3,6 +3,11 @@ and Table 2), for the GPT and the Llama family (SwiGLU, GQA, RMSNorm, RoPE, q/k 
 
 ``hybrid.planner.memory`` re-exports both functions; ``tests/test_llama_planner.py`` checks them
 against the saved-bytes meter (``hybrid.activation.saved_bytes``) within 2%.
+
+The dropout core counted is the explicit one (``models.blocks.Attention`` on CPU). On GPU
+attention dropout runs inside the fused kernel, which keeps no ``s^2`` terms (the core then
+keeps what the ``dropout=False`` core keeps), and selective recompute has nothing to recompute
+on it: with dropout these figures are an upper bound there.
 """
 
 from __future__ import annotations
@@ -109,11 +114,6 @@ def layer_saved_terms(shape: ModelShape, recompute: str = "none", dropout: bool 
       keeps gate, up and their product, ``3f`` (autograd's composite form would keep ``4f``).
 
     At G = a, d = h/a, f = 4h with dropout this is Table 2's ``34sbh + 5as^2b`` in bytes.
-
-    The dropout core counted here is the explicit one (``models.blocks.Attention`` on CPU). On
-    GPU attention dropout runs inside the fused kernel, which keeps no ``s^2`` terms (what the
-    core keeps is then the ``dropout=False`` core's), and selective recompute has nothing to
-    recompute on it: with dropout these figures are an upper bound there.
 
     Returns:
         ``{"replicated", "masks_replicated", "split", "fp32_split", "scores"}``, elements per
