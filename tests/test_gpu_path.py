@@ -278,3 +278,43 @@ def test_chunked_zero3_gathers_broadcast_into_their_slots():
     assert native["calls"]["all_gather"] > 0 and native["calls"]["broadcast"] == 0
     assert broadcast["calls"]["all_gather"] == 0
     assert broadcast["calls"]["broadcast"] == 2 * native["calls"]["all_gather"]  # one per rank
+
+
+def test_sequence_parallel_mlp_collectives_copy_nothing_at_micro_batch_2(monkeypatch):
+    """At micro-batch b > 1 the ``[b, s, h]`` layout made every sequence-parallel gather copy
+    its rank-major result and every reduce-scatter stack its input. The MLP's (``token_wise``)
+    gather now returns the gather buffer itself and its reduce-scatter reads its input in
+    place; the attention's keep one reordering copy each (the core needs sequence order)."""
+    import torch.distributed as dist
+
+    from hybrid.parallel.ops import all_gather_seq, reduce_scatter_seq
+
+    seen = {}
+
+    class Done:
+        def wait(self):
+            pass
+
+    def gather(out, inp, group=None, async_op=False):  # 2 ranks holding the same slice
+        out.view(2, -1).copy_(inp.reshape(1, -1).expand(2, -1))
+        seen["gather_out"] = out
+        return Done()
+
+    def scatter(out, inp, group=None, async_op=False):  # 2 ranks holding the same input
+        seen["scatter_in"] = inp
+        out.copy_(2 * inp.view(2, -1)[0].view_as(out))
+        return Done()
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_gather_single", gather, raising=False)
+    monkeypatch.setattr(dist, "reduce_scatter_single", scatter, raising=False)
+    x = torch.randn(2, 4, 8)  # [b, s/t, h]
+    y = all_gather_seq(x, None, token_wise=True)
+    assert y.shape == (2, 8, 8) and y.data_ptr() == seen["gather_out"].data_ptr()
+    assert all_gather_seq(x, None).data_ptr() != seen["gather_out"].data_ptr()  # sequence order
+    z = torch.randn(2, 8, 8)  # [b, s, h], tokens rank-major
+    out = reduce_scatter_seq(z, None, token_wise=True)
+    assert seen["scatter_in"].data_ptr() == z.data_ptr()
+    torch.testing.assert_close(out, 2 * z.view(2, 2, 4, 8)[0], rtol=0, atol=0)
+    reduce_scatter_seq(z, None)
+    assert seen["scatter_in"].data_ptr() != z.data_ptr()  # sequence order: one stacking copy

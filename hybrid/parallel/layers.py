@@ -132,6 +132,10 @@ class ColumnParallelLinear(nn.Module):
         self.group = group
         self.sequence_parallel = sequence_parallel
         self.ledger = ledger
+        self.token_wise = False
+        """With ``sequence_parallel``: the output's tokens in rank-major order (no reordering
+        copy at micro-batch > 1), for a token-wise consumer ending in a ``token_wise``
+        :class:`RowParallelLinear` (the MLP; ``hybrid.parallel.ops._gather_seq_start``)."""
         rank, size = _group_coords(group)
         padded_out = padded_out or out_features
         if padded_out % size:
@@ -148,7 +152,8 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
-            return sequence_parallel_linear(x, self.weight, self.bias, self.group, self.ledger)
+            return sequence_parallel_linear(x, self.weight, self.bias, self.group, self.ledger,
+                                            self.token_wise)
         return F.linear(copy_to_tp(x, self.group, self.ledger), self.weight, self.bias)
 
 
@@ -167,6 +172,9 @@ class RowParallelLinear(nn.Module):
         self.group = group
         self.sequence_parallel = sequence_parallel
         self.ledger = ledger
+        self.token_wise = False
+        """With ``sequence_parallel``: the input's tokens are in rank-major order (from a
+        ``token_wise`` :class:`ColumnParallelLinear`), reduce-scattered without reordering."""
         rank, size = _group_coords(group)
         if in_features % size:
             raise ValueError(f"input features {in_features} are not divisible by the TP size "
@@ -181,7 +189,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
-            y = reduce_scatter_sequence(F.linear(x, self.weight), self.group, self.ledger)
+            y = reduce_scatter_sequence(F.linear(x, self.weight), self.group, self.ledger,
+                                        self.token_wise)
             return y if self.bias is None else y + tp_summed(self.bias, self.group, self.ledger)
         y = reduce_from_tp(F.linear(x, self.weight), self.group, self.ledger)
         return y if self.bias is None else y + self.bias
