@@ -72,3 +72,33 @@ def test_bench_zero_help_needs_no_outside_directory(tmp_path):
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "--repeats" in out.stdout and "PEERS_DIR" not in out.stdout
+
+
+def test_targets_are_claimed_only_when_every_round_clears_them():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_zero_targets import targets_table, verdict
+
+    assert verdict([1.1, 1.3], 1.2) == "within noise"
+    assert verdict([1.21, 1.3], 1.2) == "met" and verdict([1.0, 1.1], 1.2) == "missed"
+    assert verdict([1.04, 1.06], 1.05, at_least=False) == "within noise"
+
+    def run(ms, **extra):
+        return dict(ms_step_median=ms, **extra)
+
+    launches = {  # two rounds; ours 100 ms, DDP 130 then 110 ms
+        "ddp": [run(130.0), run(110.0)],
+        "hybrid_z1": [run(100.0, dp_collectives_alone_ms=10.0), None],
+        "hybrid_z1_floor": [run(92.0), run(90.0)],
+    }
+    results = {"hybrid_z1": run(100.0, profile_ms={"forward": 50.0, "grad_comm": 30.0}),
+               "hybrid_z1_floor": run(92.0, profile_ms={"forward": 50.0, "grad_comm": 1.0})}
+    rows = targets_table(launches, results, {"deepspeed_z1": "deepspeed does not import"})
+    assert "| hybrid_z1 | ddp | >= 1.00x | 1.30 (1.30-1.30) | met | - |" in rows
+    assert ("| hybrid_z1 | deepspeed_z1 | >= 1.20x | - | skipped: deepspeed does not import | - |"
+            in rows)
+    assert ("| hybrid_z1 | floor + collectives alone | <= 1.05x | 0.98 (0.98-0.98) | met | - |"
+            in rows)
+    launches["hybrid_z1"][1] = run(120.0)  # round 2: slower than DDP
+    rows = targets_table(launches, results, {})
+    assert ("| hybrid_z1 | ddp | >= 1.00x | 1.11 (0.92-1.30) | within noise | grad_comm +29 ms "
+            "over the floor's |") in rows
