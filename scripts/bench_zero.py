@@ -1,28 +1,31 @@
-"""Throughput and memory of our ZeRO stages beside torch DDP, FSDP2 and DeepSpeed, in one run.
+"""Throughput and memory of our ZeRO stages beside torch DDP, FSDP2, DTensor TP x FSDP2 and
+DeepSpeed, in one run, from this repository alone.
 
-Not a test. Every configuration is one ``torchrun --standalone`` launch, in sequence, on the
-peers' workload (their ``common.py`` in ``PEERS_DIR``: same model dimensions, seeded synthetic data,
-AdamW lr 1e-3 betas (0.9, 0.95) wd 0.1, no clipping, fp32, gloo, OMP_NUM_THREADS=1), and every
-launch prints the peers' ``RESULT {json}`` line, so the figures are measured the same way:
-ms/step = median of rank 0's timed steps (forward through optimizer step), tokens/s = global
-tokens per step / that, RSS = max over ranks of peak RSS, state = max over ranks of bytes in
-params + grads + master + optimizer states.
+Not a test. Every configuration is one ``torch.distributed.run --standalone`` launch on the
+peers' common workload (``scripts/peers/workload.py``: same model dimensions, seeded synthetic
+data, AdamW lr 1e-3 betas (0.9, 0.95) wd 0.1, no clipping, fp32, gloo, OMP_NUM_THREADS=1); the
+peers are ``scripts/peers/peer_torch.py`` (ddp, fsdp2, fsdp2_noreshard, tp2d) and
+``scripts/peers/peer_deepspeed.py`` (deepspeed_z0..3: ``pip install -e '.[bench]'``; without
+DeepSpeed those peers are skipped and the table says why). Every launch prints one
+``RESULT {json}`` line, so the figures are measured the same way: ms/step = median of rank 0's
+timed steps (forward through optimizer step), tokens/s = global tokens per step / that,
+RSS = max over ranks of peak RSS, state = max over ranks of bytes in params + grads + master +
+optimizer states.
 
-    python scripts/bench_zero.py                       # tiny GPT, world 4
+    python scripts/bench_zero.py --size tiny --world 4 --repeats 3
     python scripts/bench_zero.py --size medium --world 2 --peers "ddp fsdp2 deepspeed_z3"
 
 Each of our configurations also runs as ``<name>_floor``: the same ranks and model with every
 data-parallel collective skipped (``DPComm.skip_collectives``), the compute-only floor of this
-machine; and ours report a per-phase profile of rank 0's timed steps (``hybrid.zero.profile``:
-forward, backward, hooks, copies, grad_comm, param_gather, grad_norm, optimizer, refresh,
-zeroing). ``--repeats N`` launches everything N times, interleaved, and reports the median launch
-with the spread.
+machine; ours also replay one step's data-parallel collectives alone and report a per-phase
+profile of rank 0's timed steps (``hybrid.zero.profile``). ``--repeats k`` runs k rounds, each
+launching every configuration once (ours, peer, ours, peer, ...); each ratio is taken per round
+and the table gives its median and min-max spread over the rounds, claiming a target only when
+the whole spread clears it (``scripts/bench_zero_targets.py``).
 
-Writes ``throughput_<size>_w<world>.md`` (the tables: throughput with spread, ratios against the
-peers and the floor, the phase profile) and ``..._ratios.png`` under ``--out`` (default runs/bench).
+Writes ``throughput_<size>_w<world>.md`` (the tables and the verdicts) and ``..._ratios.png``
+under ``--out`` (default runs/bench).
 
-Env: PEERS_DIR (default ../shared/peers next to this repository), PEERS_VENV (default
-${TMPDIR:-/tmp}/hybrid-peers-venv, built by the peers' setup.sh; needed for DeepSpeed).
 Differences from the peers: our GPT fuses q/k/v into one Linear (same parameter count) and,
 following Megatron, does not decay biases and LayerNorm weights.
 """
@@ -43,7 +46,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_zero_report import merge_repeats, print_table, write_report  # noqa: E402
 
-PEERS = Path(os.environ.get("PEERS_DIR", REPO.parent / "shared" / "peers")).resolve()
+PEERS = REPO / "scripts" / "peers"
 
 
 def worker(stage: int, tp: int, floor: bool, profile: bool) -> None:
@@ -51,8 +54,8 @@ def worker(stage: int, tp: int, floor: bool, profile: bool) -> None:
     data-parallel collective skipped (the compute-only floor); ``profile``: per-phase times of
     rank 0's timed steps in the result (``profile_ms``)."""
     sys.path[:0] = [str(REPO), str(PEERS)]
-    import common as C  # the peers' workload and reporting
     import torch
+    import workload as C  # the peers' workload and reporting
 
     from hybrid.config import PretrainConfig
     from hybrid.parallel.grid import ProcessGrid
@@ -141,18 +144,18 @@ def launch(name: str, cmd: list[str], cwd: Path, env: dict, logdir: Path) -> dic
 def build_parser() -> argparse.ArgumentParser:
     """The benchmark's flags (``--worker`` and ``--floor`` are for its own launches)."""
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
-    ap.add_argument("--size", default="tiny", choices=["tiny", "medium"])
+    ap.add_argument("--size", default="tiny", choices=["tiny", "medium", "test"],
+                    help="the workload (scripts/peers/workload.py; test: a seconds-long smoke run)")
     ap.add_argument("--world", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=None, help="default: 23 tiny, 6 medium")
+    ap.add_argument("--steps", type=int, default=None, help="default: 15 tiny, 6 medium")
     ap.add_argument("--warmup", type=int, default=None, help="default: 3 tiny, 1 medium")
     ap.add_argument("--stages", default="1 2 3",
                     help="our ZeRO stages (0-3), space- or comma-separated")
     ap.add_argument("--tp", default="1 2", help="our tensor-parallel sizes, each dividing --world "
                                                 "(dp = world / tp), space- or comma-separated")
-    ap.add_argument("--peers", default="ddp fsdp2 fsdp2_noreshard tp2d deepspeed_z1 deepspeed_z2 "
-                                       "deepspeed_z3")
-    ap.add_argument("--venv", default=os.environ.get(
-        "PEERS_VENV", f"{os.environ.get('TMPDIR', '/tmp')}/hybrid-peers-venv"))
+    ap.add_argument("--peers", default="ddp fsdp2 tp2d deepspeed_z1 deepspeed_z2 deepspeed_z3",
+                    help="peers (scripts/peers/): ddp, fsdp2, fsdp2_noreshard, tp2d, "
+                         "deepspeed_z0..3")
     ap.add_argument("--logdir", default=None, help="every launch's log and results.jsonl (default: "
                                                    "<--out>/logs)")
     ap.add_argument("--out", default=str(REPO / "runs" / "bench"), help="markdown + PNG report dir")
@@ -167,8 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-floor", action="store_true",
                     help="skip the compute-only floor runs (ours with every dp collective skipped)")
     ap.add_argument("--repeats", type=int, default=1,
-                    help="launch each configuration this many times (interleaved); the table "
-                         "shows the median and the min-max spread of the per-launch medians")
+                    help="rounds, each launching every configuration once (interleaved); the "
+                         "tables give each ratio's median and min-max spread over the rounds")
     ap.add_argument("--worker", nargs=2, type=int, metavar=("STAGE", "TP"), help=argparse.SUPPRESS)
     ap.add_argument("--floor", action="store_true", help=argparse.SUPPRESS)
     return ap
@@ -183,12 +186,18 @@ def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         ap.error(f"--stages: {bad[0]} is no ZeRO stage; give values from 0 to 3")
     if bad := [t for t in args.tp if t < 1 or args.world % t]:
         ap.error(f"--tp {bad[0]}: a tensor-parallel size must divide --world {args.world}")
-    if not (PEERS / "common.py").is_file():
-        ap.error(f"the peers' workload {PEERS / 'common.py'} is missing (our runs use its model, "
-                 "data and reporting too); set PEERS_DIR to the folder holding common.py")
-    if args.peers.split() and not Path(args.venv, "bin", "torchrun").is_file():
-        ap.error(f"--venv {args.venv}: no bin/torchrun there; build the peers' environment with "
-                 f"{PEERS / 'setup.sh'} (PEERS_VENV), or run ours only with --peers ''")
+    known = {"ddp", "fsdp2", "fsdp2_noreshard", "tp2d"} | {f"deepspeed_z{s}" for s in range(4)}
+    if bad := [p for p in args.peers.split() if p not in known]:
+        ap.error(f"--peers: unknown peer {bad[0]!r}; valid: {', '.join(sorted(known))}")
+    if args.repeats < 1:
+        ap.error(f"--repeats {args.repeats}: give 1 or more rounds")
+    args.skipped = {}
+    if any(p.startswith("deepspeed") for p in args.peers.split()):
+        sys.path.insert(0, str(PEERS))
+        from peer_deepspeed import missing_reason
+
+        if reason := missing_reason():
+            args.skipped = {p: reason for p in args.peers.split() if p.startswith("deepspeed")}
     args.logdir = args.logdir or str(Path(args.out) / "logs")
 
 
@@ -196,14 +205,17 @@ def _runs(args: argparse.Namespace) -> list[tuple[str, list[str], Path]]:
     """``(name, command, working directory)`` of every launch: the peers, then ours by tp and
     stage, each followed by its compute-only floor unless ``--no-floor``."""
     n = str(args.world)
-    torchrun = [f"{args.venv}/bin/torchrun", "--standalone", "--nproc-per-node", n]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                n]
     runs: list[tuple[str, list[str], Path]] = []
     for p in args.peers.split():
+        if p in args.skipped:
+            continue
         if p.startswith("deepspeed_z"):
-            runs.append((p, torchrun + ["peer_deepspeed.py", p[-1]], PEERS))
+            runs.append((p, torchrun + [str(PEERS / "peer_deepspeed.py"), p[-1]], REPO))
         else:
-            runs.append((p, torchrun + ["peer_torch.py", p], PEERS))
-    ours = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", n]
+            runs.append((p, torchrun + [str(PEERS / "peer_torch.py"), p], REPO))
+    ours = torchrun
     for tp in args.tp:
         for s in args.stages:
             name = f"hybrid_z{s}" + (f"_tp{tp}" if tp > 1 else "")
@@ -221,7 +233,7 @@ def main() -> None:
     if args.worker:
         return worker(*args.worker, floor=args.floor, profile=not args.no_profile)
     _check_args(ap, args)
-    steps = args.steps or (6 if args.size == "medium" else 23)
+    steps = args.steps or (6 if args.size == "medium" else 15)
     warmup = args.warmup if args.warmup is not None else (1 if args.size == "medium" else 3)
     env = dict(os.environ, PEER_SIZE=args.size, PEER_STEPS=str(steps), PEER_WARMUP=str(warmup),
                OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1",
@@ -233,20 +245,24 @@ def main() -> None:
     runs = _runs(args)
     print(f"# size={args.size} world={args.world} steps={steps} warmup={warmup} logs={logdir}",
           flush=True)
-    launches: dict[str, list] = {}
+    launches: dict[str, list] = {name: [] for name, _, _ in runs}
     for rep in range(args.repeats):
         for name, cmd, cwd in runs:
             res = launch(name, cmd, cwd, env, logdir)
+            launches[name].append(res)
             if res is not None:
-                launches.setdefault(name, []).append(res)
                 print(f"# {name} [{rep + 1}/{args.repeats}]: {res['ms_step_median']} ms/step",
                       flush=True)
-    results = {name: merge_repeats(rs) for name, rs in launches.items()}
+    results = {name: merge_repeats([r for r in rs if r]) for name, rs in launches.items()
+               if any(rs)}
     with open(logdir / "results.jsonl", "w") as f:
         for r in results.values():
             f.write(json.dumps(r) + "\n")
     print_table(results)
-    write_report(results, Path(args.out), args, steps, warmup)
+    write_report(results, Path(args.out), args, steps, warmup, launches)
+    from bench_zero_targets import targets_table
+
+    print("\n".join(targets_table(launches, results, args.skipped)))
     if failed := [name for name, _, _ in runs if name not in results]:
         sys.exit(f"failed: {', '.join(failed)} (logs in {logdir})")
 

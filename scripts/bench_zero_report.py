@@ -45,11 +45,26 @@ def ratios(results: dict) -> dict:
     return out
 
 
-def write_report(results: dict, out: Path, args, steps: int, warmup: int) -> None:
-    """Markdown table (every run, then our ms/step over each peer's) and a PNG of the ratios."""
+def write_report(results: dict, out: Path, args, steps: int, warmup: int,
+                 launches: dict | None = None) -> None:
+    """Markdown tables (the targets' verdicts over launch pairs when ``launches``, every run,
+    our ms/step over each peer's, the phase profile, the floor) and a PNG of the ratios.
+
+    Args:
+        launches: ``{config: [round 0's result or None, ...]}`` (``scripts/bench_zero.py``).
+    """
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"throughput_{args.size}_w{args.world}"
-    lines = ["| config | dp | ms/step | spread (launches) | tokens/s | peak RSS MiB | state MiB | "
+    lines = []
+    if launches:
+        from bench_zero_targets import targets_table
+
+        rounds = max(len(v) for v in launches.values())
+        lines += [f"Targets: the peer's ms/step over ours (above 1: we are faster), per round of "
+                  f"launches ({rounds}), median and min-max; met only when every round clears "
+                  f"the target:", ""]
+        lines += targets_table(launches, results, getattr(args, "skipped", {})) + [""]
+    lines += ["| config | dp | ms/step | spread (launches) | tokens/s | peak RSS MiB | state MiB | "
              "loss end |",
              "|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
@@ -96,8 +111,8 @@ def write_report(results: dict, out: Path, args, steps: int, warmup: int) -> Non
                "gloo's reduce-scatter as all-to-all + sum and large all-gathers as broadcasts "
                "(`hybrid.zero.comm`)") + ". "
             "fp32, gloo, "
-            "OMP_NUM_THREADS=1, one launch each in sequence; run-to-run noise on this VM is "
-            "about 15-25% (the peers' own repeated runs).\n\n")
+            "OMP_NUM_THREADS=1; every round launches each configuration once, in sequence "
+            "(run-to-run noise on a shared 2-core VM is 15-25%, hence ratios per round).\n\n")
     picture = _plot_ratios(rat, peers, stem, args) if rat else None
     if rat and picture is None:
         print("note: matplotlib is not installed, so no ratio plot was drawn "

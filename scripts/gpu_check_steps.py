@@ -8,8 +8,9 @@ Subcommands (each prints its figures and exits non-zero when its check fails):
   grad norm within 1e-4 relative (cuBLAS and the CPU sum in other orders; measured differences
   are ~1e-6). bf16: within 2e-2 relative (8-bit mantissas, other kernels).
 - ``attention``: the fused ``F.scaled_dot_product_attention`` against the explicit softmax path
-  ``models.gpt.Attention.core`` takes when attention dropout is on (the default 0.1): outputs
-  and input gradients (bf16 on GPU), forward+backward time and peak memory of each.
+  ``models.blocks.Attention.core`` takes with attention dropout on CPU (on GPU dropout now runs
+  inside the fused kernel; ``kernel = "explicit"`` still selects it): outputs and input
+  gradients (bf16 on GPU), forward+backward time and peak memory of each.
 - ``pretrain-summary``: the last record of a ``hybrid.pretrain`` metrics file (tokens/s,
   TFLOP/s, MFU, peak allocated and reserved memory) beside the dry run's prediction read from
   its report.
@@ -96,7 +97,7 @@ def parity(a: dict) -> bool:
 
 
 def _explicit(q, k, v):
-    """``models.gpt.Attention.core``'s path with dropout on, without the dropout (p = 0)."""
+    """``models.blocks.Attention``'s explicit path, without the dropout (p = 0)."""
     import torch
 
     s = q.shape[-2]

@@ -20,6 +20,7 @@ from hybrid.activation.recompute import CHECKPOINT_TAG, ActivationStore
 from hybrid.parallel.grid import ProcessGrid
 from hybrid.parallel.rng import RNGTracker
 from hybrid.parallel.tp_plan import parallelize_gpt
+from models.blocks import set_attention_kernel
 from models.gpt import GPT, GPTConfig
 from tests.fake_stage3 import FakeStage3
 from tests.tiny import build_parallel, make_batch, tiny_config
@@ -44,6 +45,10 @@ VARIANTS: dict[str, dict] = {
 }
 ALL_ON = VARIANTS["pa_cpu_arena"]
 DROPOUTS = (0.0, 0.1)
+KERNELS = {0: "auto", 3: "fused"}
+"""Attention kernel per ZeRO stage in :func:`parity`: CPU's own (explicit with dropout) and the
+fused one GPUs take by default (SDPA drawing the attention mask from the TP stream, which
+recompute must replay)."""
 
 
 def zero_stages() -> list[int]:
@@ -113,16 +118,19 @@ def _max_diff(a: dict, b: dict) -> float:
 
 
 def parity(grid: ProcessGrid) -> dict:
-    """Max |grad - grad without checkpointing| for every variant, dropout and ZeRO stage."""
+    """Max |grad - grad without checkpointing| for every variant, dropout and ZeRO stage (the
+    attention kernel per :data:`KERNELS`)."""
     out = {}
     batches = micro_batches()
     for stage in zero_stages():
         for p in DROPOUTS:
             model, _, _ = build(grid, p, None, stage=stage)
+            set_attention_kernel(model if stage == 0 else model.model, KERNELS[stage])
             names = [n for n, _ in (model if stage == 0 else model.model).named_parameters()]
             ref_losses, ref = _run(model, stage, batches)
             for name, ac in VARIANTS.items():
                 model, _, handle = build(grid, p, ac, stage=stage)
+                set_attention_kernel(model if stage == 0 else model.model, KERNELS[stage])
                 losses, grads = _run(model, stage, batches)
                 out[(stage, p, name)] = dict(
                     grad_diff=_max_diff(grads, ref),

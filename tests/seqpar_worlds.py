@@ -7,10 +7,13 @@ The same-masks rule for dropout 0.1: with sequence parallelism every dropout dra
 rank's own stream (each rank holds other data), so the masks cannot equal the single-process
 ones drawn from one generator. The reference instead replays the masks the parallel run drew
 (gathered over the TP group: the residual/embedding masks along the sequence, the attention
-masks along the heads), and must then give the same losses and gradients.
+masks along the heads), and must then give the same losses and gradients. Attention draws its
+mask inside the fused kernel; it is redrawn from the TP stream's state at that call.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -22,6 +25,7 @@ from hybrid.parallel.grid import ProcessGrid
 from hybrid.parallel.layers import TPRegionDropout, get_tp_spec
 from hybrid.parallel.rng import RNGTracker
 from hybrid.parallel.tp_plan import parallelize_gpt, tp_ledger
+from models.blocks import set_attention_kernel
 from models.gpt import GPT, GPTConfig
 from tests.activation_worlds import _run, micro_batches
 from tests.tiny import build_parallel
@@ -29,6 +33,9 @@ from tests.tiny import build_parallel
 CFG = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=1001,
            max_position_embeddings=32, label_smoothing=0.1)
 B, S = 2, 16
+KERNELS = {0: "auto", 3: "fused"}
+"""Attention kernel per ZeRO stage in :func:`parity`: CPU's own (explicit with dropout) and the
+fused one GPUs take by default (SDPA drawing the attention mask from the TP stream)."""
 FULL = dict(checkpoint_activations=True)
 VARIANTS: dict[str, tuple[bool, dict | None]] = {
     "tp": (False, None),
@@ -83,13 +90,31 @@ class _Replay(nn.Module):
         return x * (self.masks.pop(0).to(x.dtype) / (1 - self.p))
 
 
-def _record_masks(model) -> dict[str, list]:
+def _record_masks(model, tp: int) -> dict[str, list]:
     masks: dict[str, list] = {}
     for name, m in model.named_modules():
         if isinstance(m, TPRegionDropout):
             masks[name] = []
+            if name.endswith("attn.attn_dropout"):  # the fused kernel's masks
+                m.rng_scope = _drawn_mask_recorder(m, masks[name], tp)
             m.register_forward_hook(lambda mod, inp, out, key=name: masks[key].append(out != 0))
     return masks
+
+
+def _drawn_mask_recorder(module: TPRegionDropout, masks: list, tp: int):
+    """Attention draws its mask inside SDPA, within ``module.rng_scope()``: record the TP
+    stream's state there and redraw the same mask from it (CPU: one Bernoulli(1 - p) per
+    element of the ``[b, heads/t, s, s]`` probabilities, as ``nn.Dropout`` on them would)."""
+    real = module.rng_scope
+    shape = (B, CFG["num_attention_heads"] // tp, S, S)
+
+    @contextlib.contextmanager
+    def scope():
+        with real():
+            gen = torch.Generator().set_state(torch.get_rng_state())
+            masks.append(torch.empty(shape).bernoulli_(1 - module.p, generator=gen).bool())
+            yield
+    return scope
 
 
 def _gather_dim1(t: torch.Tensor, group) -> torch.Tensor:
@@ -116,7 +141,8 @@ def _diff_to_reference(model, grads: dict, ref: dict) -> float:
 
 
 def parity(grid: ProcessGrid) -> dict:
-    """Max |loss| and |grad| differences against the single-process GPT, per variant."""
+    """Max |loss| and |grad| differences against the single-process GPT, per variant (the
+    attention kernel per :data:`KERNELS`)."""
     out = {}
     batches = micro_batches(2)
     ref0 = reference(0.0, batches)
@@ -126,7 +152,8 @@ def parity(grid: ProcessGrid) -> dict:
             for name, (sp, ac) in VARIANTS.items():
                 built, handle = build(grid, dropout, sp, ac, stage=stage)
                 model = built.model if stage == 3 else built
-                masks = _record_masks(model) if name == "sp" and dropout else None
+                set_attention_kernel(model, KERNELS[stage])
+                masks = _record_masks(model, grid.tp_size) if name == "sp" and dropout else None
                 losses, grads = _run(built, stage, batches)
                 if dropout == 0:
                     ref_losses, ref = ref0

@@ -278,3 +278,81 @@ def test_chunked_zero3_gathers_broadcast_into_their_slots():
     assert native["calls"]["all_gather"] > 0 and native["calls"]["broadcast"] == 0
     assert broadcast["calls"]["all_gather"] == 0
     assert broadcast["calls"]["broadcast"] == 2 * native["calls"]["all_gather"]  # one per rank
+
+
+def test_sequence_parallel_mlp_collectives_copy_nothing_at_micro_batch_2(monkeypatch):
+    """At micro-batch b > 1 the ``[b, s, h]`` layout made every sequence-parallel gather copy
+    its rank-major result and every reduce-scatter stack its input. The MLP's (``token_wise``)
+    gather now returns the gather buffer itself and its reduce-scatter reads its input in
+    place; the attention's keep one reordering copy each (the core needs sequence order)."""
+    import torch.distributed as dist
+
+    from hybrid.parallel.ops import all_gather_seq, reduce_scatter_seq
+
+    seen = {}
+
+    class Done:
+        def wait(self):
+            pass
+
+    def gather(out, inp, group=None, async_op=False):  # 2 ranks holding the same slice
+        out.view(2, -1).copy_(inp.reshape(1, -1).expand(2, -1))
+        seen["gather_out"] = out
+        return Done()
+
+    def scatter(out, inp, group=None, async_op=False):  # 2 ranks holding the same input
+        seen["scatter_in"] = inp
+        out.copy_(2 * inp.view(2, -1)[0].view_as(out))
+        return Done()
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_gather_single", gather, raising=False)
+    monkeypatch.setattr(dist, "reduce_scatter_single", scatter, raising=False)
+    x = torch.randn(2, 4, 8)  # [b, s/t, h]
+    y = all_gather_seq(x, None, token_wise=True)
+    assert y.shape == (2, 8, 8) and y.data_ptr() == seen["gather_out"].data_ptr()
+    assert all_gather_seq(x, None).data_ptr() != seen["gather_out"].data_ptr()  # sequence order
+    z = torch.randn(2, 8, 8)  # [b, s, h], tokens rank-major
+    out = reduce_scatter_seq(z, None, token_wise=True)
+    assert seen["scatter_in"].data_ptr() == z.data_ptr()
+    torch.testing.assert_close(out, 2 * z.view(2, 2, 4, 8)[0], rtol=0, atol=0)
+    reduce_scatter_seq(z, None)
+    assert seen["scatter_in"].data_ptr() != z.data_ptr()  # sequence order: one stacking copy
+
+
+def test_row_parallel_reorders_its_narrow_input_not_its_output(monkeypatch):
+    """Under sequence parallelism at b > 1 the attention projection's reduce-scatter stacked
+    its h-wide output into rank-major order; the row-parallel layer now reorders its h/t-wide
+    input instead (:func:`to_rank_major`) and reduce-scatters its output in place. Right
+    value: the same [b, s/t, h] slice as the sequence-order path."""
+    import torch.distributed as dist
+
+    import hybrid.parallel.layers as layers
+
+    seen = {}
+
+    class Done:
+        def wait(self):
+            pass
+
+    def scatter(out, inp, group=None, async_op=False):  # rank 0 of 2 ranks with equal inputs
+        seen["scatter_in"] = inp
+        out.copy_(2 * inp.view(2, -1)[0].view_as(out))
+        return Done()
+
+    x = torch.arange(2 * 4 * 3.0).view(2, 4, 3)
+    assert torch.equal(layers.to_rank_major(x, 2).flatten(),
+                       torch.stack(x.chunk(2, dim=1)).flatten())
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "reduce_scatter_single", scatter, raising=False)
+    row = layers.RowParallelLinear(6, 5, None, bias=False, sequence_parallel=True)
+    torch.nn.init.normal_(row.weight)
+    real_linear, outputs = torch.nn.functional.linear, []
+    monkeypatch.setattr(layers.F, "linear", lambda *a: outputs.append(real_linear(*a))
+                        or outputs[-1])
+    x = torch.randn(2, 8, 3)  # [b, s, in/t]
+    y = row(x)
+    assert seen["scatter_in"].data_ptr() == outputs[-1].data_ptr()  # no copy of the output
+    want = 2 * real_linear(x, row.weight)[:, :4]  # rank 0's s/t rows of the sum
+    torch.testing.assert_close(y, want, rtol=1e-6, atol=1e-6)

@@ -137,7 +137,7 @@ def test_swiglu_default_width_is_megatrons():
 
 
 def test_gqa_dropout_path_equals_sdpa_without_dropout():
-    """The explicit attention (used when attention dropout is on) groups heads like SDPA's
+    """The explicit attention (CPU's path with attention dropout) groups heads like SDPA's
     enable_gqa: at p = 0 in training mode it must give the SDPA result."""
     torch.manual_seed(1)
     cfg = GPTConfig(**dict(TINY, attention_dropout=0.0), num_query_groups=2)

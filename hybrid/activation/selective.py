@@ -9,6 +9,11 @@ activations, 1-byte masks).
 The core's inputs ``q, k, v`` are views of the ``qkv`` output, which the layer keeps anyway;
 saving them adds no memory. The RNG states at the forward (the default generators and the TP
 stream of the dropout) are restored for the recompute, so the dropout mask is the same.
+
+On the fused attention kernel (``models.blocks.Attention.core``: the default on GPU, with or
+without dropout) the core keeps no ``s^2`` tensor, so selective recompute has nothing to
+recompute there: it saves only the core's output and log-sum-exp for a second attention forward.
+The ``5as^2b/t`` it removes are the explicit core's (CPU's default with dropout).
 """
 
 from __future__ import annotations

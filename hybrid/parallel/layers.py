@@ -132,6 +132,10 @@ class ColumnParallelLinear(nn.Module):
         self.group = group
         self.sequence_parallel = sequence_parallel
         self.ledger = ledger
+        self.token_wise = False
+        """With ``sequence_parallel``: the output's tokens in rank-major order (no reordering
+        copy at micro-batch > 1), for a token-wise consumer ending in a ``token_wise``
+        :class:`RowParallelLinear` (the MLP; ``hybrid.parallel.ops._gather_seq_start``)."""
         rank, size = _group_coords(group)
         padded_out = padded_out or out_features
         if padded_out % size:
@@ -148,8 +152,21 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
-            return sequence_parallel_linear(x, self.weight, self.bias, self.group, self.ledger)
+            return sequence_parallel_linear(x, self.weight, self.bias, self.group, self.ledger,
+                                            self.token_wise)
         return F.linear(copy_to_tp(x, self.group, self.ledger), self.weight, self.bias)
+
+
+def to_rank_major(x: torch.Tensor, n: int) -> torch.Tensor:
+    """``[b, s, f]`` -> the same tokens in the sequence-parallel collectives' rank-major order
+    (rank r's ``s/n`` rows of every sequence together), still shaped ``[b, s, f]``: one copy.
+
+    A row-parallel linear under sequence parallelism reorders its input (``f = in / t``) this
+    way instead of its ``out``-wide output before the reduce-scatter, ``t`` times fewer bytes
+    for the attention's projection; autograd's backward of the copy reorders the gradient back.
+    """
+    b, s = x.shape[:2]
+    return x.view(b, n, s // n, *x.shape[2:]).transpose(0, 1).reshape(x.shape)
 
 
 class RowParallelLinear(nn.Module):
@@ -167,6 +184,9 @@ class RowParallelLinear(nn.Module):
         self.group = group
         self.sequence_parallel = sequence_parallel
         self.ledger = ledger
+        self.token_wise = False
+        """With ``sequence_parallel``: the input's tokens are in rank-major order (from a
+        ``token_wise`` :class:`ColumnParallelLinear`), reduce-scattered without reordering."""
         rank, size = _group_coords(group)
         if in_features % size:
             raise ValueError(f"input features {in_features} are not divisible by the TP size "
@@ -181,7 +201,11 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
-            y = reduce_scatter_sequence(F.linear(x, self.weight), self.group, self.ledger)
+            token_wise, n = self.token_wise, dist.get_world_size(self.group)
+            if not token_wise and x.shape[0] > 1 and n > 1:  # reorder the narrow input
+                x, token_wise = to_rank_major(x, n), True
+            y = reduce_scatter_sequence(F.linear(x, self.weight), self.group, self.ledger,
+                                        token_wise)
             return y if self.bias is None else y + tp_summed(self.bias, self.group, self.ledger)
         y = reduce_from_tp(F.linear(x, self.weight), self.group, self.ledger)
         return y if self.bias is None else y + self.bias
@@ -245,7 +269,10 @@ class ParallelOutputLayer(nn.Module):
 
 class TPRegionDropout(nn.Module):
     """Dropout inside a tensor-parallel region: masks come from the TP rank's own RNG stream
-    (Megatron-LM Appendix B.2), so different TP ranks drop different heads' probabilities."""
+    (Megatron-LM Appendix B.2), so different TP ranks drop different heads' probabilities.
+
+    Attention does not call it: it draws its mask inside ``F.scaled_dot_product_attention``
+    within :meth:`rng_scope` (``models.blocks.dropout_rng_scope``)."""
 
     def __init__(self, p: float, tracker: RNGTracker):
         super().__init__()
@@ -257,6 +284,11 @@ class TPRegionDropout(nn.Module):
             return x
         with self.tracker.fork():
             return F.dropout(x, self.p, True)
+
+    def rng_scope(self):
+        """Context in which the TP rank's stream is the default generator (for a mask drawn
+        inside a fused kernel, as attention's)."""
+        return self.tracker.fork()
 
 
 def tp_summed(param: torch.Tensor, group, ledger: TPLedger | None = None) -> torch.Tensor:

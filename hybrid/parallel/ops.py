@@ -87,16 +87,21 @@ def _all_reduce(x: torch.Tensor, group, ledger: TPLedger | None = None,
 
 
 def all_gather_seq(x: torch.Tensor, group, ledger: TPLedger | None = None,
-                   kind: str = "all_gather") -> torch.Tensor:
-    """``[b, s/t, ...]`` on each rank -> ``[b, s, ...]`` (rank-major along dim 1); no autograd."""
-    return _gather_seq_start(x, group, ledger, kind)()
+                   kind: str = "all_gather", token_wise: bool = False) -> torch.Tensor:
+    """``[b, s/t, ...]`` on each rank -> ``[b, s, ...]`` (rank-major along dim 1); no autograd.
+    ``token_wise``: the ``b s`` tokens in the gather's own order (see :func:`_gather_seq_start`)."""
+    return _gather_seq_start(x, group, ledger, kind, token_wise)()
 
 
-def _gather_seq_start(x: torch.Tensor, group, ledger: TPLedger | None, kind: str):
+def _gather_seq_start(x: torch.Tensor, group, ledger: TPLedger | None, kind: str,
+                      token_wise: bool = False):
     """Launch :func:`all_gather_seq` asynchronously; returns ``finish()`` -> ``[b, s, ...]``.
 
     The gather lands rank-major (``[t, b, s/t, ...]``); with ``b == 1`` the ``[b, s, ...]``
     result is a view of it, otherwise ``[b, s, ...]``'s layout needs one reordering copy.
+    ``token_wise`` skips that copy: the result is the gather viewed as ``[b, s, ...]``, the
+    right tokens in rank-major order, for a consumer that treats every token alike up to a
+    ``token_wise`` reduce-scatter (the MLP between its column- and row-parallel linears).
     """
     n = dist.get_world_size(group)
     if n == 1:
@@ -109,6 +114,8 @@ def _gather_seq_start(x: torch.Tensor, group, ledger: TPLedger | None, kind: str
 
     def finish() -> torch.Tensor:
         work.wait()
+        if token_wise:
+            return out.view(x.shape[0], -1, *x.shape[SEQ_DIM + 1:])
         return out.view(n, *x.shape).movedim(0, SEQ_DIM).flatten(SEQ_DIM, SEQ_DIM + 1)
 
     return finish
@@ -122,27 +129,30 @@ def _check_seq(x: torch.Tensor, n: int) -> int:
     return s // n
 
 
-def reduce_scatter_seq(x: torch.Tensor, group, ledger: TPLedger | None = None) -> torch.Tensor:
+def reduce_scatter_seq(x: torch.Tensor, group, ledger: TPLedger | None = None,
+                       token_wise: bool = False) -> torch.Tensor:
     """``[b, s, ...]`` partial sums -> this rank's ``[b, s/t, ...]`` of the sum; no autograd.
 
     Raises:
         ValueError: ``s`` is not divisible by the group size.
     """
-    return _reduce_scatter_seq_start(x, group, ledger)()
+    return _reduce_scatter_seq_start(x, group, ledger, token_wise)()
 
 
-def _reduce_scatter_seq_start(x: torch.Tensor, group, ledger: TPLedger | None):
+def _reduce_scatter_seq_start(x: torch.Tensor, group, ledger: TPLedger | None,
+                              token_wise: bool = False):
     """Launch :func:`reduce_scatter_seq` asynchronously; returns ``finish()`` -> ``[b, s/t, ...]``.
 
     The collective reads its input rank-major: with ``b == 1`` the ``s`` rows already are, so
     the input is used as it is; otherwise one copy reorders ``[b, s, ...]`` to ``[t, b, s/t,
-    ...]``. The sum lands in the output directly.
+    ...]``, unless ``token_wise``: ``x``'s tokens are already in rank-major order (they came
+    from a ``token_wise`` gather). The sum lands in the output directly.
     """
     n = dist.get_world_size(group)
     if n == 1:
         return lambda: x
     _check_seq(x, n)
-    if x.shape[0] == 1:
+    if x.shape[0] == 1 or token_wise:
         inp = x.contiguous().view(n, *x.shape[:SEQ_DIM], x.shape[SEQ_DIM] // n,
                                   *x.shape[SEQ_DIM + 1:])
     else:
@@ -198,13 +208,14 @@ class _GatherSequence(torch.autograd.Function):
 
 class _ReduceScatterSequence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, ledger):
-        ctx.group, ctx.ledger = group, ledger
-        return reduce_scatter_seq(x, group, ledger)
+    def forward(ctx, x, group, ledger, token_wise):
+        ctx.group, ctx.ledger, ctx.token_wise = group, ledger, token_wise
+        return reduce_scatter_seq(x, group, ledger, token_wise)
 
     @staticmethod
     def backward(ctx, grad):
-        return all_gather_seq(grad, ctx.group, ctx.ledger), None, None
+        return (all_gather_seq(grad, ctx.group, ctx.ledger, token_wise=ctx.token_wise), None,
+                None, None)
 
 
 def copy_to_tp(x: torch.Tensor, group, ledger: TPLedger | None = None,
@@ -249,10 +260,12 @@ def gather_sequence(x: torch.Tensor, group, ledger: TPLedger | None = None) -> t
     return _GatherSequence.apply(x, group, ledger)
 
 
-def reduce_scatter_sequence(x: torch.Tensor, group, ledger: TPLedger | None = None) -> torch.Tensor:
+def reduce_scatter_sequence(x: torch.Tensor, group, ledger: TPLedger | None = None,
+                            token_wise: bool = False) -> torch.Tensor:
     """``[b, s, h]`` partial sums -> this rank's ``[b, s/t, h]`` of the sum by reduce-scatter;
-    all-gather of the gradient backward ("g-bar")."""
-    return _ReduceScatterSequence.apply(x, group, ledger)
+    all-gather of the gradient backward ("g-bar"). ``token_wise``: ``x`` holds its tokens in
+    rank-major order (:func:`_gather_seq_start`), and so does the gradient's gather."""
+    return _ReduceScatterSequence.apply(x, group, ledger, token_wise)
 
 
 class _SequenceParallelLinear(torch.autograd.Function):
@@ -261,11 +274,12 @@ class _SequenceParallelLinear(torch.autograd.Function):
     is stored and all-gathered again in the backward pass")."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, ledger):
+    def forward(ctx, x, weight, bias, group, ledger, token_wise):
         ctx.group, ctx.ledger, ctx.has_bias = group, ledger, bias is not None
-        ctx.autocast = _autocast_state(x.device)
+        ctx.autocast, ctx.token_wise = _autocast_state(x.device), token_wise
         ctx.save_for_backward(x, weight)
-        return torch.nn.functional.linear(all_gather_seq(x, group, ledger), weight, bias)
+        return torch.nn.functional.linear(
+            all_gather_seq(x, group, ledger, token_wise=token_wise), weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
@@ -275,21 +289,26 @@ class _SequenceParallelLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         kind, enabled, dtype = ctx.autocast
         with torch.autocast(kind, dtype=dtype, enabled=enabled):
-            gathered = _gather_seq_start(x, ctx.group, ctx.ledger, "regather")
-            scatter = _reduce_scatter_seq_start(grad.matmul(weight), ctx.group, ctx.ledger)
+            gathered = _gather_seq_start(x, ctx.group, ctx.ledger, "regather", ctx.token_wise)
+            scatter = _reduce_scatter_seq_start(grad.matmul(weight), ctx.group, ctx.ledger,
+                                                ctx.token_wise)
             full = gathered()
             g2 = grad.reshape(-1, grad.shape[-1])
             grad_w = g2.t().matmul(full.reshape(-1, full.shape[-1]))
             grad_b = g2.sum(0) if ctx.has_bias else None
-            return scatter(), grad_w, grad_b, None, None
+            return scatter(), grad_w, grad_b, None, None, None
 
 
 def sequence_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                             group, ledger: TPLedger | None = None) -> torch.Tensor:
+                             group, ledger: TPLedger | None = None,
+                             token_wise: bool = False) -> torch.Tensor:
     """Column-parallel linear on a sequence-parallel input: ``[b, s/t, in]`` ->
     ``[b, s, out_local]``.
 
     Forward all-gathers the input along the sequence ("g"); backward reduce-scatters the input
-    gradient and re-gathers the stored ``s/t`` input for the weight gradient.
+    gradient and re-gathers the stored ``s/t`` input for the weight gradient. ``token_wise``:
+    the output's tokens in the gather's rank-major order, no reordering copy at ``b > 1`` in
+    either direction (:func:`_gather_seq_start`; for the MLP, whose row-parallel end
+    reduce-scatters ``token_wise`` too).
     """
-    return _SequenceParallelLinear.apply(x, weight, bias, group, ledger)
+    return _SequenceParallelLinear.apply(x, weight, bias, group, ledger, token_wise)

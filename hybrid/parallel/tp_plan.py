@@ -25,6 +25,10 @@ take their sequence-parallel form (see :mod:`hybrid.parallel.layers`) and these 
     layers.*.ln1, ln2, ln_f  -> SequenceParallelLayerNorm (TP-summed weight/bias gradients)
     drop, layers.*.drop1, layers.*.drop2 -> TPRegionDropout (each rank's slice is other data)
 
+The MLP's linears are ``token_wise``: under sequence parallelism the tokens between its gather
+and its reduce-scatter stay in the collectives' rank-major order (the MLP treats each token
+alike), so a micro-batch > 1 needs no reordering copy there (``hybrid.parallel.ops``).
+
 Parameters keep their names, shapes and ``tp_spec`` (replicated stays replicated), so weights
 and checkpoints are the same with and without sequence parallelism.
 
@@ -54,11 +58,11 @@ GPT_TP_PLAN: dict[str, str] = {
     "lm_head": "vocab_output",
     "layers.*.attn.qkv": "column",
     "layers.*.attn.proj": "row",
-    "layers.*.mlp.gate": "column",
-    "layers.*.mlp.fc1": "column",
+    "layers.*.mlp.gate": "column_token_wise",
+    "layers.*.mlp.fc1": "column_token_wise",
     "layers.*.attn.q_norm": "tp_summed_norm",
     "layers.*.attn.k_norm": "tp_summed_norm",
-    "layers.*.mlp.fc2": "row",
+    "layers.*.mlp.fc2": "row_token_wise",
     "layers.*.attn.attn_dropout": "tp_dropout",
     "output_layer": "parallel_output",
     "loss_fn": "vocab_parallel_loss",

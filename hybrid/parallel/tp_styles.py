@@ -2,7 +2,8 @@
 
 :data:`STYLES` maps a style name, as the plans of :mod:`hybrid.parallel.tp_plan` name it, to a
 callable ``(module, swap) -> replacement`` (the layers are :mod:`hybrid.parallel.layers`'):
-``vocab_embedding``, ``vocab_output`` (the untied head), ``column``, ``row``, ``tp_dropout``,
+``vocab_embedding``, ``vocab_output`` (the untied head), ``column``, ``row`` (and their
+``column_token_wise`` / ``row_token_wise`` forms for the MLP), ``tp_dropout``,
 ``parallel_output``, ``vocab_parallel_loss``, ``tp_summed_norm`` (the per-head q/k norms) and,
 with sequence parallelism, ``sp_layernorm`` and ``sp_positions``. :class:`Swap` carries what
 they need besides the module.
@@ -77,6 +78,11 @@ def _row(module: nn.Linear, s: Swap) -> nn.Module:
                              bias=module.bias is not None, **s.kw, **s.sp)
 
 
+def _token_wise(layer: nn.Module) -> nn.Module:
+    layer.token_wise = True
+    return layer
+
+
 def _vocab_parallel_loss(module: nn.Module, s: Swap) -> nn.Module:
     # ``wte`` comes first in ``named_modules()``, so it is already vocab-parallel here
     cfg = s.model.config
@@ -89,6 +95,8 @@ STYLES: dict[str, Callable[[nn.Module, Swap], nn.Module]] = {
     "vocab_output": _vocab_output,
     "column": _column,
     "row": _row,
+    "column_token_wise": lambda module, s: _token_wise(_column(module, s)),
+    "row_token_wise": lambda module, s: _token_wise(_row(module, s)),
     "tp_dropout": lambda module, s: TPRegionDropout(module.p, s.tracker),
     "sp_layernorm": lambda module, s: SequenceParallelLayerNorm(module, s.tp_group, s.ledger),
     "tp_summed_norm": lambda module, s: SequenceParallelLayerNorm(module, s.tp_group, s.ledger,

@@ -3,6 +3,11 @@ and Table 2), for the GPT and the Llama family (SwiGLU, GQA, RMSNorm, RoPE, q/k 
 
 ``hybrid.planner.memory`` re-exports both functions; ``tests/test_llama_planner.py`` checks them
 against the saved-bytes meter (``hybrid.activation.saved_bytes``) within 2%.
+
+The dropout core counted is the explicit one (``models.blocks.Attention`` on CPU). On GPU
+attention dropout runs inside the fused kernel, which keeps no ``s^2`` terms (the core then
+keeps what the ``dropout=False`` core keeps), and selective recompute has nothing to recompute
+on it: with dropout these figures are an upper bound there.
 """
 
 from __future__ import annotations

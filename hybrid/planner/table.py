@@ -60,6 +60,11 @@ def plan_text(model, cluster, training, cands, skipped, chosen, fitting_only, de
             f"{t['dp_s']:.3f} + cpu {t['cpu_s']:.3f}), {chosen.tokens_per_s:,.0f} tokens/s, MFU "
             f"{chosen.mfu:.1%}"
         )
+    if training.dropout:
+        lines.append("note: with dropout, activ counts the explicit attention core's s^2 terms "
+                     "(CPU's path); a GPU runs attention dropout in the fused kernel, which keeps "
+                     "none: there activ is an upper bound and selective recompute has nothing to "
+                     "recompute")
     return "\n".join(lines)
 
 
