@@ -271,11 +271,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if cfg.grid.dry_run_world_size:
-            from hybrid.job.dry_run import dry_run, format_report
+            from hybrid.job.dry_run_report import run_and_report
 
-            print(f"hybrid-zero dry run | {header(job)}", flush=True)
-            print(format_report(dry_run(job, cfg.grid.dry_run_rank)), flush=True)
-            return 0
+            return run_and_report(job, f"hybrid-zero dry run | {header(job)}")
         try:
             run(job)["engine"].close()
         except TooManyNaNIterations as e:  # every rank sees the same data-parallel mean loss
