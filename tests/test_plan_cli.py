@@ -61,6 +61,8 @@ def test_cli_max_model(capsys):
         "32",
         "--reserved-gb",
         "0",
+        "--accounting",  # ZeRO Table 2's bytes per parameter (the default is the engine's)
+        "paper",
         "--tp",
         "1",
         "--json",

@@ -44,6 +44,7 @@ from hybrid.planner.plan import (
 )
 from hybrid.planner.precision import ACCOUNTINGS, PRECISIONS
 from hybrid.planner.table import max_model_text, plan_text
+from hybrid.planner.verify import comparison_lines, pretrain_argv, verify
 
 
 class _Parser(argparse.ArgumentParser):
@@ -84,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_cluster_args(p.add_argument_group("cluster"))
     _add_search_args(p.add_argument_group("search"))
     p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.add_argument("--verify", action="store_true",
+                   help="then run the dry run of the best layout for rank 0 (hybrid.pretrain "
+                   "--dry-run-world-size, minutes on a CPU) and print both totals and verdicts")
     return p
 
 
@@ -93,16 +97,17 @@ def _add_training_args(g) -> None:
     g.add_argument("--global-batch-size", type=int, help="default micro-batch * num-gpus")
     g.add_argument("--precision", choices=sorted(PRECISIONS), default="bf16",
                    help="training precision")
-    g.add_argument("--accounting", choices=ACCOUNTINGS, default="paper",
-                   help="model-state bytes per param: ZeRO paper (16 mixed) or our engine "
-                   "(18 bf16, 20 fp32)")
+    g.add_argument("--accounting", choices=ACCOUNTINGS, default="engine",
+                   help="model-state bytes per param: what this trainer's engine holds (18 "
+                   "bf16, 20 fp32: fp32 gradient accumulation), or the ZeRO paper's (16 mixed, "
+                   "its tables)")
     g.add_argument("--grad-reduce", choices=("reduce_scatter", "all_reduce"),
                    default="reduce_scatter",
                    help="the engine's gradient collective for ZeRO 1-3 (all_reduce: 2x the "
                    "gradient bytes)")
-    g.add_argument("--param-persistence-threshold", type=int, default=0,
-                   help="stage 3 keeps local params with fewer elements whole (the engine's "
-                   "default: 100000)")
+    g.add_argument("--param-persistence-threshold", type=int, default=100_000,
+                   help="stage 3 keeps local params with fewer elements whole, as the engine "
+                   "(0: the paper's count, every parameter partitioned)")
     g.add_argument("--reduce-bucket-size", type=int, default=DEFAULT_BUCKET_ELEMENTS,
                    help="elements")
     g.add_argument("--allgather-bucket-size", type=int, default=DEFAULT_BUCKET_ELEMENTS,
@@ -309,20 +314,26 @@ def main(argv: list[str] | None = None) -> int:
             "candidates": [c.as_dict() for c in cands],
             "skipped": skipped,
             "best": chosen.as_dict() if chosen else None,
+            "verify": _verify(args, model, training, cluster, chosen) if args.verify else None,
         }
         json.dump(doc, sys.stdout, indent=1)
         print()
-    else:
-        print(
-            plan_text(
-                model,
-                cluster,
-                training,
-                cands,
-                skipped,
-                chosen,
-                args.fitting_only,
-                _device_label(args),
-            )
-        )
+        return 0
+    print(plan_text(model, cluster, training, cands, skipped, chosen, args.fitting_only,
+                    _device_label(args)), flush=True)
+    checked = _verify(args, model, training, cluster, chosen) if args.verify else None
+    if checked is not None:
+        print("\n".join(comparison_lines(checked, chosen.total_bytes, chosen.fits)))
     return 0
+
+
+def _verify(args, model, training: Training, cluster: Cluster, chosen) -> dict | None:
+    """``--verify``: the dry run of ``chosen`` for rank 0 (:mod:`hybrid.planner.verify`), its
+    lines streamed (to stderr under ``--json``); None when nothing fits."""
+    if chosen is None:
+        return None
+    gbs = training.global_batch_size or training.micro_batch_size * cluster.num_gpus
+    argv = pretrain_argv(args, model, chosen, gbs)
+    out = sys.stderr if args.json else sys.stdout
+    print("verify: python -m hybrid.pretrain " + " ".join(argv), file=out, flush=True)
+    return verify(argv, lambda line: print("  " + line, file=out, flush=True))
