@@ -187,9 +187,12 @@ def _metrics(job: Job, grid: ProcessGrid, state: TrainState, meta: dict | None):
 def run(job: Job) -> dict:
     """Train a validated job; returns ``{"history": records, "engine": engine}``."""
     from hybrid.job.checkpointing import Checkpointer, lr_schedule, start_from
+    from hybrid.job.cpu_precision import warn_if_slow
     from hybrid.training import Trainer, TrainState
 
     grid, tracker, engine = _build(job)
+    if grid.rank == 0:  # once per job: bf16/fp16 without native CPU support is 4.7-7x slower
+        warn_if_slow(engine.config.precision, grid.device.type)
     state = TrainState()
     meta = start_from(job, engine, grid, tracker, state)
     train_ds, valid_ds, test_ds = build_datasets(job, state)
