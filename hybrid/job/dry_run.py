@@ -155,22 +155,27 @@ def _save_staging_peak(engine, grid) -> int:
     return meter.peak
 
 
+def activation_mode(cfg) -> str:
+    """The planner's activation mode (``hybrid.planner.memory.ACTIVATION_OPTIONS``) of a
+    :class:`hybrid.config.PretrainConfig`."""
+    a = cfg.activation
+    sp = "+sp" if cfg.grid.sequence_parallel_active else ""
+    if a.checkpoint_activations:
+        return ("full" + sp + "+cpu" if sp and a.checkpoint_in_cpu else "full" + sp if sp else
+                "full+pa+cpu" if a.checkpoint_in_cpu else "full+pa" if a.partition_activations
+                else "full")
+    if a.selective_recompute:
+        return "sp+selective" if sp else "selective"
+    return "sp" if sp else "none"
+
+
 def planner_figures(job) -> dict:
     """The planner's per-rank bytes for the job (a :class:`hybrid.job.config_checks.Job`;
     ``accounting='engine'``)."""
     from hybrid.planner.plan import Cluster, Training, evaluate
 
     cfg = job.cfg
-    a, z = cfg.activation, cfg.zero
-    sp = "+sp" if cfg.grid.sequence_parallel_active else ""
-    if a.checkpoint_activations:
-        activation = ("full" + sp + "+cpu" if sp and a.checkpoint_in_cpu else "full" + sp if sp else
-                      "full+pa+cpu" if a.checkpoint_in_cpu else "full+pa" if a.partition_activations
-                      else "full")
-    elif a.selective_recompute:
-        activation = "sp+selective" if sp else "selective"
-    else:
-        activation = "sp" if sp else "none"
+    z, activation = cfg.zero, activation_mode(cfg)
     training = Training(
         seq_length=cfg.model.seq_length, micro_batch_size=cfg.training.micro_batch_size,
         global_batch_size=job.global_batch_size, precision=z.precision, accounting="engine",

@@ -22,8 +22,8 @@ Bandwidths are achieved per-GPU bus bandwidths in GB/s (1e9 B/s). Defaults descr
 NVLink ~200 GB/s achievable all-reduce bus bandwidth, one 200 Gb/s HDR NIC per GPU = 25 GB/s,
 PCIe 4 x16 ~20 GB/s, 45% of peak on the GEMMs (2104.04473 Table 1 reaches 44-52%).
 Model states follow ``Training.accounting``: 'paper' (ZeRO §3.1, 16 B/param mixed precision,
-the default, which reproduces the paper's tables) or 'engine' (``hybrid.zero.engine.ZeroEngine``'s
-allocations: fp32 gradient accumulation, separate fp32 master; 18 B/param in bf16, 20 in fp32).
+which reproduces the paper's tables) or 'engine' (``hybrid.zero.engine.ZeroEngine``'s allocations:
+fp32 gradient accumulation, separate fp32 master; 18 B/param in bf16; ``hybrid.plan``'s default).
 Data-parallel traffic follows the engine's schedule (``traffic.dp_traffic_by_kind``) in both.
 The fastest fitting candidate wins; ties go to the lower ZeRO stage, then the smaller footprint.
 "Fits" means model states + activations + temporaries + buffers + ``reserved_bytes`` (default

@@ -24,7 +24,8 @@ ACTIVATION_FLAGS = {
     "sp": ["--sequence-parallel"],
     "sp+selective": ["--sequence-parallel", "--recompute-granularity", "selective"],
     "full+sp": ["--sequence-parallel", "--checkpoint-activations"],
-    "full+sp+cpu": ["--sequence-parallel", "--checkpoint-activations", "--checkpoint-in-cpu"],
+    "full+sp+cpu": ["--sequence-parallel", "--checkpoint-activations", "--partition-activations",
+                    "--checkpoint-in-cpu"],
 }
 # planner flags that hybrid.pretrain takes under the same name and meaning (value flags, then
 # switches)
