@@ -63,9 +63,24 @@ def build_datasets(job: Job, state: TrainState | None = None):
                      else None for i, n in enumerate(counts))
     from data.gpt_dataset import build_gpt_datasets
 
+    counts = _skip_empty_eval_splits(cfg, counts)
     return build_gpt_datasets(cfg.data.data_path, cfg.data.split, seq, cfg.data.seed, counts,
                               cache_dir=cfg.data.data_cache_path,
                               surplus=cfg.data.mid_level_dataset_surplus)
+
+
+def _skip_empty_eval_splits(cfg, counts: tuple) -> tuple:
+    """``counts`` with the evaluation splits that hold no document zeroed, as Megatron-LM skips
+    them (``data.split.skipped_splits``); global rank 0 prints a note for each."""
+    import torch.distributed as dist
+
+    from data.split import SPLIT_NAMES, skip_note, skipped_eval_splits
+
+    skipped = skipped_eval_splits(cfg.data.data_path, cfg.data.split) if cfg.eval.eval_iters else []
+    if skipped and (not dist.is_initialized() or dist.get_rank() == 0):
+        for name in skipped:
+            print(skip_note(cfg.data.split, name), flush=True)
+    return tuple(0 if SPLIT_NAMES[i] in skipped else n for i, n in enumerate(counts))
 
 
 def _batches(dataset, consumed: int, job: Job, grid: ProcessGrid):
