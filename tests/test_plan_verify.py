@@ -54,7 +54,8 @@ def test_default_accounting_is_the_engines(capsys):
 def test_verify_agrees_with_the_dry_run(capsys):
     assert plan_cli.main([*DIMS, "--gpu-memory-gib", "0.05", "--verify"]) == 0
     out = capsys.readouterr().out
-    assert "verify: python -m hybrid.pretrain " in out and "  dry run phase: backward" in out
+    assert "  dry run: python -m hybrid.pretrain " in out and "  dry run phase: backward" in out
+    assert "--dry-run-device cuda" in out  # a GPU's code paths (this machine has a compiler)
     m = re.search(r"verify \(rank 0, GiB, reserve 0.01 included\): planner ([\d.]+) \((\w[\w ]*)"
                   r"\), dry run ([\d.]+) \((\w[\w ]*)\) of 0.05; planner ([-+\d.]+)% vs the dry "
                   r"run, the same verdict", out)

@@ -335,5 +335,5 @@ def _verify(args, model, training: Training, cluster: Cluster, chosen) -> dict |
     gbs = training.global_batch_size or training.micro_batch_size * cluster.num_gpus
     argv = pretrain_argv(args, model, chosen, gbs)
     out = sys.stderr if args.json else sys.stdout
-    print("verify: python -m hybrid.pretrain " + " ".join(argv), file=out, flush=True)
+    print("verify: the dry run of the best layout, rank 0", file=out, flush=True)
     return verify(argv, lambda line: print("  " + line, file=out, flush=True))

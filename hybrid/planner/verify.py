@@ -4,7 +4,8 @@
 batch, the precision, tp, the ZeRO stage and buckets, the activation mode, the device) with
 ``--mock-data --dry-run-world-size N --dry-run-rank 0``; :func:`verify` runs that dry run
 (:mod:`hybrid.job.dry_run`) in a fresh interpreter (the fake process group is the default
-group), streams its phase lines, and returns both totals. ``python -m hybrid.planner.verify
+group) on fake CUDA devices where it can (a GPU's code paths), streams its phase lines and
+report, and returns both totals. ``python -m hybrid.planner.verify
 PRETRAIN_FLAGS`` is that interpreter: it prints the phase lines and one ``RESULT {json}`` line.
 """
 
@@ -72,8 +73,11 @@ def verify(argv: list[str], say=print) -> dict:
     Raises:
         RuntimeError: the dry run failed (its last output lines in the message).
     """
-    proc = subprocess.Popen([sys.executable, "-m", "hybrid.planner.verify", *argv],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    cmd, env = _command(argv, say)
+    device = ["--dry-run-device", "cuda"] if env is not None else []
+    say("dry run: python -m hybrid.pretrain " + " ".join([*argv, *device]))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env)
     result, tail = None, []
     for line in proc.stdout:
         line = line.rstrip("\n")
@@ -85,6 +89,22 @@ def verify(argv: list[str], say=print) -> dict:
     if proc.wait() != 0 or result is None:
         raise RuntimeError("the dry run of the best layout failed:\n" + "\n".join(tail))
     return result
+
+
+def _command(argv: list[str], say) -> tuple[list[str], dict | None]:
+    """The dry run's interpreter: on fake CUDA devices (``--dry-run-device cuda``) where the
+    small C++ extension builds, so the step takes the GPU's code paths (CUDA's fused dropout
+    keeps a 1-byte mask per element; torch's CPU dropout keeps a mask in the activation dtype,
+    2 bytes in bf16, which at 175B is 4.5 GiB more per rank); else on the CPU device, said."""
+    from hybrid.job import fake_cuda
+
+    try:
+        return fake_cuda.preloaded_command("from hybrid.planner.verify import main\n",
+                                           [*argv, "--dry-run-device", "cuda"])
+    except RuntimeError as e:
+        say(f"note: the dry run takes the CPU's code paths ({str(e).splitlines()[0]}); its "
+            "dropout masks take 2 bytes per element where a GPU's take 1")
+        return [sys.executable, "-m", "hybrid.planner.verify", *argv], None
 
 
 def comparison_lines(result: dict, planned_total: float, planned_fits: bool) -> list[str]:
@@ -108,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     from hybrid.job.cli import parse_config
     from hybrid.job.config_checks import validate
     from hybrid.job.dry_run import dry_run
-    from hybrid.job.dry_run_report import verdict_lines
+    from hybrid.job.dry_run_report import format_report
     from hybrid.planner.devices import GIB, device_memory_gib, fit_verdict
 
     cfg = parse_config(sys.argv[1:] if argv is None else argv)
@@ -116,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     r = dry_run(validate(cfg, world_size=g.dry_run_world_size), g.dry_run_rank,
                 progress=lambda line: print(line, flush=True))
     memory = device_memory_gib(g.device, g.gpu_memory_gib, g.reserved_gib)
-    print("\n".join(verdict_lines(r, g.device, g.gpu_memory_gib, g.reserved_gib)), flush=True)
+    print(format_report(r, g.device, g.gpu_memory_gib, g.reserved_gib), flush=True)
     fits = fit_verdict(r["measured"]["total"], memory, g.reserved_gib)[0]
     print("RESULT " + json.dumps(dict(
         measured_total=r["measured"]["total"], planned_total=r["planned"]["total"], fits=fits,
