@@ -54,9 +54,14 @@ def verdict_lines(r: dict, device: str | None = None, memory_gib: float | None =
     p_fits, p_text = fit_verdict(r["planned"]["total"], memory, reserved_gib,
                                  "planned total")
     agree = "agrees" if fits == p_fits else "DISAGREES"
-    return [f"verdict on {name} (--device / --gpu-memory-gib, --reserved-gib): rank "
-            f"{r['rank']} {text}",
-            f"  planner ({agree}): {p_text}"]
+    lines = [f"verdict on {name} (--device / --gpu-memory-gib, --reserved-gib): rank "
+             f"{r['rank']} {text}",
+             f"  planner ({agree}): {p_text}"]
+    if r["device"].startswith("cpu"):
+        lines.append("  (the CPU's code paths: torch's CPU dropout keeps its mask in the "
+                     "activation dtype, 2 bytes per element in bf16, where a GPU's keeps 1; "
+                     "--dry-run-device cuda takes the GPU's)")
+    return lines
 
 
 def format_report(r: dict, device: str | None = None, memory_gib: float | None = None,
