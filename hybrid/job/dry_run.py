@@ -346,4 +346,6 @@ def _build_and_step(job, grid, t0: float, clock: PhaseClock) -> dict:
                 save_bound=start + 12 * max(u.padded for u in engine.layout.units),
                 planned=planner_figures(job), build_s=built_s, copies=log.copies,
                 reads=log.reads, micro_batches=cfg.grid.dry_run_micro_batches,
-                step_micro_batches=job.grad_accum_steps)
+                step_micro_batches=job.grad_accum_steps,
+                dropout=job.gpt.hidden_dropout > 0 or job.gpt.attention_dropout > 0,
+                sdpa=job.gpt.attention_dropout == 0)

@@ -57,11 +57,22 @@ def verdict_lines(r: dict, device: str | None = None, memory_gib: float | None =
     lines = [f"verdict on {name} (--device / --gpu-memory-gib, --reserved-gib): rank "
              f"{r['rank']} {text}",
              f"  planner ({agree}): {p_text}"]
-    if r["device"].startswith("cpu"):
-        lines.append("  (the CPU's code paths: torch's CPU dropout keeps its mask in the "
-                     "activation dtype, 2 bytes per element in bf16, where a GPU's keeps 1; "
-                     "--dry-run-device cuda takes the GPU's)")
+    lines += [f"  ({x})" for x in code_path_notes(r)]
     return lines
+
+
+def code_path_notes(r: dict) -> list[str]:
+    """Where the dry run's code paths hold other bytes than a GPU's would, for ``r`` (its
+    ``device``, ``dropout`` and ``sdpa``, the attention core without dropout)."""
+    if r["device"].startswith("cpu") and r.get("dropout"):
+        return ["the CPU's code paths: torch's CPU dropout keeps its mask in the activation "
+                "dtype, 2 bytes per element in bf16, where a GPU's keeps 1; --dry-run-device "
+                "cuda takes the GPU's"]
+    if r["device"].startswith("cuda") and r.get("sdpa"):
+        return ["fake CUDA on a CPU-only torch: scaled_dot_product_attention has no flash "
+                "kernel there and keeps the whole score matrix, where a GPU keeps the output "
+                "and the log-sum-exp; --dry-run-device cpu takes a flash kernel (the CPU's)"]
+    return []
 
 
 def format_report(r: dict, device: str | None = None, memory_gib: float | None = None,

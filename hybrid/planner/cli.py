@@ -336,4 +336,5 @@ def _verify(args, model, training: Training, cluster: Cluster, chosen) -> dict |
     argv = pretrain_argv(args, model, chosen, gbs)
     out = sys.stderr if args.json else sys.stdout
     print("verify: the dry run of the best layout, rank 0", file=out, flush=True)
-    return verify(argv, lambda line: print("  " + line, file=out, flush=True))
+    return verify(argv, lambda line: print("  " + line, file=out, flush=True),
+                  gpu_paths=args.attention_dropout > 0)

@@ -4,8 +4,8 @@
 batch, the precision, tp, the ZeRO stage and buckets, the activation mode, the device) with
 ``--mock-data --dry-run-world-size N --dry-run-rank 0``; :func:`verify` runs that dry run
 (:mod:`hybrid.job.dry_run`) in a fresh interpreter (the fake process group is the default
-group) on fake CUDA devices where it can (a GPU's code paths), streams its phase lines and
-report, and returns both totals. ``python -m hybrid.planner.verify
+group) on the device whose code paths hold what a GPU holds (:func:`_command`), streams its
+phase lines and report, and returns both totals. ``python -m hybrid.planner.verify
 PRETRAIN_FLAGS`` is that interpreter: it prints the phase lines and one ``RESULT {json}`` line.
 """
 
@@ -66,14 +66,16 @@ def pretrain_argv(args, model, chosen, global_batch: int) -> list[str]:
     return out
 
 
-def verify(argv: list[str], say=print) -> dict:
-    """Run the dry run of ``argv`` (from :func:`pretrain_argv`) in a fresh interpreter; each of
-    its lines goes to ``say`` as it comes; returns its result (:func:`main`'s ``RESULT``).
+def verify(argv: list[str], say=print, gpu_paths: bool = True) -> dict:
+    """Run the dry run of ``argv`` (from :func:`pretrain_argv`) in a fresh interpreter, on fake
+    CUDA devices when ``gpu_paths`` (the model has attention dropout, see :func:`_command`);
+    each of its lines goes to ``say`` as it comes; returns its result (:func:`main`'s
+    ``RESULT``).
 
     Raises:
         RuntimeError: the dry run failed (its last output lines in the message).
     """
-    cmd, env = _command(argv, say)
+    cmd, env = _command(argv, say, gpu_paths)
     device = ["--dry-run-device", "cuda"] if env is not None else []
     say("dry run: python -m hybrid.pretrain " + " ".join([*argv, *device]))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -91,13 +93,18 @@ def verify(argv: list[str], say=print) -> dict:
     return result
 
 
-def _command(argv: list[str], say) -> tuple[list[str], dict | None]:
-    """The dry run's interpreter: on fake CUDA devices (``--dry-run-device cuda``) where the
-    small C++ extension builds, so the step takes the GPU's code paths (CUDA's fused dropout
-    keeps a 1-byte mask per element; torch's CPU dropout keeps a mask in the activation dtype,
-    2 bytes in bf16, which at 175B is 4.5 GiB more per rank); else on the CPU device, said."""
+def _command(argv: list[str], say, gpu_paths: bool) -> tuple[list[str], dict | None]:
+    """The dry run's interpreter. With attention dropout (``gpu_paths``, the explicit attention
+    core) on fake CUDA devices (``--dry-run-device cuda``) where the small C++ extension builds:
+    CUDA's fused dropout keeps a 1-byte mask per element, torch's CPU dropout a mask in the
+    activation dtype (2 bytes in bf16: 4.5 GiB more per rank at 175B). Without it, on the CPU
+    device: the attention core is ``scaled_dot_product_attention``, a flash kernel on the CPU
+    (output and log-sum-exp kept, as on a GPU) but the math path under fake CUDA on a CPU-only
+    torch (the whole score matrix: 161 GiB instead of 24 for Llama-3-8B at s = 8192)."""
     from hybrid.job import fake_cuda
 
+    if not gpu_paths:
+        return [sys.executable, "-m", "hybrid.planner.verify", *argv], None
     try:
         return fake_cuda.preloaded_command("from hybrid.planner.verify import main\n",
                                            [*argv, "--dry-run-device", "cuda"])
