@@ -49,6 +49,9 @@ def test_planner_table_is_in_gib_and_takes_pretrains_flag_names(capsys):
     assert plan_cli.main(["--model", "gpt2-355m", "--num-gpus", "8", "--device", "H100",
                           "--tp", "2"]) == 0
     assert capsys.readouterr().out == by_pretrain
+    # --max-model's header names its budget in GiB: the device less the reserve
+    assert plan_cli.main(["--max-model", "--device", "V100-32GB", "--tp", "1"]) == 0
+    assert capsys.readouterr().out.startswith("largest model per GPU budget of 30.75 GiB")
 
 
 def dry(*extra: str) -> str:

@@ -290,7 +290,9 @@ def main(argv: list[str] | None = None) -> int:
         training = _training(args)
         if args.max_model:
             rows = _max_model(args, model, cluster, training)
-            print(json.dumps({"max_model": rows}, indent=1) if args.json else max_model_text(rows))
+            budget = cluster.gpu_memory_bytes - cluster.reserved_bytes
+            print(json.dumps({"max_model": rows}, indent=1) if args.json
+                  else max_model_text(rows, budget))
             return 0
         cands, skipped = plan(
             model,

@@ -64,11 +64,13 @@ def plan_text(model, cluster, training, cands, skipped, chosen, fitting_only, de
     return "\n".join(lines)
 
 
-def max_model_text(rows: list[dict]) -> str:
-    """``--max-model`` rows (from ``cli._max_model``) as text, parameters in billions."""
+def max_model_text(rows: list[dict], budget_bytes: float | None = None) -> str:
+    """``--max-model`` rows (from ``cli._max_model``) as text, parameters in billions; the
+    header names the per-GPU budget (memory less the reserve, bytes) in GiB."""
+    budget = "" if budget_bytes is None else f" of {budget_bytes / GIB:.2f} GiB"
     lines = [
-        "largest model per GPU budget (model states only = ZeRO Table 2; "
-        "with activations = largest layer count of the given width)"
+        f"largest model per GPU budget{budget} (GPU memory less --reserved-gib; model states "
+        "only = ZeRO Table 2; with activations = largest layer count of the given width)"
     ]
     for r in rows:
         line = (f"tp={r['tp']:>2} dp={r['dp']:>5} zero={r['stage']}: "
