@@ -55,3 +55,71 @@ def split_ranges(fractions: tuple[float, ...], num_documents: int) -> list[tuple
         bounds.append(min(num_documents, round(acc * num_documents)))
     bounds[-1] = num_documents
     return [(bounds[i], bounds[i + 1]) for i in range(len(fractions))]
+
+
+def split_sizes(fractions: tuple[float, ...], num_documents: int) -> list[int]:
+    """Documents per split (:func:`split_ranges`)."""
+    return [hi - lo for lo, hi in split_ranges(fractions, num_documents)]
+
+
+def skipped_splits(fractions: tuple[float, ...], doc_counts: list[int]) -> list[str]:
+    """The evaluation splits (valid, test) with a share in ``fractions`` that hold no document in
+    any of the datasets of ``doc_counts`` (documents per blended dataset). They are skipped, as
+    Megatron-LM skips an empty split (its data loader is None, so it is never evaluated): on a
+    441-document corpus the default ``--split 969,30,1`` gives the test split 0.44 documents."""
+    sizes = [split_sizes(fractions, n) for n in doc_counts]
+    return [name for i, name in enumerate(SPLIT_NAMES) if i and fractions[i] > 0
+            and all(s[i] == 0 for s in sizes)]
+
+
+def _format(parts: list[int]) -> str:
+    return ",".join(str(p) for p in parts)
+
+
+def suggest_split(split: str, doc_counts: list[int], needed: tuple[str, ...]) -> str | None:
+    """A ``--split`` that gives every split in ``needed`` at least one document of every dataset
+    (``doc_counts``: documents per blended dataset), or None when no split can (a dataset with
+    fewer documents than needed splits). Never the given ``split``, nor one that fails in turn:
+    the candidate is checked with :func:`split_ranges` before it is advised.
+
+    The candidate keeps the given proportions in thousandths and raises each needed share that
+    is too small to the least that gives the smallest dataset one document, taken from the
+    largest share that is not raised.
+    """
+    fractions = parse_split(split)
+    smallest = min(doc_counts)
+    idx = [SPLIT_NAMES.index(n) for n in needed]
+    if smallest < len(idx):
+        return None
+    parts = [round(f * 1000) for f in fractions]
+    for scale in (1, 2, 5, 10, 20, 50, 100):
+        cand = list(parts)
+        raised = [i for i in idx if cand[i] < math.ceil(scale * 1000 / smallest)]
+        for i in raised:
+            cand[i] = math.ceil(scale * 1000 / smallest)
+        donor = max((i for i in range(3) if i not in raised), key=lambda i: cand[i], default=0)
+        cand[donor] -= sum(cand) - 1000
+        if cand[donor] <= 0:
+            return None
+        new = parse_split(_format(cand))
+        if new != fractions and all(split_sizes(new, n)[i] > 0 for n in doc_counts for i in idx):
+            return _format(cand)
+    return None
+
+
+def skipped_eval_splits(data_path: list[str], split: str) -> list[str]:
+    """:func:`skipped_splits` of the datasets that ``--data-path`` names (their index files are
+    read for the document counts)."""
+    from data.blended_dataset import parse_data_path
+    from data.indexed_dataset import IndexedDataset
+
+    _, prefixes = parse_data_path(data_path)
+    counts = [len(IndexedDataset(p).document_indices) - 1 for p in prefixes]
+    return skipped_splits(parse_split(split), counts)
+
+
+def skip_note(split: str, name: str) -> str:
+    """The start-up note for an evaluation split that :func:`skipped_splits` skips."""
+    return (f"note: --split {split} gives the {name} split no whole document of --data-path, "
+            f"so it is skipped as Megatron-LM skips an empty split (no {name} evaluation); give "
+            f"it a larger share to evaluate it")

@@ -17,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from hybrid.activation.config import ActivationConfig
-from hybrid.config_fields import arg, check_choice, check_int, check_number, fail
+from hybrid.config_fields import ConfigError, arg, check_choice, check_int, check_number, fail
 from hybrid.parallel import sequence
 from hybrid.schedule import DECAY_STYLES, WD_INCR_STYLES, WSD_DECAY_STYLES
 from hybrid.zero.config import OptimizerConfig, ZeroConfig
@@ -120,9 +120,26 @@ class GridConfig:
                                      "cuda:LOCAL_RANK tensors on this CPU (a tensor on the wrong "
                                      "device fails as on a GPU; builds a small C++ extension)",
                               choices=("cpu", "cuda"))
+    dry_run_micro_batches: int = arg(1, "dry run: micro-batches its step runs (the memory peak "
+                                        "repeats per micro-batch once the buffers exist)")
+    device: str | None = arg(None, "dry run: the GPU its verdict compares with, a hybrid.plan "
+                                   "preset (default: A100-80GB)")
+    gpu_memory_gib: float | None = arg(None, "dry run: GiB per GPU for its verdict (default: "
+                                             "--device's)", alt_flags=("--gpu-memory-gb",))
+    reserved_gib: float = arg(1.0, "dry run: GiB per GPU held back for the CUDA context, as "
+                                   "hybrid.plan --reserved-gib", alt_flags=("--reserved-gb",))
 
     def __post_init__(self) -> None:
+        from hybrid.planner.devices import device_memory_gib
+
         check_choice(self, "dry_run_device", ("cpu", "cuda"))
+        check_int(self, "dry_run_micro_batches", 1)
+        check_number(self, "gpu_memory_gib", 0.0, strict=True, optional=True)
+        check_number(self, "reserved_gib", 0.0)
+        try:
+            device_memory_gib(self.device, self.gpu_memory_gib, self.reserved_gib)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if self.dry_run_device != "cpu" and self.dry_run_world_size is None:
             fail(self, "dry_run_device", "needs --dry-run-world-size N (a dry run)")
         check_int(self, "tensor_model_parallel_size", 1)

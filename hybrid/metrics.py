@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 TRAIN_FIELDS = ("iteration", "consumed_samples", "lm_loss", "lr", "grad_norm", "loss_scale",
-                "skipped_iterations", "nan_iterations", "elapsed_ms", "tokens_per_sec",
+                "skipped_iterations", "nan_iterations", "elapsed_ms", "eta_s", "tokens_per_sec",
                 "tflops_per_device")
 
 
@@ -52,12 +52,27 @@ def interval_memory(device: torch.device) -> dict[str, float]:
     return out
 
 
+def format_eta(seconds: float) -> str:
+    """``H:MM:SS`` (``Nd H:MM:SS`` beyond a day) of a duration in seconds, rounded to the
+    second."""
+    s = max(0, round(seconds))
+    days, s = divmod(s, 86400)
+    text = f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+    return f"{days}d {text}" if days else text
+
+
 def format_train_line(r: dict, train_iters: int) -> str:
-    """Megatron-LM's log line for a training record ``r``."""
+    """Megatron-LM's log line for a training record ``r``, with the ETA after the iteration
+    time when ``r`` has ``eta_s``: the remaining iterations times the log window's time per
+    iteration (seconds; evaluations and saves in the window included)."""
     parts = [
         f" iteration {r['iteration']:8d}/{train_iters:8d}",
         f"consumed samples: {r['consumed_samples']:12d}",
         f"elapsed time per iteration (ms): {r['elapsed_ms']:.1f}",
+    ]
+    if r.get("eta_s") is not None:
+        parts.append(f"ETA: {format_eta(r['eta_s'])}")
+    parts += [
         f"learning rate: {r['lr']:.6E}",
         f"global batch size: {r['global_batch_size']:5d}",
         f"lm loss: {r['lm_loss']:.6E}",

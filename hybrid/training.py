@@ -314,6 +314,7 @@ class Trainer:
             lr=lr, global_batch_size=window.last_batch, grad_norm=last.grad_norm,
             loss_scale=last.loss_scale, skipped_iterations=window.skipped,
             nan_iterations=window.nan, elapsed_ms=1000 * elapsed,
+            eta_s=(s.train_iters - state.iteration) * elapsed,  # at the window's pace
             tokens_per_sec=s.tokens_per_step * share / elapsed, tflops_per_device=tflops,
             mfu=tflops / s.peak_tflops if s.peak_tflops else None,
             **interval_memory(grid.device),

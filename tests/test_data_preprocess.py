@@ -143,7 +143,8 @@ def test_three_shards_merged_equal_the_concatenation(tmp_path, model):
         + ["--output-prefix", str(tmp_path / "merged")]
     )
     for ext in (".bin", ".idx"):
-        assert (tmp_path / f"merged{ext}").read_bytes() == (
+        # named as preprocess names its output (issue 28 item 6): merged_text_document
+        assert (tmp_path / f"merged_text_document{ext}").read_bytes() == (
             tmp_path / f"whole_text_document{ext}"
         ).read_bytes()
-    assert len(IndexedDataset(tmp_path / "merged")) == len(lines) - 1
+    assert len(IndexedDataset(tmp_path / "merged_text_document")) == len(lines) - 1

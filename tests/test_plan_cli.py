@@ -13,6 +13,7 @@ from hybrid.planner import max_model
 from tests.test_flops import gpt
 
 GB = 1e9
+GIB = 2**30
 ROOT = Path(__file__).resolve().parents[1]
 
 # CLI -----------------------------------------------------------------------------------------
@@ -60,6 +61,8 @@ def test_cli_max_model(capsys):
         "32",
         "--reserved-gb",
         "0",
+        "--accounting",  # ZeRO Table 2's bytes per parameter (the default is the engine's)
+        "paper",
         "--tp",
         "1",
         "--json",
@@ -67,7 +70,7 @@ def test_cli_max_model(capsys):
     assert plan_cli.main(args) == 0
     rows = json.loads(capsys.readouterr().out)["max_model"]
     assert [r["max_params_model_states"] for r in rows] == [
-        max_model.max_params(32 * GB, 1, 64, s) for s in range(4)
+        max_model.max_params(32 * GIB, 1, 64, s) for s in range(4)
     ]
     assert plan_cli.main([*DIMS, "--max-model", "--tp", "8", "--zero-stage", "3"]) == 0
     assert "layers" in capsys.readouterr().out
@@ -84,19 +87,22 @@ def test_cli_max_model(capsys):
         (["--num-gpus", "12"], "--num-gpus 12 is not divisible by --gpus-per-node 8"),
         (["--hidden-size", "-5"], "--hidden-size must be positive, got -5"),
         (["--micro-batch-size", "0"], "--micro-batch-size must be positive, got 0"),
-        (["--device", "H100", "--gpu-memory-gb", "-1"], "--gpu-memory-gb must be positive, got -1"),
+        (["--device", "H100", "--gpu-memory-gb", "-1"],
+         "--gpu-memory-gib must be positive (GiB per GPU), got -1"),
         # nan and inf pass every comparison check: refused by the flag's type, in one line
         (["--device", "V100-32GB", "--gpu-memory-gb", "nan"],
-         "argument --gpu-memory-gb: 'nan' is not a finite number"),
-        (["--reserved-gb", "nan"], "argument --reserved-gb: 'nan' is not a finite number"),
+         "argument --gpu-memory-gib/--gpu-memory-gb: 'nan' is not a finite number"),
+        (["--reserved-gb", "nan"],
+         "argument --reserved-gib/--reserved-gb: 'nan' is not a finite number"),
         (["--peak-tflops", "inf"], "argument --peak-tflops: 'inf' is not a finite number"),
         (["--efficiency", "x"], "argument --efficiency: 'x' is not a number"),
         (["--efficiency", "2"], "--efficiency is a fraction of peak in (0, 1], got 2"),
         (["--reserved", "1"],
-         "unrecognized arguments: --reserved 1; --reserved: did you mean --reserved-gb?"),
-        (["--reserved-gb", "-1"], "--reserved-gb must be 0 or more (GB held back per GPU), got -1"),
-        (["--device", "V100-32GB", "--reserved-gb", "40"],
-         "--reserved-gb 40 leaves nothing of the GPU's 32 GB"),
+         "unrecognized arguments: --reserved 1; --reserved: did you mean --reserved-gib?"),
+        (["--reserved-gb", "-1"],
+         "--reserved-gib must be 0 or more (GiB held back per GPU), got -1"),
+        (["--device", "V100-32GB", "--reserved-gib", "40"],
+         "--reserved-gib 40 leaves nothing of the GPU's 31.75 GiB"),
     ],
 )
 def test_cli_bad_input_names_the_value(extra, message, capsys):
@@ -134,16 +140,17 @@ def test_cli_takes_a_preset_and_names_an_unknown_one(capsys):
 
 
 @pytest.mark.parametrize(
-    ("device", "memory_gb", "peak"),
-    [("V100-32GB", 32, 125), ("A100-40GB", 40, 312), ("a100-80gb", 80, 312), ("H100", 80, 989),
-     ("H200", 141, 989)],
+    ("device", "memory_mib", "peak"),
+    [("V100-32GB", 32_510, 125), ("A100-40GB", 40_536, 312), ("a100-80gb", 81_920, 312),
+     ("H100", 81_559, 989), ("H200", 143_771, 989)],
 )
-def test_cli_device_presets(device, memory_gb, peak, capsys):
-    """Issue 13 item 18: device presets (datasheet memory and dense bf16/fp16 peak); the runtime
-    MFU table (flops.DEVICE_PEAK_TFLOPS) gives the same peak for the same name."""
+def test_cli_device_presets(device, memory_mib, peak, capsys):
+    """Issue 13 item 18: device presets (the memory CUDA reports, as nvidia-smi's MiB, and the
+    datasheet's dense bf16/fp16 peak); the runtime MFU table (flops.DEVICE_PEAK_TFLOPS) gives the
+    same peak for the same name. Issue 28: memory in GiB, the unit of the table."""
     assert plan_cli.main([*DIMS, "--device", device, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["cluster"]["gpu_memory_bytes"] == memory_gb * GB
+    assert doc["cluster"]["gpu_memory_bytes"] == memory_mib * 2**20
     assert doc["cluster"]["peak_tflops"] == peak == flops.device_peak_tflops(device)
     assert doc["device"].lower() == device.lower()
 
@@ -153,11 +160,11 @@ def test_cli_memory_without_device_is_refused_and_overrides_are_named(capsys):
     with pytest.raises(SystemExit) as exc:
         plan_cli.main([*DIMS, "--gpu-memory-gb", "32"])
     assert exc.value.code == 2
-    assert "--gpu-memory-gb 32 without --device: the step time needs the GPU's peak; give " \
+    assert "--gpu-memory-gib 32 without --device: the step time needs the GPU's peak; give " \
         "--device (V100-32GB, A100-40GB, A100-80GB, H100, H200) or --peak-tflops" \
         in capsys.readouterr().err
     cases = [
-        ([], "A100-80GB", 80, 312),  # the defaults, unchanged
+        ([], "A100-80GB", 80, 312),  # the defaults: 81,920 MiB = 80 GiB
         (["--gpu-memory-gb", "32", "--peak-tflops", "125"], "custom", 32, 125),
         (["--device", "V100-32GB", "--gpu-memory-gb", "16"], "V100-32GB (memory overridden)", 16,
          125),
@@ -167,7 +174,7 @@ def test_cli_memory_without_device_is_refused_and_overrides_are_named(capsys):
         assert plan_cli.main([*DIMS, *extra, "--json"]) == 0
         doc = json.loads(capsys.readouterr().out)
         assert (doc["device"], doc["cluster"]["gpu_memory_bytes"], doc["cluster"]["peak_tflops"]) \
-            == (label, memory_gb * GB, peak)
+            == (label, memory_gb * GIB, peak)
     with pytest.raises(SystemExit):
         plan_cli.main([*DIMS, "--device", "H100 PCIe"])
     assert "--device 'H100 PCIe' is no preset" in capsys.readouterr().err

@@ -319,13 +319,12 @@ def _check_data(cfg: PretrainConfig, vocab: int) -> None:
     except ValueError as e:
         raise ConfigError(f"--data-path {' '.join(map(str, d.data_path))}: {e}") from None
     from data.indexed_dataset import IndexedDataset
-    from data.split import SPLIT_NAMES, split_ranges
 
-    fractions = parse_split(d.split)
+    counts = []
     for prefix in prefixes:
         _check_pair(prefix)
         ds = IndexedDataset(prefix)
-        docs = len(ds.document_indices) - 1
+        counts.append(len(ds.document_indices) - 1)
         head = ds.all_tokens[:TOKEN_SAMPLE]  # a mismatched tokenizer shows in the first tokens
         if len(head) and int(head.max()) >= vocab:
             source = ("--tokenizer-model " + d.tokenizer_model if d.tokenizer_model
@@ -334,14 +333,33 @@ def _check_data(cfg: PretrainConfig, vocab: int) -> None:
                 f"--data-path {prefix} holds token id {int(head.max())}, outside the vocabulary "
                 f"[0, {vocab}) of {source}: the data was preprocessed with another tokenizer (give "
                 "that one, or preprocess again)")
-        ranges = split_ranges(fractions, docs)
-        for name, frac, (lo, hi) in zip(SPLIT_NAMES, fractions, ranges, strict=True):
-            needed = name == "train" or cfg.eval.eval_iters > 0
-            if frac > 0 and needed and hi == lo:
-                raise ConfigError(
-                    f"--split {d.split} leaves the {name} split of {prefix} ({docs} documents) "
-                    f"empty; give it a larger share (e.g. --split 90,8,2)"
-                    + ("" if name == "train" else " or set --eval-iters 0"))
+    _check_split_sizes(cfg, prefixes, counts)
+
+
+def _check_split_sizes(cfg: PretrainConfig, prefixes: list[str], counts: list[int]) -> None:
+    """Every split that is used holds a document of every dataset. An evaluation split empty in
+    all of them is skipped (``data.split.skipped_splits``, as Megatron-LM); one empty in some
+    dataset of a blend is an error whose advice is checked to work and is never the given
+    ``--split`` (``data.split.suggest_split``)."""
+    from data.split import SPLIT_NAMES, parse_split, skipped_splits, split_sizes, suggest_split
+
+    split, fractions = cfg.data.split, parse_split(cfg.data.split)
+    evals = cfg.eval.eval_iters > 0
+    skipped = skipped_splits(fractions, counts) if evals else []
+    needed = ("train",) + tuple(n for i, n in enumerate(SPLIT_NAMES)
+                                if i and evals and fractions[i] > 0 and n not in skipped)
+    for prefix, docs in zip(prefixes, counts, strict=True):
+        empty = [n for n in needed if split_sizes(fractions, docs)[SPLIT_NAMES.index(n)] == 0]
+        if not empty:
+            continue
+        name, advice = empty[0], suggest_split(split, counts, needed)
+        fixes = [f"give --split {advice}"] if advice else []
+        if len(prefixes) > 1:
+            fixes.append(f"drop {prefix} from --data-path")
+        if name != "train":
+            fixes += [f"give the {name} split no share", "set --eval-iters 0"]
+        raise ConfigError(f"--split {split} leaves the {name} split of {prefix} ({docs} "
+                          f"document{'s' if docs != 1 else ''}) empty; " + ", or ".join(fixes))
 
 
 def _check_init_from_hf(c, gpt: GPTConfig) -> None:

@@ -6,7 +6,12 @@ under a ``FakeTensorMode`` (tensors carry shapes and dtypes but no storage), so 
 job is built on a laptop in about a minute. Everything else is the real code path:
 :func:`hybrid.parallelize.parallelize` constructs the model, the TP plan, activation
 checkpointing and the ZeRO engine unit by unit, and :func:`hybrid.training.train_step` runs one
-optimizer step (forward, backward, reduction, clipping, AdamW, parameter refresh). A fake tensor
+optimizer step (forward, backward, reduction, clipping, AdamW, parameter refresh). The step runs
+one micro-batch by default (``--dry-run-micro-batches N`` runs N): once the gradient and
+communication buffers exist, every micro-batch allocates and frees the same activations, so the
+peak of one is the peak of all, and a 100B rank's step costs minutes per micro-batch on a CPU.
+Each phase (build, every forward and backward, the optimizer step, the save's staging) is
+reported with its time as it ends. A fake tensor
 has no values, so the step's few host reads (the loss and the grad norm, via
 :func:`hybrid.zero.grad_norm.host_values`) read zeros: a finite loss and no overflow, i.e. the
 normal path.
@@ -18,7 +23,9 @@ engine's buffers give the bytes per kind. The planner's figures for the same con
 (``python -m hybrid.plan --accounting engine``, :func:`hybrid.planner.plan.evaluate`) are
 printed beside them. The fake backend ignores the device: everything is counted as memory of
 one device, and host-offloaded checkpoints (``--checkpoint-in-cpu``, the arena) are reported on
-their own line and left out of the device total.
+their own line and left out of the device total. The report
+(:mod:`hybrid.job.dry_run_report`) is in GiB and ends with the verdict for ``--device`` /
+``--gpu-memory-gib`` with ``--reserved-gib`` held back, the planner's rule.
 """
 
 from __future__ import annotations
@@ -148,22 +155,27 @@ def _save_staging_peak(engine, grid) -> int:
     return meter.peak
 
 
+def activation_mode(cfg) -> str:
+    """The planner's activation mode (``hybrid.planner.memory.ACTIVATION_OPTIONS``) of a
+    :class:`hybrid.config.PretrainConfig`."""
+    a = cfg.activation
+    sp = "+sp" if cfg.grid.sequence_parallel_active else ""
+    if a.checkpoint_activations:
+        return ("full" + sp + "+cpu" if sp and a.checkpoint_in_cpu else "full" + sp if sp else
+                "full+pa+cpu" if a.checkpoint_in_cpu else "full+pa" if a.partition_activations
+                else "full")
+    if a.selective_recompute:
+        return "sp+selective" if sp else "selective"
+    return "sp" if sp else "none"
+
+
 def planner_figures(job) -> dict:
     """The planner's per-rank bytes for the job (a :class:`hybrid.job.config_checks.Job`;
     ``accounting='engine'``)."""
     from hybrid.planner.plan import Cluster, Training, evaluate
 
     cfg = job.cfg
-    a, z = cfg.activation, cfg.zero
-    sp = "+sp" if cfg.grid.sequence_parallel_active else ""
-    if a.checkpoint_activations:
-        activation = ("full" + sp + "+cpu" if sp and a.checkpoint_in_cpu else "full" + sp if sp else
-                      "full+pa+cpu" if a.checkpoint_in_cpu else "full+pa" if a.partition_activations
-                      else "full")
-    elif a.selective_recompute:
-        activation = "sp+selective" if sp else "selective"
-    else:
-        activation = "sp" if sp else "none"
+    z, activation = cfg.zero, activation_mode(cfg)
     training = Training(
         seq_length=cfg.model.seq_length, micro_batch_size=cfg.training.micro_batch_size,
         global_batch_size=job.global_batch_size, precision=z.precision, accounting="engine",
@@ -183,12 +195,15 @@ def planner_figures(job) -> dict:
     return out
 
 
-def dry_run(job, rank: int = 0) -> dict:
+def dry_run(job, rank: int = 0, progress=None) -> dict:
     """Build rank ``rank`` of ``job.world_size`` ranks of ``job`` (a
-    :class:`hybrid.job.config_checks.Job`) and run one step; returns the measured and planned
-    bytes (see the module docstring), and with ``--dry-run-device cuda`` the step's host<->device
-    copies and host reads. Initialises the default process group with the fake backend (destroy
-    it before starting a real one in the same process).
+    :class:`hybrid.job.config_checks.Job`) and run one step of ``--dry-run-micro-batches``
+    micro-batches (default 1: once the buffers exist the memory peak repeats per micro-batch);
+    returns the measured and planned bytes (see the module docstring), the phases' times
+    (``phases``: ``[(name, s)]``), and with ``--dry-run-device cuda`` the step's host<->device
+    copies and host reads. ``progress`` (a ``str -> None``, e.g. ``print``) gets one line per
+    phase (build, forward, backward, step, save) as it ends. Initialises the default process
+    group with the fake backend (destroy it before starting a real one in the same process).
 
     ``--dry-run-device cuda`` (``job.cfg.grid.dry_run_device``): the rank's tensors are fake
     ``cuda:(rank % 8)`` tensors (8 GPUs per node); run it through
@@ -215,14 +230,71 @@ def dry_run(job, rank: int = 0) -> dict:
                            "CUDA library first (hybrid.job.fake_cuda.run_preloaded)")
     t0 = time.perf_counter()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    clock = PhaseClock(progress)
     with fake_cuda.stubs() if cuda else contextlib.nullcontext():
         device = torch.device("cuda", rank % 8) if cuda else torch.device("cpu")
-        out = _build_and_step(job, ProcessGrid(tp=job.tp, device=device), t0)
-    out.update(rank=rank, world=world, device=str(device), wall_s=time.perf_counter() - t0)
+        out = _build_and_step(job, ProcessGrid(tp=job.tp, device=device), t0, clock)
+    out.update(rank=rank, world=world, device=str(device), wall_s=time.perf_counter() - t0,
+               phases=clock.phases)
     return out
 
 
-def _build_and_step(job, grid, t0: float) -> dict:
+class PhaseClock:
+    """Times the dry run's phases and reports each as it ends: ``progress(line)`` with the
+    phase's name and its seconds (wall clock), e.g. ``dry run phase: backward (micro-batch
+    1/1) 41.2 s``. ``phases`` keeps ``[(name, seconds)]`` in order."""
+
+    def __init__(self, progress=None) -> None:
+        self.progress = progress
+        self.phases: list[tuple[str, float]] = []
+
+    def done(self, name: str, seconds: float) -> None:
+        """Record phase ``name`` that took ``seconds`` and report it."""
+        self.phases.append((name, seconds))
+        if self.progress is not None:
+            self.progress(f"dry run phase: {name} {seconds:.1f} s")
+
+    def timed(self, fn, name):
+        """``fn`` wrapped to report ``name(call)`` (a callable of the call's index) when it
+        returns."""
+        calls = [0]
+
+        def wrapper(*args, **kwargs):
+            t = time.perf_counter()
+            out = fn(*args, **kwargs)
+            calls[0] += 1
+            self.done(name(calls[0]), time.perf_counter() - t)
+            return out
+
+        return wrapper
+
+
+def _timed_step(job, engine, grid, clock: PhaseClock, patches: list) -> None:
+    """One ``train_step`` of ``--dry-run-micro-batches`` micro-batches under ``patches`` (context
+    managers), each forward, backward and the optimizer step reported to ``clock``."""
+    import contextlib
+    from unittest import mock
+
+    from hybrid import training
+
+    cfg, n = job.cfg, job.cfg.grid.dry_run_micro_batches
+    tokens = [torch.randint(0, job.gpt.vocab_size,
+                            (cfg.training.micro_batch_size, cfg.model.seq_length + 1))
+              for _ in range(n)]
+    timed = [
+        mock.patch.object(engine.model, "forward", clock.timed(
+            engine.model.forward, lambda i: f"forward (micro-batch {i}/{n})")),
+        mock.patch.object(engine, "backward", clock.timed(
+            engine.backward, lambda i: f"backward (micro-batch {i}/{n})")),
+        mock.patch.object(engine, "step", clock.timed(
+            engine.step, lambda i: "step (grad norm, clipping, AdamW, parameter refresh)"))]
+    with contextlib.ExitStack() as stack:
+        for p in [*patches, *timed]:
+            stack.enter_context(p)
+        training.train_step(engine, tokens, cfg.optimizer.lr, grid)
+
+
+def _build_and_step(job, grid, t0: float, clock: PhaseClock) -> dict:
     """The dry run on ``grid`` under a fake-tensor mode: build, one step, the measured bytes."""
     from unittest import mock
 
@@ -247,16 +319,18 @@ def _build_and_step(job, grid, t0: float) -> dict:
         with StorageMeter() as build:
             engine = parallelize(meta_gpt(job.gpt), grid, cfg, tracker)
         built_s = time.perf_counter() - t0
+        clock.done("build (model, TP plan, checkpointing, ZeRO engine)", built_s)
         held = engine.memory_bytes()
         step = StorageMeter()
         step.track(*_engine_tensors(engine))
         start = step.current
-        with step, log, mock.patch.object(training, "host_values", read), \
-                mock.patch.object(grad_norm, "host_values", read):
-            tokens = torch.randint(0, job.gpt.vocab_size,
-                                   (cfg.training.micro_batch_size, cfg.model.seq_length + 1))
-            training.train_step(engine, [tokens], cfg.optimizer.lr, grid)
+        _timed_step(job, engine, grid, clock, [
+            step, log, mock.patch.object(training, "host_values", read),
+            mock.patch.object(grad_norm, "host_values", read)])
+        t = time.perf_counter()
         save_peak = _save_staging_peak(engine, grid)
+        clock.done("save (staging this rank's checkpoint shard, no file written)",
+                   time.perf_counter() - t)
     host = _host_checkpoint_bytes(engine)
     gathered = engine.memory_bytes()["gathered_peak"]
     measured = {k: held[k] for k in STATE_KEYS}
@@ -271,60 +345,7 @@ def _build_and_step(job, grid, t0: float) -> dict:
                 bound=start + 4 * max(u.padded for u in engine.layout.units),
                 save_bound=start + 12 * max(u.padded for u in engine.layout.units),
                 planned=planner_figures(job), build_s=built_s, copies=log.copies,
-                reads=log.reads)
-
-
-def _transfers(r: dict) -> list[str]:
-    """The step's host<->device copies and host reads, counted, with their source lines."""
-    from hybrid.job.fake_cuda import summarize
-
-    lines = [f"one step on {r['device']}: {len(r['copies'])} host<->device copies, "
-             f"{len(r['reads'])} host reads"]
-    lines += [f"  copy {x}" for x in summarize(r["copies"])]
-    lines += [f"  read {x}" for x in summarize(r["reads"])]
-    return lines
-
-
-def format_report(r: dict) -> str:
-    """A table of measured vs planned bytes per kind (GiB, or MiB when the total is below 1 GiB),
-    with the relative differences."""
-    m, p = r["measured"], r["planned"]
-    unit, name = (GIB, "GiB") if max(m["total"], p["total"]) >= GIB else (2**20, "MiB")
-    n = r["local_params"]
-    count = f"{n / 1e9:.3f}e9" if n >= 1e9 else f"{n / 1e6:.3f}e6" if n >= 1e6 else f"{n:,}"
-    rows = [(f"compute params ({r['precision']})", "params"), ("gradients (fp32)", "grads"),
-            ("fp32 master", "master"), ("Adam moments", "optimizer"), ("model states", "states"),
-            ("buffers (+ stage-3 gathered units)", "buffers"),
-            ("activations + temporaries (peak)", "activations"),
-            ("host checkpoints (not in total)", "host_checkpoints"),
-            ("total at the step peak", "total")]
-    lines = [f"dry run: rank {r['rank']} of {r['world']} (tp {r['tp']} x dp {r['dp']}, tp_rank "
-             f"{r['tp_rank']}, dp_rank {r['dp_rank']}), ZeRO-{r['stage']} {r['precision']}, "
-             f"{count} local parameters; built in {r['build_s']:.0f} s, "
-             f"{r['wall_s']:.0f} s with the step",
-             f"{'bytes per rank':<34}{'measured ' + name:>14}{'planner ' + name:>14}{'diff':>9}"]
-    for label, k in rows:
-        diff = f"{(m[k] - p[k]) / p[k]:+.1%}" if p[k] else "-"
-        lines.append(f"{label:<34}{m[k] / unit:>14.3f}{p[k] / unit:>14.3f}{diff:>9}")
-        if k == "activations" and "temporaries" in p:
-            lines += [f"{'  kept for backward':<34}{'':>14}{p['kept_activations'] / unit:>14.3f}",
-                      f"{'  temporaries':<34}{'':>14}{p['temporaries'] / unit:>14.3f}"]
-    lines.append(f"{'construction peak':<34}{m['construction_peak'] / unit:>14.3f}{'':>14}"
-                 f"  (bound: steady state + one unit in fp32 = {r['bound'] / unit:.3f}; units are "
-                 "filled before the gradient and staging buffers exist, so it may equal the steady "
-                 "state)")
-    lines.append(f"{'checkpoint-save peak':<34}{m['save_peak'] / unit:>14.3f}{'':>14}"
-                 f"  (bound: steady state + one unit's fp32 states = "
-                 f"{r['save_bound'] / unit:.3f}; a rank's fragments are written from the states "
-                 "themselves)")
-    lines.append(f"{'tracked after construction':<34}{m['tracked_after_build'] / unit:>14.3f}"
-                 f"  (= model states {m['states'] / unit:.3f} + communication buffers "
-                 f"{(m['buffers'] - m['gathered_peak']) / unit:.3f}; stage 3's gathered units "
-                 "come and go in the step)")
-    lines += _transfers(r)
-    lines.append(f"{name} = 2^{30 if unit == GIB else 20} bytes. The planner's activations are "
-                 "what backward keeps (arXiv 2205.05198 §4) plus the step's temporaries "
-                 "(hybrid.planner.temporaries: the loss's logits and their fp32 copies, a unit's "
-                 "gradients in the compute dtype before their reduction, sequence parallelism's "
-                 "gathered inputs).")
-    return "\n".join(lines)
+                reads=log.reads, micro_batches=cfg.grid.dry_run_micro_batches,
+                step_micro_batches=job.grad_accum_steps,
+                dropout=job.gpt.hidden_dropout > 0 or job.gpt.attention_dropout > 0,
+                sdpa=job.gpt.attention_dropout == 0)

@@ -64,6 +64,17 @@ def loaded() -> bool:
 def run_preloaded(argv: list[str], code: str = "") -> int:
     """Run ``hybrid.pretrain`` with ``argv`` in a fresh interpreter that loads the library
     first; ``code`` runs after it (tests plant faults there). Returns the exit status."""
+    cmd, env = preloaded_command(code + "\nfrom hybrid.job.pretrain import main\n", argv)
+    return subprocess.run(cmd, env=env).returncode
+
+
+def preloaded_command(program: str, argv: list[str]) -> tuple[list[str], dict]:
+    """``(command, environment)`` of a fresh interpreter that loads the library before torch,
+    then runs ``program`` (which defines ``main``) and exits with ``main(argv)``.
+
+    Raises:
+        RuntimeError: as :func:`library` (the library cannot be built here).
+    """
     import torch
 
     lib = library()
@@ -71,9 +82,8 @@ def run_preloaded(argv: list[str], code: str = "") -> int:
     env = dict(os.environ, **{ENV: lib})
     env["LD_LIBRARY_PATH"] = os.pathsep.join(
         p for p in (torch_lib, env.get("LD_LIBRARY_PATH")) if p)
-    program = (PRELUDE + code + "\nfrom hybrid.job.pretrain import main\n"
-               "sys.exit(main(sys.argv[1:]))\n")
-    return subprocess.run([sys.executable, "-c", program, *argv], env=env).returncode
+    code = PRELUDE + program + "\nsys.exit(main(sys.argv[1:]))\n"
+    return [sys.executable, "-c", code, *argv], env
 
 
 class _Event:

@@ -63,9 +63,24 @@ def build_datasets(job: Job, state: TrainState | None = None):
                      else None for i, n in enumerate(counts))
     from data.gpt_dataset import build_gpt_datasets
 
+    counts = _skip_empty_eval_splits(cfg, counts)
     return build_gpt_datasets(cfg.data.data_path, cfg.data.split, seq, cfg.data.seed, counts,
                               cache_dir=cfg.data.data_cache_path,
                               surplus=cfg.data.mid_level_dataset_surplus)
+
+
+def _skip_empty_eval_splits(cfg, counts: tuple) -> tuple:
+    """``counts`` with the evaluation splits that hold no document zeroed, as Megatron-LM skips
+    them (``data.split.skipped_splits``); global rank 0 prints a note for each."""
+    import torch.distributed as dist
+
+    from data.split import SPLIT_NAMES, skip_note, skipped_eval_splits
+
+    skipped = skipped_eval_splits(cfg.data.data_path, cfg.data.split) if cfg.eval.eval_iters else []
+    if skipped and (not dist.is_initialized() or dist.get_rank() == 0):
+        for name in skipped:
+            print(skip_note(cfg.data.split, name), flush=True)
+    return tuple(0 if SPLIT_NAMES[i] in skipped else n for i, n in enumerate(counts))
 
 
 def _batches(dataset, consumed: int, job: Job, grid: ProcessGrid):
@@ -187,9 +202,12 @@ def _metrics(job: Job, grid: ProcessGrid, state: TrainState, meta: dict | None):
 def run(job: Job) -> dict:
     """Train a validated job; returns ``{"history": records, "engine": engine}``."""
     from hybrid.job.checkpointing import Checkpointer, lr_schedule, start_from
+    from hybrid.job.cpu_precision import warn_if_slow
     from hybrid.training import Trainer, TrainState
 
     grid, tracker, engine = _build(job)
+    if grid.rank == 0:  # once per job: bf16/fp16 without native CPU support is 4.7-7x slower
+        warn_if_slow(engine.config.precision, grid.device.type)
     state = TrainState()
     meta = start_from(job, engine, grid, tracker, state)
     train_ds, valid_ds, test_ds = build_datasets(job, state)
@@ -275,11 +293,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if cfg.grid.dry_run_world_size:
-            from hybrid.job.dry_run import dry_run, format_report
+            from hybrid.job.dry_run_report import run_and_report
 
-            print(f"hybrid-zero dry run | {header(job)}", flush=True)
-            print(format_report(dry_run(job, cfg.grid.dry_run_rank)), flush=True)
-            return 0
+            return run_and_report(job, f"hybrid-zero dry run | {header(job)}")
         try:
             run(job)["engine"].close()
         except TooManyNaNIterations as e:  # every rank sees the same data-parallel mean loss

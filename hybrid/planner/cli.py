@@ -1,11 +1,14 @@
 """Command line of the memory planner: ``python -m hybrid.plan [--json] [--max-model] ...``.
 
-Flag names follow Megatron-LM where one exists. Sizes on the command line are in GB = 1e9 bytes
-and GB/s; bucket sizes in elements. Bad input (tp not dividing the heads, GPUs not divisible by
-GPUs per node, non-positive sizes) exits with status 2 and a message naming the value.
+Flag names follow Megatron-LM where one exists, and ``hybrid.pretrain``'s are accepted too
+(``--preset`` for ``--model``, ``--tensor-model-parallel-size`` for ``--tp``). Memory is in GiB
+(2^30 bytes) everywhere, on the command line, in the table and in the device presets;
+bandwidths are in GB/s (1e9 bytes/s, as links are quoted); bucket sizes in elements. Bad input
+(tp not dividing the heads, GPUs not divisible by GPUs per node, non-positive sizes) exits
+with status 2 and a message naming the value.
 
-``--device`` picks a GPU preset (:mod:`hybrid.planner.devices`: memory and dense peak from the
-vendor datasheets); ``--gpu-memory-gb`` and ``--peak-tflops`` override its two figures. A
+``--device`` picks a GPU preset (:mod:`hybrid.planner.devices`: the memory CUDA reports and the
+datasheet's dense peak); ``--gpu-memory-gib`` and ``--peak-tflops`` override its two figures. A
 memory given without a device or a peak is refused when planning: the step time would silently
 use another GPU's peak.
 """
@@ -20,13 +23,19 @@ import sys
 
 from hybrid.config_fields import flag_hints
 from hybrid.flops import device_peak_tflops, num_parameters
-from hybrid.planner.devices import DEFAULT_DEVICE, device_preset, preset_names
+from hybrid.planner.devices import (
+    DEFAULT_DEVICE,
+    DEFAULT_RESERVED_GIB,
+    GIB,
+    device_memory_gib,
+    device_preset,
+    preset_names,
+)
 from hybrid.planner.max_model import max_layers, max_params
 from hybrid.planner.memory import ACTIVATION_OPTIONS, ZERO_STAGES
 from hybrid.planner.model_args import _finite, add_model_args, model_from_args
 from hybrid.planner.plan import (
     DEFAULT_BUCKET_ELEMENTS,
-    GB,
     Cluster,
     Training,
     best,
@@ -35,6 +44,7 @@ from hybrid.planner.plan import (
 )
 from hybrid.planner.precision import ACCOUNTINGS, PRECISIONS
 from hybrid.planner.table import max_model_text, plan_text
+from hybrid.planner.verify import comparison_lines, pretrain_argv, verify
 
 
 class _Parser(argparse.ArgumentParser):
@@ -65,8 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_HelpFormatter,
         epilog="Table columns: tp, dp = tensor- and data-parallel degree; z = ZeRO stage; m = "
         "micro-batches per step per data-parallel rank (gradient accumulation steps = global "
-        "batch / (micro-batch * dp)); params ... buffers = GB per rank; reserve = --reserved-gb; "
-        "total = their sum; dpGB, tpGB = GB each rank sends per step.",
+        "batch / (micro-batch * dp)); params ... buffers = GiB (2^30 bytes) per rank; reserve = "
+        "--reserved-gib; total = their sum; dpGiB, tpGiB = GiB each rank sends per step.",
         description="Per-rank memory, traffic and a step-time estimate for every TP x ZeRO x "
         "activation-checkpointing layout; picks the fastest one that fits.",
     )
@@ -75,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_cluster_args(p.add_argument_group("cluster"))
     _add_search_args(p.add_argument_group("search"))
     p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.add_argument("--verify", action="store_true",
+                   help="then run the dry run of the best layout for rank 0 (hybrid.pretrain "
+                   "--dry-run-world-size, minutes on a CPU) and print both totals and verdicts")
     return p
 
 
@@ -84,16 +97,17 @@ def _add_training_args(g) -> None:
     g.add_argument("--global-batch-size", type=int, help="default micro-batch * num-gpus")
     g.add_argument("--precision", choices=sorted(PRECISIONS), default="bf16",
                    help="training precision")
-    g.add_argument("--accounting", choices=ACCOUNTINGS, default="paper",
-                   help="model-state bytes per param: ZeRO paper (16 mixed) or our engine "
-                   "(18 bf16, 20 fp32)")
+    g.add_argument("--accounting", choices=ACCOUNTINGS, default="engine",
+                   help="model-state bytes per param: what this trainer's engine holds (18 "
+                   "bf16, 20 fp32: fp32 gradient accumulation), or the ZeRO paper's (16 mixed, "
+                   "its tables)")
     g.add_argument("--grad-reduce", choices=("reduce_scatter", "all_reduce"),
                    default="reduce_scatter",
                    help="the engine's gradient collective for ZeRO 1-3 (all_reduce: 2x the "
                    "gradient bytes)")
-    g.add_argument("--param-persistence-threshold", type=int, default=0,
-                   help="stage 3 keeps local params with fewer elements whole (the engine's "
-                   "default: 100000)")
+    g.add_argument("--param-persistence-threshold", type=int, default=100_000,
+                   help="stage 3 keeps local params with fewer elements whole, as the engine "
+                   "(0: the paper's count, every parameter partitioned)")
     g.add_argument("--reduce-bucket-size", type=int, default=DEFAULT_BUCKET_ELEMENTS,
                    help="elements")
     g.add_argument("--allgather-bucket-size", type=int, default=DEFAULT_BUCKET_ELEMENTS,
@@ -105,14 +119,18 @@ def _add_training_args(g) -> None:
 def _add_cluster_args(g) -> None:
     g.add_argument("--num-gpus", type=int, default=8, help="GPUs in the job (tp * dp)")
     g.add_argument("--gpus-per-node", type=int, default=8, help="tp never crosses a node")
-    g.add_argument("--device", help=f"GPU preset, memory and dense bf16/fp16 peak from the "
-                   f"datasheet: {preset_names()} (default: {DEFAULT_DEVICE}); another name "
-                   "(V100S, H100 PCIe...) gives only the peak")
-    g.add_argument("--gpu-memory-gb", type=_finite,
-                   help="memory per GPU, GB = 1e9 bytes (default: the --device preset's)")
-    g.add_argument("--reserved-gb", type=_finite, default=1.0,
-                   help="held back per GPU for the CUDA context and fragmentation, shown in the "
-                   "reserve column and counted in total (0 reproduces the ZeRO tables)")
+    g.add_argument("--device", help=f"GPU preset, memory as CUDA reports it (GiB) and dense "
+                   f"bf16/fp16 peak from the datasheet: {preset_names()} (default: "
+                   f"{DEFAULT_DEVICE}); another name (V100S, H100 PCIe...) gives only the peak")
+    g.add_argument("--gpu-memory-gib", "--gpu-memory-gb", dest="gpu_memory_gb", type=_finite,
+                   help="memory per GPU in GiB = 2^30 bytes, as nvidia-smi and torch.cuda "
+                   "report it; --gpu-memory-gb is the same flag, also in GiB (default: the "
+                   "--device preset's)")
+    g.add_argument("--reserved-gib", "--reserved-gb", dest="reserved_gb", type=_finite,
+                   default=DEFAULT_RESERVED_GIB,
+                   help="GiB held back per GPU for the CUDA context and fragmentation, shown in "
+                   "the reserve column and counted in total (0 reproduces the ZeRO tables); "
+                   "--reserved-gb is the same flag")
     g.add_argument("--peak-tflops", type=_finite,
                    help="dense peak per GPU, TFLOP/s (default: the --device preset's)")
     g.add_argument("--efficiency", type=_finite, default=0.45, help="fraction of peak on GEMMs")
@@ -122,8 +140,9 @@ def _add_cluster_args(g) -> None:
 
 
 def _add_search_args(g) -> None:
-    g.add_argument("--tp", type=int, action="append", help="restrict to this TP degree "
-                   "(repeatable; default: every divisor that fits a node)")
+    g.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=int,
+                   action="append", help="restrict to this TP degree (repeatable; default: "
+                   "every divisor that fits a node)")
     g.add_argument("--zero-stage", type=int, action="append", choices=ZERO_STAGES,
                    help="restrict to this ZeRO stage (repeatable; default: all)")
     g.add_argument("--activation", action="append", choices=ACTIVATION_OPTIONS,
@@ -136,11 +155,7 @@ def _add_search_args(g) -> None:
 
 def _cluster(args: argparse.Namespace, planning: bool) -> Cluster:
     """The cluster from ``--device`` and its overrides (``planning``: the peak is used)."""
-    if args.gpu_memory_gb is not None and args.gpu_memory_gb <= 0:
-        raise ValueError(f"--gpu-memory-gb must be positive, got {args.gpu_memory_gb:g}")
-    if args.reserved_gb < 0:
-        raise ValueError("--reserved-gb must be 0 or more (GB held back per GPU), got "
-                         f"{args.reserved_gb:g}")
+    memory = device_memory_gib(args.device, args.gpu_memory_gb, args.reserved_gb)
     if (
         planning
         and args.device is None
@@ -148,20 +163,10 @@ def _cluster(args: argparse.Namespace, planning: bool) -> Cluster:
         and args.peak_tflops is None
     ):
         raise ValueError(
-            f"--gpu-memory-gb {args.gpu_memory_gb:g} without --device: the step time needs "
+            f"--gpu-memory-gib {args.gpu_memory_gb:g} without --device: the step time needs "
             f"the GPU's peak; give --device ({preset_names()}) or --peak-tflops"
         )
     preset = device_preset(args.device or DEFAULT_DEVICE)
-    memory = args.gpu_memory_gb
-    if memory is None:
-        if preset is None:
-            raise ValueError(
-                f"--device {args.device!r} is no preset ({preset_names()}); give --gpu-memory-gb"
-            )
-        memory = preset.memory_gb
-    if args.reserved_gb >= memory:
-        raise ValueError(f"--reserved-gb {args.reserved_gb:g} leaves nothing of the GPU's "
-                         f"{memory:g} GB; give less than that")
     peak = args.peak_tflops
     if peak is None:
         peak = preset.peak_tflops if preset else device_peak_tflops(args.device)
@@ -174,8 +179,8 @@ def _cluster(args: argparse.Namespace, planning: bool) -> Cluster:
         Cluster,
         num_gpus=args.num_gpus,
         gpus_per_node=args.gpus_per_node,
-        gpu_memory_bytes=memory * GB,
-        reserved_bytes=args.reserved_gb * GB,
+        gpu_memory_bytes=memory * GIB,
+        reserved_bytes=args.reserved_gb * GIB,
         peak_tflops=peak,
         efficiency=args.efficiency,
         intra_node_gbs=args.intra_node_gbs,
@@ -200,7 +205,8 @@ def _device_label(args: argparse.Namespace) -> str:
 
 # Planner fields -> the flags that set them, for error messages.
 _FLAG_OF = {
-    "num_gpus": "--num-gpus", "gpus_per_node": "--gpus-per-node", "reserved_bytes": "--reserved-gb",
+    "num_gpus": "--num-gpus", "gpus_per_node": "--gpus-per-node",
+    "reserved_bytes": "--reserved-gib",
     "peak_tflops": "--peak-tflops", "efficiency": "--efficiency",
     "intra_node_gbs": "--intra-node-gbs", "inter_node_gbs": "--inter-node-gbs",
     "cpu_gbs": "--cpu-gbs", "seq_length": "--seq-length", "micro_batch_size": "--micro-batch-size",
@@ -284,7 +290,9 @@ def main(argv: list[str] | None = None) -> int:
         training = _training(args)
         if args.max_model:
             rows = _max_model(args, model, cluster, training)
-            print(json.dumps({"max_model": rows}, indent=1) if args.json else max_model_text(rows))
+            budget = cluster.gpu_memory_bytes - cluster.reserved_bytes
+            print(json.dumps({"max_model": rows}, indent=1) if args.json
+                  else max_model_text(rows, budget))
             return 0
         cands, skipped = plan(
             model,
@@ -308,20 +316,27 @@ def main(argv: list[str] | None = None) -> int:
             "candidates": [c.as_dict() for c in cands],
             "skipped": skipped,
             "best": chosen.as_dict() if chosen else None,
+            "verify": _verify(args, model, training, cluster, chosen) if args.verify else None,
         }
         json.dump(doc, sys.stdout, indent=1)
         print()
-    else:
-        print(
-            plan_text(
-                model,
-                cluster,
-                training,
-                cands,
-                skipped,
-                chosen,
-                args.fitting_only,
-                _device_label(args),
-            )
-        )
+        return 0
+    print(plan_text(model, cluster, training, cands, skipped, chosen, args.fitting_only,
+                    _device_label(args)), flush=True)
+    checked = _verify(args, model, training, cluster, chosen) if args.verify else None
+    if checked is not None:
+        print("\n".join(comparison_lines(checked, chosen.total_bytes, chosen.fits)))
     return 0
+
+
+def _verify(args, model, training: Training, cluster: Cluster, chosen) -> dict | None:
+    """``--verify``: the dry run of ``chosen`` for rank 0 (:mod:`hybrid.planner.verify`), its
+    lines streamed (to stderr under ``--json``); None when nothing fits."""
+    if chosen is None:
+        return None
+    gbs = training.global_batch_size or training.micro_batch_size * cluster.num_gpus
+    argv = pretrain_argv(args, model, chosen, gbs)
+    out = sys.stderr if args.json else sys.stdout
+    print("verify: the dry run of the best layout, rank 0", file=out, flush=True)
+    return verify(argv, lambda line: print("  " + line, file=out, flush=True),
+                  gpu_paths=args.attention_dropout > 0)

@@ -1,45 +1,49 @@
-"""GPU presets for the planner: memory per GPU and dense bf16/fp16 tensor-core peak.
+"""GPU presets for the planner and the dry run: memory per GPU (GiB) and dense bf16/fp16 peak.
 
-Figures are the vendors' datasheets, dense (the datasheets' headline tensor figures for A100,
-H100 and H200 are "with sparsity", twice the dense rate):
+One unit for memory everywhere, GiB (2^30 bytes): the planner's table, the dry run's report and
+the device capacities below, which are the total memory each GPU reports to CUDA (what
+``nvidia-smi`` prints in MiB and ``torch.cuda.mem_get_info`` in bytes), not the datasheets'
+rounded "GB":
 
-* V100-32GB: NVIDIA V100 Tensor Core GPU datasheet (SXM2): 125 TFLOP/s tensor (fp16; V100 has
-  no bf16), 32 GB HBM2.
-* A100-40GB, A100-80GB: NVIDIA A100 Tensor Core GPU datasheet (SXM): BF16/FP16 tensor core
-  312 TFLOP/s (624 with sparsity), 40 GB HBM2 / 80 GB HBM2e.
-* H100: NVIDIA H100 Tensor Core GPU datasheet, H100 SXM: BF16/FP16 tensor core 1,979 TFLOP/s
-  with sparsity, so 989 dense; 80 GB HBM3.
-* H200: NVIDIA H200 Tensor Core GPU datasheet, H200 SXM: BF16/FP16 tensor core 1,979 TFLOP/s
-  with sparsity, so 989 dense; 141 GB HBM3e.
+* V100-32GB (SXM2): 32,510 MiB = 31.75 GiB; 125 TFLOP/s fp16 tensor (no bf16).
+* A100-40GB (SXM4): 40,536 MiB = 39.59 GiB; A100-80GB (SXM4): 81,920 MiB = 80.00 GiB;
+  BF16/FP16 tensor core 312 TFLOP/s dense (624 with sparsity).
+* H100 (SXM5 80GB HBM3): 81,559 MiB = 79.65 GiB; 989 TFLOP/s dense (1,979 with sparsity).
+* H200 (SXM 141GB HBM3e): 143,771 MiB = 140.40 GiB; 989 TFLOP/s dense.
 
-Memory is the datasheet figure read in the planner's GB (1e9 bytes), as the ZeRO paper
-(arXiv:1910.02054, §5) counts its 32 GB V100; the hardware holds that many GiB (7% more),
-and what the CUDA context and allocator take is the planner's separate ``--reserved-gb``.
-The peaks agree with :data:`hybrid.flops.DEVICE_PEAK_TFLOPS` (the MFU of real runs).
+Peaks are the vendors' datasheets (dense: their headline tensor figures for A100, H100 and H200
+are "with sparsity") and agree with :data:`hybrid.flops.DEVICE_PEAK_TFLOPS`. What the CUDA
+context and the allocator take is the separate reserve (``--reserved-gib``, default 1 GiB).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+GIB = 2**30
+"""The one memory unit of the planner and the dry run (bytes)."""
+DEFAULT_RESERVED_GIB = 1.0
+"""Held back per GPU for the CUDA context and allocator fragmentation (GiB)."""
+
 
 @dataclass(frozen=True)
 class DevicePreset:
-    """One GPU model: ``memory_gb`` in GB (1e9 bytes), ``peak_tflops`` dense bf16/fp16."""
+    """One GPU model: ``memory_gib`` in GiB as CUDA reports it, ``peak_tflops`` dense
+    bf16/fp16."""
 
     name: str
-    memory_gb: float
+    memory_gib: float
     peak_tflops: float
 
 
 DEVICE_PRESETS: dict[str, DevicePreset] = {
     p.name.lower(): p
     for p in (
-        DevicePreset("V100-32GB", 32.0, 125.0),
-        DevicePreset("A100-40GB", 40.0, 312.0),
-        DevicePreset("A100-80GB", 80.0, 312.0),
-        DevicePreset("H100", 80.0, 989.0),
-        DevicePreset("H200", 141.0, 989.0),
+        DevicePreset("V100-32GB", 32_510 / 1024, 125.0),
+        DevicePreset("A100-40GB", 40_536 / 1024, 312.0),
+        DevicePreset("A100-80GB", 81_920 / 1024, 312.0),
+        DevicePreset("H100", 81_559 / 1024, 989.0),
+        DevicePreset("H200", 143_771 / 1024, 989.0),
     )
 }
 DEFAULT_DEVICE = "A100-80GB"
@@ -53,3 +57,48 @@ def device_preset(name: str) -> DevicePreset | None:
 def preset_names() -> str:
     """``"V100-32GB, A100-40GB, ..."`` for help texts and errors."""
     return ", ".join(p.name for p in DEVICE_PRESETS.values())
+
+
+def device_memory_gib(device: str | None, memory_gib: float | None,
+                      reserved_gib: float = DEFAULT_RESERVED_GIB) -> float:
+    """The memory of one GPU in GiB: ``memory_gib`` when given, else ``device``'s preset (None:
+    :data:`DEFAULT_DEVICE`). Shared by ``hybrid.plan`` and the dry run's verdict.
+
+    Raises:
+        ValueError: a non-positive memory, a negative reserve or one that leaves nothing, or a
+            ``device`` that is no preset without ``memory_gib``; the message names the flag
+            (``--gpu-memory-gib``, ``--reserved-gib``, ``--device``) and the valid values.
+    """
+    if memory_gib is not None and memory_gib <= 0:
+        raise ValueError(f"--gpu-memory-gib must be positive (GiB per GPU), got {memory_gib:g}")
+    if reserved_gib < 0:
+        raise ValueError("--reserved-gib must be 0 or more (GiB held back per GPU), got "
+                         f"{reserved_gib:g}")
+    if memory_gib is None:
+        preset = device_preset(device or DEFAULT_DEVICE)
+        if preset is None:
+            raise ValueError(f"--device {device!r} is no preset ({preset_names()}); give "
+                             "--gpu-memory-gib")
+        memory_gib = preset.memory_gib
+    if reserved_gib >= memory_gib:
+        raise ValueError(f"--reserved-gib {reserved_gib:g} leaves nothing of the GPU's "
+                         f"{memory_gib:.2f} GiB; give less than that")
+    return memory_gib
+
+
+def fit_verdict(peak_bytes: float, memory_gib: float, reserved_gib: float,
+                what: str = "step peak") -> tuple[bool, str]:
+    """``(fits, sentence)``: whether ``peak_bytes`` (a rank's step peak, named ``what`` in the
+    sentence) plus the reserve fit one GPU of ``memory_gib`` GiB, the planner's rule
+    (``total = peak + reserve <= memory``), and a sentence saying by how much, in GiB."""
+    need = peak_bytes / GIB + reserved_gib
+    margin = memory_gib - need
+    d = 2 if memory_gib >= 1 else 4  # a test's tiny GPU still shows its bytes
+
+    def gib(x: float) -> str:
+        return f"{x:.{d}f} GiB"
+
+    how = f"{gib(margin)} to spare" if margin >= 0 else f"{gib(-margin)} over"
+    return margin >= 0, (f"{'fits' if margin >= 0 else 'does NOT fit'}: "
+                         f"{gib(peak_bytes / GIB)} {what} + {reserved_gib:g} GiB reserve = "
+                         f"{gib(need)} of the GPU's {gib(memory_gib)} ({how})")

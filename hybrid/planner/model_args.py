@@ -26,7 +26,9 @@ def _finite(text: str) -> float:
 
 
 def add_model_args(g) -> None:
-    g.add_argument("--model", help="preset name (models.presets.get_preset); dims below override")
+    g.add_argument("--model", "--preset", dest="model",
+                   help="preset name (models.presets.get_preset; --preset as in hybrid.pretrain); "
+                   "dims below override")
     g.add_argument("--num-layers", type=int, help="transformer blocks (--max-model: searched)")
     g.add_argument("--hidden-size", type=int, help="model width h")
     g.add_argument("--num-attention-heads", type=int, help="tp must divide it")

@@ -22,14 +22,13 @@ Bandwidths are achieved per-GPU bus bandwidths in GB/s (1e9 B/s). Defaults descr
 NVLink ~200 GB/s achievable all-reduce bus bandwidth, one 200 Gb/s HDR NIC per GPU = 25 GB/s,
 PCIe 4 x16 ~20 GB/s, 45% of peak on the GEMMs (2104.04473 Table 1 reaches 44-52%).
 Model states follow ``Training.accounting``: 'paper' (ZeRO §3.1, 16 B/param mixed precision,
-the default, which reproduces the paper's tables) or 'engine' (``hybrid.zero.engine.ZeroEngine``'s
-own
-allocations: fp32 gradient accumulation, separate fp32 master; 18 B/param in bf16, 20 in fp32),
-see ``hybrid.planner.memory``. Data-parallel traffic follows the engine's schedule
-(``hybrid.planner.traffic.dp_traffic_by_kind``), in both accountings.
+which reproduces the paper's tables) or 'engine' (``hybrid.zero.engine.ZeroEngine``'s allocations:
+fp32 gradient accumulation, separate fp32 master; 18 B/param in bf16; ``hybrid.plan``'s default).
+Data-parallel traffic follows the engine's schedule (``traffic.dp_traffic_by_kind``) in both.
 The fastest fitting candidate wins; ties go to the lower ZeRO stage, then the smaller footprint.
-"Fits" means model states + activations + buffers + ``reserved_bytes`` (default 1 GB for the CUDA
-context and fragmentation; pass 0 to reproduce the ZeRO tables) <= GPU memory.
+"Fits" means model states + activations + temporaries + buffers + ``reserved_bytes`` (default
+1 GiB for the CUDA context and fragmentation; pass 0 to reproduce the ZeRO tables) <= GPU memory,
+the dry run's rule too (:func:`hybrid.planner.devices.fit_verdict`); bytes here, GiB in the CLI.
 
 Constant-size buffers (ZeRO §6.2, C_B): gradients are reduced in buckets of 5e7 elements and
 stage 3 gathers parameters in buckets of 5e7 elements (100 MB each in bf16, two of each in flight).
@@ -46,6 +45,7 @@ from hybrid.flops import flops_per_iteration, layer_parameter_split
 from hybrid.model_shape import ModelShape
 from hybrid.parallel.sequence import sequence_parallel_active
 from hybrid.parallel.vocab import pad_vocab_size
+from hybrid.planner.devices import GIB
 from hybrid.planner.memory import (
     ACTIVATION_OPTIONS,
     ZERO_STAGES,
@@ -74,7 +74,7 @@ __all__ = [
     "activation_bytes",
 ]
 
-GB = 1e9
+GB = 1e9  # bandwidths only (GB/s, as links are quoted); memory is shown in GiB (devices.GIB)
 DEFAULT_BUCKET_ELEMENTS = 50_000_000
 
 
@@ -86,9 +86,9 @@ class Cluster:
     """GPUs in the job (tp * dp)."""
     gpus_per_node: int = 8
     """GPUs sharing one NVLink domain; TP never crosses it."""
-    gpu_memory_bytes: float = 80 * GB
-    """Usable memory per GPU in bytes (GB = 1e9, as the ZeRO paper)."""
-    reserved_bytes: float = 1 * GB
+    gpu_memory_bytes: float = 80 * GIB
+    """Memory per GPU in bytes (the A100-80GB reports 80 GiB; :mod:`hybrid.planner.devices`)."""
+    reserved_bytes: float = 1 * GIB
     """Held back per GPU for the CUDA context, allocator fragmentation, temporaries (bytes)."""
     peak_tflops: float = 312.0
     """Dense bf16/fp16 peak per GPU in TFLOP/s (``flops.device_peak_tflops``)."""

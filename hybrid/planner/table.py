@@ -3,37 +3,38 @@
 from __future__ import annotations
 
 from hybrid.flops import num_parameters
-from hybrid.planner.plan import GB
+from hybrid.planner.devices import GIB
 
 
 def _gb(x: float) -> str:
-    return f"{x / GB:8.2f}"
+    return f"{x / GIB:8.2f}"
 
 
 def plan_text(model, cluster, training, cands, skipped, chosen, fitting_only, device) -> str:
     """The planner's table: a header naming the model, cluster (``device``: where its memory
     and peak came from) and every column, one row per candidate layout (only fitting ones
-    with ``fitting_only``), the skipped layouts and the chosen one. Sizes in GB (1e9 bytes).
+    with ``fitting_only``), the skipped layouts and the chosen one. Sizes in GiB (2^30 bytes).
     """
     lines = [
         f"model: {model.num_layers} layers, h={model.hidden_size}, "
         f"heads={model.num_attention_heads}, f={model.ffn}, V={model.vocab_size}, "
         f"{num_parameters(model) / 1e9:.3f}B params (unpadded)",
         f"cluster: {cluster.num_gpus} GPUs ({cluster.gpus_per_node}/node) x {device}: "
-        f"{cluster.gpu_memory_bytes / GB:g} GB, peak {cluster.peak_tflops:g} TFLOP/s x "
+        f"{cluster.gpu_memory_bytes / GIB:.2f} GiB, peak {cluster.peak_tflops:g} TFLOP/s x "
         f"{cluster.efficiency:g}; s={training.seq_length}, b={training.micro_batch_size}, "
         f"{training.precision} ({training.accounting} accounting)",
-        "per-rank GB (1e9 B): total = params + grads + master + optim + activ + temps + buffers + "
-        f"reserve (--reserved-gb {cluster.reserved_bytes / GB:g}: CUDA context, fragmentation); "
+        "per-rank GiB (2^30 B): total = params + grads + master + optim + activ + temps + buffers "
+        f"+ reserve (--reserved-gib {cluster.reserved_bytes / GIB:g}: CUDA context, "
+        "fragmentation); "
         "fit = total <= GPU memory; activ = what backward keeps, temps = the step's temporaries "
         "(loss logits, a unit's 16-bit gradients, SP's gathered inputs: hybrid.planner."
         "temporaries)",
         "z = ZeRO stage; m = micro-batches per step (gradient accumulation: global batch / "
-        "(b * dp)); dpGB, tpGB = GB each rank sends per step; step_s in s",
+        "(b * dp)); dpGiB, tpGiB = GiB each rank sends per step; step_s in s",
         f"{'tp':>3} {'dp':>4} {'z':>1} {'activation':<11} {'m':>3} {'params':>8} {'grads':>8} "
         f"{'master':>8} {'optim':>8} {'activ':>8} {'temps':>8} {'buffers':>8} {'reserve':>8} "
         f"{'total':>8} fit "
-        f"{'dpGB':>8} {'tpGB':>8} {'step_s':>9} {'MFU':>5}",
+        f"{'dpGiB':>8} {'tpGiB':>8} {'step_s':>9} {'MFU':>5}",
     ]
     for c in cands:
         if fitting_only and not c.fits:
@@ -55,7 +56,7 @@ def plan_text(model, cluster, training, cands, skipped, chosen, fitting_only, de
         t = chosen.times
         lines.append(
             f"best: tp={chosen.tp} dp={chosen.dp} zero={chosen.stage} "
-            f"activation={chosen.activation} total {chosen.total_bytes / GB:.2f} GB/rank, step "
+            f"activation={chosen.activation} total {chosen.total_bytes / GIB:.2f} GiB/rank, step "
             f"{t['step_s']:.3f} s (compute {t['compute_s']:.3f} + tp {t['tp_s']:.3f} + dp "
             f"{t['dp_s']:.3f} + cpu {t['cpu_s']:.3f}), {chosen.tokens_per_s:,.0f} tokens/s, MFU "
             f"{chosen.mfu:.1%}"
@@ -68,11 +69,13 @@ def plan_text(model, cluster, training, cands, skipped, chosen, fitting_only, de
     return "\n".join(lines)
 
 
-def max_model_text(rows: list[dict]) -> str:
-    """``--max-model`` rows (from ``cli._max_model``) as text, parameters in billions."""
+def max_model_text(rows: list[dict], budget_bytes: float | None = None) -> str:
+    """``--max-model`` rows (from ``cli._max_model``) as text, parameters in billions; the
+    header names the per-GPU budget (memory less the reserve, bytes) in GiB."""
+    budget = "" if budget_bytes is None else f" of {budget_bytes / GIB:.2f} GiB"
     lines = [
-        "largest model per GPU budget (model states only = ZeRO Table 2; "
-        "with activations = largest layer count of the given width)"
+        f"largest model per GPU budget{budget} (GPU memory less --reserved-gib; model states "
+        "only = ZeRO Table 2; with activations = largest layer count of the given width)"
     ]
     for r in rows:
         line = (f"tp={r['tp']:>2} dp={r['dp']:>5} zero={r['stage']}: "

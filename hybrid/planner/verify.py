@@ -1,0 +1,156 @@
+"""``hybrid.plan --verify``: the dry run of the planner's best layout, for rank 0, side by side.
+
+:func:`pretrain_argv` writes the ``hybrid.pretrain`` flags of a planned layout (the model, the
+batch, the precision, tp, the ZeRO stage and buckets, the activation mode, the device) with
+``--mock-data --dry-run-world-size N --dry-run-rank 0``; :func:`verify` runs that dry run
+(:mod:`hybrid.job.dry_run`) in a fresh interpreter (the fake process group is the default
+group) on the device whose code paths hold what a GPU holds (:func:`_command`), streams its
+phase lines and report, and returns both totals. ``python -m hybrid.planner.verify
+PRETRAIN_FLAGS`` is that interpreter: it prints the phase lines and one ``RESULT {json}`` line.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+# The activation modes of the planner (hybrid.planner.memory.ACTIVATION_OPTIONS) as flags.
+ACTIVATION_FLAGS = {
+    "none": [], "full": ["--checkpoint-activations"],
+    "full+pa": ["--checkpoint-activations", "--partition-activations"],
+    "full+pa+cpu": ["--checkpoint-activations", "--partition-activations",
+                    "--checkpoint-in-cpu"],
+    "selective": ["--recompute-granularity", "selective"],
+    "sp": ["--sequence-parallel"],
+    "sp+selective": ["--sequence-parallel", "--recompute-granularity", "selective"],
+    "full+sp": ["--sequence-parallel", "--checkpoint-activations"],
+    "full+sp+cpu": ["--sequence-parallel", "--checkpoint-activations", "--partition-activations",
+                    "--checkpoint-in-cpu"],
+}
+# planner flags that hybrid.pretrain takes under the same name and meaning (value flags, then
+# switches)
+_SAME_VALUE = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+               "max_position_embeddings", "position_embedding_type", "normalization",
+               "num_query_groups", "kv_channels", "hidden_dropout", "attention_dropout",
+               "seq_length", "micro_batch_size", "param_persistence_threshold",
+               "reduce_bucket_size", "allgather_bucket_size", "make_vocab_size_divisible_by",
+               "grad_reduce")
+_SAME_SWITCH = ("untie_embeddings_and_output_weights", "swiglu", "group_query_attention",
+                "disable_bias_linear", "add_qkv_bias", "qk_layernorm")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def pretrain_argv(args, model, chosen, global_batch: int) -> list[str]:
+    """The ``hybrid.pretrain`` flags of the dry run of ``chosen`` (a
+    :class:`hybrid.planner.plan.Candidate`) for the planner's parsed ``args`` and its model
+    (a :class:`hybrid.model_shape.ModelShape`, for the vocabulary), rank 0 of
+    ``args.num_gpus``; ``global_batch`` in samples."""
+    out = ["--preset", args.model] if args.model else []
+    for name in _SAME_VALUE:
+        value = getattr(args, name)
+        if value is not None:
+            out += [_flag(name), str(value)]
+    out += [_flag(n) for n in _SAME_SWITCH if getattr(args, n)]
+    out += ["--vocab-size", str(model.vocab_size), "--global-batch-size", str(global_batch),
+            "--tensor-model-parallel-size", str(chosen.tp), "--zero-stage", str(chosen.stage),
+            *ACTIVATION_FLAGS[chosen.activation]]
+    out += [] if args.precision == "fp32" else ["--" + args.precision]
+    out += ["--device", args.device] if args.device else []
+    out += ["--gpu-memory-gib", str(args.gpu_memory_gb)] if args.gpu_memory_gb else []
+    out += ["--reserved-gib", str(args.reserved_gb), "--mock-data",
+            "--dry-run-world-size", str(args.num_gpus), "--dry-run-rank", "0"]
+    return out
+
+
+def verify(argv: list[str], say=print, gpu_paths: bool = True) -> dict:
+    """Run the dry run of ``argv`` (from :func:`pretrain_argv`) in a fresh interpreter, on fake
+    CUDA devices when ``gpu_paths`` (the model has attention dropout, see :func:`_command`);
+    each of its lines goes to ``say`` as it comes; returns its result (:func:`main`'s
+    ``RESULT``).
+
+    Raises:
+        RuntimeError: the dry run failed (its last output lines in the message).
+    """
+    cmd, env = _command(argv, say, gpu_paths)
+    device = ["--dry-run-device", "cuda"] if env is not None else []
+    say("dry run: python -m hybrid.pretrain " + " ".join([*argv, *device]))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env)
+    result, tail = None, []
+    for line in proc.stdout:
+        line = line.rstrip("\n")
+        if line.startswith("RESULT "):
+            result = json.loads(line[len("RESULT "):])
+        else:
+            say(line)
+            tail = (tail + [line])[-20:]
+    if proc.wait() != 0 or result is None:
+        raise RuntimeError("the dry run of the best layout failed:\n" + "\n".join(tail))
+    return result
+
+
+def _command(argv: list[str], say, gpu_paths: bool) -> tuple[list[str], dict | None]:
+    """The dry run's interpreter. With attention dropout (``gpu_paths``, the explicit attention
+    core) on fake CUDA devices (``--dry-run-device cuda``) where the small C++ extension builds:
+    CUDA's fused dropout keeps a 1-byte mask per element, torch's CPU dropout a mask in the
+    activation dtype (2 bytes in bf16: 4.5 GiB more per rank at 175B). Without it, on the CPU
+    device: the attention core is ``scaled_dot_product_attention``, a flash kernel on the CPU
+    (output and log-sum-exp kept, as on a GPU) but the math path under fake CUDA on a CPU-only
+    torch (the whole score matrix: 161 GiB instead of 24 for Llama-3-8B at s = 8192)."""
+    from hybrid.job import fake_cuda
+
+    if not gpu_paths:
+        return [sys.executable, "-m", "hybrid.planner.verify", *argv], None
+    try:
+        return fake_cuda.preloaded_command("from hybrid.planner.verify import main\n",
+                                           [*argv, "--dry-run-device", "cuda"])
+    except RuntimeError as e:
+        say(f"note: the dry run takes the CPU's code paths ({str(e).splitlines()[0]}); its "
+            "dropout masks take 2 bytes per element where a GPU's take 1")
+        return [sys.executable, "-m", "hybrid.planner.verify", *argv], None
+
+
+def comparison_lines(result: dict, planned_total: float, planned_fits: bool) -> list[str]:
+    """Both totals side by side (GiB, the reserve included) and both verdicts."""
+    gib = 2**30
+    reserve = result["reserved_gib"]
+    measured = result["measured_total"] / gib + reserve
+    planned = planned_total / gib
+    diff = (planned - measured) / measured
+    verdicts = ("fits" if planned_fits else "does not fit",
+                "fits" if result["fits"] else "does not fit")
+    same = "the same verdict" if planned_fits == result["fits"] else "DIFFERENT verdicts"
+    return [f"verify (rank 0, GiB, reserve {reserve:g} included): planner {planned:.2f} "
+            f"({verdicts[0]}), dry run {measured:.2f} ({verdicts[1]}) of "
+            f"{result['memory_gib']:.2f}; planner {diff:+.1%} vs the dry run, {same}"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The dry run's interpreter: phase lines, the report, then ``RESULT {json}`` with the
+    measured and planned totals (bytes) and the verdict."""
+    from hybrid.job.cli import parse_config
+    from hybrid.job.config_checks import validate
+    from hybrid.job.dry_run import dry_run
+    from hybrid.job.dry_run_report import format_report
+    from hybrid.planner.devices import GIB, device_memory_gib, fit_verdict
+
+    cfg = parse_config(sys.argv[1:] if argv is None else argv)
+    g = cfg.grid
+    r = dry_run(validate(cfg, world_size=g.dry_run_world_size), g.dry_run_rank,
+                progress=lambda line: print(line, flush=True))
+    memory = device_memory_gib(g.device, g.gpu_memory_gib, g.reserved_gib)
+    print(format_report(r, g.device, g.gpu_memory_gib, g.reserved_gib), flush=True)
+    fits = fit_verdict(r["measured"]["total"], memory, g.reserved_gib)[0]
+    print("RESULT " + json.dumps(dict(
+        measured_total=r["measured"]["total"], planned_total=r["planned"]["total"], fits=fits,
+        memory_gib=memory, reserved_gib=g.reserved_gib, wall_s=r["wall_s"],
+        step_peak_gib=r["measured"]["total"] / GIB)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
