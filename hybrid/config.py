@@ -125,9 +125,9 @@ class GridConfig:
     device: str | None = arg(None, "dry run: the GPU its verdict compares with, a hybrid.plan "
                                    "preset (default: A100-80GB)")
     gpu_memory_gib: float | None = arg(None, "dry run: GiB per GPU for its verdict (default: "
-                                             "--device's)", alt_flags=("--gpu-memory-gb",))
+                                             "--device's)")
     reserved_gib: float = arg(1.0, "dry run: GiB per GPU held back for the CUDA context, as "
-                                   "hybrid.plan --reserved-gib", alt_flags=("--reserved-gb",))
+                                   "hybrid.plan --reserved-gib")
 
     def __post_init__(self) -> None:
         from hybrid.planner.devices import device_memory_gib

@@ -63,7 +63,7 @@ def dry(*extra: str) -> str:
 
 @pytest.mark.timeout(600)
 def test_dry_run_phases_and_verdict():
-    out = dry("--gpu-memory-gb", "0.1", "--reserved-gib", "0.099")
+    out = dry("--gpu-memory-gib", "0.1", "--reserved-gib", "0.099")
     lines = out.splitlines()
     assert lines[0].endswith("| memory in GiB (2^30 bytes)")
     assert lines[1].startswith("dry run: the step runs 1 of the job's 8 micro-batch(es) per rank")
@@ -93,7 +93,7 @@ def test_dry_run_phases_and_verdict():
     (["--device", "B200"], "--device 'B200' is no preset (V100-32GB, A100-40GB, A100-80GB, "
                            "H100, H200); give --gpu-memory-gib"),
     (["--dry-run-micro-batches", "0"], "--dry-run-micro-batches 0"),
-    (["--device", "V100-32GB", "--reserved-gb", "40"],
+    (["--device", "V100-32GB", "--reserved-gib", "40"],
      "--reserved-gib 40 leaves nothing of the GPU's 31.75 GiB"),
 ])
 def test_dry_run_device_flags_are_checked_first(extra, message):

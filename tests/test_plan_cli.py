@@ -57,9 +57,9 @@ def test_cli_max_model(capsys):
         "64",
         "--gpus-per-node",
         "8",
-        "--gpu-memory-gb",
+        "--gpu-memory-gib",
         "32",
-        "--reserved-gb",
+        "--reserved-gib",
         "0",
         "--accounting",  # ZeRO Table 2's bytes per parameter (the default is the engine's)
         "paper",
@@ -87,19 +87,19 @@ def test_cli_max_model(capsys):
         (["--num-gpus", "12"], "--num-gpus 12 is not divisible by --gpus-per-node 8"),
         (["--hidden-size", "-5"], "--hidden-size must be positive, got -5"),
         (["--micro-batch-size", "0"], "--micro-batch-size must be positive, got 0"),
-        (["--device", "H100", "--gpu-memory-gb", "-1"],
+        (["--device", "H100", "--gpu-memory-gib", "-1"],
          "--gpu-memory-gib must be positive (GiB per GPU), got -1"),
         # nan and inf pass every comparison check: refused by the flag's type, in one line
         (["--device", "V100-32GB", "--gpu-memory-gb", "nan"],
-         "argument --gpu-memory-gib/--gpu-memory-gb: 'nan' is not a finite number"),
+         "argument --gpu-memory-gb: 'nan' is not a finite number"),
         (["--reserved-gb", "nan"],
-         "argument --reserved-gib/--reserved-gb: 'nan' is not a finite number"),
+         "argument --reserved-gb: 'nan' is not a finite number"),
         (["--peak-tflops", "inf"], "argument --peak-tflops: 'inf' is not a finite number"),
         (["--efficiency", "x"], "argument --efficiency: 'x' is not a number"),
         (["--efficiency", "2"], "--efficiency is a fraction of peak in (0, 1], got 2"),
         (["--reserved", "1"],
          "unrecognized arguments: --reserved 1; --reserved: did you mean --reserved-gib?"),
-        (["--reserved-gb", "-1"],
+        (["--reserved-gib", "-1"],
          "--reserved-gib must be 0 or more (GiB held back per GPU), got -1"),
         (["--device", "V100-32GB", "--reserved-gib", "40"],
          "--reserved-gib 40 leaves nothing of the GPU's 31.75 GiB"),
@@ -158,17 +158,17 @@ def test_cli_device_presets(device, memory_mib, peak, capsys):
 def test_cli_memory_without_device_is_refused_and_overrides_are_named(capsys):
     """Issue 13 item 18: '--gpu-memory-gb 32' alone planned with an A100's peak (312)."""
     with pytest.raises(SystemExit) as exc:
-        plan_cli.main([*DIMS, "--gpu-memory-gb", "32"])
+        plan_cli.main([*DIMS, "--gpu-memory-gib", "32"])
     assert exc.value.code == 2
     assert "--gpu-memory-gib 32 without --device: the step time needs the GPU's peak; give " \
         "--device (V100-32GB, A100-40GB, A100-80GB, H100, H200) or --peak-tflops" \
         in capsys.readouterr().err
     cases = [
         ([], "A100-80GB", 80, 312),  # the defaults: 81,920 MiB = 80 GiB
-        (["--gpu-memory-gb", "32", "--peak-tflops", "125"], "custom", 32, 125),
-        (["--device", "V100-32GB", "--gpu-memory-gb", "16"], "V100-32GB (memory overridden)", 16,
+        (["--gpu-memory-gib", "32", "--peak-tflops", "125"], "custom", 32, 125),
+        (["--device", "V100-32GB", "--gpu-memory-gib", "16"], "V100-32GB (memory overridden)", 16,
          125),
-        (["--device", "H100 PCIe", "--gpu-memory-gb", "80"], "H100 PCIe", 80, 756),
+        (["--device", "H100 PCIe", "--gpu-memory-gib", "80"], "H100 PCIe", 80, 756),
     ]
     for extra, label, memory_gb, peak in cases:
         assert plan_cli.main([*DIMS, *extra, "--json"]) == 0
@@ -179,7 +179,7 @@ def test_cli_memory_without_device_is_refused_and_overrides_are_named(capsys):
         plan_cli.main([*DIMS, "--device", "H100 PCIe"])
     assert "--device 'H100 PCIe' is no preset" in capsys.readouterr().err
     # --max-model uses no peak: a memory alone is fine there (the ZeRO Table 2 setting)
-    assert plan_cli.main(["--max-model", "--gpu-memory-gb", "32", "--tp", "1", "--json"]) == 0
+    assert plan_cli.main(["--max-model", "--gpu-memory-gib", "32", "--tp", "1", "--json"]) == 0
 
 
 def test_cli_help_shows_defaults_and_every_flag_has_help():
@@ -197,7 +197,7 @@ def test_cli_help_shows_defaults_and_every_flag_has_help():
 def test_cli_table_shows_the_reserve_and_explains_m(reserved, capsys):
     """Issue 13 item 18: 'total' included a 1 GB reserve no column showed; 'm' was unexplained.
     Every row's total is now the sum of the columns left of it."""
-    assert plan_cli.main([*DIMS, "--reserved-gb", reserved, "--global-batch-size", "64"]) == 0
+    assert plan_cli.main([*DIMS, "--reserved-gib", reserved, "--global-batch-size", "64"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert "m = micro-batches per step (gradient accumulation: global batch / (b * dp))" in lines[3]
     header = lines[4].split()
@@ -211,3 +211,16 @@ def test_cli_table_shows_the_reserve_and_explains_m(reserved, capsys):
         parts = [float(x) for x in r[5:13]]
         assert parts[7] == float(reserved) and abs(sum(parts) - float(r[13])) <= 0.04, r
         assert parts[5] > 0, r  # every layout has the loss's logits as temporaries
+
+
+def test_cli_decimal_gb_flags_are_converted_to_gib(capsys):
+    """--gpu-memory-gb / --reserved-gb are GB (10^9 bytes): 80 GB is 74.51 GiB, not 80 GiB."""
+    base = [*DIMS, "--device", "A100-80GB", "--json"]
+    assert plan_cli.main([*base, "--gpu-memory-gb", "80", "--reserved-gb", "1"]) == 0
+    in_gb = json.loads(capsys.readouterr().out)
+    gib = 80e9 / GIB
+    assert plan_cli.main([*base, "--gpu-memory-gib", f"{gib!r}",
+                          "--reserved-gib", f"{1e9 / GIB!r}"]) == 0
+    assert json.loads(capsys.readouterr().out) == in_gb
+    assert plan_cli.main([*base, "--gpu-memory-gib", "80"]) == 0
+    assert json.loads(capsys.readouterr().out) != in_gb

@@ -116,21 +116,28 @@ def _add_training_args(g) -> None:
                    help="vocabulary padded to a multiple of this times tp (Megatron-LM)")
 
 
+def _decimal_gb_as_gib(text: str) -> float:
+    """argparse type: a finite size in GB (10^9 bytes) returned in GiB (2^30 bytes)."""
+    return _finite(text) * 1e9 / GIB
+
+
 def _add_cluster_args(g) -> None:
     g.add_argument("--num-gpus", type=int, default=8, help="GPUs in the job (tp * dp)")
     g.add_argument("--gpus-per-node", type=int, default=8, help="tp never crosses a node")
     g.add_argument("--device", help=f"GPU preset, memory as CUDA reports it (GiB) and dense "
                    f"bf16/fp16 peak from the datasheet: {preset_names()} (default: "
                    f"{DEFAULT_DEVICE}); another name (V100S, H100 PCIe...) gives only the peak")
-    g.add_argument("--gpu-memory-gib", "--gpu-memory-gb", dest="gpu_memory_gb", type=_finite,
+    g.add_argument("--gpu-memory-gib", dest="gpu_memory_gb", type=_finite,
                    help="memory per GPU in GiB = 2^30 bytes, as nvidia-smi and torch.cuda "
-                   "report it; --gpu-memory-gb is the same flag, also in GiB (default: the "
-                   "--device preset's)")
-    g.add_argument("--reserved-gib", "--reserved-gb", dest="reserved_gb", type=_finite,
+                   "report it (default: the --device preset's)")
+    g.add_argument("--gpu-memory-gb", dest="gpu_memory_gb", type=_decimal_gb_as_gib,
+                   help="the same in GB = 10^9 bytes, converted to GiB (80 GB = 74.51 GiB)")
+    g.add_argument("--reserved-gib", dest="reserved_gb", type=_finite,
                    default=DEFAULT_RESERVED_GIB,
                    help="GiB held back per GPU for the CUDA context and fragmentation, shown in "
-                   "the reserve column and counted in total (0 reproduces the ZeRO tables); "
-                   "--reserved-gb is the same flag")
+                   "the reserve column and counted in total (0 reproduces the ZeRO tables)")
+    g.add_argument("--reserved-gb", dest="reserved_gb", type=_decimal_gb_as_gib,
+                   help="the same in GB = 10^9 bytes, converted to GiB")
     g.add_argument("--peak-tflops", type=_finite,
                    help="dense peak per GPU, TFLOP/s (default: the --device preset's)")
     g.add_argument("--efficiency", type=_finite, default=0.45, help="fraction of peak on GEMMs")
