@@ -94,14 +94,16 @@ def test_both_rope_spellings_and_the_refusals(dirs):
 
 def test_a_mismatch_is_named_with_our_flag(dirs):
     hf = json.loads((dirs[0] / "llama" / "config.json").read_text())
-    cases = {"query_groups=2 but this run has --num-query-groups 4": dict(num_query_groups=4),
-             "rotary_base=500000.0 but this run has --rotary-base 10000":
+    cases = {"num_key_value_heads 2, this run 4: give --group-query-attention --num-query-groups 2":
+                 dict(num_query_groups=4),
+             "rope_theta 500000, this run 10000: give --rotary-base 500000":
                  dict(rotary_base=10000.0),
-             "tied=False but this run has --untie": dict(untie_embeddings_and_output_weights=False),
-             "add_bias_linear=False but this run has --disable-bias-linear":
+             "tie_word_embeddings false \\(untied\\): add --untie-embeddings-and-output-weights":
+                 dict(untie_embeddings_and_output_weights=False),
+             "attention_bias and mlp_bias false: add --disable-bias-linear":
                  dict(add_bias_linear=True)}
     for match, change in cases.items():
-        with pytest.raises(ValueError, match=match):
+        with pytest.raises(ValueError, match="in 1 setting:\n  config.json has " + match):
             check_config(hf, ours("llama", **change))
 
 

@@ -19,6 +19,7 @@ other setting, a sliding window, or a partial rotary factor is refused by name.
 
 from __future__ import annotations
 
+from hybrid.hf.llama_flags import difference_line, flag_line
 from models.gpt import GPTConfig
 from models.rope import (
     LLAMA3_HIGH_FREQ_FACTOR,
@@ -142,15 +143,25 @@ def check_llama_config(hf: dict, config: GPTConfig, where: str = "config.json") 
 
     Raises:
         UnsupportedHFSetting: a setting we cannot hold (named).
-        ValueError: the first setting that differs, with both values and the flag that sets ours.
+        ValueError: every setting that differs, one line each with the flag change that
+            removes it, then the complete model flag line that reproduces ``config.json``
+            (:mod:`hybrid.hf.llama_flags`).
     """
-    for key, theirs in hf_settings(hf, where).items():
+    settings = hf_settings(hf, where)
+    lines = []
+    for key, theirs in settings.items():
         ours = getattr(config, key)
         same = (abs(theirs - ours) <= 1e-12 * max(1.0, abs(ours)) if isinstance(theirs, float)
                 else theirs == ours)
         if not same:
-            raise ValueError(f"{where}: {key}={theirs!r} but this run has {FLAGS[key]} "
-                             f"{ours!r}")
+            lines.append("  " + difference_line(key, theirs, ours, hf["model_type"]))
+    if lines:
+        n = len(lines)
+        raise ValueError("\n".join([
+            f"{where}: this run's model differs from config.json in {n} setting"
+            + ("s" * (n > 1)) + ":", *lines,
+            "  the model flags that reproduce config.json (in place of --preset and the model "
+            "flags given):", "  " + flag_line(settings, hf)]))
 
 
 def export_family(config: GPTConfig) -> str:

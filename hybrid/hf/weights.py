@@ -24,6 +24,7 @@ from safetensors import safe_open
 from hybrid.hf import convert as gpt2
 from hybrid.hf import llama_weights as llama
 from hybrid.hf.llama_config import check_llama_config
+from hybrid.hf.llama_flags import dropout_note
 from models.gpt import GPTConfig
 
 
@@ -39,18 +40,65 @@ def read_hf_config(hf_dir: str | os.PathLike) -> dict:
     return json.loads(path.read_text())
 
 
+_VALID = ("valid: model.safetensors, or model.safetensors.index.json with every shard it "
+          "lists")
+
+
 def _weight_files(hf_dir: Path) -> list[Path]:
+    """The safetensors files holding the weights: the shards the index lists, else
+    ``model.safetensors``.
+
+    Raises:
+        FileNotFoundError: no weights, pickle weights only, or a shard the index lists is not
+            there; each names the directory and what is valid.
+        ValueError: an index that is not JSON with a ``weight_map``.
+    """
     index = hf_dir / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{index} is not a safetensors index (JSON with a weight_map of "
+                             f"tensor -> shard): {type(e).__name__}: {e}") from None
+        missing = [f for f in files if not (hf_dir / f).is_file()]
+        if missing:
+            raise FileNotFoundError(
+                f"{hf_dir}: model.safetensors.index.json lists {', '.join(missing[:3])}"
+                + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+                + f", not in the directory ({len(missing)} of {len(files)} shards missing); "
+                + _VALID)
         return [hf_dir / f for f in files]
     if (hf_dir / "model.safetensors").is_file():
         return [hf_dir / "model.safetensors"]
-    pickled = [p.name for p in hf_dir.glob("*.bin")]
-    raise FileNotFoundError(
-        f"{hf_dir} has no model.safetensors (or index)"
-        + (f"; {pickled} are pickle files, which are not loaded: re-save with "
-           "save_pretrained(..., safe_serialization=True)" if pickled else ""))
+    pickled = sorted(p.name for p in hf_dir.glob("*.bin"))
+    if pickled:
+        raise FileNotFoundError(
+            f"{hf_dir} holds pickle weights only ({', '.join(pickled)}), which are not loaded "
+            f"(unpickling runs code); {_VALID}: re-save it with transformers' "
+            "model.save_pretrained(DIR, safe_serialization=True)")
+    held = ", ".join(sorted(p.name for p in hf_dir.iterdir())) or "nothing"
+    raise FileNotFoundError(f"{hf_dir} has no weights (it holds {held}); {_VALID}")
+
+
+def _headers(path: Path) -> dict[str, tuple[int, ...]]:
+    """``{key: shape}`` of safetensors file ``path`` (its header only).
+
+    Raises:
+        ValueError: a file safetensors cannot read (truncated, not safetensors), named.
+    """
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+    except Exception as e:  # safetensors' own error type is not importable on every version
+        raise ValueError(f"{path} is not a readable safetensors file: {e}") from None
+
+
+def start_note(hf_dir: str | os.PathLike, config: GPTConfig) -> str | None:
+    """The start-up note of ``--init-from-hf`` when the run's dropout differs from a Llama /
+    Qwen2 / Qwen3 config.json's (:func:`hybrid.hf.llama_flags.dropout_note`); None otherwise.
+    """
+    hf = read_hf_config(hf_dir)
+    return None if hf.get("model_type") == "gpt2" else dropout_note(hf, config)
 
 
 _ROWS = 1024  # rows per block when a tied head is compared with the embedding
@@ -105,6 +153,7 @@ class HFWeights:
         hf_dir: a directory written by ``save_pretrained`` (or ``hybrid.export_hf``), sharded
             or not.
         config: the model the weights go into; ``config.json`` must describe it.
+        where: how a config.json difference names the directory (default: its path).
 
     Raises:
         FileNotFoundError: missing config or weights.
@@ -114,18 +163,17 @@ class HFWeights:
             shapes).
     """
 
-    def __init__(self, hf_dir: str | os.PathLike, config: GPTConfig):
+    def __init__(self, hf_dir: str | os.PathLike, config: GPTConfig, where: str | None = None):
         self.dir, self.config = Path(hf_dir), config
         hf = read_hf_config(hf_dir)
-        check_config(hf, config, where=str(self.dir / "config.json"))
+        check_config(hf, config, where=where or str(self.dir / "config.json"))
         self.family = _Family(hf.get("model_type"), config)
         self._where: dict[str, tuple[str, str]] = {}  # HF key -> (file, key in the file)
         self._shapes: dict[str, tuple[int, ...]] = {}
         for path in _weight_files(self.dir):
-            with safe_open(str(path), framework="pt") as f:
-                for key in f.keys():
-                    self._where[self.family.canonical(key)] = (str(path), key)
-                    self._shapes[self.family.canonical(key)] = tuple(f.get_slice(key).get_shape())
+            for key, shape in _headers(path).items():
+                self._where[self.family.canonical(key)] = (str(path), key)
+                self._shapes[self.family.canonical(key)] = shape
         self._check_complete()
         self._check_shapes()
 

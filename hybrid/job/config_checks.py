@@ -367,10 +367,10 @@ def _check_init_from_hf(c, gpt: GPTConfig) -> None:
     describes this run's model."""
     if c.finetune:
         raise ConfigError("--init-from-hf and --finetune both name the starting weights: give one")
-    from hybrid.hf.weights import check_config, read_hf_config
+    from hybrid.hf.weights import HFWeights
 
-    try:
-        check_config(read_hf_config(c.init_from_hf), gpt,
-                        where=f"--init-from-hf {c.init_from_hf}")
+    try:  # config.json, then the weight files' headers: names and shapes
+        HFWeights(c.init_from_hf, gpt, where=f"--init-from-hf {c.init_from_hf}")
     except (FileNotFoundError, ValueError) as e:
-        raise ConfigError(str(e)) from None
+        flag = "" if str(e).startswith("--init-from-hf") else "--init-from-hf "
+        raise ConfigError(flag + str(e)) from None

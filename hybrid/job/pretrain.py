@@ -275,6 +275,12 @@ def main(argv: list[str] | None = None) -> int:
         if ignored and os.environ.get("RANK", "0") == "0":
             print(f"hybrid-pretrain: Megatron-LM flags accepted without effect here (kernel, "
                   f"fusion and backend choices): {', '.join(ignored)}", flush=True)
+        if cfg.checkpoint.init_from_hf and os.environ.get("RANK", "0") == "0":
+            from hybrid.hf.weights import start_note  # the run's dropout against config.json's
+
+            note = start_note(cfg.checkpoint.init_from_hf, job.gpt)
+            if note:
+                print(note, flush=True)
     except ConfigError as e:
         if os.environ.get("LOCAL_RANK", "0") == "0":  # once per node, not once per rank
             print(f"hybrid-pretrain: error: {e}", file=sys.stderr)
