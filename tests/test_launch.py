@@ -111,10 +111,13 @@ def test_sigterm_to_every_process_saves_past_torchrun_timeout_and_exits_0(tmp_pa
 @pytest.mark.timeout(600)
 def test_ctrl_c_saves_with_one_line_and_the_job_resumes_exactly(tmp_path, reference):
     """Ctrl-C at the terminal (SIGINT to the foreground process group: the documented launcher
-    ``python -m hybrid.pretrain --nproc-per-node 2`` and torchrun) stops like SIGTERM."""
+    ``python -m hybrid.pretrain --nproc-per-node 2`` and torchrun) stops like SIGTERM; the same
+    Ctrl-C delivered twice 50 ms apart is one stop (the launcher's 1 s debounce)."""
     ck, m = tmp_path / "ck", tmp_path / "m.jsonl"
     proc = launch(["--train-iters", "10000", "--save", str(ck)], m, program="hybrid.pretrain")
     wait_for_iterations(proc, m, 3)
+    os.killpg(proc.pid, signal.SIGINT)
+    time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGINT)
     rc, lines = finish(proc)
     assert rc == 0, lines[-30:]
@@ -139,7 +142,7 @@ def test_second_ctrl_c_ends_every_process_at_once_with_one_line(tmp_path):
     rc, lines = finish(proc, timeout=30)
     assert rc == 130 and time.monotonic() - t0 < 10, (rc, lines[-30:])
     assert noise(lines) == ["hybrid-pretrain: second interrupt: ended every process now, without "
-                            "saving (the last saved checkpoint stays)"], lines[-30:]
+                            f"saving: {ck} holds no checkpoint"], lines[-30:]
     assert latest_iteration(ck) is None
     deadline = time.monotonic() + 10
     while any(Path(f"/proc/{p}").exists() for p in pids[1:]) and time.monotonic() < deadline:
@@ -193,3 +196,56 @@ def test_a_second_interrupt_exits_at_once_and_a_repeated_one_does_not():
     assert out.returncode == 130 and out.stdout == "kept\n", (out.stdout, out.stderr)
     assert out.stderr == ("hybrid-pretrain: second interrupt: exiting now, without saving (the "
                           "last saved checkpoint stays)\n")
+
+
+def test_the_launchers_second_interrupt_is_debounced_and_says_which_checkpoint_stays(
+        tmp_path, monkeypatch):
+    """The launcher's handler alone (no torchrun): a repeat within 1 s is the same Ctrl-C; a
+    second one later ends everything with a line true to what the save directory holds; once
+    the workers have ended, a Ctrl-C changes nothing."""
+    from hybrid.checkpoint.directory import POINTER
+    from hybrid.job import launch as launcher
+
+    now, workers, kills = [0.0], [[11, 12]], []
+    monkeypatch.setattr(launcher, "children", lambda pid: list(workers[0]))
+    monkeypatch.setattr(launcher, "_kill", lambda pids, sig: kills.append((list(pids), sig)))
+    monkeypatch.setattr(launcher.os, "_exit", lambda code: (_ for _ in ()).throw(
+        SystemExit(code)))
+    proc = type("Proc", (), {"pid": 10})()
+
+    def handler(save):
+        now[0] = 0.0
+        kills.clear()
+        return launcher._Forward(proc, None if save is None else str(save), lambda: now[0])
+
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / POINTER).write_text("5")
+    forward = handler(ck)
+    forward(signal.SIGINT, None)
+    now[0] = 0.05
+    forward(signal.SIGINT, None)  # the same Ctrl-C: nothing more
+    assert kills == [([11, 12], signal.SIGINT)]
+    (ck / POINTER).write_text("409")  # the stop's save completes, a worker still closing
+    now[0] = 2.0
+    with pytest.raises(SystemExit, match="130"):
+        forward(signal.SIGINT, None)
+    assert kills[-1] == ([10, 11, 12], signal.SIGKILL)
+    lines = {
+        "saved": launcher.ended_line("second interrupt", str(ck), 5),
+        "kept": launcher.ended_line("second interrupt", str(ck), 409),
+        "none": launcher.ended_line("second interrupt", str(tmp_path / "empty"), None),
+        "no --save": launcher.ended_line("second interrupt", None, None)}
+    head = "hybrid-pretrain: second interrupt: ended every process now"
+    assert lines == {
+        "saved": f"{head}, after the stop's save had completed: the checkpoint at iteration 409 "
+                 f"in {ck} stays",
+        "kept": f"{head}, without saving: the last saved checkpoint stays (iteration 409 in {ck})",
+        "none": f"{head}, without saving: {tmp_path / 'empty'} holds no checkpoint",
+        "no --save": f"{head}; nothing was saved (no --save)"}
+    forward = handler(None)
+    forward(signal.SIGINT, None)
+    workers[0] = []  # the workers saved and exited; torchrun is ending by itself
+    now[0] = 3.0
+    forward(signal.SIGINT, None)
+    assert kills == [([11, 12], signal.SIGINT)]

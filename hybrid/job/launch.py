@@ -15,8 +15,10 @@ keeps, because ``--signals-to-handle`` here names neither) and this launcher for
 torchrun's workers (which torchrun starts in sessions of their own, out of reach of the
 terminal's Ctrl-C). SLURM, which signals every process of the job step, then reaches the
 launcher, torchrun and the workers at once: torchrun ignores it, each worker sees a stop (once
-or twice, the same stop). A second Ctrl-C SIGKILLs torchrun and its workers at once, prints
-one line and exits 130.
+or twice, the same stop). A second Ctrl-C (more than :data:`REPEAT_S` after the first; a
+repeat within it is the same Ctrl-C delivered twice) SIGKILLs torchrun and its workers at once,
+prints one line that says which checkpoint stays, and exits 130; once the workers have ended
+(their stop's save done), a Ctrl-C changes nothing.
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ import subprocess
 import sys
 import time
 
+from hybrid.checkpoint.directory import IncompleteCheckpointError, latest_iteration
 from hybrid.job.cli import LAUNCH_OPTIONS, parse_config
 from hybrid.job.config_checks import ConfigError, validate
+from hybrid.job.preemption import REPEAT_S
 
 # what torchrun itself still handles (forwarded to the workers, which then end at once)
 TORCHRUN_SIGNALS = "SIGHUP,SIGQUIT"
@@ -141,12 +145,49 @@ def _kill(pids: list[int], sig: int) -> None:
             pass
 
 
+def published(save: str) -> int | None:
+    """The iteration of ``save``'s published checkpoint (None: none, or an unreadable
+    pointer)."""
+    try:
+        return latest_iteration(save)
+    except IncompleteCheckpointError:
+        return None
+
+
+def ended_line(why: str, save: str | None, before: int | None) -> str:
+    """The one line printed when the launcher ends every process at once, true to what stays:
+    ``save`` is ``--save`` (None: none), ``before`` its published iteration when the stop came.
+    """
+    head = f"hybrid-pretrain: {why}: ended every process now"
+    if not save:
+        return f"{head}; nothing was saved (no --save)"
+    latest = published(save)
+    if latest is not None and latest != before:
+        return (f"{head}, after the stop's save had completed: the checkpoint at iteration "
+                f"{latest} in {save} stays")
+    if latest is not None:
+        return (f"{head}, without saving: the last saved checkpoint stays (iteration {latest} in "
+                f"{save})")
+    return f"{head}, without saving: {save} holds no checkpoint"
+
+
 class _Forward:
     """The launcher's SIGTERM / SIGINT handler: pass the stop to torchrun's workers; a second
-    SIGINT (or a stop before any worker exists) ends torchrun and the workers at once."""
+    SIGINT (more than :data:`REPEAT_S` after the last: sooner, it is the same Ctrl-C delivered
+    twice) or a stop before any worker exists ends torchrun and the workers at once. Once the
+    workers have ended, torchrun ends by itself and a signal changes nothing.
 
-    def __init__(self, proc: subprocess.Popen):
+    Args:
+        proc: torchrun.
+        save: the job's ``--save`` (None: none), for the line that says what stays.
+        clock: seconds, monotonic (tests pass their own).
+    """
+
+    def __init__(self, proc: subprocess.Popen, save: str | None = None, clock=time.monotonic):
         self.proc, self.interrupts, self.started = proc, 0, False
+        self.save, self.clock, self.last_interrupt = save, clock, None
+        self.before: int | None = None  # --save's published iteration when the stop came
+        self.stopping = False
 
     def watch(self) -> None:
         """Note once that torchrun's workers exist (afterwards, no worker means they ended)."""
@@ -155,24 +196,33 @@ class _Forward:
     def __call__(self, signum, frame) -> None:
         workers = children(self.proc.pid)
         self.started = self.started or bool(workers)
-        self.interrupts += signum == signal.SIGINT
-        if self.interrupts < 2 and (workers or self.started):
-            _kill(workers, signum)  # none left: they finished, torchrun ends by itself
+        if signum == signal.SIGINT:
+            now, last = self.clock(), self.last_interrupt
+            self.last_interrupt = now
+            if last is not None and now - last <= REPEAT_S:
+                return  # the same Ctrl-C again: the workers have it already
+            self.interrupts += 1
+        if self.started and not workers:
+            return  # the workers ended (saved or not): torchrun is ending by itself
+        if self.interrupts < 2 and workers:
+            if not self.stopping and self.save:
+                self.before = published(self.save)
+            self.stopping = True
+            _kill(workers, signum)
             return
         _kill([self.proc.pid, *workers], signal.SIGKILL)
         why = "second interrupt" if self.interrupts >= 2 else "stopped before training started"
-        print(f"hybrid-pretrain: {why}: ended every process now, without saving (the last "
-              "saved checkpoint stays)", file=sys.stderr, flush=True)
+        print(ended_line(why, self.save, self.before), file=sys.stderr, flush=True)
         os._exit(128 + signum)
 
 
-def supervise(cmd: list[str]) -> int:
+def supervise(cmd: list[str], save: str | None = None) -> int:
     """Run torchrun ``cmd`` with SIGTERM/SIGINT ignored, forwarding them to its workers; returns
-    its exit status (128 + n when signal n killed it)."""
+    its exit status (128 + n when signal n killed it). ``save``: the job's ``--save``."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default too, without its warning
     proc = subprocess.Popen(cmd, env=env, preexec_fn=_ignore_stops)
-    forward = _Forward(proc)
+    forward = _Forward(proc, save)
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         while forward.started is False and proc.poll() is None:
@@ -191,8 +241,9 @@ def launch(argv: list[str], module: str = "hybrid.pretrain") -> int:
     try:
         options, flags = split_launch_options(argv)
         world, per_node = world_of(options)
-        validate(parse_config(flags), world_size=world, local_world_size=per_node)
+        cfg = parse_config(flags)
+        validate(cfg, world_size=world, local_world_size=per_node)
     except ConfigError as e:
         print(f"hybrid-pretrain: error: {e}", file=sys.stderr)
         return 2
-    return supervise(torchrun_command(options, flags, module))
+    return supervise(torchrun_command(options, flags, module), cfg.checkpoint.save)
