@@ -194,8 +194,8 @@ def test_a_second_interrupt_exits_at_once_and_a_repeated_one_does_not():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          timeout=60, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert out.returncode == 130 and out.stdout == "kept\n", (out.stdout, out.stderr)
-    assert out.stderr == ("hybrid-pretrain: second interrupt: exiting now, without saving (the "
-                          "last saved checkpoint stays)\n")
+    assert out.stderr == ("hybrid-pretrain: second interrupt: exiting now; a save in progress is "
+                          "abandoned, every completed checkpoint stays\n")
 
 
 def test_the_launchers_second_interrupt_is_debounced_and_says_which_checkpoint_stays(

@@ -65,8 +65,9 @@ def catch_stops_early() -> None:
 def _exit_interrupted() -> None:
     """A second Ctrl-C: end now, one line from rank 0 (the others end silently)."""
     if os.environ.get("RANK", "0") == "0":
-        os.write(2, b"hybrid-pretrain: second interrupt: exiting now, without saving (the last "
-                    b"saved checkpoint stays)\n")
+        # true whether the stop's save is in progress, done, or never started
+        os.write(2, b"hybrid-pretrain: second interrupt: exiting now; a save in progress is "
+                    b"abandoned, every completed checkpoint stays\n")
     os._exit(130)
 
 
