@@ -153,10 +153,12 @@ def test_qkv_layout_is_heads_outermost():
                                to_hf("layers.0.attn.qkv.weight", rows, config), config), rows)
 
 
-def test_import_names_the_first_mismatch(tmp_path):
+def test_import_names_every_mismatch(tmp_path):
     random_gpt2(tmp_path)
     config = our_config()
-    with pytest.raises(ValueError, match="n_embd=64 but this run has --hidden-size 128"):
+    with pytest.raises(ValueError, match="in 2 settings:\n  config.json has n_embd 64, this run "
+                       "128: give --hidden-size 64\n  config.json has n_inner 256, this run 512: "
+                       "give --ffn-hidden-size 256\n"):
         HFWeights(tmp_path, GPTConfig(num_layers=2, hidden_size=128, num_attention_heads=4,
                                       vocab_size=600, max_position_embeddings=64))
     hf = json.loads((tmp_path / "config.json").read_text())
@@ -180,8 +182,11 @@ def test_init_from_hf_is_checked_before_any_process_group(tmp_path):
     random_gpt2(tmp_path)
     base = MODEL_FLAGS + ["--mock-data", "--vocab-size", "600", "--init-from-hf", str(tmp_path)]
     validate(parse_config(base), world_size=4)  # matching shapes pass
-    with pytest.raises(ConfigError, match="n_layer=2 but this run has --num-layers 3"):
+    with pytest.raises(ConfigError, match="n_layer 2, this run 3: give --num-layers 2") as e:
         validate(parse_config(base + ["--num-layers", "3"]), world_size=4)
+    pasted = str(e.value).splitlines()[-1].split()  # the flag line that reproduces config.json
+    rest = base[len(MODEL_FLAGS):] + ["--seq-length", "32"]
+    validate(parse_config(pasted + rest), world_size=4)
     with pytest.raises(ConfigError, match="--init-from-hf and --finetune"):
         validate(parse_config(base + ["--finetune", "--load", str(tmp_path)]), world_size=4)
     with pytest.raises(ConfigError, match="no config.json"):

@@ -45,7 +45,7 @@ _FLAGS = {  # how a user sets each of our fields on the pretraining command line
     "num_attention_heads": "--num-attention-heads", "ffn_hidden_size": "--ffn-hidden-size",
     "vocab_size": "--vocab-size (or --tokenizer-model)",
     "max_position_embeddings": "--max-position-embeddings",
-    "layernorm_epsilon": "--layernorm-epsilon",
+    "layernorm_epsilon": "--norm-epsilon",
 }
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _HF_LAYER = re.compile(r"^transformer\.h\.(\d+)\.(.+)$")
@@ -203,8 +203,8 @@ def check_hf_config(hf: dict, config: GPTConfig, where: str = "config.json") -> 
 
     Raises:
         UnsupportedModelError: not a GPT-2 model, or a setting our model cannot reproduce.
-        ValueError: the first setting that differs from ``config``, with both values and the
-            flag that sets ours.
+        ValueError: every setting that differs from ``config``, one line each with both values
+            and the flag that sets ours, then the model flag line that reproduces ``hf``.
     """
     if hf.get("model_type") != "gpt2":
         raise UnsupportedModelError(f"{where}: model_type={hf.get('model_type')!r}; only 'gpt2' "
@@ -221,16 +221,29 @@ def check_hf_config(hf: dict, config: GPTConfig, where: str = "config.json") -> 
                 + (" (the exact erf GELU; GPT-2's 'gelu_new' is its tanh approximation)"
                    if key == "activation_function" else ""))
     n_inner = hf.get("n_inner") or 4 * hf.get("n_embd", 0)
-    for ours, key in _SHAPE_FIELDS.items():
-        theirs = n_inner if key == "n_inner" else hf.get(key)
-        if key == "layer_norm_epsilon":
-            same = theirs is not None and abs(theirs - config.layernorm_epsilon) <= 1e-12
-        else:
-            same = theirs == getattr(config, ours)
-        if not same:
-            raise ValueError(f"{where}: {key}={theirs} but this run has {_FLAGS[ours]} "
-                             f"{getattr(config, ours)}")
+    theirs = {ours: n_inner if key == "n_inner" else hf.get(key)
+              for ours, key in _SHAPE_FIELDS.items()}
+    lines = [f"  config.json has {key} {theirs[ours]}, this run {getattr(config, ours)}: give "
+             f"{_FLAGS[ours].split()[0]} {theirs[ours]}"
+             for ours, key in _SHAPE_FIELDS.items() if not _same(theirs[ours], config, ours)]
     tied = hf.get("tie_word_embeddings", True)
     if tied != config.tied:
-        raise ValueError(f"{where}: tie_word_embeddings={tied} but this run has "
-                         f"--untie-embeddings-and-output-weights {not config.tied}")
+        lines.append(f"  config.json has tie_word_embeddings {str(tied).lower()} "
+                     + ("(tied): drop --untie-embeddings-and-output-weights" if tied else
+                        "(untied): add --untie-embeddings-and-output-weights"))
+    if lines:
+        flags = " ".join(f"{_FLAGS[ours].split()[0]} {theirs[ours]}" for ours in _SHAPE_FIELDS)
+        flags += "" if tied else " --untie-embeddings-and-output-weights"
+        flags += (f" --attention-dropout {hf.get('attn_pdrop', 0.1)} --hidden-dropout "
+                  f"{hf.get('resid_pdrop', 0.1)}")
+        n = len(lines)
+        raise ValueError("\n".join([
+            f"{where}: this run's model differs from config.json in {n} setting"
+            + "s" * (n > 1) + ":", *lines, "  the model flags that reproduce config.json (in "
+            "place of --preset and the model flags given):", "  " + flags]))
+
+
+def _same(theirs, config: GPTConfig, ours: str) -> bool:
+    if ours == "layernorm_epsilon":
+        return theirs is not None and abs(theirs - config.layernorm_epsilon) <= 1e-12
+    return theirs == getattr(config, ours)
