@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
+from hybrid.checkpoint.agree import all_succeed
 from hybrid.checkpoint.directory import (
     iteration_of_dir,
     latest_iteration,
@@ -92,32 +92,54 @@ def save_checkpoint(root: str | os.PathLike, iteration: int, engine: ZeroEngine,
 
     Returns:
         The published directory on rank 0, None elsewhere.
+
+    Raises:
+        hybrid.checkpoint.agree.SaveFailedError: on every rank, when creating the staging
+            directory, writing any rank's shard or publishing failed (a full disk: errno 28,
+            ENOSPC); it names the ranks, the path and the errno, and the staging directory has
+            been removed. The previous checkpoint and the pointer are untouched.
     """
     stage_dir = staging_dir(root, iteration)
+    what = f"saving iteration {iteration} to {root}"
     if grid.rank == 0:
-        stage_dir.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
+        all_succeed(lambda: stage_dir.mkdir(parents=True, exist_ok=True), grid.device, what)
+    else:
+        all_succeed(lambda: None, grid.device, what)
     entries, layout = shard_entries(state.owned_state(engine), grid.tp_rank)
     for key, value in capture_rng_states(tracker, grid.device).items():
         entries.append(Entry(f"rng/{key}", value.dtype, tuple(value.shape), lambda v=value: v))
-    tmp = stage_dir / (shard_name(grid.rank) + ".partial")
-    write_safetensors(tmp, entries, metadata={"layout": json.dumps(layout), "rank": str(grid.rank)})
-    os.replace(tmp, stage_dir / shard_name(grid.rank))
-    dist.barrier()
-    final = None
+    all_succeed(lambda: write_shard(stage_dir, grid.rank, entries, layout), grid.device, what,
+                cleanup=stage_dir)
+    final: list[Path] = []
     if grid.rank == 0:
-        specs = {s.name: get_tp_spec(engine.params[s.index]) for s in engine.layout.slots}
-        params = {name: dict(full_shape=list(s.full_shape), split_dim=s.split_dim,
-                             padded_size=s.padded_size)
-                  for name, s in specs.items()}
-        meta = dict(metadata,
-                    grid=dict(tp=grid.tp_size, dp=grid.dp_size, world_size=grid.world_size),
-                    zero_stage=engine.stage, train_state=train_state,
-                    loss_scaler=engine.scaler.state_dict(),
-                    optimizer_step=state.optimizer_step(engine), params=params)
-        final = publish(root, iteration, meta, grid.world_size, keep)
-    dist.barrier()
-    return final
+        meta = checkpoint_metadata(engine, grid, train_state, metadata)
+        all_succeed(lambda: final.append(publish(root, iteration, meta, grid.world_size, keep)),
+                    grid.device, what, cleanup=stage_dir)
+    else:
+        all_succeed(lambda: None, grid.device, what, cleanup=stage_dir)
+    return final[0] if final else None
+
+
+def write_shard(stage_dir: Path, rank: int, entries: list[Entry], layout: dict) -> None:
+    """Stream this rank's shard into ``stage_dir`` under a temporary name, then rename it."""
+    tmp = stage_dir / (shard_name(rank) + ".partial")
+    write_safetensors(tmp, entries, metadata={"layout": json.dumps(layout), "rank": str(rank)})
+    os.replace(tmp, stage_dir / shard_name(rank))
+
+
+def checkpoint_metadata(engine: ZeroEngine, grid: ProcessGrid, train_state: dict,
+                        metadata: dict) -> dict:
+    """``metadata.json``'s content besides what :func:`publish` adds: ``metadata`` plus the
+    grid, ZeRO stage, loop counters, loss scaler, optimizer step and every parameter's full
+    shape, split dimension and padded size."""
+    specs = {s.name: get_tp_spec(engine.params[s.index]) for s in engine.layout.slots}
+    params = {name: dict(full_shape=list(s.full_shape), split_dim=s.split_dim,
+                         padded_size=s.padded_size)
+              for name, s in specs.items()}
+    return dict(metadata, grid=dict(tp=grid.tp_size, dp=grid.dp_size, world_size=grid.world_size),
+                zero_stage=engine.stage, train_state=train_state,
+                loss_scaler=engine.scaler.state_dict(),
+                optimizer_step=state.optimizer_step(engine), params=params)
 
 
 class CheckpointReader(FragmentReader):

@@ -241,7 +241,7 @@ def header(job: Job) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point; returns the exit status (2 for a configuration error, 1 when
-    ``--max-nan-iterations`` consecutive NaN/inf losses stopped training)."""
+    ``--max-nan-iterations`` consecutive NaN/inf losses stopped training or a save failed)."""
     import warnings
 
     # a user's warning is a line of its own, not a source file and line of this package
@@ -267,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         return fake_cuda.run_preloaded(sys.argv[1:] if argv is None else argv)
     import torch.distributed as dist
 
+    from hybrid.checkpoint.agree import SaveFailedError
     from hybrid.training import TooManyNaNIterations
 
     try:
@@ -278,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         try:
             run(job)["engine"].close()
-        except TooManyNaNIterations as e:  # every rank sees the same data-parallel mean loss
+        # every rank sees the same mean loss, and the same account of a failed save
+        except (TooManyNaNIterations, SaveFailedError) as e:
             if dist.get_rank() == 0:
                 print(f"hybrid-pretrain: error: {e}", file=sys.stderr, flush=True)
             return 1
