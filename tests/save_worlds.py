@@ -37,3 +37,24 @@ def disk_full_on(rank: int, world: int, argv_ok: list[str], argv_full: list[str]
     finally:
         stream.staged = real
     return "no error"
+
+
+def roll_back_and_resume(rank: int, world: int, base: list[str], ck: str) -> list[list[int]]:
+    """Save at 2, 4 and 6; roll the pointer back to 4 and resume to 5 with ``--save-keep-last
+    1``; then a fresh run to 1 in the same directory. The directory's iterations after each."""
+    from pathlib import Path
+
+    from hybrid.checkpoint.directory import list_iterations
+    from tests.pretrain_worlds import run_configs
+
+    save = ["--save", ck]
+    run_configs(rank, world, [base + save + ["--train-iters", "6", "--save-interval", "2"]])
+    seen = [list_iterations(ck)]
+    if rank == 0:
+        (Path(ck) / "latest_checkpointed_iteration.txt").write_text("4\n")
+    keep = save + ["--save-keep-last", "1"]
+    run_configs(rank, world, [base + keep + ["--train-iters", "5", "--load", ck]])
+    seen.append(list_iterations(ck))
+    run_configs(rank, world, [base + keep + ["--train-iters", "1"]])
+    seen.append(list_iterations(ck))
+    return seen

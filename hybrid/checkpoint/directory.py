@@ -10,7 +10,8 @@ Layout under ``--save DIR``::
 Protocol: every rank writes its shard into ``iter_N.tmp`` under a temporary
 file name and renames it; after a barrier, rank 0 checks every shard is there, writes
 ``metadata.json`` (listing the shards), renames the directory to ``iter_N``, then replaces the
-pointer file atomically and only then deletes checkpoints beyond the newest ``keep``. A
+pointer file atomically and only then deletes checkpoints beyond the newest ``keep`` in save
+order (:mod:`hybrid.checkpoint.retention`: never the one just published). A
 process killed anywhere in this sequence leaves the previous complete checkpoint in place and
 pointed to.
 """
@@ -24,6 +25,7 @@ import shutil
 from pathlib import Path
 
 from hybrid.checkpoint import format1
+from hybrid.checkpoint.retention import SEQUENCE_KEY, Retention, next_sequence
 
 FORMAT_VERSION = 2
 """2: each rank stores its ZeRO partition's fragments (1: :mod:`hybrid.checkpoint.format1`)."""
@@ -68,8 +70,14 @@ def write_file_atomic(path: Path, data: bytes) -> None:
 
 
 def publish(root: str | os.PathLike, iteration: int, metadata: dict, world_size: int,
-            keep: int | None) -> Path:
-    """Rank 0, after every rank has written its shard: verify, write metadata, rename, point.
+            keep: int | Retention | None) -> Path:
+    """Rank 0, after every rank has written its shard: verify, write metadata (stamped with
+    the next ``save_sequence``), rename, point, then prune.
+
+    Args:
+        keep: ``--save-keep-last``: a :class:`hybrid.checkpoint.retention.Retention` (the
+            job's policy), a count (keep that many, newest in save order), or None (keep all).
+            The checkpoint just published is never deleted.
 
     Raises:
         IncompleteCheckpointError: a shard is missing from the staging directory.
@@ -81,6 +89,7 @@ def publish(root: str | os.PathLike, iteration: int, metadata: dict, world_size:
         raise IncompleteCheckpointError(f"cannot publish iteration {iteration}: missing {missing} "
                                         f"in {stage}")
     meta = dict(metadata, format_version=FORMAT_VERSION, iteration=iteration, shards=shards)
+    meta[SEQUENCE_KEY] = next_sequence(root)
     write_file_atomic(stage / "metadata.json", json.dumps(meta, indent=2, default=str).encode())
     final = iteration_dir(root, iteration)
     if final.exists():  # re-saving the same iteration (e.g. after a restart): replace it
@@ -88,8 +97,7 @@ def publish(root: str | os.PathLike, iteration: int, metadata: dict, world_size:
     os.replace(stage, final)
     write_file_atomic(Path(root) / POINTER, f"{iteration}\n".encode())
     if keep:
-        for old in list_iterations(root)[:-keep]:
-            shutil.rmtree(iteration_dir(root, old), ignore_errors=True)
+        (keep if isinstance(keep, Retention) else Retention(keep)).prune(root)
     return final
 
 

@@ -40,6 +40,7 @@ from hybrid.checkpoint.directory import (
     staging_dir,
 )
 from hybrid.checkpoint.fragments import FragmentReader, RankRows
+from hybrid.checkpoint.retention import Retention
 from hybrid.checkpoint.stream import Entry, write_safetensors
 from hybrid.parallel.layers import get_tp_spec
 from hybrid.parallel.rng import capture_rng_states, restore_rng_states
@@ -77,7 +78,7 @@ def shard_entries(fragments: Iterable[OwnedFragment], tp_rank: int) -> tuple[lis
 def save_checkpoint(root: str | os.PathLike, iteration: int, engine: ZeroEngine, grid: ProcessGrid,
                     train_state: dict,
                     metadata: dict, tracker: RNGTracker | None = None,
-                    keep: int | None = None) -> Path | None:
+                    keep: int | Retention | None = None) -> Path | None:
     """Write a checkpoint of ``iteration`` under ``root`` (collective: every rank calls).
 
     Args:
@@ -88,7 +89,8 @@ def save_checkpoint(root: str | os.PathLike, iteration: int, engine: ZeroEngine,
         train_state: JSON-able counters (iteration, consumed samples, schedule index, ...).
         metadata: JSON-able extras (config, tokenizer, model dims) for ``metadata.json``.
         tracker: the TP RNG tracker (its stream is saved with the other RNG states).
-        keep: keep only the newest ``keep`` checkpoints (None keeps all).
+        keep: ``--save-keep-last``'s policy or count (None keeps all; see
+            :mod:`hybrid.checkpoint.retention`).
 
     Returns:
         The published directory on rank 0, None elsewhere.

@@ -31,6 +31,7 @@ class Checkpointer:
         self.stop = StopSignal(self.ck.exit_duration_in_mins)
         engine.stop_source = self.stop.requested  # rides on the grad-norm all-reduce
         self.saved_at = None
+        self.retention = retention(job, writer.print if grid.rank == 0 else None)
 
     def save(self, state: TrainState) -> None:
         """Save ``state``'s iteration under ``--save`` (once per iteration; nothing without
@@ -40,7 +41,7 @@ class Checkpointer:
         if not self.ck.save or self.saved_at == state.iteration:
             return
         save_checkpoint(self.ck.save, state.iteration, self.engine, self.grid, state.counters(),
-                        self.metadata, self.tracker, self.ck.save_keep_last)
+                        self.metadata, self.tracker, self.retention)
         self.saved_at = state.iteration
         if self.grid.rank == 0:
             self.writer.print(f" saved checkpoint at iteration {state.iteration} to {self.ck.save}")
@@ -60,6 +61,28 @@ class Checkpointer:
     def close(self) -> None:
         """Reinstall the signal handlers the stop signal replaced."""
         self.stop.restore()
+
+
+def retention(job: Job, print_fn=None):
+    """``--save-keep-last``'s policy for this job (None: keep all), fixed at its start: the
+    checkpoint resumed from ``--save`` (when ``--load`` is the same directory) and those
+    before it in save order may be pruned with the job's own, never those saved after it
+    (:mod:`hybrid.checkpoint.retention`). ``print_fn`` (rank 0) is told which are kept apart."""
+    from hybrid.checkpoint.directory import latest_iteration
+    from hybrid.checkpoint.retention import Retention, same_directory
+
+    ck = job.cfg.checkpoint
+    if not (ck.save and ck.save_keep_last):
+        return None
+    resumed = latest_iteration(ck.load) if same_directory(ck.load, ck.save) else None
+    policy = Retention.at_start(ck.save, ck.save_keep_last, resumed)
+    apart = policy.kept_apart(ck.save)
+    if apart and print_fn is not None:
+        since = (f"saved after the resumed iteration {resumed}" if resumed is not None
+                 else "found there by this fresh run")
+        print_fn(f" --save-keep-last {ck.save_keep_last}: never deleting iterations {apart} of "
+                 f"{ck.save} ({since}; another branch of the run)")
+    return policy
 
 
 def _metadata(job: Job) -> dict:
