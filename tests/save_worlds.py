@@ -58,3 +58,29 @@ def roll_back_and_resume(rank: int, world: int, base: list[str], ck: str) -> lis
     run_configs(rank, world, [base + keep + ["--train-iters", "1"]])
     seen.append(list_iterations(ck))
     return seen
+
+
+def second_job(rank: int, world: int, argv: list[str], holder_pid: int) -> list[str]:
+    """Run ``argv`` while process ``holder_pid`` holds its ``--save``'s lock (refused), then
+    after rank 0 killed that process (taken over). Returns the refusal, the directory's
+    entries after it, and how many iterations the second attempt trained."""
+    import os
+    import signal
+
+    import torch.distributed as dist
+
+    from hybrid.checkpoint.lock import SaveDirectoryInUseError
+    from tests.pretrain_worlds import run_configs
+
+    out = []
+    try:
+        run_configs(rank, world, [argv])
+        out.append("not refused")
+    except SaveDirectoryInUseError as e:
+        out.append(str(e))
+    out.append(" ".join(sorted(os.listdir(argv[argv.index("--save") + 1]))))  # nothing saved
+    if rank == 0:
+        os.kill(holder_pid, signal.SIGKILL)  # the test reaps it later: a zombie until then
+    dist.barrier()
+    out.append(str(len(run_configs(rank, world, [argv])[0])))
+    return out

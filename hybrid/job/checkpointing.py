@@ -63,6 +63,37 @@ class Checkpointer:
         self.stop.restore()
 
 
+def lock_save_dir(job: Job, grid: ProcessGrid):
+    """Lock ``--save`` for this job before training (collective; global rank 0 holds
+    :class:`hybrid.checkpoint.lock.SaveLock`, and prints a note when it took over a dead job's
+    lock). Returns the lock on rank 0, None elsewhere or without ``--save``.
+
+    Raises:
+        hybrid.checkpoint.lock.SaveDirectoryInUseError: on every rank, when a live job holds
+            the directory (naming its host, pid and start time) or it cannot be locked.
+    """
+    import torch.distributed as dist
+
+    from hybrid.checkpoint.lock import SaveDirectoryInUseError, SaveLock
+
+    if not job.cfg.checkpoint.save:
+        return None
+    lock, outcome = None, [None]
+    if grid.rank == 0:
+        try:
+            lock = SaveLock(job.cfg.checkpoint.save)
+            if lock.note:
+                print(f" --save {job.cfg.checkpoint.save}: {lock.note}", flush=True)
+        except (SaveDirectoryInUseError, OSError) as e:
+            outcome = [f"{e}" if isinstance(e, SaveDirectoryInUseError)
+                       else f"cannot lock --save {job.cfg.checkpoint.save}: {e}"]
+    if grid.world_size > 1:
+        dist.broadcast_object_list(outcome, src=0, device=grid.device)
+    if outcome[0] is not None:
+        raise SaveDirectoryInUseError(outcome[0])
+    return lock
+
+
 def retention(job: Job, print_fn=None):
     """``--save-keep-last``'s policy for this job (None: keep all), fixed at its start: the
     checkpoint resumed from ``--save`` (when ``--load`` is the same directory) and those

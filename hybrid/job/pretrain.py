@@ -186,10 +186,11 @@ def _metrics(job: Job, grid: ProcessGrid, state: TrainState, meta: dict | None):
 
 def run(job: Job) -> dict:
     """Train a validated job; returns ``{"history": records, "engine": engine}``."""
-    from hybrid.job.checkpointing import Checkpointer, lr_schedule, start_from
+    from hybrid.job.checkpointing import Checkpointer, lock_save_dir, lr_schedule, start_from
     from hybrid.training import Trainer, TrainState
 
     grid, tracker, engine = _build(job)
+    lock = lock_save_dir(job, grid)  # a second job on --save is refused here, before training
     state = TrainState()
     meta = start_from(job, engine, grid, tracker, state)
     train_ds, valid_ds, test_ds = build_datasets(job, state)
@@ -219,6 +220,8 @@ def run(job: Job) -> dict:
             progress.close()
         writer.close()
         checkpointer.close()
+        if lock is not None:
+            lock.release()
     return {"history": state.history, "engine": engine}
 
 
@@ -241,7 +244,8 @@ def header(job: Job) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point; returns the exit status (2 for a configuration error, 1 when
-    ``--max-nan-iterations`` consecutive NaN/inf losses stopped training or a save failed)."""
+    ``--max-nan-iterations`` consecutive NaN/inf losses stopped training, a save failed or
+    another job holds ``--save``)."""
     import warnings
 
     # a user's warning is a line of its own, not a source file and line of this package
@@ -268,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from hybrid.checkpoint.agree import SaveFailedError
+    from hybrid.checkpoint.lock import SaveDirectoryInUseError
     from hybrid.training import TooManyNaNIterations
 
     try:
@@ -279,8 +284,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         try:
             run(job)["engine"].close()
-        # every rank sees the same mean loss, and the same account of a failed save
-        except (TooManyNaNIterations, SaveFailedError) as e:
+        # every rank sees the same mean loss, the same account of a failed save or a lock
+        except (TooManyNaNIterations, SaveFailedError, SaveDirectoryInUseError) as e:
             if dist.get_rank() == 0:
                 print(f"hybrid-pretrain: error: {e}", file=sys.stderr, flush=True)
             return 1
