@@ -20,18 +20,18 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from pathlib import Path
 
 from hybrid.checkpoint import format1
+from hybrid.checkpoint.names import ITER_PATTERN as _ITER
+from hybrid.checkpoint.names import iteration_dir, list_iterations
 from hybrid.checkpoint.retention import SEQUENCE_KEY, Retention, next_sequence
 
 FORMAT_VERSION = 2
 """2: each rank stores its ZeRO partition's fragments (1: :mod:`hybrid.checkpoint.format1`)."""
 READABLE_VERSIONS = (format1.VERSION, FORMAT_VERSION)
 POINTER = "latest_checkpointed_iteration.txt"
-_ITER = re.compile(r"^iter_(\d{7,})$")
 
 
 class IncompleteCheckpointError(RuntimeError):
@@ -43,11 +43,6 @@ def iteration_of_dir(path: str | os.PathLike) -> int | None:
     ``metadata.json``) rather than a checkpoint root; None otherwise."""
     m = _ITER.match(Path(path).name)
     return int(m.group(1)) if m and (Path(path) / "metadata.json").is_file() else None
-
-
-def iteration_dir(root: str | os.PathLike, iteration: int) -> Path:
-    """``root/iter_{iteration:07d}``."""
-    return Path(root) / f"iter_{iteration:07d}"
 
 
 def staging_dir(root: str | os.PathLike, iteration: int) -> Path:
@@ -99,14 +94,6 @@ def publish(root: str | os.PathLike, iteration: int, metadata: dict, world_size:
     if keep:
         (keep if isinstance(keep, Retention) else Retention(keep)).prune(root)
     return final
-
-
-def list_iterations(root: str | os.PathLike) -> list[int]:
-    """Iterations with a published directory under ``root``, ascending (complete or not)."""
-    p = Path(root)
-    if not p.is_dir():
-        return []
-    return sorted(int(m.group(1)) for d in p.iterdir() if d.is_dir() and (m := _ITER.match(d.name)))
 
 
 def latest_iteration(root: str | os.PathLike) -> int | None:

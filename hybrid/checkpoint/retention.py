@@ -24,6 +24,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from hybrid.checkpoint.names import iteration_dir, list_iterations
+
 SEQUENCE_KEY = "save_sequence"
 
 
@@ -31,8 +33,6 @@ def save_order(root: str | os.PathLike) -> dict[int, tuple[int, int]]:
     """``{iteration: (save_sequence, iteration)}`` of every published checkpoint under
     ``root`` (those without a readable ``metadata.json`` are left out: a half-deleted or
     foreign directory is never ordered, hence never pruned)."""
-    from hybrid.checkpoint.directory import iteration_dir, list_iterations
-
     order = {}
     for it in list_iterations(root):
         try:
@@ -90,8 +90,6 @@ class Retention:
 
     def prune(self, root: str | os.PathLike) -> list[int]:
         """Delete :meth:`doomed`'s checkpoints; returns their iterations."""
-        from hybrid.checkpoint.directory import iteration_dir
-
         doomed = self.doomed(root)
         for it in doomed:
             shutil.rmtree(iteration_dir(root, it), ignore_errors=True)

@@ -18,6 +18,7 @@ process_start()  # --exit-duration-in-mins counts from here at the latest (befor
 
 from hybrid.job.cli import parse_config  # noqa: E402
 from hybrid.job.config_checks import ConfigError, Job, validate  # noqa: E402
+from hybrid.wandb_names import preflight as wandb_preflight  # noqa: E402
 
 if TYPE_CHECKING:
     from hybrid.parallel.grid import ProcessGrid
@@ -176,7 +177,8 @@ def _metrics(job: Job, grid: ProcessGrid, state: TrainState, meta: dict | None):
         grid.rank, lg.metrics_file, cfg.to_dict(), lg.wandb_project, lg.wandb_exp_name,
         lg.wandb_save_dir, print_fn=progress.write if progress else print,
         wandb_init_timeout=lg.wandb_init_timeout,
-        wandb_run_id=(meta or {}).get("wandb_run_id"), start_iteration=state.iteration)
+        wandb_run_id=(meta or {}).get("wandb_run_id"), start_iteration=state.iteration,
+        wandb_entity=lg.wandb_entity)
     if lg.tensorboard_dir:
         from hybrid.tensorboard_log import TensorBoardMetrics
 
@@ -254,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
         ignored: list[str] = []
         cfg = parse_config(argv, ignored)
         job = validate(cfg, world_size=cfg.grid.dry_run_world_size)
+        if os.environ.get("RANK", "0") == "0" and not cfg.grid.dry_run_world_size:
+            wandb_preflight(cfg.logging.wandb_project, cfg.logging.wandb_entity,
+                            cfg.logging.wandb_init_timeout)  # online: refuse a foreign entity
         if ignored and os.environ.get("RANK", "0") == "0":
             print(f"hybrid-pretrain: Megatron-LM flags accepted without effect here (kernel, "
                   f"fusion and backend choices): {', '.join(ignored)}", flush=True)
