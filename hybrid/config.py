@@ -275,6 +275,9 @@ class CheckpointConfig:
     save_interval: int | None = arg(None, "save every N iterations (default: only at the end and "
                                           "on a stop)")
     save_keep_last: int | None = arg(None, "keep only the newest K checkpoints (default: all)")
+    async_save: bool = arg(False, "save in the background: each rank copies its shard to host "
+                                  "memory (pinned on GPU) and a thread writes it while training "
+                                  "goes on; published once every rank has written")
     no_load_optim: bool = arg(False, "load weights but not the optimizer state / loss scaler")
     no_load_rng: bool = arg(False, "do not restore the RNG states")
     finetune: bool = arg(False, "load weights only and start from iteration 0 (new optimizer, "

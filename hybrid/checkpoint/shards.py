@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
@@ -101,24 +102,54 @@ def save_checkpoint(root: str | os.PathLike, iteration: int, engine: ZeroEngine,
             ENOSPC); it names the ranks, the path and the errno, and the staging directory has
             been removed. The previous checkpoint and the pointer are untouched.
     """
+    stage_dir = begin_save(root, iteration, grid)
+    entries, layout = rank_entries(engine, grid, tracker)
+    all_succeed(lambda: write_shard(stage_dir, grid.rank, entries, layout), grid.device,
+                f"saving iteration {iteration} to {root}", cleanup=stage_dir)
+    meta = checkpoint_metadata(engine, grid, train_state, metadata) if grid.rank == 0 else None
+    return publish_agreed(root, iteration, meta, grid, keep)
+
+
+def begin_save(root: str | os.PathLike, iteration: int, grid: ProcessGrid) -> Path:
+    """Create the staging directory (rank 0; collective, agreed); returns it."""
     stage_dir = staging_dir(root, iteration)
-    what = f"saving iteration {iteration} to {root}"
-    if grid.rank == 0:
-        all_succeed(lambda: stage_dir.mkdir(parents=True, exist_ok=True), grid.device, what)
-    else:
-        all_succeed(lambda: None, grid.device, what)
+
+    def make():
+        if grid.rank == 0:
+            if stage_dir.exists():  # a killed save's leftovers (the directory lock excludes a
+                shutil.rmtree(stage_dir)  # live writer): no stale shard may be published
+            stage_dir.mkdir(parents=True)
+
+    all_succeed(make, grid.device, f"saving iteration {iteration} to {root}")
+    return stage_dir
+
+
+def rank_entries(engine: ZeroEngine, grid: ProcessGrid,
+                 tracker: RNGTracker | None) -> tuple[list[Entry], dict]:
+    """This rank's shard: its fragments' entries and layout (:func:`shard_entries`) plus its
+    RNG states (``rng/{name}``)."""
     entries, layout = shard_entries(state.owned_state(engine), grid.tp_rank)
     for key, value in capture_rng_states(tracker, grid.device).items():
         entries.append(Entry(f"rng/{key}", value.dtype, tuple(value.shape), lambda v=value: v))
-    all_succeed(lambda: write_shard(stage_dir, grid.rank, entries, layout), grid.device, what,
-                cleanup=stage_dir)
+    return entries, layout
+
+
+def publish_agreed(root: str | os.PathLike, iteration: int, meta: dict | None,
+                   grid: ProcessGrid, keep: int | Retention | None) -> Path | None:
+    """Rank 0 publishes (``meta``: its :func:`checkpoint_metadata`; None elsewhere), every rank
+    agrees on the outcome (collective). Returns the published directory on rank 0.
+
+    Raises:
+        hybrid.checkpoint.agree.SaveFailedError: publication failed (every rank).
+    """
     final: list[Path] = []
-    if grid.rank == 0:
-        meta = checkpoint_metadata(engine, grid, train_state, metadata)
-        all_succeed(lambda: final.append(publish(root, iteration, meta, grid.world_size, keep)),
-                    grid.device, what, cleanup=stage_dir)
-    else:
-        all_succeed(lambda: None, grid.device, what, cleanup=stage_dir)
+
+    def step():
+        if grid.rank == 0:
+            final.append(publish(root, iteration, meta, grid.world_size, keep))
+
+    all_succeed(step, grid.device, f"saving iteration {iteration} to {root}",
+                cleanup=staging_dir(root, iteration))
     return final[0] if final else None
 
 

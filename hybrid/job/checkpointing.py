@@ -32,35 +32,52 @@ class Checkpointer:
         engine.stop_source = self.stop.requested  # rides on the grad-norm all-reduce
         self.saved_at = None
         self.retention = retention(job, writer.print if grid.rank == 0 else None)
+        self.saver = None
+        if self.ck.save and self.ck.async_save:
+            from hybrid.checkpoint.async_save import AsyncSaver
 
-    def save(self, state: TrainState) -> None:
+            self.saver = AsyncSaver(grid, writer.print if grid.rank == 0 else None)
+
+    def save(self, state: TrainState, wait: bool = False) -> None:
         """Save ``state``'s iteration under ``--save`` (once per iteration; nothing without
-        ``--save``)."""
+        ``--save``). With ``--async-save`` only the snapshot happens now; ``wait`` (the end of
+        training, a stop) also waits until it is written and published."""
         from hybrid.checkpoint.shards import save_checkpoint
 
-        if not self.ck.save or self.saved_at == state.iteration:
-            return
-        save_checkpoint(self.ck.save, state.iteration, self.engine, self.grid, state.counters(),
-                        self.metadata, self.tracker, self.retention)
-        self.saved_at = state.iteration
-        if self.grid.rank == 0:
-            self.writer.print(f" saved checkpoint at iteration {state.iteration} to {self.ck.save}")
+        if self.ck.save and self.saved_at != state.iteration:
+            if self.saver is not None:
+                self.saver.save(self.ck.save, state.iteration, self.engine, state.counters(),
+                                self.metadata, self.tracker, self.retention)
+            else:
+                save_checkpoint(self.ck.save, state.iteration, self.engine, self.grid,
+                                state.counters(), self.metadata, self.tracker, self.retention)
+                if self.grid.rank == 0:
+                    self.writer.print(f" saved checkpoint at iteration {state.iteration} to "
+                                      f"{self.ck.save}")
+            self.saved_at = state.iteration
+        if wait and self.saver is not None:
+            self.saver.wait()
 
     def after_iteration(self, state: TrainState) -> bool:
-        """Save when due; True (on every rank) when the run must stop now (the Trainer's
-        ``after_iteration`` hook)."""
+        """Publish a finished background save; save when due; True (on every rank) when the
+        run must stop now (the Trainer's ``after_iteration`` hook)."""
+        if self.saver is not None:
+            self.saver.poll()
         if self.ck.save_interval and state.iteration % self.ck.save_interval == 0:
             self.save(state)
         if self.stop.should_stop(self.grid.device, self.engine.take_stop_request()):
-            self.save(state)
+            self.save(state, wait=True)
             if self.grid.rank == 0:
                 self.writer.print(f" exiting at iteration {state.iteration}: {self.stop.reason()}")
             return True
         return False
 
     def close(self) -> None:
-        """Reinstall the signal handlers the stop signal replaced."""
+        """Reinstall the signal handlers the stop signal replaced; a background save still
+        pending here (training failed) is left unpublished."""
         self.stop.restore()
+        if self.saver is not None:
+            self.saver.abandon()
 
 
 def lock_save_dir(job: Job, grid: ProcessGrid):

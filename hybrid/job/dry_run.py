@@ -229,6 +229,7 @@ def _build_and_step(job, grid, t0: float) -> dict:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from hybrid import training
+    from hybrid.checkpoint.async_save import host_snapshot_bytes
     from hybrid.job.fake_cuda import transfer_log
     from hybrid.parallel.rng import RNGTracker
     from hybrid.parallelize import meta_gpt, parallelize
@@ -257,13 +258,15 @@ def _build_and_step(job, grid, t0: float) -> dict:
                                    (cfg.training.micro_batch_size, cfg.model.seq_length + 1))
             training.train_step(engine, [tokens], cfg.optimizer.lr, grid)
         save_peak = _save_staging_peak(engine, grid)
+    snapshot = host_snapshot_bytes(engine, grid) if cfg.checkpoint.async_save else 0
     host = _host_checkpoint_bytes(engine)
     gathered = engine.memory_bytes()["gathered_peak"]
     measured = {k: held[k] for k in STATE_KEYS}
     measured.update(states=sum(held[k] for k in STATE_KEYS), buffers=held["buffers"] + gathered,
                     activations=step.peak - start - gathered - host, host_checkpoints=host,
                     total=step.peak - host, construction_peak=build.peak,
-                    save_peak=save_peak, gathered_peak=gathered, tracked_after_build=start)
+                    save_peak=save_peak, gathered_peak=gathered, tracked_after_build=start,
+                    async_save_snapshot=snapshot)
     return dict(tp=grid.tp_size, dp=grid.dp_size, tp_rank=grid.tp_rank,
                 dp_rank=grid.dp_rank, stage=engine.stage, precision=engine.config.precision,
                 local_params=engine.layout.numel, optimizer_steps=engine.optimizer_steps,
@@ -317,6 +320,9 @@ def format_report(r: dict) -> str:
                  f"  (bound: steady state + one unit's fp32 states = "
                  f"{r['save_bound'] / unit:.3f}; a rank's fragments are written from the states "
                  "themselves)")
+    if m.get("async_save_snapshot"):  # host memory, kept between saves
+        lines.append(f"{'--async-save host snapshot':<34}{m['async_save_snapshot'] / unit:>14.3f}"
+                     "  (host memory, pinned on GPU; not in total)")
     lines.append(f"{'tracked after construction':<34}{m['tracked_after_build'] / unit:>14.3f}"
                  f"  (= model states {m['states'] / unit:.3f} + communication buffers "
                  f"{(m['buffers'] - m['gathered_peak']) / unit:.3f}; stage 3's gathered units "

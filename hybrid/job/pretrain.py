@@ -213,7 +213,7 @@ def run(job: Job) -> dict:
                       checkpointer.after_iteration, progress, state)
     try:
         trainer.train(_batches(train_ds, state.consumed_samples, job, grid))
-        checkpointer.save(state)
+        checkpointer.save(state, wait=True)  # --async-save: written and published here
         if trainer.settings.eval_iters and state.iteration >= job.cfg.training.train_iters:
             trainer.evaluate("valid")
             trainer.evaluate("test")
