@@ -6,7 +6,8 @@ Not a test. One spawned world (1 rank by default, gloo, one thread) runs ``hybri
 iteration is the wall time between the ends of consecutive iterations' ``after_iteration``
 hooks, so it holds the training step and whatever the save makes it wait for (the whole save,
 or the snapshot and the publication). The first ``--warmup`` iterations are left out. Prints
-the median over the repeats of each setting's mean step time, and its ratio to no save::
+each run, the median over the repeats of each setting's mean step time and its ratio to no
+save, and the median of the ratios within a repeat (robust to a load that drifts)::
 
     python scripts/bench_async_save.py
     python scripts/bench_async_save.py --hidden-size 768 --num-layers 8 --repeats 3
@@ -88,8 +89,12 @@ def main() -> None:
     print(f"GPT hidden {a.hidden_size} x {a.num_layers} layers, vocab {a.vocab_size}, seq "
           f"{a.seq_length}, micro batch {a.micro_batch_size}, {a.world_size} rank(s) on CPU; "
           f"{a.train_iters} iterations, first {a.warmup} left out; median of {a.repeats}")
+    base_runs = [t for m, t in zip(names, times, strict=True) if m == "no save"]
     for n, t in by.items():
-        print(f"  {n:<24} {1000 * t:9.1f} ms/step  x{t / by['no save']:.3f}")
+        runs = [t for m, t in zip(names, times, strict=True) if m == n]
+        paired = statistics.median(x / b for x, b in zip(runs, base_runs, strict=True))
+        print(f"  {n:<24} {1000 * t:9.1f} ms/step  x{t / by['no save']:.3f} (median of the "
+              f"ratios to the no-save run of the same repeat: x{paired:.3f})")
 
 
 if __name__ == "__main__":

@@ -8,10 +8,11 @@ MOCK = ["--mock-data", "--vocab-size", "500", "--num-layers", "1", "--hidden-siz
         "--lr-decay-style", "constant"]
 
 
-def disk_full_on(rank: int, world: int, argv_ok: list[str], argv_full: list[str],
-                 full_rank: int) -> str:
-    """Run ``argv_ok``, then ``argv_full`` with rank ``full_rank``'s shard writer raising
-    ``OSError(ENOSPC)`` midway through its file; returns the error this rank raised."""
+def disk_full_on(rank: int, world: int, runs: list[tuple[list[str], list[str]]],
+                 full_rank: int) -> list[str]:
+    """For each ``(argv_ok, argv_full)``: run ``argv_ok``, then ``argv_full`` with rank
+    ``full_rank``'s shard writer raising ``OSError(ENOSPC)`` midway through its file; returns
+    the error this rank raised in each."""
     import errno
     import os
 
@@ -19,8 +20,7 @@ def disk_full_on(rank: int, world: int, argv_ok: list[str], argv_full: list[str]
     from hybrid.checkpoint.agree import SaveFailedError
     from tests.pretrain_worlds import run_configs
 
-    run_configs(rank, world, [argv_ok])
-    real = stream.staged
+    real, out = stream.staged, []
 
     def full(entries):
         for i, t in enumerate(real(entries)):
@@ -29,14 +29,17 @@ def disk_full_on(rank: int, world: int, argv_ok: list[str], argv_full: list[str]
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             yield t
 
-    stream.staged = full
-    try:
-        run_configs(rank, world, [argv_full])
-    except SaveFailedError as e:
-        return f"errno={e.errno} {e}"
-    finally:
-        stream.staged = real
-    return "no error"
+    for argv_ok, argv_full in runs:
+        run_configs(rank, world, [argv_ok])
+        stream.staged = full
+        try:
+            run_configs(rank, world, [argv_full])
+            out.append("no error")
+        except SaveFailedError as e:
+            out.append(f"errno={e.errno} {e}")
+        finally:
+            stream.staged = real
+    return out
 
 
 def roll_back_and_resume(rank: int, world: int, base: list[str], ck: str) -> list[list[int]]:

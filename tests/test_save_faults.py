@@ -22,20 +22,27 @@ from tests.save_worlds import MOCK, disk_full_on, roll_back_and_resume
 
 @pytest.mark.timeout(300)
 def test_disk_full_removes_the_partial_save_and_names_path_and_errno(tmp_path):
-    ck = tmp_path / "ck"
-    save = ["--save", str(ck)]
-    got = spawn_world(2, disk_full_on, MOCK + ["--train-iters", "3"] + save,
-                      MOCK + ["--train-iters", "6", "--load", str(ck)] + save, 1, timeout_s=60)
-    partial = ck / "iter_0000006.tmp" / "rank_00001.safetensors.partial"
-    for message in got:  # every rank raised (none waits for the failed one), the same account
-        assert message.startswith("errno=28 "), message
-        assert "rank 1: errno 28 (ENOSPC)" in message and f"writing {partial}" in message
-        assert f"removed the partial directory {ck / 'iter_0000006.tmp'}" in message
-    assert not (ck / "iter_0000006.tmp").exists()
-    assert latest_iteration(ck) == 3 and list_iterations(ck) == [3]
-    assert (ck / "iter_0000003" / "metadata.json").is_file()
-    assert sorted(p.name for p in Path(ck).iterdir()) == ["iter_0000003",
-                                                         "latest_checkpointed_iteration.txt"]
+    """A synchronous save, and a background one (``--async-save``: reported when the ranks
+    agree on publication, after the training went on)."""
+    runs = []
+    for name, extra in (("ck", []), ("ack", ["--async-save", "--save-interval", "4"])):
+        save = ["--save", str(tmp_path / name)]
+        runs.append((MOCK + ["--train-iters", "3"] + save,
+                     MOCK + ["--train-iters", "6", "--load", str(tmp_path / name)] + save + extra))
+    got = spawn_world(2, disk_full_on, runs, 1, timeout_s=60)
+    for i, (name, it) in enumerate((("ck", 6), ("ack", 4))):
+        ck = tmp_path / name
+        partial = ck / f"iter_{it:07d}.tmp" / "rank_00001.safetensors.partial"
+        for messages in got:  # every rank raised (none waits for the failed one), the same
+            message = messages[i]
+            assert message.startswith("errno=28 "), message
+            assert "rank 1: errno 28 (ENOSPC)" in message and f"writing {partial}" in message
+            assert f"removed the partial directory {partial.parent}" in message
+        assert not partial.parent.exists()
+        assert latest_iteration(ck) == 3 and list_iterations(ck) == [3]
+        assert (ck / "iter_0000003" / "metadata.json").is_file()
+        assert sorted(p.name for p in ck.iterdir()) == ["iter_0000003",
+                                                        "latest_checkpointed_iteration.txt"]
 
 
 def fake_publish(root: Path, iteration: int, keep=None) -> None:
