@@ -170,6 +170,18 @@ class AsyncSaver:
         self.pending = job
         self.snapshot_s = time.perf_counter() - t0
 
+    def reserve(self, engine: ZeroEngine, tracker: RNGTracker | None) -> None:
+        """Allocate and touch the snapshot buffer now (job start), so that the first save does
+        not pay for the allocation and its page faults inside the training loop."""
+        from hybrid.checkpoint import shards
+
+        entries, _ = shards.rank_entries(engine, self.grid, tracker)
+        total = snapshot_bytes(entries)
+        if self.buffer is None or self.buffer.numel() < total:
+            self.buffer = torch.empty(total, dtype=torch.uint8,
+                                      pin_memory=self.grid.device.type == "cuda")
+            self.buffer.zero_()
+
     @staticmethod
     def _write(job: Pending, stage_dir: Path, entries: list[Entry], layout: dict) -> None:
         from hybrid.checkpoint import shards

@@ -37,6 +37,7 @@ class Checkpointer:
             from hybrid.checkpoint.async_save import AsyncSaver
 
             self.saver = AsyncSaver(grid, writer.print if grid.rank == 0 else None)
+            self.saver.reserve(engine, tracker)
 
     def save(self, state: TrainState, wait: bool = False) -> None:
         """Save ``state``'s iteration under ``--save`` (once per iteration; nothing without
