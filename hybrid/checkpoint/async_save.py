@@ -9,9 +9,10 @@ later, when every rank's write has finished. Here:
    states) into one host buffer, pinned when the states are on a GPU (the copies are then
    asynchronous, and synchronised once). The buffer is kept for the next save. Its size is
    :func:`snapshot_bytes`, which the dry run reports.
-2. **Write**: a daemon thread at lower CPU priority (:data:`WRITER_NICE`) writes the snapshot to
-   ``iter_N.tmp/rank_XXXXX.safetensors`` (:func:`hybrid.checkpoint.shards.write_shard`; file
-   writes release the GIL).
+2. **Write**: a daemon thread writes the snapshot to ``iter_N.tmp/rank_XXXXX.safetensors``
+   (:func:`hybrid.checkpoint.shards.write_shard`; file writes release the GIL). It keeps the
+   default CPU priority: a niced thread that holds the GIL while the OS runs others stalls the
+   training thread, which must hand the GIL over to it (priority inversion).
 3. **Publish**: after each iteration every rank calls :meth:`AsyncSaver.poll`; while a save is
    pending it all-reduces "my write has finished" (MIN: one integer per iteration). Only when
    every rank has finished do they agree on the outcome and rank 0 publishes (metadata, rename,
@@ -46,21 +47,6 @@ if TYPE_CHECKING:
 
 ALIGN = 64
 """Bytes each tensor's place in the snapshot buffer is aligned to."""
-WRITER_NICE = 10
-"""Niceness of the writer thread (Megatron-LM's ``--async-ckpt-cpu-priority`` default): on a
-busy host the training thread keeps the CPU and the write takes the slack."""
-
-
-def lower_priority() -> None:
-    """Raise the calling thread's niceness to :data:`WRITER_NICE` (Linux: per thread; a no-op
-    where not allowed or not supported)."""
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, max(WRITER_NICE, os.getpriority(os.PRIO_PROCESS, tid)))
-    except (OSError, AttributeError):
-        pass
-
-
 def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
@@ -186,7 +172,6 @@ class AsyncSaver:
     def _write(job: Pending, stage_dir: Path, entries: list[Entry], layout: dict) -> None:
         from hybrid.checkpoint import shards
 
-        lower_priority()
         try:
             shards.write_shard(stage_dir, dist.get_rank(), entries, layout)
         except BaseException as e:  # reported to every rank at publication
