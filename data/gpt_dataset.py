@@ -41,7 +41,7 @@ from data.blended_dataset import (
     parse_data_path,
     sizes_per_dataset,
 )
-from data.index_cache import load_or_build
+from data.index_cache import array_digest, load_or_build
 from data.indexed_dataset import IndexedDataset, idx_path
 from data.rank0_first import run_rank0_first
 from data.split import SPLIT_NAMES, parse_split, split_ranges
@@ -151,6 +151,9 @@ class GPTDataset(torch.utils.data.Dataset):
             "idx_bytes": idx_path(self.prefix).stat().st_size,
             "sequences": len(self.indexed),
             "tokens": self.indexed.num_tokens,
+            # what the indices are computed from, by content: a rewritten .idx with the old
+            # size and mtime gets a new cache entry
+            "sizes_sha256": array_digest(self.indexed.sizes[s0:s1]),
             "split": split_name,
             "documents": [d0, d1],
             "num_samples": num_samples,

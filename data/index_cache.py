@@ -3,9 +3,13 @@
 A cache entry is ``<dir>/<md5>-<kind>-<array>.npy`` for each array, plus
 ``<md5>-<kind>-description.json`` holding the settings in clear, where ``md5`` hashes that
 description. Any change of settings (data file, split, seq_length, seed, sample count, format
-version) gives a new name, so a stale entry is never read. Files are written under unique
-temporary names and renamed into place, so concurrent builders (several ranks or nodes) are
-safe and a reader never sees a half-written array. Entries are loaded memory-mapped.
+version) gives a new name, so a stale entry is never read. **Content-safe keys:** a
+description holds the digest of the *content* its arrays are computed from
+(:func:`array_digest`, :func:`file_digest`: SHA-256), never a file's size or modification time,
+which ``cp -p``, ``rsync -t``, ``tar x`` or ``os.utime`` carry over to a rewritten file.
+Files are written under unique temporary names and renamed into place, so concurrent builders
+(several ranks or nodes) are safe and a reader never sees a half-written array. Entries are
+loaded memory-mapped.
 """
 
 from __future__ import annotations
@@ -18,6 +22,30 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+
+DIGEST_CHUNK = 8 * 2**20
+"""Bytes hashed per read by :func:`file_digest`."""
+
+
+def file_digest(path: str | os.PathLike) -> str:
+    """SHA-256 hex digest of the file's bytes (one sequential read: ~1.3 GB/s on a core with
+    the SHA extensions, 8 MiB of memory)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(DIGEST_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def array_digest(*arrays: np.ndarray) -> str:
+    """SHA-256 hex digest of the arrays' dtypes, shapes and bytes, in order (memory-mapped
+    arrays are read once, sequentially; a contiguous array is not copied)."""
+    h = hashlib.sha256()
+    for a in arrays:
+        a = np.ascontiguousarray(a)
+        h.update(f"{a.dtype.str}{a.shape};".encode())
+        h.update(memoryview(a).cast("B"))
+    return h.hexdigest()
 
 
 def cache_key(description: dict) -> str:

@@ -16,7 +16,8 @@ naming neither file nor line, and keep a ``.txt`` byte-order mark as content. He
   input file has one, a warning otherwise.
 
 The rows are written once to an Arrow file under the cache directory, keyed by the files'
-paths, sizes and modification times and the keys, and memory-mapped afterwards.
+paths and contents (SHA-256 of their bytes: :func:`data.index_cache.file_digest`) and the keys,
+and memory-mapped afterwards.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from pathlib import Path
 
 import datasets
 from datasets.arrow_writer import ArrowWriter
+
+from data.index_cache import file_digest
 
 FORMAT_VERSION = 1  # bump when the row policy changes: it is part of the cache key
 EXAMPLES_KEPT = 5  # unreadable rows named in the report (all are counted)
@@ -200,7 +203,9 @@ _READERS = {"json": _json_rows, "text": _txt_rows, "csv": _csv_rows, "parquet": 
 
 
 def _cache_key(files: list[str], keys: list[str]) -> str:
-    stats = [(os.path.abspath(f), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
+    """The cache entry's name: the files' paths and contents (SHA-256, one read of each file:
+    a size and modification time survive ``cp -p`` over a changed file) and the keys."""
+    stats = [(os.path.abspath(f), file_digest(f)) for f in files]
     blob = json.dumps({"v": FORMAT_VERSION, "files": stats, "keys": keys})
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 

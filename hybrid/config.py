@@ -272,12 +272,17 @@ class LoggingConfig:
     wandb_project: str | None = arg(None, "wandb project (wandb is off when unset)")
     wandb_exp_name: str | None = arg(None, "wandb run name")
     wandb_save_dir: str | None = arg(None, "directory for wandb files (default: ./wandb)")
+    wandb_entity: str | None = arg(None, "wandb entity (user or team) of the project (default: "
+                                         "your user's); checked before training when online")
     profile_phases: bool = arg(False, "time each step's phases (forward, backward, grad comm, "
                                "optimizer, ...; hybrid.zero.profile) and log them as "
                                "phase_<name>_ms per step")
 
     def __post_init__(self) -> None:
+        from hybrid.wandb_names import check_names
+
         check_int(self, "log_interval", 1)
+        check_names(self.wandb_project, self.wandb_entity)
     wandb_init_timeout: float = arg(30.0, "seconds wandb may take to reach its server before the "
                                           "run logs offline instead (upload later with `wandb "
                                           "sync`)")
@@ -294,6 +299,9 @@ class CheckpointConfig:
     save_interval: int | None = arg(None, "save every N iterations (default: only at the end and "
                                           "on a stop)")
     save_keep_last: int | None = arg(None, "keep only the newest K checkpoints (default: all)")
+    async_save: bool = arg(False, "save in the background: each rank copies its shard to host "
+                                  "memory (pinned on GPU) and a thread writes it while training "
+                                  "goes on; published once every rank has written")
     no_load_optim: bool = arg(False, "load weights but not the optimizer state / loss scaler")
     no_load_rng: bool = arg(False, "do not restore the RNG states")
     finetune: bool = arg(False, "load weights only and start from iteration 0 (new optimizer, "

@@ -114,7 +114,7 @@ class MetricsWriter:
                  wandb_project: str | None = None, wandb_exp_name: str | None = None,
                  wandb_save_dir: str | None = None, print_fn=print,
                  wandb_init_timeout: float = 30.0, wandb_run_id: str | None = None,
-                 start_iteration: int = 0):
+                 start_iteration: int = 0, wandb_entity: str | None = None):
         self.active = rank == 0
         self.print = print_fn
         self._file = None
@@ -135,7 +135,7 @@ class MetricsWriter:
             self.config_file.write_text(json.dumps(config, indent=2, default=str) + "\n")
         if wandb_project:
             self._wandb = _start_wandb(wandb_project, wandb_exp_name, wandb_save_dir, config,
-                                       wandb_init_timeout, wandb_run_id)
+                                       wandb_init_timeout, wandb_run_id, wandb_entity)
 
     @property
     def wandb_run_id(self) -> str | None:
@@ -220,7 +220,7 @@ def config_path(metrics_file: str | Path) -> Path:
 
 
 def _start_wandb(project, name, save_dir, config, init_timeout: float = 30.0,
-                 run_id: str | None = None):
+                 run_id: str | None = None, entity: str | None = None):
     """``wandb.init`` with ``init_timeout`` seconds to reach the server; when it cannot (no
     network, server down), the same run is started in offline mode so that it is kept under
     ``save_dir`` for ``wandb sync``. ``run_id`` resumes that run (a resumed job). None when
@@ -234,7 +234,7 @@ def _start_wandb(project, name, save_dir, config, init_timeout: float = 30.0,
     save_dir = save_dir or os.getcwd()
     Path(save_dir).mkdir(parents=True, exist_ok=True)
     mode = wandb_mode()
-    kwargs = dict(project=project, name=name, dir=save_dir, config=config, id=run_id,
+    kwargs = dict(project=project, entity=entity, name=name, dir=save_dir, config=config, id=run_id,
                   resume="allow" if run_id else None)
     try:
         return wandb.init(mode=mode, settings=wandb.Settings(init_timeout=init_timeout,

@@ -155,7 +155,8 @@ def test_a_bad_flag_under_the_launcher_is_one_line_before_any_rank_starts():
     """Issue 28 item 3: at most 3 lines and a non-zero exit, with --nproc-per-node 4 through
     the documented launcher and through scripts/pretrain_gpt.sh (no worker starts: torchrun's
     ~45 lines of ChildFailedError never come)."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), GPUS_PER_NODE="4", MASTER_PORT="1")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), GPUS_PER_NODE="4", MASTER_PORT="1",
+               PYTHON=sys.executable)  # the script would take .venv/bin/python, else python3
     model = ["--mock-data", "--vocab-size", "512", "--num-layers", "2", "--hidden-size", "64",
              "--num-attention-heads", "4"]
     cases = [

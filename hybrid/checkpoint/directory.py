@@ -10,7 +10,8 @@ Layout under ``--save DIR``::
 Protocol: every rank writes its shard into ``iter_N.tmp`` under a temporary
 file name and renames it; after a barrier, rank 0 checks every shard is there, writes
 ``metadata.json`` (listing the shards), renames the directory to ``iter_N``, then replaces the
-pointer file atomically and only then deletes checkpoints beyond the newest ``keep``. A
+pointer file atomically and only then deletes checkpoints beyond the newest ``keep`` in save
+order (:mod:`hybrid.checkpoint.retention`: never the one just published). A
 process killed anywhere in this sequence leaves the previous complete checkpoint in place and
 pointed to.
 """
@@ -19,17 +20,18 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from pathlib import Path
 
 from hybrid.checkpoint import format1
+from hybrid.checkpoint.names import ITER_PATTERN as _ITER
+from hybrid.checkpoint.names import iteration_dir, list_iterations
+from hybrid.checkpoint.retention import SEQUENCE_KEY, Retention, next_sequence
 
 FORMAT_VERSION = 2
 """2: each rank stores its ZeRO partition's fragments (1: :mod:`hybrid.checkpoint.format1`)."""
 READABLE_VERSIONS = (format1.VERSION, FORMAT_VERSION)
 POINTER = "latest_checkpointed_iteration.txt"
-_ITER = re.compile(r"^iter_(\d{7,})$")
 
 
 class IncompleteCheckpointError(RuntimeError):
@@ -41,11 +43,6 @@ def iteration_of_dir(path: str | os.PathLike) -> int | None:
     ``metadata.json``) rather than a checkpoint root; None otherwise."""
     m = _ITER.match(Path(path).name)
     return int(m.group(1)) if m and (Path(path) / "metadata.json").is_file() else None
-
-
-def iteration_dir(root: str | os.PathLike, iteration: int) -> Path:
-    """``root/iter_{iteration:07d}``."""
-    return Path(root) / f"iter_{iteration:07d}"
 
 
 def staging_dir(root: str | os.PathLike, iteration: int) -> Path:
@@ -68,8 +65,14 @@ def write_file_atomic(path: Path, data: bytes) -> None:
 
 
 def publish(root: str | os.PathLike, iteration: int, metadata: dict, world_size: int,
-            keep: int | None) -> Path:
-    """Rank 0, after every rank has written its shard: verify, write metadata, rename, point.
+            keep: int | Retention | None) -> Path:
+    """Rank 0, after every rank has written its shard: verify, write metadata (stamped with
+    the next ``save_sequence``), rename, point, then prune.
+
+    Args:
+        keep: ``--save-keep-last``: a :class:`hybrid.checkpoint.retention.Retention` (the
+            job's policy), a count (keep that many, newest in save order), or None (keep all).
+            The checkpoint just published is never deleted.
 
     Raises:
         IncompleteCheckpointError: a shard is missing from the staging directory.
@@ -81,6 +84,7 @@ def publish(root: str | os.PathLike, iteration: int, metadata: dict, world_size:
         raise IncompleteCheckpointError(f"cannot publish iteration {iteration}: missing {missing} "
                                         f"in {stage}")
     meta = dict(metadata, format_version=FORMAT_VERSION, iteration=iteration, shards=shards)
+    meta[SEQUENCE_KEY] = next_sequence(root)
     write_file_atomic(stage / "metadata.json", json.dumps(meta, indent=2, default=str).encode())
     final = iteration_dir(root, iteration)
     if final.exists():  # re-saving the same iteration (e.g. after a restart): replace it
@@ -88,17 +92,8 @@ def publish(root: str | os.PathLike, iteration: int, metadata: dict, world_size:
     os.replace(stage, final)
     write_file_atomic(Path(root) / POINTER, f"{iteration}\n".encode())
     if keep:
-        for old in list_iterations(root)[:-keep]:
-            shutil.rmtree(iteration_dir(root, old), ignore_errors=True)
+        (keep if isinstance(keep, Retention) else Retention(keep)).prune(root)
     return final
-
-
-def list_iterations(root: str | os.PathLike) -> list[int]:
-    """Iterations with a published directory under ``root``, ascending (complete or not)."""
-    p = Path(root)
-    if not p.is_dir():
-        return []
-    return sorted(int(m.group(1)) for d in p.iterdir() if d.is_dir() and (m := _ITER.match(d.name)))
 
 
 def latest_iteration(root: str | os.PathLike) -> int | None:

@@ -23,14 +23,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
+from hybrid.checkpoint.agree import all_succeed
 from hybrid.checkpoint.directory import (
     iteration_of_dir,
     latest_iteration,
@@ -40,6 +41,7 @@ from hybrid.checkpoint.directory import (
     staging_dir,
 )
 from hybrid.checkpoint.fragments import FragmentReader, RankRows
+from hybrid.checkpoint.retention import Retention
 from hybrid.checkpoint.stream import Entry, write_safetensors
 from hybrid.parallel.layers import get_tp_spec
 from hybrid.parallel.rng import capture_rng_states, restore_rng_states
@@ -77,7 +79,7 @@ def shard_entries(fragments: Iterable[OwnedFragment], tp_rank: int) -> tuple[lis
 def save_checkpoint(root: str | os.PathLike, iteration: int, engine: ZeroEngine, grid: ProcessGrid,
                     train_state: dict,
                     metadata: dict, tracker: RNGTracker | None = None,
-                    keep: int | None = None) -> Path | None:
+                    keep: int | Retention | None = None) -> Path | None:
     """Write a checkpoint of ``iteration`` under ``root`` (collective: every rank calls).
 
     Args:
@@ -88,36 +90,89 @@ def save_checkpoint(root: str | os.PathLike, iteration: int, engine: ZeroEngine,
         train_state: JSON-able counters (iteration, consumed samples, schedule index, ...).
         metadata: JSON-able extras (config, tokenizer, model dims) for ``metadata.json``.
         tracker: the TP RNG tracker (its stream is saved with the other RNG states).
-        keep: keep only the newest ``keep`` checkpoints (None keeps all).
+        keep: ``--save-keep-last``'s policy or count (None keeps all; see
+            :mod:`hybrid.checkpoint.retention`).
 
     Returns:
         The published directory on rank 0, None elsewhere.
+
+    Raises:
+        hybrid.checkpoint.agree.SaveFailedError: on every rank, when creating the staging
+            directory, writing any rank's shard or publishing failed (a full disk: errno 28,
+            ENOSPC); it names the ranks, the path and the errno, and the staging directory has
+            been removed. The previous checkpoint and the pointer are untouched.
     """
+    stage_dir = begin_save(root, iteration, grid)
+    entries, layout = rank_entries(engine, grid, tracker)
+    all_succeed(lambda: write_shard(stage_dir, grid.rank, entries, layout), grid.device,
+                f"saving iteration {iteration} to {root}", cleanup=stage_dir)
+    meta = checkpoint_metadata(engine, grid, train_state, metadata) if grid.rank == 0 else None
+    return publish_agreed(root, iteration, meta, grid, keep)
+
+
+def begin_save(root: str | os.PathLike, iteration: int, grid: ProcessGrid) -> Path:
+    """Create the staging directory (rank 0; collective, agreed); returns it."""
     stage_dir = staging_dir(root, iteration)
-    if grid.rank == 0:
-        stage_dir.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
+
+    def make():
+        if grid.rank == 0:
+            if stage_dir.exists():  # a killed save's leftovers (the directory lock excludes a
+                shutil.rmtree(stage_dir)  # live writer): no stale shard may be published
+            stage_dir.mkdir(parents=True)
+
+    all_succeed(make, grid.device, f"saving iteration {iteration} to {root}")
+    return stage_dir
+
+
+def rank_entries(engine: ZeroEngine, grid: ProcessGrid,
+                 tracker: RNGTracker | None) -> tuple[list[Entry], dict]:
+    """This rank's shard: its fragments' entries and layout (:func:`shard_entries`) plus its
+    RNG states (``rng/{name}``)."""
     entries, layout = shard_entries(state.owned_state(engine), grid.tp_rank)
     for key, value in capture_rng_states(tracker, grid.device).items():
         entries.append(Entry(f"rng/{key}", value.dtype, tuple(value.shape), lambda v=value: v))
-    tmp = stage_dir / (shard_name(grid.rank) + ".partial")
-    write_safetensors(tmp, entries, metadata={"layout": json.dumps(layout), "rank": str(grid.rank)})
-    os.replace(tmp, stage_dir / shard_name(grid.rank))
-    dist.barrier()
-    final = None
-    if grid.rank == 0:
-        specs = {s.name: get_tp_spec(engine.params[s.index]) for s in engine.layout.slots}
-        params = {name: dict(full_shape=list(s.full_shape), split_dim=s.split_dim,
-                             padded_size=s.padded_size)
-                  for name, s in specs.items()}
-        meta = dict(metadata,
-                    grid=dict(tp=grid.tp_size, dp=grid.dp_size, world_size=grid.world_size),
-                    zero_stage=engine.stage, train_state=train_state,
-                    loss_scaler=engine.scaler.state_dict(),
-                    optimizer_step=state.optimizer_step(engine), params=params)
-        final = publish(root, iteration, meta, grid.world_size, keep)
-    dist.barrier()
-    return final
+    return entries, layout
+
+
+def publish_agreed(root: str | os.PathLike, iteration: int, meta: dict | None,
+                   grid: ProcessGrid, keep: int | Retention | None) -> Path | None:
+    """Rank 0 publishes (``meta``: its :func:`checkpoint_metadata`; None elsewhere), every rank
+    agrees on the outcome (collective). Returns the published directory on rank 0.
+
+    Raises:
+        hybrid.checkpoint.agree.SaveFailedError: publication failed (every rank).
+    """
+    final: list[Path] = []
+
+    def step():
+        if grid.rank == 0:
+            final.append(publish(root, iteration, meta, grid.world_size, keep))
+
+    all_succeed(step, grid.device, f"saving iteration {iteration} to {root}",
+                cleanup=staging_dir(root, iteration))
+    return final[0] if final else None
+
+
+def write_shard(stage_dir: Path, rank: int, entries: list[Entry], layout: dict) -> None:
+    """Stream this rank's shard into ``stage_dir`` under a temporary name, then rename it."""
+    tmp = stage_dir / (shard_name(rank) + ".partial")
+    write_safetensors(tmp, entries, metadata={"layout": json.dumps(layout), "rank": str(rank)})
+    os.replace(tmp, stage_dir / shard_name(rank))
+
+
+def checkpoint_metadata(engine: ZeroEngine, grid: ProcessGrid, train_state: dict,
+                        metadata: dict) -> dict:
+    """``metadata.json``'s content besides what :func:`publish` adds: ``metadata`` plus the
+    grid, ZeRO stage, loop counters, loss scaler, optimizer step and every parameter's full
+    shape, split dimension and padded size."""
+    specs = {s.name: get_tp_spec(engine.params[s.index]) for s in engine.layout.slots}
+    params = {name: dict(full_shape=list(s.full_shape), split_dim=s.split_dim,
+                         padded_size=s.padded_size)
+              for name, s in specs.items()}
+    return dict(metadata, grid=dict(tp=grid.tp_size, dp=grid.dp_size, world_size=grid.world_size),
+                zero_stage=engine.stage, train_state=train_state,
+                loss_scaler=engine.scaler.state_dict(),
+                optimizer_step=state.optimizer_step(engine), params=params)
 
 
 class CheckpointReader(FragmentReader):

@@ -70,6 +70,7 @@ def write_safetensors(path: str | os.PathLike, entries: Sequence[Entry],
     Raises:
         ValueError: a produced tensor's dtype or shape differs from its entry, an unsupported
             dtype, or a duplicate key.
+        OSError: writing failed (a full disk: errno 28, ENOSPC); it names ``path``.
     """
     if sys.byteorder != "little":
         raise ValueError("safetensors files are little-endian; this host is big-endian")
@@ -85,13 +86,18 @@ def write_safetensors(path: str | os.PathLike, entries: Sequence[Entry],
         offset += e.nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
-    with open(Path(path), "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for t in staged(entries):
-            if t.numel():
-                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
-            del t
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(Path(path), "wb") as f:
+            f.write(struct.pack("<Q", len(blob)))
+            f.write(blob)
+            for t in staged(entries):
+                if t.numel():
+                    f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+                del t
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:  # file.write's errors (ENOSPC, EIO, EDQUOT) do not name the file
+        if e.filename is None:
+            raise OSError(e.errno, e.strerror, str(path)) from e
+        raise
     return 8 + len(blob) + offset

@@ -32,28 +32,46 @@ class Checkpointer:
         engine.stop_source = self.stop.requested  # rides on the grad-norm all-reduce
         self.saved_at = None
         self.stop_agreed = False  # stop_now() said stop: the next after_iteration stops
+        self.retention = retention(job, writer.print if grid.rank == 0 else None)
+        self.saver = None
+        if self.ck.save and self.ck.async_save:
+            from hybrid.checkpoint.async_save import AsyncSaver
 
-    def save(self, state: TrainState, report: bool = True) -> None:
+            self.saver = AsyncSaver(grid, writer.print if grid.rank == 0 else None)
+            self.saver.reserve(engine, tracker)
+
+    def save(self, state: TrainState, report: bool = True, wait: bool = False) -> None:
         """Save ``state``'s iteration under ``--save`` (once per iteration; nothing without
-        ``--save``); ``report``: rank 0 prints the saved line."""
+        ``--save``); ``report``: rank 0 prints the saved line. With ``--async-save`` only the
+        snapshot happens now; ``wait`` (the end of training, a stop) also waits until it is
+        written and published."""
         from hybrid.checkpoint.shards import save_checkpoint
 
-        if not self.ck.save or self.saved_at == state.iteration:
-            return
-        save_checkpoint(self.ck.save, state.iteration, self.engine, self.grid, state.counters(),
-                        self.metadata, self.tracker, self.ck.save_keep_last)
-        self.saved_at = state.iteration
-        if self.grid.rank == 0 and report:
-            self.writer.print(f" saved checkpoint at iteration {state.iteration} to {self.ck.save}")
+        if self.ck.save and self.saved_at != state.iteration:
+            if self.saver is not None:
+                self.saver.save(self.ck.save, state.iteration, self.engine, state.counters(),
+                                self.metadata, self.tracker, self.retention)
+            else:
+                save_checkpoint(self.ck.save, state.iteration, self.engine, self.grid,
+                                state.counters(), self.metadata, self.tracker, self.retention)
+                if self.grid.rank == 0 and report:
+                    self.writer.print(f" saved checkpoint at iteration {state.iteration} to "
+                                      f"{self.ck.save}")
+            self.saved_at = state.iteration
+        if wait and self.saver is not None:
+            self.saver.wait(report=report)
 
     def after_iteration(self, state: TrainState) -> bool:
-        """Save when due; True (on every rank) when the run must stop now (the Trainer's
-        ``after_iteration`` hook). A stop is one line: why, and where the checkpoint is."""
+        """Publish a finished background save; save when due; True (on every rank) when the
+        run must stop now (the Trainer's ``after_iteration`` hook). A stop is one line: why,
+        and where the checkpoint is."""
+        if self.saver is not None:
+            self.saver.poll()
         if self.ck.save_interval and state.iteration % self.ck.save_interval == 0:
             self.save(state)
         reduced = self.engine.take_stop_request()
         if self.stop_agreed or self.stop.should_stop(self.grid.device, reduced):
-            self.save(state, report=False)
+            self.save(state, report=False, wait=True)
             if self.grid.rank == 0:
                 saved = (f"saved checkpoint at iteration {state.iteration} to {self.ck.save}"
                          if self.ck.save else "not saved (no --save)")
@@ -70,8 +88,64 @@ class Checkpointer:
         return self.stop_agreed
 
     def close(self) -> None:
-        """Reinstall the signal handlers the stop signal replaced."""
+        """Reinstall the signal handlers the stop signal replaced; a background save still
+        pending here (training failed) is left unpublished."""
         self.stop.restore()
+        if self.saver is not None:
+            self.saver.abandon()
+
+
+def lock_save_dir(job: Job, grid: ProcessGrid):
+    """Lock ``--save`` for this job before training (collective; global rank 0 holds
+    :class:`hybrid.checkpoint.lock.SaveLock`, and prints a note when it took over a dead job's
+    lock). Returns the lock on rank 0, None elsewhere or without ``--save``.
+
+    Raises:
+        hybrid.checkpoint.lock.SaveDirectoryInUseError: on every rank, when a live job holds
+            the directory (naming its host, pid and start time) or it cannot be locked.
+    """
+    import torch.distributed as dist
+
+    from hybrid.checkpoint.lock import SaveDirectoryInUseError, SaveLock
+
+    if not job.cfg.checkpoint.save:
+        return None
+    lock, outcome = None, [None]
+    if grid.rank == 0:
+        try:
+            lock = SaveLock(job.cfg.checkpoint.save)
+            if lock.note:
+                print(f" --save {job.cfg.checkpoint.save}: {lock.note}", flush=True)
+        except (SaveDirectoryInUseError, OSError) as e:
+            outcome = [f"{e}" if isinstance(e, SaveDirectoryInUseError)
+                       else f"cannot lock --save {job.cfg.checkpoint.save}: {e}"]
+    if grid.world_size > 1:
+        dist.broadcast_object_list(outcome, src=0, device=grid.device)
+    if outcome[0] is not None:
+        raise SaveDirectoryInUseError(outcome[0])
+    return lock
+
+
+def retention(job: Job, print_fn=None):
+    """``--save-keep-last``'s policy for this job (None: keep all), fixed at its start: the
+    checkpoint resumed from ``--save`` (when ``--load`` is the same directory) and those
+    before it in save order may be pruned with the job's own, never those saved after it
+    (:mod:`hybrid.checkpoint.retention`). ``print_fn`` (rank 0) is told which are kept apart."""
+    from hybrid.checkpoint.directory import latest_iteration
+    from hybrid.checkpoint.retention import Retention, same_directory
+
+    ck = job.cfg.checkpoint
+    if not (ck.save and ck.save_keep_last):
+        return None
+    resumed = latest_iteration(ck.load) if same_directory(ck.load, ck.save) else None
+    policy = Retention.at_start(ck.save, ck.save_keep_last, resumed)
+    apart = policy.kept_apart(ck.save)
+    if apart and print_fn is not None:
+        since = (f"saved after the resumed iteration {resumed}" if resumed is not None
+                 else "found there by this fresh run")
+        print_fn(f" --save-keep-last {ck.save_keep_last}: never deleting iterations {apart} of "
+                 f"{ck.save} ({since}; another branch of the run)")
+    return policy
 
 
 def _metadata(job: Job) -> dict:

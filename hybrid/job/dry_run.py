@@ -301,6 +301,7 @@ def _build_and_step(job, grid, t0: float, clock: PhaseClock) -> dict:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from hybrid import training
+    from hybrid.checkpoint.async_save import host_snapshot_bytes
     from hybrid.job.fake_cuda import transfer_log
     from hybrid.parallel.rng import RNGTracker
     from hybrid.parallelize import meta_gpt, parallelize
@@ -331,13 +332,15 @@ def _build_and_step(job, grid, t0: float, clock: PhaseClock) -> dict:
         save_peak = _save_staging_peak(engine, grid)
         clock.done("save (staging this rank's checkpoint shard, no file written)",
                    time.perf_counter() - t)
+    snapshot = host_snapshot_bytes(engine, grid) if cfg.checkpoint.async_save else 0
     host = _host_checkpoint_bytes(engine)
     gathered = engine.memory_bytes()["gathered_peak"]
     measured = {k: held[k] for k in STATE_KEYS}
     measured.update(states=sum(held[k] for k in STATE_KEYS), buffers=held["buffers"] + gathered,
                     activations=step.peak - start - gathered - host, host_checkpoints=host,
                     total=step.peak - host, construction_peak=build.peak,
-                    save_peak=save_peak, gathered_peak=gathered, tracked_after_build=start)
+                    save_peak=save_peak, gathered_peak=gathered, tracked_after_build=start,
+                    async_save_snapshot=snapshot)
     return dict(tp=grid.tp_size, dp=grid.dp_size, tp_rank=grid.tp_rank,
                 dp_rank=grid.dp_rank, stage=engine.stage, precision=engine.config.precision,
                 local_params=engine.layout.numel, optimizer_steps=engine.optimizer_steps,

@@ -107,6 +107,9 @@ def format_report(r: dict, device: str | None = None, memory_gib: float | None =
                  f"  (bound: steady state + one unit's fp32 states = "
                  f"{gib(r['save_bound'], 0)}; a rank's fragments are written from the states "
                  "themselves)")
+    if m.get("async_save_snapshot"):  # host memory, kept between saves
+        lines.append(f"{'--async-save host snapshot':<34}{gib(m['async_save_snapshot'])}"
+                     "  (host memory, pinned on GPU; not in total)")
     lines.append(f"{'tracked after construction':<34}{gib(m['tracked_after_build'])}"
                  f"  (= model states {gib(m['states'], 0)} + communication buffers "
                  f"{gib(m['buffers'] - m['gathered_peak'], 0)}; stage 3's gathered units "

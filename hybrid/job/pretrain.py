@@ -18,6 +18,7 @@ process_start()  # --exit-duration-in-mins counts from here at the latest (befor
 
 from hybrid.job.cli import parse_config  # noqa: E402
 from hybrid.job.config_checks import ConfigError, Job, validate  # noqa: E402
+from hybrid.wandb_names import preflight as wandb_preflight  # noqa: E402
 
 if TYPE_CHECKING:
     from hybrid.parallel.grid import ProcessGrid
@@ -191,7 +192,8 @@ def _metrics(job: Job, grid: ProcessGrid, state: TrainState, meta: dict | None):
         grid.rank, lg.metrics_file, cfg.to_dict(), lg.wandb_project, lg.wandb_exp_name,
         lg.wandb_save_dir, print_fn=progress.write if progress else print,
         wandb_init_timeout=lg.wandb_init_timeout,
-        wandb_run_id=(meta or {}).get("wandb_run_id"), start_iteration=state.iteration)
+        wandb_run_id=(meta or {}).get("wandb_run_id"), start_iteration=state.iteration,
+        wandb_entity=lg.wandb_entity)
     if lg.tensorboard_dir:
         from hybrid.tensorboard_log import TensorBoardMetrics
 
@@ -201,13 +203,14 @@ def _metrics(job: Job, grid: ProcessGrid, state: TrainState, meta: dict | None):
 
 def run(job: Job) -> dict:
     """Train a validated job; returns ``{"history": records, "engine": engine}``."""
-    from hybrid.job.checkpointing import Checkpointer, lr_schedule, start_from
+    from hybrid.job.checkpointing import Checkpointer, lock_save_dir, lr_schedule, start_from
     from hybrid.job.cpu_precision import warn_if_slow
     from hybrid.training import Trainer, TrainState
 
     grid, tracker, engine = _build(job)
     if grid.rank == 0:  # once per job: bf16/fp16 without native CPU support is 4.7-7x slower
         warn_if_slow(engine.config.precision, grid.device.type)
+    lock = lock_save_dir(job, grid)  # a second job on --save is refused here, before training
     state = TrainState()
     meta = start_from(job, engine, grid, tracker, state)
     train_ds, valid_ds, test_ds = build_datasets(job, state)
@@ -228,7 +231,7 @@ def run(job: Job) -> dict:
                       checkpointer.after_iteration, progress, state, checkpointer.stop_now)
     try:
         trainer.train(_batches(train_ds, state.consumed_samples, job, grid))
-        checkpointer.save(state)
+        checkpointer.save(state, wait=True)  # --async-save: written and published here
         if trainer.settings.eval_iters and state.iteration >= job.cfg.training.train_iters:
             trainer.evaluate("valid")
             trainer.evaluate("test")
@@ -237,6 +240,8 @@ def run(job: Job) -> dict:
             progress.close()
         writer.close()
         checkpointer.close()
+        if lock is not None:
+            lock.release()
     return {"history": state.history, "engine": engine}
 
 
@@ -259,7 +264,8 @@ def header(job: Job) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point; returns the exit status (2 for a configuration error, 1 when
-    ``--max-nan-iterations`` consecutive NaN/inf losses stopped training)."""
+    ``--max-nan-iterations`` consecutive NaN/inf losses stopped training, a save failed or
+    another job holds ``--save``)."""
     import warnings
 
     # a user's warning is a line of its own, not a source file and line of this package
@@ -272,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
         ignored: list[str] = []
         cfg = parse_config(argv, ignored)
         job = validate(cfg, world_size=cfg.grid.dry_run_world_size)
+        if os.environ.get("RANK", "0") == "0" and not cfg.grid.dry_run_world_size:
+            wandb_preflight(cfg.logging.wandb_project, cfg.logging.wandb_entity,
+                            cfg.logging.wandb_init_timeout)  # online: refuse a foreign entity
         if ignored and os.environ.get("RANK", "0") == "0":
             print(f"hybrid-pretrain: Megatron-LM flags accepted without effect here (kernel, "
                   f"fusion and backend choices): {', '.join(ignored)}", flush=True)
@@ -295,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
         return fake_cuda.run_preloaded(sys.argv[1:] if argv is None else argv)
     import torch.distributed as dist
 
+    from hybrid.checkpoint.agree import SaveFailedError
+    from hybrid.checkpoint.lock import SaveDirectoryInUseError
     from hybrid.training import TooManyNaNIterations
 
     try:
@@ -304,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_and_report(job, f"hybrid-zero dry run | {header(job)}")
         try:
             run(job)["engine"].close()
-        except TooManyNaNIterations as e:  # every rank sees the same data-parallel mean loss
+        # every rank sees the same mean loss, the same account of a failed save or a lock
+        except (TooManyNaNIterations, SaveFailedError, SaveDirectoryInUseError) as e:
             if dist.get_rank() == 0:
                 print(f"hybrid-pretrain: error: {e}", file=sys.stderr, flush=True)
             return 1

@@ -1,0 +1,93 @@
+"""Faults around the save directory: a full disk during a save (issue 27, kind 4); retention
+after a roll back or in a used directory (kind 5)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hybrid.checkpoint.directory import (
+    POINTER,
+    latest_iteration,
+    list_iterations,
+    publish,
+    shard_name,
+    staging_dir,
+)
+from hybrid.checkpoint.retention import Retention, next_sequence, save_order
+from hybrid.parallel.spawn import spawn_world
+from tests.save_worlds import MOCK, disk_full_on, roll_back_and_resume
+
+
+@pytest.mark.timeout(300)
+def test_disk_full_removes_the_partial_save_and_names_path_and_errno(tmp_path):
+    """A synchronous save, and a background one (``--async-save``: reported when the ranks
+    agree on publication, after the training went on)."""
+    runs = []
+    for name, extra in (("ck", []), ("ack", ["--async-save", "--save-interval", "4"])):
+        save = ["--save", str(tmp_path / name)]
+        runs.append((MOCK + ["--train-iters", "3"] + save,
+                     MOCK + ["--train-iters", "6", "--load", str(tmp_path / name)] + save + extra))
+    got = spawn_world(2, disk_full_on, runs, 1, timeout_s=60)
+    for i, (name, it) in enumerate((("ck", 6), ("ack", 4))):
+        ck = tmp_path / name
+        partial = ck / f"iter_{it:07d}.tmp" / "rank_00001.safetensors.partial"
+        for messages in got:  # every rank raised (none waits for the failed one), the same
+            message = messages[i]
+            assert message.startswith("errno=28 "), message
+            assert "rank 1: errno 28 (ENOSPC)" in message and f"writing {partial}" in message
+            assert f"removed the partial directory {partial.parent}" in message
+        assert not partial.parent.exists()
+        assert latest_iteration(ck) == 3 and list_iterations(ck) == [3]
+        assert (ck / "iter_0000003" / "metadata.json").is_file()
+        assert sorted(p.name for p in ck.iterdir()) == ["iter_0000003",
+                                                        "latest_checkpointed_iteration.txt"]
+
+
+def fake_publish(root: Path, iteration: int, keep=None) -> None:
+    stage = staging_dir(root, iteration)
+    stage.mkdir(parents=True)
+    (stage / shard_name(0)).write_bytes(b"")
+    publish(root, iteration, {}, 1, keep)
+
+
+def test_retention_keeps_the_new_checkpoint_and_the_branch_rolled_back_from(tmp_path):
+    for it in (100, 200, 300):
+        fake_publish(tmp_path, it)
+    assert next_sequence(tmp_path) == 4
+    (tmp_path / POINTER).write_text("200\n")  # rolled back after a loss spike
+    policy = Retention.at_start(tmp_path, 1, resumed=200)
+    assert policy.kept_apart(tmp_path) == [300]
+    fake_publish(tmp_path, 250, policy)
+    assert list_iterations(tmp_path) == [250, 300] and latest_iteration(tmp_path) == 250
+    fake_publish(tmp_path, 260, policy)
+    assert list_iterations(tmp_path) == [260, 300] and latest_iteration(tmp_path) == 260
+    fresh = Retention.at_start(tmp_path, 1, resumed=None)  # a new run in the used directory
+    for it in (10, 20):
+        fake_publish(tmp_path, it, fresh)
+    assert list_iterations(tmp_path) == [20, 260, 300] and latest_iteration(tmp_path) == 20
+    fake_publish(tmp_path, 5, 1)  # a bare count: the newest in save order survives
+    assert list_iterations(tmp_path) == [5]
+
+
+def test_save_order_ranks_unstamped_checkpoints_first_by_iteration(tmp_path):
+    for it in (7, 3):
+        fake_publish(tmp_path, it)
+    for it in (7, 3):
+        p = tmp_path / f"iter_{it:07d}" / "metadata.json"
+        p.write_text(p.read_text().replace('"save_sequence"', '"other"'))  # an older format
+    assert save_order(tmp_path) == {3: (0, 3), 7: (0, 7)}
+    policy = Retention.at_start(tmp_path, 2, resumed=3)
+    assert policy.kept_apart(tmp_path) == [7]
+    fake_publish(tmp_path, 4, policy)
+    fake_publish(tmp_path, 5, policy)
+    assert list_iterations(tmp_path) == [4, 5, 7]
+
+
+@pytest.mark.timeout(300)
+def test_rolled_back_and_fresh_runs_keep_their_new_checkpoint(tmp_path):
+    ck = str(tmp_path / "ck")
+    (seen,) = spawn_world(1, roll_back_and_resume, MOCK, ck, timeout_s=60)
+    assert seen == [[2, 4, 6], [5, 6], [1, 5, 6]]
+    assert latest_iteration(ck) == 1
