@@ -157,18 +157,6 @@ class ColumnParallelLinear(nn.Module):
         return F.linear(copy_to_tp(x, self.group, self.ledger), self.weight, self.bias)
 
 
-def to_rank_major(x: torch.Tensor, n: int) -> torch.Tensor:
-    """``[b, s, f]`` -> the same tokens in the sequence-parallel collectives' rank-major order
-    (rank r's ``s/n`` rows of every sequence together), still shaped ``[b, s, f]``: one copy.
-
-    A row-parallel linear under sequence parallelism reorders its input (``f = in / t``) this
-    way instead of its ``out``-wide output before the reduce-scatter, ``t`` times fewer bytes
-    for the attention's projection; autograd's backward of the copy reorders the gradient back.
-    """
-    b, s = x.shape[:2]
-    return x.view(b, n, s // n, *x.shape[2:]).transpose(0, 1).reshape(x.shape)
-
-
 class RowParallelLinear(nn.Module):
     """``Y = sum_i X_i A_i + b``: the weight ``[out, in]`` is split by columns (input features).
 
@@ -201,11 +189,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
-            token_wise, n = self.token_wise, dist.get_world_size(self.group)
-            if not token_wise and x.shape[0] > 1 and n > 1:  # reorder the narrow input
-                x, token_wise = to_rank_major(x, n), True
             y = reduce_scatter_sequence(F.linear(x, self.weight), self.group, self.ledger,
-                                        token_wise)
+                                        self.token_wise)
             return y if self.bias is None else y + tp_summed(self.bias, self.group, self.ledger)
         y = reduce_from_tp(F.linear(x, self.weight), self.group, self.ledger)
         return y if self.bias is None else y + self.bias
