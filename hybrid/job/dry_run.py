@@ -202,8 +202,8 @@ def dry_run(job, rank: int = 0, progress=None) -> dict:
     returns the measured and planned bytes (see the module docstring), the phases' times
     (``phases``: ``[(name, s)]``), and with ``--dry-run-device cuda`` the step's host<->device
     copies and host reads. ``progress`` (a ``str -> None``, e.g. ``print``) gets one line per
-    phase (build, forward, backward, step, save) as it ends. Initialises the default process
-    group with the fake backend (destroy it before starting a real one in the same process).
+    phase (build, forward, backward, step, save) as it ends. Runs in a default process group
+    of the fake backend, destroyed before it returns or raises.
 
     ``--dry-run-device cuda`` (``job.cfg.grid.dry_run_device``): the rank's tensors are fake
     ``cuda:(rank % 8)`` tensors (8 GPUs per node); run it through
@@ -231,9 +231,12 @@ def dry_run(job, rank: int = 0, progress=None) -> dict:
     t0 = time.perf_counter()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     clock = PhaseClock(progress)
-    with fake_cuda.stubs() if cuda else contextlib.nullcontext():
-        device = torch.device("cuda", rank % 8) if cuda else torch.device("cpu")
-        out = _build_and_step(job, ProcessGrid(tp=job.tp, device=device), t0, clock)
+    try:
+        with fake_cuda.stubs() if cuda else contextlib.nullcontext():
+            device = torch.device("cuda", rank % 8) if cuda else torch.device("cpu")
+            out = _build_and_step(job, ProcessGrid(tp=job.tp, device=device), t0, clock)
+    finally:  # the caller's process may start a real process group next
+        dist.destroy_process_group()
     out.update(rank=rank, world=world, device=str(device), wall_s=time.perf_counter() - t0,
                phases=clock.phases)
     return out

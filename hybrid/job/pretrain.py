@@ -262,6 +262,30 @@ def header(job: Job) -> str:
             f"{' + '.join(act) or 'all kept'}")
 
 
+def _checked_job(argv: list[str] | None):
+    """Parse and validate the flags, then the checks and notes that come before any process
+    group (rank 0 only): wandb's names, the ignored Megatron-LM flags, --init-from-hf's
+    dropout. Returns ``(cfg, job)``; raises :class:`ConfigError` for a bad flag."""
+    ignored: list[str] = []
+    cfg = parse_config(argv, ignored)
+    job = validate(cfg, world_size=cfg.grid.dry_run_world_size)
+    if os.environ.get("RANK", "0") != "0":
+        return cfg, job
+    if not cfg.grid.dry_run_world_size:
+        wandb_preflight(cfg.logging.wandb_project, cfg.logging.wandb_entity,
+                        cfg.logging.wandb_init_timeout)  # online: refuse a foreign entity
+    if ignored:
+        print(f"hybrid-pretrain: Megatron-LM flags accepted without effect here (kernel, "
+              f"fusion and backend choices): {', '.join(ignored)}", flush=True)
+    if cfg.checkpoint.init_from_hf:
+        from hybrid.hf.weights import start_note  # the run's dropout against config.json's
+
+        note = start_note(cfg.checkpoint.init_from_hf, job.gpt)
+        if note:
+            print(note, flush=True)
+    return cfg, job
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console entry point; returns the exit status (2 for a configuration error, 1 when
     ``--max-nan-iterations`` consecutive NaN/inf losses stopped training, a save failed or
@@ -275,21 +299,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if launch.wanted(sys.argv[1:] if argv is None else argv):  # --nproc-per-node N
             return launch.launch(sys.argv[1:] if argv is None else argv)
-        ignored: list[str] = []
-        cfg = parse_config(argv, ignored)
-        job = validate(cfg, world_size=cfg.grid.dry_run_world_size)
-        if os.environ.get("RANK", "0") == "0" and not cfg.grid.dry_run_world_size:
-            wandb_preflight(cfg.logging.wandb_project, cfg.logging.wandb_entity,
-                            cfg.logging.wandb_init_timeout)  # online: refuse a foreign entity
-        if ignored and os.environ.get("RANK", "0") == "0":
-            print(f"hybrid-pretrain: Megatron-LM flags accepted without effect here (kernel, "
-                  f"fusion and backend choices): {', '.join(ignored)}", flush=True)
-        if cfg.checkpoint.init_from_hf and os.environ.get("RANK", "0") == "0":
-            from hybrid.hf.weights import start_note  # the run's dropout against config.json's
-
-            note = start_note(cfg.checkpoint.init_from_hf, job.gpt)
-            if note:
-                print(note, flush=True)
+        cfg, job = _checked_job(argv)
     except ConfigError as e:
         if os.environ.get("LOCAL_RANK", "0") == "0":  # once per node, not once per rank
             print(f"hybrid-pretrain: error: {e}", file=sys.stderr)
