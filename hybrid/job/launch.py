@@ -18,7 +18,10 @@ launcher, torchrun and the workers at once: torchrun ignores it, each worker see
 or twice, the same stop). A second Ctrl-C (more than :data:`REPEAT_S` after the first; a
 repeat within it is the same Ctrl-C delivered twice) SIGKILLs torchrun and its workers at once,
 prints one line that says which checkpoint stays, and exits 130; once the workers have ended
-(their stop's save done), a Ctrl-C changes nothing.
+(their stop's save done), a Ctrl-C changes nothing. A stop before torchrun starts (during the
+check) starts nothing: one line, exit status 0. A stop after that, before the workers catch it
+(they inherit torchrun's ignored SIGTERM/SIGINT until their entry point installs its handler),
+is kept and sent to each worker once it catches it: it is honoured after the first iteration.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import time
 from hybrid.checkpoint.directory import IncompleteCheckpointError, latest_iteration
 from hybrid.job.cli import LAUNCH_OPTIONS, parse_config
 from hybrid.job.config_checks import ConfigError, validate
-from hybrid.job.preemption import REPEAT_S
+from hybrid.job.preemption import REPEAT_S, early_stop
 
 # what torchrun itself still handles (forwarded to the workers, which then end at once)
 TORCHRUN_SIGNALS = "SIGHUP,SIGQUIT"
@@ -171,27 +174,60 @@ def ended_line(why: str, save: str | None, before: int | None) -> str:
     return f"{head}, without saving: {save} holds no checkpoint"
 
 
+def catches(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` has a handler for ``signum`` (Linux ``/proc``: ``SigCgt``; True
+    elsewhere). A worker inherits torchrun's ignored SIGTERM/SIGINT until its entry point
+    installs its handler (:func:`hybrid.job.preemption.catch_stops_early`): a stop sent before
+    that would be lost."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return bool(int(fields["SigCgt"], 16) >> (signum - 1) & 1)
+    except (OSError, KeyError, ValueError):
+        return not os.path.isdir("/proc")
+
+
 class _Forward:
     """The launcher's SIGTERM / SIGINT handler: pass the stop to torchrun's workers; a second
     SIGINT (more than :data:`REPEAT_S` after the last: sooner, it is the same Ctrl-C delivered
-    twice) or a stop before any worker exists ends torchrun and the workers at once. Once the
-    workers have ended, torchrun ends by itself and a signal changes nothing.
+    twice) ends torchrun and the workers at once. A stop before a worker catches it (torchrun
+    or the workers still starting) is kept and sent to each worker once its handler exists
+    (:meth:`deliver`), so it is honoured after the first iteration. Once the workers have
+    ended, torchrun ends by itself and a signal changes nothing.
 
     Args:
         proc: torchrun.
         save: the job's ``--save`` (None: none), for the line that says what stays.
         clock: seconds, monotonic (tests pass their own).
+        workers: how many workers torchrun starts on this node.
     """
 
-    def __init__(self, proc: subprocess.Popen, save: str | None = None, clock=time.monotonic):
+    def __init__(self, proc: subprocess.Popen, save: str | None = None, clock=time.monotonic,
+                 workers: int = 1):
         self.proc, self.interrupts, self.started = proc, 0, False
         self.save, self.clock, self.last_interrupt = save, clock, None
         self.before: int | None = None  # --save's published iteration when the stop came
         self.stopping = False
+        self.expected, self.pending, self.sent = workers, None, set()
 
     def watch(self) -> None:
         """Note once that torchrun's workers exist (afterwards, no worker means they ended)."""
         self.started = self.started or bool(children(self.proc.pid))
+
+    def waiting(self) -> bool:
+        """True while the workers have not started, or a kept stop has not reached them all."""
+        return not self.started or (self.pending is not None and len(self.sent) < self.expected)
+
+    def deliver(self, workers: list[int] | None = None) -> None:
+        """Send the kept stop to each worker that catches it now and has not had it."""
+        workers = children(self.proc.pid) if workers is None else workers
+        self.started = self.started or bool(workers)
+        if self.pending is None:
+            return
+        ready = [w for w in workers if w not in self.sent and catches(w, self.pending)]
+        if ready:
+            self.sent.update(ready)
+            _kill(ready, self.pending)
 
     def __call__(self, signum, frame) -> None:
         workers = children(self.proc.pid)
@@ -204,30 +240,42 @@ class _Forward:
             self.interrupts += 1
         if self.started and not workers:
             return  # the workers ended (saved or not): torchrun is ending by itself
-        if self.interrupts < 2 and workers:
+        if self.interrupts < 2:
             if not self.stopping and self.save:
                 self.before = published(self.save)
             self.stopping = True
-            _kill(workers, signum)
+            if self.pending is None:
+                self.pending = signum
+            self.deliver(workers)
             return
         _kill([self.proc.pid, *workers], signal.SIGKILL)
-        why = "second interrupt" if self.interrupts >= 2 else "stopped before training started"
-        print(ended_line(why, self.save, self.before), file=sys.stderr, flush=True)
+        print(ended_line("second interrupt", self.save, self.before), file=sys.stderr,
+              flush=True)
         os._exit(128 + signum)
 
 
-def supervise(cmd: list[str], save: str | None = None) -> int:
-    """Run torchrun ``cmd`` with SIGTERM/SIGINT ignored, forwarding them to its workers; returns
-    its exit status (128 + n when signal n killed it). ``save``: the job's ``--save``."""
+def supervise(cmd: list[str], save: str | None = None, workers: int = 1) -> int:
+    """Run torchrun ``cmd`` with SIGTERM/SIGINT ignored, forwarding them to its ``workers``
+    workers; returns its exit status (128 + n when signal n killed it). ``save``: the job's
+    ``--save``. A stop that came before (:func:`hybrid.job.preemption.early_stop`) is kept for
+    the workers."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default too, without its warning
     proc = subprocess.Popen(cmd, env=env, preexec_fn=_ignore_stops)
-    forward = _Forward(proc, save)
+    forward = _Forward(proc, save, workers=workers)
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    if early_stop() is not None:  # between the launcher's check and the handler above
+        forward(early_stop(), None)
     try:
-        while forward.started is False and proc.poll() is None:
-            forward.watch()
-            time.sleep(0.5)
+        while proc.poll() is None:
+            if forward.waiting():
+                forward.deliver()
+                time.sleep(0.1)
+                continue
+            try:
+                proc.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                pass
         status = proc.wait()
     finally:
         for s, h in previous.items():
@@ -246,4 +294,9 @@ def launch(argv: list[str], module: str = "hybrid.pretrain") -> int:
     except ConfigError as e:
         print(f"hybrid-pretrain: error: {e}", file=sys.stderr)
         return 2
-    return supervise(torchrun_command(options, flags, module), cfg.checkpoint.save)
+    if early_stop() is not None:  # before any worker exists: nothing to stop or save
+        name = signal.Signals(early_stop()).name
+        print(f"hybrid-pretrain: received {name} before torchrun started: no process was "
+              "started, nothing to save", file=sys.stderr, flush=True)
+        return 0
+    return supervise(torchrun_command(options, flags, module), cfg.checkpoint.save, per_node)

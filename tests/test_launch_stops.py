@@ -1,0 +1,88 @@
+"""Stops that come while the launcher (:mod:`hybrid.job.launch`) starts the job, and a launcher
+that dies: a stop before torchrun starts starts nothing, one before the workers catch it is
+kept for them (honoured after the first iteration), and workers whose torchrun was SIGKILLed
+stop as on SIGTERM (save, exit) instead of training on orphaned."""
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from hybrid.checkpoint.directory import latest_iteration
+from hybrid.job import launch as launcher
+from hybrid.job import preemption
+from hybrid.job.launch import children
+from tests.test_launch import BASE, finish, launch, noise, wait_for_iterations
+
+
+def test_a_stop_before_torchrun_starts_starts_nothing(monkeypatch, capsys):
+    """The stop came while the launcher checked the flags: no torchrun, one line, exit 0."""
+    monkeypatch.setattr(launcher, "supervise", lambda *a, **k: pytest.fail("torchrun started"))
+    monkeypatch.setattr(preemption, "_EARLY", [(signal.SIGTERM, 0.0)])
+    assert launcher.launch(["--nproc-per-node", "2", *BASE, "--train-iters", "5"]) == 0
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == ("hybrid-pretrain: received SIGTERM before torchrun "
+                                         "started: no process was started, nothing to save\n")
+
+
+def test_a_stop_before_the_workers_catch_it_is_kept_for_them(monkeypatch):
+    """torchrun starting (no worker), then workers that still ignore SIGTERM (inherited from
+    torchrun): the stop waits; each worker gets it once, when its handler exists."""
+    workers, caught, kills, catches = [[]], set(), [], launcher.catches
+    monkeypatch.setattr(launcher, "children", lambda pid: list(workers[0]))
+    monkeypatch.setattr(launcher, "catches", lambda pid, sig: pid in caught)
+    monkeypatch.setattr(launcher, "_kill", lambda pids, sig: kills.append((list(pids), sig)))
+    monkeypatch.setattr(launcher.os, "_exit", lambda code: pytest.fail(f"exit {code}"))
+    forward = launcher._Forward(type("Proc", (), {"pid": 10})(), None, workers=2)
+    forward(signal.SIGTERM, None)
+    assert forward.waiting() and kills == []
+    workers[0] = [11, 12]
+    forward.deliver()
+    assert forward.waiting() and kills == []
+    caught.add(11)
+    forward.deliver()
+    forward(signal.SIGTERM, None)  # SLURM's second signal: the same stop
+    caught.add(12)
+    forward.deliver()
+    forward.deliver()
+    assert kills == [([11], signal.SIGTERM), ([12], signal.SIGTERM)] and not forward.waiting()
+    assert catches(os.getpid(), signal.SIGINT)  # Python's own Ctrl-C handler
+    assert not catches(os.getpid(), signal.SIGUSR2)
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_while_torchrun_starts_is_honoured_after_the_first_iteration(tmp_path):
+    """The process group (launcher, torchrun) is SIGTERMed as soon as torchrun exists, before
+    any worker catches signals: the workers stop after iteration 1, save and exit 0."""
+    ck, m = tmp_path / "ck", tmp_path / "m.jsonl"
+    proc = launch(["--train-iters", "100", "--save", str(ck)], m, program="hybrid.pretrain")
+    deadline = time.monotonic() + 100
+    while not children(proc.pid):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGTERM)
+    rc, lines = finish(proc)
+    assert rc == 0 and latest_iteration(ck) == 1, lines[-30:]
+    assert noise(lines) == [" exiting at iteration 1: received SIGTERM; saved checkpoint at "
+                            f"iteration 1 to {ck}"], lines[-30:]
+
+
+@pytest.mark.timeout(300)
+def test_workers_stop_and_save_when_the_launcher_and_torchrun_are_killed(tmp_path):
+    """``kill -KILL -<launcher's group>`` kills the launcher and torchrun; the workers (in
+    sessions of their own) get SIGTERM from the kernel (PR_SET_PDEATHSIG), save and exit."""
+    ck, m = tmp_path / "ck", tmp_path / "m.jsonl"
+    proc = launch(["--train-iters", "10000", "--save", str(ck)], m, program="hybrid.pretrain")
+    pids = wait_for_iterations(proc, m, 2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while any(Path(f"/proc/{p}").exists() for p in pids[2:]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in pids[2:] if Path(f"/proc/{p}").exists()], "orphaned workers run on"
+    rc, lines = finish(proc, timeout=30)
+    stopped = latest_iteration(ck)
+    assert rc == -signal.SIGKILL and stopped is not None and stopped >= 2, lines[-30:]
+    assert noise(lines) == [f" exiting at iteration {stopped}: received SIGTERM; saved "
+                            f"checkpoint at iteration {stopped} to {ck}"], lines[-30:]
