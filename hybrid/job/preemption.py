@@ -11,13 +11,16 @@ after the iteration's grad-norm all-reduce stops the run one iteration later.
 A second SIGINT (more than :data:`REPEAT_S` after the first) ends the process at once (exit
 status 130) with one line and without saving.
 A stop that arrives while the job starts (:func:`catch_stops_early`, before the loop's handler
-exists) is kept and honoured after the first iteration.
+exists) is kept and honoured after the first iteration. A torchrun worker also stops (as on
+SIGTERM) when torchrun dies (:func:`stop_with_parent`).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
+import sys
 import time
 
 
@@ -60,6 +63,40 @@ def catch_stops_early() -> None:
 
     for s in STOP_SIGNALS:
         signal.signal(s, record)
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker
+        stop_with_parent()
+
+
+def early_stop() -> int | None:
+    """The first stop signal :func:`catch_stops_early` recorded that no :class:`StopSignal`
+    took yet (None: none); it stays recorded."""
+    return _EARLY[0][0] if _EARLY else None
+
+
+def _parent_is_torchrun(ppid: int) -> bool:
+    try:
+        with open(f"/proc/{ppid}/cmdline", "rb") as f:
+            return b"torch" in f.read()  # torchrun, python -m torch.distributed.run
+    except OSError:
+        return False
+
+
+def stop_with_parent() -> None:
+    """Linux: the kernel sends this process SIGTERM when its parent (torchrun) dies
+    (``prctl(PR_SET_PDEATHSIG)``), so a worker whose launcher and torchrun were SIGKILLed stops
+    as on SIGTERM (finishes its iteration, saves, exits 0) instead of training on orphaned. A
+    parent that died before this call (the worker was re-parented to init or a subreaper, which
+    is not torchrun) is a stop at once. Elsewhere: nothing."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent or not _parent_is_torchrun(parent):
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _exit_interrupted() -> None:
