@@ -114,3 +114,14 @@ def engine_lifetime(rank: int, world: int, argv: list[str]) -> tuple[bool, bool]
         gc.collect()
         out.append(ref() is None)
     return tuple(out)
+
+
+def printed_sigterm_in_evaluation(rank: int, world: int, argv: list[str], batch: int) -> tuple:
+    """:func:`sigterm_in_evaluation` that also returns the lines this rank printed."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        history, counts = sigterm_in_evaluation(rank, world, argv, batch)
+    return history, counts, out.getvalue().splitlines()

@@ -68,6 +68,26 @@ def test_sigterm_during_a_long_evaluation_stops_within_one_batch_and_saves(tmp_p
     assert meta["train_state"]["consumed_valid_samples"] == 5000 * 4  # as if it had finished
 
 
+@pytest.mark.timeout(300)
+def test_sigterm_during_the_final_evaluation_is_one_line(tmp_path):
+    # exited 0 without a line: the stop dropped the final evaluations silently
+    from hybrid.checkpoint.directory import latest_iteration
+    from tests.pretrain_worlds import printed_sigterm_in_evaluation
+
+    ck = tmp_path / "ck"
+    argv = MOCK + ["--global-batch-size", "4", "--train-iters", "2", "--eval-iters", "3000",
+                   "--save", str(ck)]
+    runs = spawn_world(2, printed_sigterm_in_evaluation, argv, 3, timeout_s=60)
+    for rank, (history, counts, lines) in enumerate(runs):
+        assert iterations(history) == [1, 2] and not [r for r in history if "split" in r]
+        assert counts == [3]  # the final validation stopped at batch 3; no test evaluation
+        exiting = [x for x in lines if "exiting" in x]
+        assert exiting == ([] if rank else [
+            " exiting at iteration 2: received SIGTERM; dropped the final validation and test "
+            f"evaluations; the checkpoint at iteration 2 in {ck} was saved before them"]), lines
+    assert latest_iteration(ck) == 2
+
+
 @pytest.mark.timeout(400)
 def test_closed_engine_releases_its_process_groups():
     # The engine's gradient hooks close a cycle through autograd that gc cannot see; the

@@ -80,6 +80,23 @@ class Checkpointer:
             return True
         return False
 
+    def final_evaluation(self, evaluate, state: TrainState) -> None:
+        """The end of training's validation and test evaluations (``evaluate(split)``, the
+        Trainer's). A stop during one (SIGTERM, time limit: :meth:`stop_now`) drops it and the
+        rest, and rank 0 prints one line: what was dropped and where the checkpoint is (saved
+        before the evaluations)."""
+        for split, dropped in (("valid", "validation and test evaluations"),
+                               ("test", "test evaluation")):
+            evaluate(split)
+            if self.stop_agreed:
+                if self.grid.rank == 0:
+                    saved = (f"the checkpoint at iteration {state.iteration} in {self.ck.save} "
+                             "was saved before them" if self.ck.save else "no --save")
+                    self.writer.print(f" exiting at iteration {state.iteration}: "
+                                      f"{self.stop.reason()}; dropped the final {dropped}; "
+                                      f"{saved}")
+                return
+
     def stop_now(self) -> bool:
         """The world's answer (one all-reduce): must the job stop now? The Trainer asks it
         between evaluation batches; once True, the next :meth:`after_iteration` saves and stops

@@ -233,8 +233,7 @@ def run(job: Job) -> dict:
         trainer.train(_batches(train_ds, state.consumed_samples, job, grid))
         checkpointer.save(state, wait=True)  # --async-save: written and published here
         if trainer.settings.eval_iters and state.iteration >= job.cfg.training.train_iters:
-            trainer.evaluate("valid")
-            trainer.evaluate("test")
+            checkpointer.final_evaluation(trainer.evaluate, state)
     finally:
         if progress is not None:
             progress.close()
