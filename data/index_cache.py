@@ -14,11 +14,12 @@ loaded memory-mapped.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +54,34 @@ def cache_key(description: dict) -> str:
     return hashlib.md5(json.dumps(description, sort_keys=True).encode()).hexdigest()
 
 
+class MissingIndexError(Exception):
+    """A cache file that :func:`probing` found missing in a read-only cache directory.
+
+    Attributes:
+        path: the missing ``.npy`` file.
+    """
+
+    def __init__(self, path: Path):
+        super().__init__(f"missing index {path}")
+        self.path = path
+
+
+_PROBES: list[set[str]] = []  # read-only directories of the active probing() contexts
+
+
+@contextlib.contextmanager
+def probing(read_only_dirs) -> Iterator[None]:
+    """Within it, :func:`load_or_build` writes nothing: a cache miss in one of
+    ``read_only_dirs`` raises :class:`MissingIndexError`, one elsewhere returns the arrays built
+    in memory. The pre-flight check runs the dataset builder so to learn, with the builder's own
+    names, whether read-only caches hold every index a job needs."""
+    _PROBES.append({os.path.abspath(d) for d in read_only_dirs})
+    try:
+        yield
+    finally:
+        _PROBES.pop()
+
+
 def _atomic_write(path: Path, write: Callable) -> None:
     tmp = path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex}")
     try:
@@ -84,10 +113,15 @@ def load_or_build(
 
     Raises:
         OSError: the cache directory cannot be created or written (pass another one).
+        MissingIndexError: a miss in a read-only directory of :func:`probing`.
     """
     base = Path(cache_dir)
     stem = f"{cache_key(description)}-{kind}"
     paths = {n: base / f"{stem}-{n}.npy" for n in names}
+    if _PROBES and not all(p.is_file() for p in paths.values()):
+        if os.path.abspath(base) in _PROBES[-1]:
+            raise MissingIndexError(next(p for p in paths.values() if not p.is_file()))
+        return build()
     if not all(p.is_file() for p in paths.values()):
         base.mkdir(parents=True, exist_ok=True)
         arrays = build()

@@ -82,6 +82,7 @@ def test_read_only_data_directory_is_refused_at_once_and_runs_with_data_cache_pa
     assert lines[0].startswith(
         f"hybrid-pretrain: error: the data index cache {cache} (default: beside --data-path) "
         "cannot be written: Read-only file system"), lines
+    assert "-GPTDataset-train-doc.npy this job needs; give --data-cache-path DIR" in lines[0]
     assert "give --data-cache-path DIR" in lines[0]
     moved = tmp_path / "index-cache"
     out = subprocess.run(_read_only(data, [*launcher, *job, "--data-cache-path", str(moved)]),
@@ -89,3 +90,39 @@ def test_read_only_data_directory_is_refused_at_once_and_runs_with_data_cache_pa
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     assert " iteration        2/" in out.stdout
     assert list(moved.glob("*-GPTDataset-train-*.npy")) and not cache.exists()
+
+
+def test_a_read_only_index_cache_is_read_when_it_holds_every_index_the_job_needs(
+        tmp_path, monkeypatch):
+    # kind 7: a read-only --data-cache-path holding the right indices was refused, and a
+    # read-only default cache holding other indices passed, then crashed inside the ranks
+    from hybrid.job import preflight
+    from hybrid.job.pretrain import build_datasets
+
+    data, given = tmp_path / "shared", tmp_path / "indices"
+    data.mkdir()
+    prefix, tok = prepare_data(data)
+    default = data / "cache" / "GPTDataset_indices"
+    job = MODEL + ["--data-path", prefix, "--tokenizer-model", tok, "--split", "1",
+                   "--micro-batch-size", "2", "--eval-iters", "0"]
+    read_only, writable = set(), preflight.unwritable
+    monkeypatch.setattr(preflight, "unwritable", lambda p, is_dir=True: (
+        "Read-only file system" if Path(p) in read_only else writable(p, is_dir)))
+
+    def checked(*extra):
+        return validate(parse_config(job + list(extra)), world_size=1, local_world_size=1)
+
+    for cache, flag in ((given, ["--data-cache-path", str(given)]), (default, [])):
+        build_datasets(checked("--train-iters", "2", *flag))  # built while writable
+        built = sorted(cache.iterdir())
+        read_only.add(cache)
+        checked("--train-iters", "2", *flag)  # holds every index: read as it is
+        why = refusal(job + ["--train-iters", "3", *flag])  # other sample counts: other indices
+        assert sorted(cache.iterdir()) == built  # the check wrote nothing
+        head = (f"--data-cache-path {given}" if flag else
+                f"the data index cache {default} (default: beside --data-path)")
+        assert why.startswith(f"{head} cannot be written: Read-only file system; it lacks the "
+                              "index "), why
+        assert why.split(" lacks the index ")[1].split()[0].endswith("-GPTDataset-train-doc.npy")
+        assert "--data-cache-path" in why.split(";")[2], why
+        read_only.clear()

@@ -16,7 +16,7 @@ from hybrid.batch_rampup import BatchRampup
 from hybrid.config import PretrainConfig
 from hybrid.config_fields import ConfigError
 from hybrid.job.model_config import model_config
-from hybrid.job.preflight import check_paths
+from hybrid.job.preflight import check_index_caches, check_paths
 from hybrid.job.schedule_setup import batch_rampup, schedule_settings, training_iterations
 from hybrid.parallel.grid import validate_grid
 from hybrid.parallel.vocab import pad_vocab_size
@@ -168,12 +168,15 @@ def validate(cfg: PretrainConfig, world_size: int | None = None,
     _check_checkpoint(cfg, gpt, schedule)
     if cfg.grid.dry_run_world_size is None:  # a dry run writes none of them
         check_paths(cfg)
-    return Job(
+    job = Job(
         cfg=cfg, gpt=gpt, world_size=world, tp=tp, dp=dp, global_batch_size=gbs,
         grad_accum_steps=gbs // (t.micro_batch_size * dp), tokens_per_step=gbs * m.seq_length,
         padded_vocab_size=pad_vocab_size(vocab, tp, m.make_vocab_size_divisible_by),
         schedule=schedule, rampup=rampup,
     )
+    if cfg.grid.dry_run_world_size is None:
+        check_index_caches(job)  # a read-only one must hold every index the job needs
+    return job
 
 
 def _gpt2_bpe_vocab_size(cfg: PretrainConfig) -> int:

@@ -74,24 +74,56 @@ def index_cache_dirs(cfg: PretrainConfig) -> list[tuple[Path, bool]]:
                               for p in prefixes))
 
 
-def _cache_problem(directory: Path, given: bool) -> str | None:
-    why = unwritable(directory)
-    if why is None:
+def _missing_index(job, read_only: list[Path]) -> Path | None:
+    """The first index file ``job`` needs that is missing from a ``read_only`` cache directory,
+    found by running the dataset builder (:func:`hybrid.job.pretrain.build_datasets`, its own
+    sizes and cache names) without writing (:func:`data.index_cache.probing`); None when they
+    hold every one, or when the data itself is at fault (the ranks report that, as before)."""
+    import contextlib
+    import io
+
+    from data.index_cache import MissingIndexError, probing
+    from hybrid.job.pretrain import build_datasets
+
+    try:  # its notes (a skipped split) are printed by the job itself
+        with probing(read_only), contextlib.redirect_stdout(io.StringIO()):
+            build_datasets(job)
+    except MissingIndexError as e:
+        return e.path
+    except (ValueError, OSError):
         return None
+    return None
+
+
+def check_index_caches(job) -> None:
+    """A data index cache that cannot be written (``--data-cache-path``, or the default beside
+    the data) is accepted only when it holds every index file this job needs (built beforehand,
+    say by whoever made the shared data); it is then read as it is.
+
+    Raises:
+        ConfigError: the directory, why it cannot be written, the missing index, and
+            ``--data-cache-path``.
+    """
+    dirs = {os.path.abspath(d): (d, given, why) for d, given in index_cache_dirs(job.cfg)
+            if (why := unwritable(d))}
+    missing = _missing_index(job, list(dirs)) if dirs else None
+    if missing is None:
+        return
+    directory, given, why = dirs[os.path.abspath(missing.parent)]
+    lacks = f"cannot be written: {why}; it lacks the index {missing.name} this job needs"
     if given:
-        return f"--data-cache-path {directory} cannot be written: {why}; give a writable directory"
-    if directory.is_dir() and any(directory.glob("*.npy")):
-        return None  # a cache built beforehand (say, by whoever made the shared data) is read
-    return (f"the data index cache {directory} (default: beside --data-path) cannot be written: "
-            f"{why}; give --data-cache-path DIR, a writable directory (read-only data is fine)")
+        raise ConfigError(f"--data-cache-path {directory} {lacks}; give --data-cache-path a "
+                          "writable directory (or one that holds this job's indices)")
+    raise ConfigError(f"the data index cache {directory} (default: beside --data-path) {lacks}; "
+                      "give --data-cache-path DIR, a writable directory (read-only data is fine)")
 
 
 def check_paths(cfg: PretrainConfig) -> None:
     """Refuse the first output path that cannot be written, naming it and the flag that moves it.
 
-    Checks ``--save``, the data index cache (:func:`index_cache_dirs`), ``--metrics-file``,
-    ``--tensorboard-dir`` and, with ``--wandb-project``, ``--wandb-save-dir`` (default
-    ``$WANDB_DIR`` or ``./wandb``).
+    Checks ``--save``, ``--metrics-file``, ``--tensorboard-dir`` and, with
+    ``--wandb-project``, ``--wandb-save-dir`` (default ``$WANDB_DIR`` or ``./wandb``); the data
+    index caches need the validated job (:func:`check_index_caches`).
 
     Raises:
         ConfigError: ``<flag> <path> cannot be written: <reason>; ...``.
@@ -105,6 +137,3 @@ def check_paths(cfg: PretrainConfig) -> None:
         if path and (why := unwritable(path, is_dir)):
             raise ConfigError(f"{flag} {path} cannot be written: {why}; give {flag} a writable "
                               f"{'directory' if is_dir else 'file'}")
-    for directory, given in index_cache_dirs(cfg):
-        if why := _cache_problem(directory, given):
-            raise ConfigError(why)
