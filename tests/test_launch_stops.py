@@ -86,3 +86,36 @@ def test_workers_stop_and_save_when_the_launcher_and_torchrun_are_killed(tmp_pat
     assert rc == -signal.SIGKILL and stopped is not None and stopped >= 2, lines[-30:]
     assert noise(lines) == [f" exiting at iteration {stopped}: received SIGTERM; saved "
                             f"checkpoint at iteration {stopped} to {ck}"], lines[-30:]
+
+
+@pytest.mark.timeout(120)
+def test_a_locked_save_is_refused_by_the_launcher_in_one_line(tmp_path):
+    """A live job (this test's process) holds ``--save``'s lock: the launcher refuses before
+    torchrun starts, one line and exit status 1 (not torchrun's ChildFailedError report); a
+    stale lock (its pid gone) does not stop it there."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    from hybrid.checkpoint.lock import LOCK_NAME, in_use, pid_start_ticks, this_job
+
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    holder = subprocess.Popen(["sleep", "100"])  # a live job on this host
+    (ck / LOCK_NAME).write_text(json.dumps(dict(this_job(), pid=holder.pid,
+                                                pid_start=pid_start_ticks(holder.pid))))
+    try:
+        env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+        out = subprocess.run([sys.executable, "-m", "hybrid.pretrain", "--nproc-per-node", "2",
+                              *BASE, "--train-iters", "2", "--save", str(ck)],
+                             capture_output=True, text=True, timeout=100, env=env)
+        lines = (out.stdout + out.stderr).splitlines()
+        assert out.returncode == 1 and len(lines) == 1, lines[-40:]
+        assert lines[0].startswith(f"hybrid-pretrain: error: --save {ck} is in use by another "
+                                   f"job: host {socket.gethostname()}, pid {holder.pid}, ")
+        assert in_use(ck).split(" (its lock")[0] == lines[0][24:].split(" (its lock")[0]
+    finally:
+        holder.kill()
+        holder.wait()
+    assert in_use(ck) is None  # its pid is gone: a stale lock, taken over by rank 0

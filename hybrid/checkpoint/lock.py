@@ -193,6 +193,17 @@ class SaveLock:
             self.path.unlink(missing_ok=True)
 
 
+def in_use(root: str | os.PathLike) -> str | None:
+    """The refusal (:func:`refusal`) when a live job holds ``root``'s lock, by the rules of
+    :class:`SaveLock` (a stale lock does not count); None otherwise. Reads only: the launcher
+    asks it before it starts torchrun, whose rank 0 then takes the lock."""
+    path = Path(root) / LOCK_NAME
+    found = _read(path)
+    if found is None or stale_reason(*found) is not None:
+        return None
+    return refusal(path, *found)
+
+
 def refusal(path: Path, holder: dict, age_s: float) -> str:
     """The message that refuses a second job."""
     return (f"--save {path.parent} is in use by another job: {describe(holder)} (its lock "

@@ -33,6 +33,7 @@ import sys
 import time
 
 from hybrid.checkpoint.directory import IncompleteCheckpointError, latest_iteration
+from hybrid.checkpoint.lock import in_use
 from hybrid.job.cli import LAUNCH_OPTIONS, parse_config
 from hybrid.job.config_checks import ConfigError, validate
 from hybrid.job.preemption import REPEAT_S, early_stop
@@ -285,7 +286,8 @@ def supervise(cmd: list[str], save: str | None = None, workers: int = 1) -> int:
 
 def launch(argv: list[str], module: str = "hybrid.pretrain") -> int:
     """Validate ``argv``'s flags for the world its launcher options start, then run torchrun;
-    returns the exit status (2: a configuration error, printed as one line)."""
+    returns the exit status (2: a configuration error, 1: a live job holds ``--save``'s lock;
+    each printed as one line, before torchrun starts)."""
     try:
         options, flags = split_launch_options(argv)
         world, per_node = world_of(options)
@@ -294,6 +296,9 @@ def launch(argv: list[str], module: str = "hybrid.pretrain") -> int:
     except ConfigError as e:
         print(f"hybrid-pretrain: error: {e}", file=sys.stderr)
         return 2
+    if cfg.checkpoint.save and (why := in_use(cfg.checkpoint.save)):
+        print(f"hybrid-pretrain: error: {why}", file=sys.stderr)  # as rank 0 would, exit 1
+        return 1
     if early_stop() is not None:  # before any worker exists: nothing to stop or save
         name = signal.Signals(early_stop()).name
         print(f"hybrid-pretrain: received {name} before torchrun started: no process was "
