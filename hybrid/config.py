@@ -313,6 +313,9 @@ class CheckpointConfig:
     exit_duration_in_mins: float | None = arg(
         None, "stop (and save, with --save) at the first iteration past this many minutes from "
               "process start")
+    exit_interval: int | None = arg(
+        None, "exit (saving first, with --save) after the iteration that is a multiple of N, "
+              "as Megatron-LM's --exit-interval")
     override_opt_param_scheduler: bool = arg(
         False, "on --load, follow this run's LR/weight-decay schedule flags where they differ "
                "from the checkpoint's (otherwise refused, as Megatron-LM)",
@@ -326,6 +329,7 @@ class CheckpointConfig:
         check_int(self, "save_interval", 1, optional=True)
         check_int(self, "save_keep_last", 1, optional=True)
         check_number(self, "exit_duration_in_mins", 0.0, strict=True, optional=True)
+        check_int(self, "exit_interval", 1, optional=True)
 
 
 @dataclass

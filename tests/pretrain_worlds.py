@@ -125,3 +125,14 @@ def printed_sigterm_in_evaluation(rank: int, world: int, argv: list[str], batch:
     with contextlib.redirect_stdout(out):
         history, counts = sigterm_in_evaluation(rank, world, argv, batch)
     return history, counts, out.getvalue().splitlines()
+
+
+def printed_run(rank: int, world: int, argv: list[str]) -> tuple:
+    """``(history, lines printed)`` of one ``hybrid.pretrain`` run of ``argv`` on this rank."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        (history,) = run_configs(rank, world, [argv])
+    return history, out.getvalue().splitlines()

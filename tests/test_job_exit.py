@@ -88,6 +88,25 @@ def test_sigterm_during_the_final_evaluation_is_one_line(tmp_path):
     assert latest_iteration(ck) == 2
 
 
+@pytest.mark.timeout(200)
+def test_exit_interval_saves_and_exits_after_a_multiple_of_n(tmp_path):
+    # Megatron-LM's --exit-interval was refused as unknown ("did you mean --save-interval")
+    from hybrid.checkpoint.directory import latest_iteration
+    from hybrid.config_fields import ConfigError
+    from hybrid.job.cli import parse_config
+    from tests.pretrain_worlds import printed_run
+
+    ck = tmp_path / "ck"
+    argv = MOCK + ["--exit-interval", "3", "--save-interval", "2", "--save", str(ck)]
+    ((history, lines),) = spawn_world(1, printed_run, argv, timeout_s=60)
+    assert iterations(history) == [1, 2, 3] and latest_iteration(ck) == 3
+    assert [x for x in lines if "exiting" in x] == [
+        f" exiting at iteration 3: reached --exit-interval (3); saved checkpoint at iteration 3 "
+        f"to {ck}"]
+    with pytest.raises(ConfigError, match="--exit-interval 0 .*must be an integer >= 1"):
+        parse_config(MOCK + ["--exit-interval", "0"])
+
+
 @pytest.mark.timeout(400)
 def test_closed_engine_releases_its_process_groups():
     # The engine's gradient hooks close a cycle through autograd that gc cannot see; the

@@ -63,20 +63,23 @@ class Checkpointer:
 
     def after_iteration(self, state: TrainState) -> bool:
         """Publish a finished background save; save when due; True (on every rank) when the
-        run must stop now (the Trainer's ``after_iteration`` hook). A stop is one line: why,
-        and where the checkpoint is."""
+        run must stop now (the Trainer's ``after_iteration`` hook): a stop signal, the time
+        limit, or an iteration that is a multiple of ``--exit-interval``. A stop is one line:
+        why, and where the checkpoint is."""
         if self.saver is not None:
             self.saver.poll()
         if self.ck.save_interval and state.iteration % self.ck.save_interval == 0:
             self.save(state)
         reduced = self.engine.take_stop_request()
-        if self.stop_agreed or self.stop.should_stop(self.grid.device, reduced):
+        every = self.ck.exit_interval  # Megatron-LM's --exit-interval: the same on every rank
+        interval = bool(every) and state.iteration % every == 0
+        if interval or self.stop_agreed or self.stop.should_stop(self.grid.device, reduced):
             self.save(state, report=False, wait=True)
             if self.grid.rank == 0:
                 saved = (f"saved checkpoint at iteration {state.iteration} to {self.ck.save}"
                          if self.ck.save else "not saved (no --save)")
-                self.writer.print(f" exiting at iteration {state.iteration}: "
-                                  f"{self.stop.reason()}; {saved}")
+                why = f"reached --exit-interval ({every})" if interval else self.stop.reason()
+                self.writer.print(f" exiting at iteration {state.iteration}: {why}; {saved}")
             return True
         return False
 
