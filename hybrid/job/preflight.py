@@ -76,14 +76,14 @@ def index_cache_dirs(cfg: PretrainConfig) -> list[tuple[Path, bool]]:
 
 def _missing_index(job, read_only: list[Path]) -> Path | None:
     """The first index file ``job`` needs that is missing from a ``read_only`` cache directory,
-    found by running the dataset builder (:func:`hybrid.job.pretrain.build_datasets`, its own
+    found by running the dataset builder (:func:`hybrid.job.datasets.build_datasets`, its own
     sizes and cache names) without writing (:func:`data.index_cache.probing`); None when they
     hold every one, or when the data itself is at fault (the ranks report that, as before)."""
     import contextlib
     import io
 
     from data.index_cache import MissingIndexError, probing
-    from hybrid.job.pretrain import build_datasets
+    from hybrid.job.datasets import build_datasets
 
     try:  # its notes (a skipped split) are printed by the job itself
         with probing(read_only), contextlib.redirect_stdout(io.StringIO()):

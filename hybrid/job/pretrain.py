@@ -18,6 +18,7 @@ process_start()  # --exit-duration-in-mins counts from here at the latest (befor
 
 from hybrid.job.cli import parse_config  # noqa: E402
 from hybrid.job.config_checks import ConfigError, Job, validate  # noqa: E402
+from hybrid.job.datasets import build_datasets  # noqa: E402
 from hybrid.wandb_names import preflight as wandb_preflight  # noqa: E402
 
 if TYPE_CHECKING:
@@ -25,63 +26,6 @@ if TYPE_CHECKING:
     from hybrid.parallel.rng import RNGTracker
     from hybrid.training import TrainState
     from hybrid.zero.engine import ZeroEngine
-
-
-def build_datasets(job: Job, state: TrainState | None = None):
-    """``(train, valid, test)`` datasets sized for the run (None for an empty split).
-
-    The validation split holds ``(train_iters // eval_interval + 1) x eval_iters x global
-    batch`` samples, the test split ``eval_iters x global batch``, as in Megatron-LM. The
-    training split holds ``train_iters x global batch`` samples (Megatron-LM's size), or
-    more when a resumed job (``state``: its loaded counters) needs more: its consumed samples
-    plus the remaining iterations at this run's global batch, which is larger when the global
-    batch grew since the checkpoint or when the consumed samples came at a larger one.
-    """
-    from data.split import parse_split
-
-    cfg, gbs = job.cfg, job.global_batch_size
-    seq, fractions = cfg.model.seq_length, parse_split(cfg.data.split)
-    eval_samples = cfg.eval.eval_iters * gbs
-    # Megatron-LM's validation size: every evaluation reads new samples (one per interval and
-    # one at the end); the test split is evaluated once
-    interval = cfg.eval.eval_interval
-    valid_samples = (cfg.training.train_iters // interval + 1 if interval else 1) * eval_samples
-    train_samples = cfg.training.train_samples or cfg.training.train_iters * gbs
-    if job.rampup is not None:  # Megatron-LM's rampup iterations may overshoot --train-samples
-        train_samples = max(train_samples, job.rampup.consumed_after(cfg.training.train_iters))
-    if state is not None:
-        remaining = max(0, cfg.training.train_iters - state.iteration)
-        train_samples = max(train_samples, state.consumed_samples + remaining * gbs)
-        evals = remaining // interval + 1 if interval else 1
-        valid_samples = max(valid_samples, state.consumed_valid_samples + evals * eval_samples)
-    counts = (train_samples,
-              valid_samples if fractions[1] > 0 else 0,
-              eval_samples if fractions[2] > 0 else 0)
-    if cfg.data.mock_data:
-        from data.mock_dataset import MockGPTDataset
-
-        return tuple(MockGPTDataset(n, seq, job.gpt.vocab_size, cfg.data.seed + 7919 * i) if n
-                     else None for i, n in enumerate(counts))
-    from data.gpt_dataset import build_gpt_datasets
-
-    counts = _skip_empty_eval_splits(cfg, counts)
-    return build_gpt_datasets(cfg.data.data_path, cfg.data.split, seq, cfg.data.seed, counts,
-                              cache_dir=cfg.data.data_cache_path,
-                              surplus=cfg.data.mid_level_dataset_surplus)
-
-
-def _skip_empty_eval_splits(cfg, counts: tuple) -> tuple:
-    """``counts`` with the evaluation splits that hold no document zeroed, as Megatron-LM skips
-    them (``data.split.skipped_splits``); global rank 0 prints a note for each."""
-    import torch.distributed as dist
-
-    from data.split import SPLIT_NAMES, skip_note, skipped_eval_splits
-
-    skipped = skipped_eval_splits(cfg.data.data_path, cfg.data.split) if cfg.eval.eval_iters else []
-    if skipped and (not dist.is_initialized() or dist.get_rank() == 0):
-        for name in skipped:
-            print(skip_note(cfg.data.split, name), flush=True)
-    return tuple(0 if SPLIT_NAMES[i] in skipped else n for i, n in enumerate(counts))
 
 
 def _batches(dataset, consumed: int, job: Job, grid: ProcessGrid):
