@@ -209,6 +209,7 @@ def test_the_launchers_second_interrupt_is_debounced_and_says_which_checkpoint_s
 
     now, workers, kills = [0.0], [[11, 12]], []
     monkeypatch.setattr(launcher, "children", lambda pid: list(workers[0]))
+    monkeypatch.setattr(launcher, "catches", lambda pid, sig: True)  # handlers installed
     monkeypatch.setattr(launcher, "_kill", lambda pids, sig: kills.append((list(pids), sig)))
     monkeypatch.setattr(launcher.os, "_exit", lambda code: (_ for _ in ()).throw(
         SystemExit(code)))
