@@ -115,6 +115,8 @@ def format_report(r: dict, device: str | None = None, memory_gib: float | None =
                  f"{gib(m['buffers'] - m['gathered_peak'], 0)}; stage 3's gathered units "
                  "come and go in the step)")
     lines += _transfers(r)
+    if r.get("attention"):
+        lines.append(f"attention core measured: {r['attention']}")
     lines.append("The planner's activations are what backward keeps (arXiv 2205.05198 §4) plus the "
                  "step's temporaries (hybrid.planner.temporaries: the loss's logits and their fp32 "
                  "copies, a unit's gradients in the compute dtype before their reduction, sequence "
