@@ -224,3 +224,23 @@ def test_cli_decimal_gb_flags_are_converted_to_gib(capsys):
     assert json.loads(capsys.readouterr().out) == in_gb
     assert plan_cli.main([*base, "--gpu-memory-gib", "80"]) == 0
     assert json.loads(capsys.readouterr().out) != in_gb
+
+
+@pytest.mark.parametrize("pair", [("--gpu-memory-gib", "--gpu-memory-gb"),
+                                  ("--reserved-gib", "--reserved-gb"),
+                                  ("--gpu-memory-gb", "--gpu-memory-gib")])
+def test_cli_a_size_in_both_units_is_refused_naming_both(pair, capsys):
+    """``--gpu-memory-gib 70 --gpu-memory-gb 80`` silently took the last one."""
+    with pytest.raises(SystemExit) as exc:
+        plan_cli.main([*DIMS, "--device", "H100", pair[0], "70", pair[1], "80"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {pair[1]}: not allowed with argument {pair[0]}" in err, err
+
+
+def test_cli_size_metavars_name_their_unit():
+    text = plan_cli.build_parser().format_help()
+    for shown in ("--gpu-memory-gib GIB", "--gpu-memory-gb GB", "--reserved-gib GIB",
+                  "--reserved-gb GB"):
+        assert shown in text, shown
+    assert "GPU_MEMORY_GB" not in text and "RESERVED_GB" not in text
