@@ -315,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
             tuple(args.zero_stage or ZERO_STAGES),
             tuple(args.activation or ACTIVATION_OPTIONS),
         )
+        if not cands:
+            raise ValueError(no_layout_message(skipped))
     except ValueError as err:  # one line, like hybrid.pretrain (the usage is in --help)
         print(f"{parser.prog}: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -340,6 +342,16 @@ def main(argv: list[str] | None = None) -> int:
     if checked is not None:
         print("\n".join(comparison_lines(checked, chosen.total_bytes, chosen.fits)))
     return 0
+
+
+def no_layout_message(skipped: list[str]) -> str:
+    """Why no layout was evaluated at all (every one was skipped, ``skipped`` says why): an
+    error (exit 2), unlike "nothing fits in memory", which is an answer."""
+    if skipped and all("global_batch_size" in r for r in skipped):
+        return ("no layout divides the batch: --global-batch-size must be a multiple of "
+                "--micro-batch-size * dp (dp = --num-gpus / tp) for some tp; " +
+                "; ".join(skipped))
+    return "no layout is possible: " + ("; ".join(skipped) or "no tp/stage/activation left")
 
 
 def _verify(args, model, training: Training, cluster: Cluster, chosen) -> dict | None:

@@ -51,7 +51,7 @@ def plan_text(model, cluster, training, cands, skipped, chosen, fitting_only, de
         )
     lines += [f"skipped {r}" for r in skipped]
     if chosen is None:
-        lines.append("best: nothing fits")
+        lines.append("best: nothing fits in memory")
     else:
         t = chosen.times
         lines.append(
