@@ -117,6 +117,8 @@ def _command(argv: list[str], say, gpu_paths: bool) -> tuple[list[str], dict | N
 
 def comparison_lines(result: dict, planned_total: float, planned_fits: bool) -> list[str]:
     """Both totals side by side (GiB, the reserve included) and both verdicts."""
+    from hybrid.planner.devices import gib_text
+
     gib = 2**30
     reserve = result["reserved_gib"]
     measured = result["measured_total"] / gib + reserve
@@ -125,7 +127,7 @@ def comparison_lines(result: dict, planned_total: float, planned_fits: bool) -> 
     verdicts = ("fits" if planned_fits else "does not fit",
                 "fits" if result["fits"] else "does not fit")
     same = "the same verdict" if planned_fits == result["fits"] else "DIFFERENT verdicts"
-    return [f"verify (rank 0, GiB, reserve {reserve:g} included): planner {planned:.2f} "
+    return [f"verify (rank 0, GiB, reserve {gib_text(reserve)} included): planner {planned:.2f} "
             f"({verdicts[0]}), dry run {measured:.2f} ({verdicts[1]}) of "
             f"{result['memory_gib']:.2f}; planner {diff:+.1%} vs the dry run, {same}",
             f"  (the dry run measured the attention core: {result.get('attention')})"]
