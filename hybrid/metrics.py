@@ -63,15 +63,18 @@ def format_eta(seconds: float) -> str:
 
 def format_train_line(r: dict, train_iters: int) -> str:
     """Megatron-LM's log line for a training record ``r``, with the ETA after the iteration
-    time when ``r`` has ``eta_s``: the remaining iterations times the log window's time per
-    iteration (seconds; evaluations and saves in the window included)."""
+    time when ``r`` has ``eta_s`` (seconds: the remaining iterations times the log window's time
+    per iteration, plus the remaining evaluations at the measured time of one; before one has
+    run, ``eta_evaluations`` says how many it leaves out: ``ETA: 0:00:01 + 4 evaluations``)."""
     parts = [
         f" iteration {r['iteration']:8d}/{train_iters:8d}",
         f"consumed samples: {r['consumed_samples']:12d}",
         f"elapsed time per iteration (ms): {r['elapsed_ms']:.1f}",
     ]
     if r.get("eta_s") is not None:
-        parts.append(f"ETA: {format_eta(r['eta_s'])}")
+        evals = r.get("eta_evaluations")
+        more = f" + {evals} evaluation{'s' * (evals > 1)}" if evals else ""
+        parts.append(f"ETA: {format_eta(r['eta_s'])}{more}")
     parts += [
         f"learning rate: {r['lr']:.6E}",
         f"global batch size: {r['global_batch_size']:5d}",

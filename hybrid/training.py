@@ -188,6 +188,19 @@ class LoopSettings:
     batch_size: Callable[[int], int] | None = None
     """``batch_size(consumed samples)``: the global batch of the next iteration under a rampup
     (:class:`hybrid.batch_rampup.BatchRampup`); None: always ``global_batch_size``."""
+    final_evaluations: int = 0
+    """Evaluations the job runs after the loop (``hybrid.pretrain``: valid and test), counted in
+    the ETA."""
+
+    def evaluations_left(self, iteration: int) -> int:
+        """Evaluations still to run after iteration ``iteration`` has been logged: the loop's
+        (every ``eval_interval`` iterations from this one on, none at the last) and the final
+        ones; 0 without ``eval_iters``."""
+        if not self.eval_iters:
+            return 0
+        every = self.eval_interval
+        loop = (self.train_iters - 1) // every - (iteration - 1) // every if every else 0
+        return max(0, loop) + self.final_evaluations
 
 
 EvalBatches = Callable[[str, int], "Iterator[torch.Tensor] | None"]
@@ -231,6 +244,9 @@ class Trainer:
     progress: Any = None
     state: TrainState = field(default_factory=TrainState)
     stop_now: Callable[[], bool] | None = None
+    eval_s: float | None = None
+    """Seconds the last evaluation in the loop took (the ETA's time per evaluation); None
+    before the first."""
 
     def train(self, train_batches: Iterator[torch.Tensor]) -> TrainState:
         """Run until ``settings.train_iters`` steps; returns the final :class:`TrainState`.
@@ -269,6 +285,7 @@ class Trainer:
             if (s.eval_iters and s.eval_interval and state.iteration % s.eval_interval == 0
                     and not done):
                 self.evaluate("valid")
+                self.eval_s = time.perf_counter() - paused
             stop = self.after_iteration is not None and self.after_iteration(state)
             window.t0 += time.perf_counter() - paused
             if stop:
@@ -314,7 +331,7 @@ class Trainer:
             lr=lr, global_batch_size=window.last_batch, grad_norm=last.grad_norm,
             loss_scale=last.loss_scale, skipped_iterations=window.skipped,
             nan_iterations=window.nan, elapsed_ms=1000 * elapsed,
-            eta_s=(s.train_iters - state.iteration) * elapsed,  # at the window's pace
+            **self._eta(elapsed),
             tokens_per_sec=s.tokens_per_step * share / elapsed, tflops_per_device=tflops,
             mfu=tflops / s.peak_tflops if s.peak_tflops else None,
             **interval_memory(grid.device),
@@ -324,6 +341,17 @@ class Trainer:
             timer.reset()
         self.writer.train(record, s.train_iters)
         state.history.append(record)
+
+    def _eta(self, per_iteration: float) -> dict:
+        """``eta_s``: the remaining iterations at the log window's pace (seconds per iteration)
+        plus the remaining evaluations at the last one's time once one has run; until then
+        ``eta_evaluations`` counts the evaluations it leaves out."""
+        s, done = self.settings, self.state.iteration
+        evals = s.evaluations_left(done)
+        eta = (s.train_iters - done) * per_iteration
+        if self.eval_s is None:
+            return dict(eta_s=eta, eta_evaluations=evals) if evals else dict(eta_s=eta)
+        return dict(eta_s=eta + evals * self.eval_s)
 
     def evaluate(self, split: str) -> float | None:
         """Evaluate ``--eval-iters`` global batches of ``split`` ("valid" or "test") and log one

@@ -7,6 +7,7 @@ without one."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -91,3 +92,20 @@ def test_a_cuda_build_of_torch_is_refused(monkeypatch):
     monkeypatch.setattr(torch.version, "cuda", "12.8")
     with pytest.raises(RuntimeError, match="is built with CUDA 12.8: run the job on the GPU"):
         fake_cuda.library()
+
+
+@needs_compiler
+@pytest.mark.timeout(600)
+def test_attention_dropout_is_measured_on_the_explicit_core_the_planner_counts():
+    """On fake CUDA a CPU-only torch has no fused attention kernel with dropout: its math path
+    keeps the whole fp32 score matrix (+47% over the planner here, where no GPU goes). The dry
+    run measures the explicit core, the planner's upper bound, and names it."""
+    argv = ["--mock-data", "--vocab-size", "512", "--num-layers", "8", "--hidden-size", "64",
+            "--num-attention-heads", "4", "--seq-length", "512", "--micro-batch-size", "1",
+            "--global-batch-size", "8", "--train-iters", "4", "--lr", "1e-3", "--bf16",
+            "--zero-stage", "1", "--dry-run-world-size", "8", "--dry-run-device", "cuda"]
+    out = _run(argv)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "attention core measured: explicit softmax core with dropout" in out.stdout
+    total = re.search(r"total at the step peak +[\d.]+ +[\d.]+ +([-+\d.]+)%", out.stdout)
+    assert total and abs(float(total.group(1))) <= 10, out.stdout[-3000:]

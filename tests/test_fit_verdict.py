@@ -102,3 +102,22 @@ def test_dry_run_device_flags_are_checked_first(extra, message):
 
     with pytest.raises(ConfigError, match=re.escape(message)):
         parse_config([*SMALL, *extra])
+
+
+def test_verdict_and_verify_lines_round_sizes_given_in_gb():
+    """GB flags convert to unrounded GiB: ``verdict on 27.9397 GiB GPU``, ``1.86265 GiB
+    reserve`` were printed as they came."""
+    from hybrid.job.dry_run_report import verdict_lines
+    from hybrid.planner.verify import comparison_lines
+
+    memory, reserve = 30e9 / GIB, 2e9 / GIB
+    r = dict(measured=dict(total=20 * GIB), planned=dict(total=21 * GIB), rank=0,
+             device="cuda:0")
+    text = "\n".join(verdict_lines(r, None, memory, reserve))
+    assert "verdict on 27.94 GiB GPU" in text and "+ 1.86 GiB reserve = 21.86 GiB" in text, text
+    result = dict(reserved_gib=reserve, measured_total=20 * GIB, memory_gib=memory, fits=True,
+                  attention="explicit")
+    line = comparison_lines(result, 22 * GIB, True)[0]
+    assert line.startswith("verify (rank 0, GiB, reserve 1.86 included): planner 22.00"), line
+    assert not re.search(r"\d\.\d{3}", text + line)
+    assert fit_verdict(GIB / 100, 0.05, 0.005)[1].startswith("fits: 0.0100 GiB step peak + 0.005")

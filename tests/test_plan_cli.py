@@ -224,3 +224,40 @@ def test_cli_decimal_gb_flags_are_converted_to_gib(capsys):
     assert json.loads(capsys.readouterr().out) == in_gb
     assert plan_cli.main([*base, "--gpu-memory-gib", "80"]) == 0
     assert json.loads(capsys.readouterr().out) != in_gb
+
+
+@pytest.mark.parametrize("pair", [("--gpu-memory-gib", "--gpu-memory-gb"),
+                                  ("--reserved-gib", "--reserved-gb"),
+                                  ("--gpu-memory-gb", "--gpu-memory-gib")])
+def test_cli_a_size_in_both_units_is_refused_naming_both(pair, capsys):
+    """``--gpu-memory-gib 70 --gpu-memory-gb 80`` silently took the last one."""
+    with pytest.raises(SystemExit) as exc:
+        plan_cli.main([*DIMS, "--device", "H100", pair[0], "70", pair[1], "80"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {pair[1]}: not allowed with argument {pair[0]}" in err, err
+
+
+def test_cli_size_metavars_name_their_unit():
+    text = plan_cli.build_parser().format_help()
+    for shown in ("--gpu-memory-gib GIB", "--gpu-memory-gb GB", "--reserved-gib GIB",
+                  "--reserved-gb GB"):
+        assert shown in text, shown
+    assert "GPU_MEMORY_GB" not in text and "RESERVED_GB" not in text
+
+
+def test_cli_a_batch_no_layout_divides_is_an_error_not_nothing_fits(capsys):
+    """``--global-batch-size 100`` on 64 GPUs (dp 64/32/16/8) printed "best: nothing fits" and
+    exited 0; memory was never the question."""
+    with pytest.raises(SystemExit) as exc:
+        plan_cli.main(["--model", "gpt3-1.3b", "--num-gpus", "64", "--global-batch-size", "100"])
+    assert exc.value.code == 2
+    captured = capsys.readouterr()
+    assert "nothing fits" not in captured.out + captured.err
+    err = captured.err.strip()
+    assert len(err.splitlines()) == 1 and "no layout divides the batch: --global-batch-size must " \
+        "be a multiple of --micro-batch-size * dp" in err, err
+    assert "tp=8: global_batch_size=100 is not a multiple of micro_batch_size * dp = 1 * 8" in err
+    # too big a model for the memory is an answer (exit 0), said as such
+    assert plan_cli.main(["--model", "gpt3-175b", "--num-gpus", "8"]) == 0
+    assert "best: nothing fits in memory" in capsys.readouterr().out

@@ -91,3 +91,24 @@ def test_rolled_back_and_fresh_runs_keep_their_new_checkpoint(tmp_path):
     (seen,) = spawn_world(1, roll_back_and_resume, MOCK, ck, timeout_s=60)
     assert seen == [[2, 4, 6], [5, 6], [1, 5, 6]]
     assert latest_iteration(ck) == 1
+
+
+def test_the_start_up_line_names_what_a_rolled_back_run_may_overwrite(tmp_path):
+    """After a roll back from 824 to 400 the line said "never deleting iterations [600, 800,
+    824]", but the run saved 600 again (overwriting the abandoned one) and pruned it."""
+    for it in (400, 600, 800, 824):
+        fake_publish(tmp_path, it)
+    (tmp_path / POINTER).write_text("400\n")
+    policy = Retention.at_start(tmp_path, 1, resumed=400)
+    line = policy.kept_apart_line(tmp_path, 400, train_iters=700)
+    assert line == (f" --save-keep-last 1: {tmp_path} holds another branch of the run (saved "
+                    "after the resumed iteration 400): iterations [600, 800, 824]; [800, 824] "
+                    "never deleted by this job; [600] (within --train-iters 700) overwritten "
+                    "if this job saves the same iteration, and then pruned as its own")
+    fake_publish(tmp_path, 600, policy)
+    fake_publish(tmp_path, 700, policy)
+    assert list_iterations(tmp_path) == [700, 800, 824]  # what the line said
+    assert policy.kept_apart_line(tmp_path, 400, 700).endswith(
+        "iterations [800, 824] are never deleted by this job")
+    assert Retention.at_start(tmp_path, 1, None).kept_apart_line(tmp_path, None, 10).endswith(
+        "(found there by this fresh run): iterations [700, 800, 824] are never deleted by this job")

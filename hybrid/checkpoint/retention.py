@@ -88,6 +88,29 @@ class Retention:
         """Iterations never deleted by this job: newer in save order than the one resumed."""
         return sorted(it for it, k in save_order(root).items() if self.protected(k))
 
+    def kept_apart_line(self, root: str | os.PathLike, resumed: int | None,
+                        train_iters: int) -> str | None:
+        """The start-up line naming what :meth:`kept_apart` protects (None: nothing), split by
+        fate: the iterations this job, running from ``resumed`` (None: 0) to ``train_iters``,
+        never reaches stay; those it may reach are replaced if it saves there (a save overwrites
+        the same iteration, as Megatron-LM's), and the replacement is its own, pruned as such.
+        """
+        apart = self.kept_apart(root)
+        if not apart:
+            return None
+        start = resumed or 0
+        reached = [it for it in apart if start < it <= train_iters]
+        kept = [it for it in apart if it not in reached]
+        since = (f"saved after the resumed iteration {resumed}" if resumed is not None
+                 else "found there by this fresh run")
+        line = (f" --save-keep-last {self.keep}: {root} holds another branch of the run "
+                f"({since}): iterations {apart}")
+        if not reached:
+            return line + " are never deleted by this job"
+        return line + (f"; {kept or 'none'} never deleted by this job; {reached} (within "
+                       f"--train-iters {train_iters}) overwritten if this job saves the same "
+                       "iteration, and then pruned as its own")
+
     def prune(self, root: str | os.PathLike) -> list[int]:
         """Delete :meth:`doomed`'s checkpoints; returns their iterations."""
         doomed = self.doomed(root)

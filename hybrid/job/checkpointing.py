@@ -159,12 +159,9 @@ def retention(job: Job, print_fn=None):
         return None
     resumed = latest_iteration(ck.load) if same_directory(ck.load, ck.save) else None
     policy = Retention.at_start(ck.save, ck.save_keep_last, resumed)
-    apart = policy.kept_apart(ck.save)
-    if apart and print_fn is not None:
-        since = (f"saved after the resumed iteration {resumed}" if resumed is not None
-                 else "found there by this fresh run")
-        print_fn(f" --save-keep-last {ck.save_keep_last}: never deleting iterations {apart} of "
-                 f"{ck.save} ({since}; another branch of the run)")
+    line = policy.kept_apart_line(ck.save, resumed, job.cfg.training.train_iters)
+    if line and print_fn is not None:
+        print_fn(line)
     return policy
 
 

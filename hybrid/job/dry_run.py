@@ -297,6 +297,26 @@ def _timed_step(job, engine, grid, clock: PhaseClock, patches: list) -> None:
         training.train_step(engine, tokens, cfg.optimizer.lr, grid)
 
 
+def measured_attention_path(model, attention_dropout: float) -> str:
+    """Set the attention core the dry run measures on ``model`` and name it.
+
+    With attention dropout the explicit core (:func:`models.blocks.set_attention_kernel`
+    ``"explicit"``), on every device: the planner counts its ``[b, a/t, s, s]`` terms (an
+    upper bound for a GPU's fused kernel, which keeps O(s) per head). The fused path is left
+    out because a CPU-only torch has no flash / memory-efficient kernel with dropout, on fake
+    CUDA either: its math fallback keeps the whole score matrix in fp32, a path no GPU takes
+    (planner -15% vs such a dry run of GPT-3 13B at s = 2048). Without dropout every kernel is
+    ``scaled_dot_product_attention`` without dropout, left as it is.
+    """
+    from models.blocks import set_attention_kernel
+
+    if attention_dropout > 0:
+        set_attention_kernel(model, "explicit")
+        return ("explicit softmax core with dropout (the planner's upper bound for a GPU's "
+                "fused kernel)")
+    return "scaled_dot_product_attention without dropout"
+
+
 def _build_and_step(job, grid, t0: float, clock: PhaseClock) -> dict:
     """The dry run on ``grid`` under a fake-tensor mode: build, one step, the measured bytes."""
     from unittest import mock
@@ -322,6 +342,7 @@ def _build_and_step(job, grid, t0: float, clock: PhaseClock) -> dict:
     with FakeTensorMode(allow_non_fake_inputs=True):
         with StorageMeter() as build:
             engine = parallelize(meta_gpt(job.gpt), grid, cfg, tracker)
+        attention = measured_attention_path(engine.model, job.gpt.attention_dropout)
         built_s = time.perf_counter() - t0
         clock.done("build (model, TP plan, checkpointing, ZeRO engine)", built_s)
         held = engine.memory_bytes()
@@ -354,4 +375,4 @@ def _build_and_step(job, grid, t0: float, clock: PhaseClock) -> dict:
                 reads=log.reads, micro_batches=cfg.grid.dry_run_micro_batches,
                 step_micro_batches=job.grad_accum_steps,
                 dropout=job.gpt.hidden_dropout > 0 or job.gpt.attention_dropout > 0,
-                sdpa=job.gpt.attention_dropout == 0)
+                sdpa=job.gpt.attention_dropout == 0, attention=attention)

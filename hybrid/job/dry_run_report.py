@@ -16,6 +16,7 @@ from hybrid.planner.devices import (
     GIB,
     device_memory_gib,
     fit_verdict,
+    gib_text,
 )
 
 _ROWS = [(lambda r: f"compute params ({r['precision']})", "params"),
@@ -48,7 +49,7 @@ def verdict_lines(r: dict, device: str | None = None, memory_gib: float | None =
         ValueError: an unknown device without ``memory_gib``, or a reserve that leaves nothing.
     """
     memory = device_memory_gib(device, memory_gib, reserved_gib)
-    name = (f"{memory_gib:g} GiB GPU" if memory_gib is not None
+    name = (f"{gib_text(memory_gib)} GiB GPU" if memory_gib is not None
             else device or DEFAULT_DEVICE)
     fits, text = fit_verdict(r["measured"]["total"], memory, reserved_gib)
     p_fits, p_text = fit_verdict(r["planned"]["total"], memory, reserved_gib,
@@ -115,6 +116,8 @@ def format_report(r: dict, device: str | None = None, memory_gib: float | None =
                  f"{gib(m['buffers'] - m['gathered_peak'], 0)}; stage 3's gathered units "
                  "come and go in the step)")
     lines += _transfers(r)
+    if r.get("attention"):
+        lines.append(f"attention core measured: {r['attention']}")
     lines.append("The planner's activations are what backward keeps (arXiv 2205.05198 §4) plus the "
                  "step's temporaries (hybrid.planner.temporaries: the loss's logits and their fp32 "
                  "copies, a unit's gradients in the compute dtype before their reduction, sequence "

@@ -96,6 +96,7 @@ def loop_settings(job: Job, grid: ProcessGrid):
                                                     cfg.model.seq_length, job.padded_vocab_size),
         peak_tflops=device_peak_tflops() if grid.device.type == "cuda" else None,
         batch_size=job.rampup.batch_size if job.rampup else None,
+        final_evaluations=2,  # valid and test after the loop (none without --eval-iters)
     )
 
 

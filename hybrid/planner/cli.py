@@ -127,17 +127,23 @@ def _add_cluster_args(g) -> None:
     g.add_argument("--device", help=f"GPU preset, memory as CUDA reports it (GiB) and dense "
                    f"bf16/fp16 peak from the datasheet: {preset_names()} (default: "
                    f"{DEFAULT_DEVICE}); another name (V100S, H100 PCIe...) gives only the peak")
-    g.add_argument("--gpu-memory-gib", dest="gpu_memory_gb", type=_finite,
-                   help="memory per GPU in GiB = 2^30 bytes, as nvidia-smi and torch.cuda "
-                   "report it (default: the --device preset's)")
-    g.add_argument("--gpu-memory-gb", dest="gpu_memory_gb", type=_decimal_gb_as_gib,
-                   help="the same in GB = 10^9 bytes, converted to GiB (80 GB = 74.51 GiB)")
-    g.add_argument("--reserved-gib", dest="reserved_gb", type=_finite,
-                   default=DEFAULT_RESERVED_GIB,
-                   help="GiB held back per GPU for the CUDA context and fragmentation, shown in "
-                   "the reserve column and counted in total (0 reproduces the ZeRO tables)")
-    g.add_argument("--reserved-gb", dest="reserved_gb", type=_decimal_gb_as_gib,
-                   help="the same in GB = 10^9 bytes, converted to GiB")
+    # each size in one unit: the GiB flag or the GB one, never both (argparse names the pair)
+    memory = g.add_mutually_exclusive_group()
+    memory.add_argument("--gpu-memory-gib", dest="gpu_memory_gb", type=_finite, metavar="GIB",
+                        help="memory per GPU in GiB = 2^30 bytes, as nvidia-smi and torch.cuda "
+                        "report it (default: the --device preset's)")
+    memory.add_argument("--gpu-memory-gb", dest="gpu_memory_gb", type=_decimal_gb_as_gib,
+                        metavar="GB", help="the same in GB = 10^9 bytes, converted to GiB "
+                        "(80 GB = 74.51 GiB); not with --gpu-memory-gib")
+    reserved = g.add_mutually_exclusive_group()
+    reserved.add_argument("--reserved-gib", dest="reserved_gb", type=_finite, metavar="GIB",
+                          default=DEFAULT_RESERVED_GIB,
+                          help="GiB held back per GPU for the CUDA context and fragmentation, "
+                          "shown in the reserve column and counted in total (0 reproduces the "
+                          "ZeRO tables)")
+    reserved.add_argument("--reserved-gb", dest="reserved_gb", type=_decimal_gb_as_gib,
+                          metavar="GB", help="the same in GB = 10^9 bytes, converted to GiB; "
+                          "not with --reserved-gib")
     g.add_argument("--peak-tflops", type=_finite,
                    help="dense peak per GPU, TFLOP/s (default: the --device preset's)")
     g.add_argument("--efficiency", type=_finite, default=0.45, help="fraction of peak on GEMMs")
@@ -309,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
             tuple(args.zero_stage or ZERO_STAGES),
             tuple(args.activation or ACTIVATION_OPTIONS),
         )
+        if not cands:
+            raise ValueError(no_layout_message(skipped))
     except ValueError as err:  # one line, like hybrid.pretrain (the usage is in --help)
         print(f"{parser.prog}: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -334,6 +342,16 @@ def main(argv: list[str] | None = None) -> int:
     if checked is not None:
         print("\n".join(comparison_lines(checked, chosen.total_bytes, chosen.fits)))
     return 0
+
+
+def no_layout_message(skipped: list[str]) -> str:
+    """Why no layout was evaluated at all (every one was skipped, ``skipped`` says why): an
+    error (exit 2), unlike "nothing fits in memory", which is an answer."""
+    if skipped and all("global_batch_size" in r for r in skipped):
+        return ("no layout divides the batch: --global-batch-size must be a multiple of "
+                "--micro-batch-size * dp (dp = --num-gpus / tp) for some tp; " +
+                "; ".join(skipped))
+    return "no layout is possible: " + ("; ".join(skipped) or "no tp/stage/activation left")
 
 
 def _verify(args, model, training: Training, cluster: Cluster, chosen) -> dict | None:

@@ -86,6 +86,13 @@ def device_memory_gib(device: str | None, memory_gib: float | None,
     return memory_gib
 
 
+def gib_text(x: float) -> str:
+    """A size in GiB for a sentence, rounded as the tables round: 2 decimals, trailing zeros
+    dropped (``27.9397`` -> ``27.94``, ``1.0`` -> ``1``); below 1 GiB two significant digits,
+    so a test's tiny GPU still shows its size (``0.005``)."""
+    return f"{round(x, 2):g}" if abs(x) >= 1 else f"{x:.2g}"
+
+
 def fit_verdict(peak_bytes: float, memory_gib: float, reserved_gib: float,
                 what: str = "step peak") -> tuple[bool, str]:
     """``(fits, sentence)``: whether ``peak_bytes`` (a rank's step peak, named ``what`` in the
@@ -100,5 +107,5 @@ def fit_verdict(peak_bytes: float, memory_gib: float, reserved_gib: float,
 
     how = f"{gib(margin)} to spare" if margin >= 0 else f"{gib(-margin)} over"
     return margin >= 0, (f"{'fits' if margin >= 0 else 'does NOT fit'}: "
-                         f"{gib(peak_bytes / GIB)} {what} + {reserved_gib:g} GiB reserve = "
+                         f"{gib(peak_bytes / GIB)} {what} + {gib_text(reserved_gib)} GiB reserve = "
                          f"{gib(need)} of the GPU's {gib(memory_gib)} ({how})")

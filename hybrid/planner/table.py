@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from hybrid.flops import num_parameters
-from hybrid.planner.devices import GIB
+from hybrid.planner.devices import GIB, gib_text
 
 
 def _gb(x: float) -> str:
@@ -24,7 +24,7 @@ def plan_text(model, cluster, training, cands, skipped, chosen, fitting_only, de
         f"{cluster.efficiency:g}; s={training.seq_length}, b={training.micro_batch_size}, "
         f"{training.precision} ({training.accounting} accounting)",
         "per-rank GiB (2^30 B): total = params + grads + master + optim + activ + temps + buffers "
-        f"+ reserve (--reserved-gib {cluster.reserved_bytes / GIB:g}: CUDA context, "
+        f"+ reserve (--reserved-gib {gib_text(cluster.reserved_bytes / GIB)}: CUDA context, "
         "fragmentation); "
         "fit = total <= GPU memory; activ = what backward keeps, temps = the step's temporaries "
         "(loss logits, a unit's 16-bit gradients, SP's gathered inputs: hybrid.planner."
@@ -51,7 +51,7 @@ def plan_text(model, cluster, training, cands, skipped, chosen, fitting_only, de
         )
     lines += [f"skipped {r}" for r in skipped]
     if chosen is None:
-        lines.append("best: nothing fits")
+        lines.append("best: nothing fits in memory")
     else:
         t = chosen.times
         lines.append(

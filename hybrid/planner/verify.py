@@ -94,8 +94,9 @@ def verify(argv: list[str], say=print, gpu_paths: bool = True) -> dict:
 
 
 def _command(argv: list[str], say, gpu_paths: bool) -> tuple[list[str], dict | None]:
-    """The dry run's interpreter. With attention dropout (``gpu_paths``, the explicit attention
-    core) on fake CUDA devices (``--dry-run-device cuda``) where the small C++ extension builds:
+    """The dry run's interpreter. With attention dropout (``gpu_paths``; the dry run measures
+    the explicit attention core, :func:`hybrid.job.dry_run.measured_attention_path`) on fake
+    CUDA devices (``--dry-run-device cuda``) where the small C++ extension builds:
     CUDA's fused dropout keeps a 1-byte mask per element, torch's CPU dropout a mask in the
     activation dtype (2 bytes in bf16: 4.5 GiB more per rank at 175B). Without it, on the CPU
     device: the attention core is ``scaled_dot_product_attention``, a flash kernel on the CPU
@@ -116,6 +117,8 @@ def _command(argv: list[str], say, gpu_paths: bool) -> tuple[list[str], dict | N
 
 def comparison_lines(result: dict, planned_total: float, planned_fits: bool) -> list[str]:
     """Both totals side by side (GiB, the reserve included) and both verdicts."""
+    from hybrid.planner.devices import gib_text
+
     gib = 2**30
     reserve = result["reserved_gib"]
     measured = result["measured_total"] / gib + reserve
@@ -124,9 +127,10 @@ def comparison_lines(result: dict, planned_total: float, planned_fits: bool) -> 
     verdicts = ("fits" if planned_fits else "does not fit",
                 "fits" if result["fits"] else "does not fit")
     same = "the same verdict" if planned_fits == result["fits"] else "DIFFERENT verdicts"
-    return [f"verify (rank 0, GiB, reserve {reserve:g} included): planner {planned:.2f} "
+    return [f"verify (rank 0, GiB, reserve {gib_text(reserve)} included): planner {planned:.2f} "
             f"({verdicts[0]}), dry run {measured:.2f} ({verdicts[1]}) of "
-            f"{result['memory_gib']:.2f}; planner {diff:+.1%} vs the dry run, {same}"]
+            f"{result['memory_gib']:.2f}; planner {diff:+.1%} vs the dry run, {same}",
+            f"  (the dry run measured the attention core: {result.get('attention')})"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     print("RESULT " + json.dumps(dict(
         measured_total=r["measured"]["total"], planned_total=r["planned"]["total"], fits=fits,
         memory_gib=memory, reserved_gib=g.reserved_gib, wall_s=r["wall_s"],
+        attention=r.get("attention"),
         step_peak_gib=r["measured"]["total"] / GIB)), flush=True)
     return 0
 
