@@ -119,3 +119,28 @@ def test_a_locked_save_is_refused_by_the_launcher_in_one_line(tmp_path):
         holder.kill()
         holder.wait()
     assert in_use(ck) is None  # its pid is gone: a stale lock, taken over by rank 0
+
+
+@pytest.mark.timeout(300)
+def test_workers_killed_during_start_up_with_their_torchrun_leave_nothing_running(tmp_path):
+    """``kill -KILL -<launcher's group>`` while the workers start (nothing to save yet, maybe
+    blocked in the rendezvous with torchrun's store, where no Python handler runs): the kernel
+    SIGKILLs them too (PR_SET_PDEATHSIG), instead of leaving them to wait out the rendezvous
+    timeout (10 minutes) as orphans."""
+    ck, m = tmp_path / "ck", tmp_path / "m.jsonl"
+    proc = launch(["--train-iters", "100", "--save", str(ck)], m, program="hybrid.pretrain")
+    deadline = time.monotonic() + 100
+    while not [w for t in children(proc.pid) for w in children(t)]:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.02)
+    workers = [w for t in children(proc.pid) for w in children(t)]
+    time.sleep(0.5)  # the workers are importing or in the rendezvous
+    os.killpg(proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while any(Path(f"/proc/{p}").exists() for p in workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [p for p in workers if Path(f"/proc/{p}").exists()]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    assert not left, "workers run on after their torchrun was killed during start-up"
+    finish(proc, timeout=30)

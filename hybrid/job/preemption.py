@@ -12,7 +12,8 @@ A second SIGINT (more than :data:`REPEAT_S` after the first) ends the process at
 status 130) with one line and without saving.
 A stop that arrives while the job starts (:func:`catch_stops_early`, before the loop's handler
 exists) is kept and honoured after the first iteration. A torchrun worker also stops (as on
-SIGTERM) when torchrun dies (:func:`stop_with_parent`).
+SIGTERM once training is under way, SIGKILL while it starts) when torchrun dies
+(:func:`stop_with_parent`).
 """
 
 from __future__ import annotations
@@ -63,8 +64,8 @@ def catch_stops_early() -> None:
 
     for s in STOP_SIGNALS:
         signal.signal(s, record)
-    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker
-        stop_with_parent()
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: nothing to save yet
+        stop_with_parent(signal.SIGKILL)
 
 
 def early_stop() -> int | None:
@@ -81,22 +82,25 @@ def _parent_is_torchrun(ppid: int) -> bool:
         return False
 
 
-def stop_with_parent() -> None:
-    """Linux: the kernel sends this process SIGTERM when its parent (torchrun) dies
-    (``prctl(PR_SET_PDEATHSIG)``), so a worker whose launcher and torchrun were SIGKILLed stops
-    as on SIGTERM (finishes its iteration, saves, exits 0) instead of training on orphaned. A
-    parent that died before this call (the worker was re-parented to init or a subreaper, which
-    is not torchrun) is a stop at once. Elsewhere: nothing."""
+def stop_with_parent(signum: int = signal.SIGTERM) -> None:
+    """Linux: the kernel sends this process ``signum`` when its parent (torchrun) dies
+    (``prctl(PR_SET_PDEATHSIG)``). The entry point asks for SIGKILL: while the worker starts
+    (blocked in the process group's rendezvous, building the model) there is nothing to save
+    and a Python handler may not run for minutes. The training loop's :class:`StopSignal` then
+    asks for SIGTERM, so a worker whose launcher and torchrun were SIGKILLed stops as on
+    SIGTERM (finishes its iteration, saves, exits 0) instead of training on orphaned. A parent
+    that died before this call (the worker was re-parented to init or a subreaper, which is not
+    torchrun) sends ``signum`` at once. Elsewhere: nothing."""
     if not sys.platform.startswith("linux"):
         return
     parent = os.getppid()
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+        libc.prctl(1, int(signum), 0, 0, 0)  # 1: PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         return
     if os.getppid() != parent or not _parent_is_torchrun(parent):
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signum)
 
 
 def _exit_interrupted() -> None:
@@ -137,6 +141,8 @@ class StopSignal:
         self._previous = {}
         for s in signals:
             self._previous[s] = signal.signal(s, self._handle)
+        if "TORCHELASTIC_RUN_ID" in os.environ and signal.SIGTERM in signals:
+            stop_with_parent(signal.SIGTERM)  # from now on a dead torchrun means: save, stop
 
     def _handle(self, signum, frame):
         if signum == signal.SIGINT:
