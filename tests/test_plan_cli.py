@@ -261,3 +261,18 @@ def test_cli_a_batch_no_layout_divides_is_an_error_not_nothing_fits(capsys):
     # too big a model for the memory is an answer (exit 0), said as such
     assert plan_cli.main(["--model", "gpt3-175b", "--num-gpus", "8"]) == 0
     assert "best: nothing fits in memory" in capsys.readouterr().out
+
+
+def test_output_into_a_closed_pipe_ends_quietly():
+    """``hybrid.plan ... | head -8`` ended in a BrokenPipeError traceback."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    # the reader is gone before the planner's first line (it imports torch first)
+    cmd = f"'{sys.executable}' -m hybrid.plan --model gpt3-13b --num-gpus 64 | true"
+    out = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], cwd=root, capture_output=True,
+                         text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(root)))
+    assert out.returncode == 0 and out.stderr == "", out.stderr[-2000:]

@@ -112,3 +112,15 @@ def test_the_start_up_line_names_what_a_rolled_back_run_may_overwrite(tmp_path):
         "iterations [800, 824] are never deleted by this job")
     assert Retention.at_start(tmp_path, 1, None).kept_apart_line(tmp_path, None, 10).endswith(
         "(found there by this fresh run): iterations [700, 800, 824] are never deleted by this job")
+
+
+def test_the_start_up_line_has_no_empty_protected_list(tmp_path):
+    """Every abandoned iteration within --train-iters: no "none never deleted" double negative."""
+    for it in (50, 55, 60):
+        fake_publish(tmp_path, it)
+    (tmp_path / POINTER).write_text("50\n")
+    policy = Retention.at_start(tmp_path, 1, resumed=50)
+    assert policy.kept_apart_line(tmp_path, 50, train_iters=60) == (
+        f" --save-keep-last 1: {tmp_path} holds another branch of the run (saved after the "
+        "resumed iteration 50): iterations [55, 60]; [55, 60] (within --train-iters 60) "
+        "overwritten if this job saves the same iteration, and then pruned as its own")

@@ -107,9 +107,10 @@ class Retention:
                 f"({since}): iterations {apart}")
         if not reached:
             return line + " are never deleted by this job"
-        return line + (f"; {kept or 'none'} never deleted by this job; {reached} (within "
-                       f"--train-iters {train_iters}) overwritten if this job saves the same "
-                       "iteration, and then pruned as its own")
+        protected = f"; {kept} never deleted by this job" if kept else ""
+        return line + (f"{protected}; {reached} (within --train-iters {train_iters}) "
+                       "overwritten if this job saves the same iteration, and then pruned as "
+                       "its own")
 
     def prune(self, root: str | os.PathLike) -> list[int]:
         """Delete :meth:`doomed`'s checkpoints; returns their iterations."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
 import sys
 
@@ -295,6 +296,17 @@ def _max_model(args, model, cluster, training) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``hybrid.plan`` / ``hybrid-plan``: returns the exit status (2 for bad input). Output
+    piped into a reader that stops early (``| head``) ends quietly, as Unix tools do."""
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # Python's own flush at exit must not fail again
+        return 0
+
+
+def _main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
