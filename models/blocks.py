@@ -15,17 +15,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from models.config import GPTConfig
 from models.fused import RMSNorm, swiglu
 from models.rope import RotaryEmbedding
-
-if TYPE_CHECKING:
-    from models.gpt import GPTConfig
 
 
 def make_norm(config: GPTConfig, size: int) -> nn.Module:

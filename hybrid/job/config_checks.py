@@ -15,9 +15,9 @@ from pathlib import Path
 from hybrid.batch_rampup import BatchRampup
 from hybrid.config import PretrainConfig
 from hybrid.config_fields import ConfigError
-from hybrid.job.model_config import model_config
 from hybrid.job.preflight import check_index_caches, check_paths
 from hybrid.job.schedule_setup import batch_rampup, schedule_settings, training_iterations
+from hybrid.model_flags import resolve_model
 from hybrid.parallel.grid import validate_grid
 from hybrid.parallel.vocab import pad_vocab_size
 from hybrid.tensorboard_log import tensorboard_missing
@@ -143,7 +143,7 @@ def validate(cfg: PretrainConfig, world_size: int | None = None,
     """
     world, dp = _check_world(cfg, world_size, local_world_size)
     vocab = _vocab_size(cfg)
-    gpt = model_config(cfg, vocab)
+    gpt = resolve_model(cfg.model, vocab)
     _check_model_split(cfg, gpt)
     t, m, tp = cfg.training, cfg.model, cfg.grid.tensor_model_parallel_size
     gbs = t.global_batch_size or t.micro_batch_size * dp

@@ -24,6 +24,7 @@ import sys
 
 from hybrid.config_fields import flag_hints
 from hybrid.flops import device_peak_tflops, num_parameters
+from hybrid.model_flags import _finite, add_model_args, model_from_args
 from hybrid.planner.devices import (
     DEFAULT_DEVICE,
     DEFAULT_RESERVED_GIB,
@@ -34,7 +35,6 @@ from hybrid.planner.devices import (
 )
 from hybrid.planner.max_model import max_layers, max_params
 from hybrid.planner.memory import ACTIVATION_OPTIONS, ZERO_STAGES
-from hybrid.planner.model_args import _finite, add_model_args, model_from_args
 from hybrid.planner.plan import (
     DEFAULT_BUCKET_ELEMENTS,
     Cluster,

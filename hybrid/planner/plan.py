@@ -42,7 +42,6 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from hybrid.flops import flops_per_iteration, layer_parameter_split
-from hybrid.model_shape import ModelShape
 from hybrid.parallel.sequence import sequence_parallel_active
 from hybrid.parallel.vocab import pad_vocab_size
 from hybrid.planner.devices import GIB
@@ -59,6 +58,7 @@ from hybrid.planner.precision import ACCOUNTINGS, get_precision
 from hybrid.planner.temporaries import embedding_backward_bytes, temporary_bytes
 from hybrid.planner.traffic import dp_traffic_bytes, tp_traffic_elements
 from hybrid.zero.stage import stage_plan
+from models.config import GPTConfig
 
 __all__ = [
     "ACCOUNTINGS",
@@ -210,40 +210,41 @@ class Candidate:
         return dataclasses.asdict(self)
 
 
-def tp_candidates(model: object, cluster: Cluster) -> list[int]:
+def tp_candidates(model: GPTConfig, cluster: Cluster) -> list[int]:
     """Powers of two t <= gpus_per_node dividing the heads, the MLP width and the GPU count."""
-    m = ModelShape.of(model)
+    m = model
     out, t = [], 1
     while t <= cluster.gpus_per_node:
-        if m.num_attention_heads % t == 0 and m.ffn % t == 0 and cluster.num_gpus % t == 0:
+        if (m.num_attention_heads % t == 0 and m.ffn_hidden_size % t == 0
+                and cluster.num_gpus % t == 0):
             out.append(t)
         t *= 2
     return out
 
 
-def _padded(model: object, tp: int, training: Training) -> ModelShape:
-    m = ModelShape.of(model)
+def _padded(model: GPTConfig, tp: int, training: Training) -> GPTConfig:
+    m = model
     vocab = pad_vocab_size(m.vocab_size, tp, training.make_vocab_size_divisible_by)
     return dataclasses.replace(m, vocab_size=vocab)
 
 
-def _check_tp(m: ModelShape, tp: int, cluster: Cluster) -> None:
-    if tp <= 0 or m.num_attention_heads % tp or m.ffn % tp:
+def _check_tp(m: GPTConfig, tp: int, cluster: Cluster) -> None:
+    if tp <= 0 or m.num_attention_heads % tp or m.ffn_hidden_size % tp:
         raise ValueError(f"tp={tp} must divide num_attention_heads={m.num_attention_heads} "
-                         f"and ffn_hidden_size={m.ffn}")
+                         f"and ffn_hidden_size={m.ffn_hidden_size}")
     if tp > cluster.gpus_per_node or cluster.num_gpus % tp:
         raise ValueError(f"tp={tp} must divide num_gpus={cluster.num_gpus} and be <= "
                          f"gpus_per_node={cluster.gpus_per_node}")
 
 
-def _check_layout(model: object, cluster: Cluster, training: Training, tp: int,
-                  activation: str) -> ModelShape:
+def _check_layout(model: GPTConfig, cluster: Cluster, training: Training, tp: int,
+                  activation: str) -> GPTConfig:
     """The model with its vocabulary padded for ``tp``, after checking the layout is possible.
 
     Raises ValueError: tp does not divide the heads, the MLP width or the GPUs, or sequence
     parallelism with tp not dividing the sequence length.
     """
-    m0 = ModelShape.of(model)
+    m0 = model
     _check_tp(m0, tp, cluster)
     m = _padded(m0, tp, training)
     s = training.seq_length
@@ -264,7 +265,7 @@ def _batch(training: Training, cluster: Cluster, dp: int) -> tuple[int, int]:
     return gbs, gbs // (b * dp)
 
 
-def _buffer_bytes(m: ModelShape, tp: int, dp: int, stage: int, prec, psi_t: int,
+def _buffer_bytes(m: GPTConfig, tp: int, dp: int, stage: int, prec, psi_t: int,
                   training: Training) -> int:
     """Communication buffers of one rank (``memory.comm_buffer_bytes``), bytes: one block's
     local parameters bound stage 3's gather unit, the rest is the root unit."""
@@ -276,7 +277,7 @@ def _buffer_bytes(m: ModelShape, tp: int, dp: int, stage: int, prec, psi_t: int,
                              training.overlap_comm, root)
 
 
-def _traffic(m: ModelShape, tp: int, dp: int, stage: int, prec, micro_batches: int,
+def _traffic(m: GPTConfig, tp: int, dp: int, stage: int, prec, micro_batches: int,
              persistent: int, activation: str, training: Training, acts: dict
              ) -> tuple[dict, float, float]:
     """``(dp bytes by kind, tp bytes, host bytes)`` one rank moves per optimizer step."""
@@ -293,7 +294,7 @@ def _traffic(m: ModelShape, tp: int, dp: int, stage: int, prec, micro_batches: i
     return dp_kinds, tp_bytes, cpu_bytes
 
 
-def _step_times(m: ModelShape, cluster: Cluster, gbs: int, s: int, activation: str,
+def _step_times(m: GPTConfig, cluster: Cluster, gbs: int, s: int, activation: str,
                 dp_bytes: float, tp_bytes: float, cpu_bytes: float) -> tuple[dict, float]:
     """``(times, mfu)``: the cost model's terms and their sum ``step_s`` (seconds), and the
     model-FLOPs utilisation that step time gives (see the module docstring)."""
@@ -316,7 +317,7 @@ def _step_times(m: ModelShape, cluster: Cluster, gbs: int, s: int, activation: s
 
 
 def evaluate(
-    model: object, cluster: Cluster, training: Training, tp: int, stage: int, activation: str
+    model: GPTConfig, cluster: Cluster, training: Training, tp: int, stage: int, activation: str
 ) -> Candidate:
     """Memory, traffic and estimated step time of one layout (see the module docstring).
 
@@ -336,7 +337,7 @@ def evaluate(
     acts = activation_bytes(m, s, b, tp, activation, prec, dropout=training.dropout)
     buffers = _buffer_bytes(m, tp, dp, stage, prec, psi_t, training)
     temps = temporary_bytes(m, s, b, tp, stage, activation, prec.activation_bytes,
-                            ModelShape.of(model).vocab_size, acts["layers"], training.dropout)
+                            model.vocab_size, acts["layers"], training.dropout)
     bucket = min(max(1, training.reduce_bucket_elements // dp), -(-psi_t // dp)) * dp
     temps["embedding_backward"] = embedding_backward_bytes(
         m, tp, stage, prec.activation_bytes, bucket, acts["gpu"], training.overlap_comm)
@@ -357,7 +358,7 @@ def evaluate(
 
 
 def plan(
-    model: object,
+    model: GPTConfig,
     cluster: Cluster,
     training: Training,
     tps: list[int] | None = None,
@@ -370,7 +371,7 @@ def plan(
     skipped at tp = 1, where partitioning over one rank is plain checkpointing and sequence
     parallelism is off.
     """
-    m = ModelShape.of(model)
+    m = model
     if tps is None:
         tps = tp_candidates(m, cluster)
     for tp in tps:

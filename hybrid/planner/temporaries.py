@@ -48,10 +48,10 @@ rank.
 from __future__ import annotations
 
 from hybrid.flops import layer_parameter_split
-from hybrid.model_shape import ModelShape
+from models.config import GPTConfig
 
 
-def temporary_bytes(model: object, seq_length: int, micro_batch_size: int, tp: int, stage: int,
+def temporary_bytes(model: GPTConfig, seq_length: int, micro_batch_size: int, tp: int, stage: int,
                     activation: str, bytes_per_element: int, real_vocab_size: int | None = None,
                     layer_bytes: int = 0, dropout: bool = True, mask_bytes: int = 1
                     ) -> dict[str, int]:
@@ -78,7 +78,7 @@ def temporary_bytes(model: object, seq_length: int, micro_batch_size: int, tp: i
     """
     if tp <= 0 or stage not in (0, 1, 2, 3):
         raise ValueError(f"tp must be positive and stage in 0-3, got tp={tp}, stage={stage}")
-    m = ModelShape.of(model)
+    m = model
     parts = set(activation.split("+"))
     e, s, b, h = bytes_per_element, seq_length, micro_batch_size, m.hidden_size
     logits = s * b * (m.vocab_size // tp)
@@ -91,8 +91,8 @@ def temporary_bytes(model: object, seq_length: int, micro_batch_size: int, tp: i
     if stage >= 2:
         block = sharded // tp + replicated
     else:
-        block = max(m.ffn, m.qkv_size) * h // tp
-    mlp = s * b * (m.ffn // tp) * ((6 if e < 4 else 3) * 4 if m.swiglu else 2 * e)
+        block = max(m.ffn_hidden_size, m.qkv_size) * h // tp
+    mlp = s * b * (m.ffn_hidden_size // tp) * ((6 if e < 4 else 3) * 4 if m.swiglu else 2 * e)
     gathered = 2 * s * b * h * e if "sp" in parts and tp > 1 else 0
     backward = (head + block) * e + max(mlp, gathered)
     if dropout:
@@ -101,7 +101,7 @@ def temporary_bytes(model: object, seq_length: int, micro_batch_size: int, tp: i
     return {"loss_forward": loss, "block_backward": backward, "total": max(0, loss, backward)}
 
 
-def embedding_backward_bytes(model: object, tp: int, stage: int, bytes_per_element: int,
+def embedding_backward_bytes(model: GPTConfig, tp: int, stage: int, bytes_per_element: int,
                              bucket_elements: int, kept_bytes: int, overlap: bool = True) -> int:
     """Temporaries of the embedding's backward, the last of the step (module docstring), bytes
     per rank: ``(V h / t x (3 tied, 2 untied at ZeRO 2/3, else 1) + held) e - kept_bytes`` (the
@@ -113,7 +113,7 @@ def embedding_backward_bytes(model: object, tp: int, stage: int, bytes_per_eleme
     layer's local parameters. Raises ValueError for tp <= 0."""
     if tp <= 0:
         raise ValueError(f"tp must be positive, got {tp}")
-    m = ModelShape.of(model)
+    m = model
     sharded, replicated = layer_parameter_split(m)
     block = sharded // tp + replicated
     vh = (m.vocab_size // tp) * m.hidden_size

@@ -47,7 +47,7 @@ def _flag(name: str) -> str:
 def pretrain_argv(args, model, chosen, global_batch: int) -> list[str]:
     """The ``hybrid.pretrain`` flags of the dry run of ``chosen`` (a
     :class:`hybrid.planner.plan.Candidate`) for the planner's parsed ``args`` and its model
-    (a :class:`hybrid.model_shape.ModelShape`, for the vocabulary), rank 0 of
+    (a :class:`models.config.GPTConfig`, for the vocabulary), rank 0 of
     ``args.num_gpus``; ``global_batch`` in samples."""
     out = ["--preset", args.model] if args.model else []
     for name in _SAME_VALUE:
