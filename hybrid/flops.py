@@ -15,6 +15,7 @@ Sources:
 
 from __future__ import annotations
 
+from hybrid.parallel.tp_split import tp_split_refusal
 from models.config import GPTConfig
 
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -69,16 +70,8 @@ def parameters_per_tp_rank(model: GPTConfig, tp: int) -> int:
     m = model
     if tp <= 0:
         raise ValueError(f"tp must be positive, got {tp}")
-    for name, value in (
-        ("num_attention_heads", m.num_attention_heads),
-        ("num_query_groups", m.query_groups),
-        ("ffn_hidden_size", m.ffn_hidden_size),
-        ("vocab_size", m.vocab_size),
-    ):
-        if value % tp:
-            hint = (" (pad it with hybrid.parallel.vocab.pad_vocab_size)" if name == "vocab_size"
-                    else "")
-            raise ValueError(f"tp={tp} does not divide {name}={value}{hint}")
+    if (refusal := tp_split_refusal(m, tp, vocab_size=m.vocab_size)) is not None:
+        raise ValueError(str(refusal))
     sharded, replicated = parameter_split(m)
     return sharded // tp + replicated
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from hybrid.devices import GIB, gib_text
 from hybrid.flops import num_parameters
-from hybrid.planner.devices import GIB, gib_text
 
 
 def _gb(x: float) -> str:
