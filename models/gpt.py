@@ -122,6 +122,8 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         h = config.hidden_size
+        # door: wte (vocab-parallel), output_layer (parallel logits), loss_fn (vocab-parallel
+        # cross-entropy) are swapped by the TP plan; wpe, drop and ln_f too under SP
         self.wte = nn.Embedding(config.vocab_size, h)
         self.wpe = (nn.Embedding(config.max_position_embeddings, h)
                     if config.position_embedding_type == "learned_absolute" else None)
@@ -168,6 +170,8 @@ class GPT(nn.Module):
         pos = torch.arange(s, device=tokens.device)
         return self.drop(self.wte(tokens) + self.wpe(pos))
 
+    # door: hooked before/after by ZeRO-3 (the root unit's gather and free, hybrid.zero.stage3);
+    # every parameter's post-accumulate-grad hook is ZeRO's gradient reduce (hybrid.zero.reduce)
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embed(tokens)
         for block in self.layers:
