@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 
 from hybrid.activation.config import ActivationConfig
 from hybrid.config_fields import ConfigError, arg, check_choice, check_int, check_number, fail
+from hybrid.devices import device_memory_gib
 from hybrid.parallel import sequence
 from hybrid.schedule import DECAY_STYLES, WD_INCR_STYLES, WSD_DECAY_STYLES
 from hybrid.zero.config import OptimizerConfig, ZeroConfig
-from models.gpt import NORMALIZATIONS, POSITION_EMBEDDING_TYPES
+from models.config import NORMALIZATIONS, POSITION_EMBEDDING_TYPES
 
 
 @dataclass
@@ -112,6 +113,23 @@ class GridConfig:
                                          "over the TP group (arXiv 2205.05198 §4.2.2; needs the "
                                          "seq length divisible by tp)")
     distributed_timeout_minutes: float = arg(10.0, "collective timeout, in minutes")
+    def __post_init__(self) -> None:
+        check_int(self, "tensor_model_parallel_size", 1)
+        check_number(self, "distributed_timeout_minutes", 0.0, strict=True)
+
+    @property
+    def sequence_parallel_active(self) -> bool:
+        """``sequence_parallel`` as it takes effect: only when tp > 1
+        (:func:`hybrid.parallel.sequence.sequence_parallel_active`)."""
+        return sequence.sequence_parallel_active(self.sequence_parallel,
+                                                 self.tensor_model_parallel_size)
+
+
+@dataclass
+class DryRunConfig:
+    """The dry run (``hybrid.dryrun``): one rank of an N-rank job on fake tensors, and the GPU its
+    memory verdict compares with."""
+
     dry_run_world_size: int | None = arg(None, "dry run: build one rank of an N-rank job with a "
                                                "fake process group and fake tensors, run one step, "
                                                "print its memory (no devices, no data)")
@@ -130,8 +148,6 @@ class GridConfig:
                                    "hybrid.plan --reserved-gib")
 
     def __post_init__(self) -> None:
-        from hybrid.planner.devices import device_memory_gib
-
         check_choice(self, "dry_run_device", ("cpu", "cuda"))
         check_int(self, "dry_run_micro_batches", 1)
         check_number(self, "gpu_memory_gib", 0.0, strict=True, optional=True)
@@ -142,15 +158,6 @@ class GridConfig:
             raise ConfigError(str(e)) from None
         if self.dry_run_device != "cpu" and self.dry_run_world_size is None:
             fail(self, "dry_run_device", "needs --dry-run-world-size N (a dry run)")
-        check_int(self, "tensor_model_parallel_size", 1)
-        check_number(self, "distributed_timeout_minutes", 0.0, strict=True)
-
-    @property
-    def sequence_parallel_active(self) -> bool:
-        """``sequence_parallel`` as it takes effect: only when tp > 1
-        (:func:`hybrid.parallel.sequence.sequence_parallel_active`)."""
-        return sequence.sequence_parallel_active(self.sequence_parallel,
-                                                 self.tensor_model_parallel_size)
 
 
 @dataclass
@@ -338,6 +345,7 @@ class PretrainConfig:
 
     model: ModelConfig = field(default_factory=ModelConfig)
     grid: GridConfig = field(default_factory=GridConfig)
+    dry_run: DryRunConfig = field(default_factory=DryRunConfig)
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     activation: ActivationConfig = field(default_factory=ActivationConfig)

@@ -15,7 +15,8 @@ Sources:
 
 from __future__ import annotations
 
-from hybrid.model_shape import ModelShape
+from hybrid.parallel.tp_split import tp_split_refusal
+from models.config import GPTConfig
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 """Activation recomputation modes understood by ``flops_per_iteration``."""
@@ -40,78 +41,37 @@ DEVICE_PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
 # ----------------------------------------------------------------------------- parameters
 
 
-def layer_parameter_split(model: object) -> tuple[int, int]:
-    """(TP-sharded, replicated) parameters of one transformer layer, in elements.
-
-    GPT: attention 4h^2 + 4h (QKV 3h^2 + 3h column-parallel, projection h^2 row-parallel + h
-    bias); MLP 2hf + f + h (fc1 hf + f column-parallel, fc2 fh row-parallel + h bias); two
-    LayerNorms 4h. In general QKV is ``(a + 2G) d h`` (GQA), the projection ``a d h``, a SwiGLU
-    MLP has two column-parallel ``[f, h]`` halves, biases follow ``add_bias_linear`` /
-    ``add_qkv_bias``, RMSNorms have no bias and ``qk_layernorm`` adds two norms of width d.
-    Row-parallel biases and norms are replicated on every TP rank (1909.08053 §3).
-    """
-    m = ModelShape.of(model)
-    h, f, qkv = m.hidden_size, m.ffn, m.qkv_size
-    halves = 2 if m.swiglu else 1
-    sharded = qkv * h + m.num_attention_heads * m.head_dim * h + (halves + 1) * f * h
-    sharded += qkv if m.add_bias_linear or m.add_qkv_bias else 0
-    sharded += halves * f if m.add_bias_linear else 0
-    replicated = 2 * h if m.add_bias_linear else 0
-    replicated += 2 * m.norm_parameters(h) + (2 * m.norm_parameters(m.head_dim)
-                                              if m.qk_layernorm else 0)
-    return sharded, replicated
+def layer_parameter_split(model: GPTConfig) -> tuple[int, int]:
+    """(TP-sharded, replicated) parameters of one layer, in elements
+    (:meth:`GPTConfig.layer_parameter_split`)."""
+    return model.layer_parameter_split()
 
 
-def parameter_split(model: object) -> tuple[int, int]:
-    """(TP-sharded, replicated) parameter counts of the whole model, in elements.
-
-    Sharded: the layers' column/row-parallel weights, the vocab-parallel word embedding (V h) and,
-    if untied, the output matrix (V h). Replicated: row-parallel biases, norms, the learned
-    position table (s h) and the final norm (2h, or h for RMSNorm).
-    ``sharded + replicated == num_parameters(model)``.
-    """
-    m = ModelShape.of(model)
-    h, v = m.hidden_size, m.vocab_size
-    layer_sharded, layer_replicated = layer_parameter_split(m)
-    sharded = m.num_layers * layer_sharded + v * h
-    if m.untie_embeddings_and_output_weights:
-        sharded += v * h
-    replicated = m.num_layers * layer_replicated
-    if m.position_embedding_type == "learned_absolute":
-        replicated += m.max_position_embeddings * h
-    if m.final_layernorm:
-        replicated += m.norm_parameters(h)
-    return sharded, replicated
+def parameter_split(model: GPTConfig, final_layernorm: bool = True) -> tuple[int, int]:
+    """(TP-sharded, replicated) parameters of the model (:meth:`GPTConfig.parameter_split`);
+    ``sharded + replicated == num_parameters(model)``."""
+    return model.parameter_split(final_layernorm)
 
 
-def num_parameters(model: object) -> int:
-    """Total parameters P (elements) of ``model`` (a ModelShape or anything GPTConfig-like).
+def num_parameters(model: GPTConfig, final_layernorm: bool = True) -> int:
+    """Total parameters P (elements) of ``model`` (:meth:`GPTConfig.num_parameters`).
 
     With f = 4h, tied output and the final LayerNorm:
     P = 12lh^2 + 13lh + (V + s)h + 2h (2104.04473 Eq. 2 plus 2h). GPT-2 small gives 124,439,808.
     """
-    sharded, replicated = parameter_split(model)
-    return sharded + replicated
+    return model.num_parameters(final_layernorm)
 
 
-def parameters_per_tp_rank(model: object, tp: int) -> int:
+def parameters_per_tp_rank(model: GPTConfig, tp: int) -> int:
     """Parameters held by one tensor-parallel rank, in elements: sharded/tp + replicated.
 
     Raises ValueError when tp does not divide the heads, f or the vocabulary (pad it first).
     """
-    m = ModelShape.of(model)
+    m = model
     if tp <= 0:
         raise ValueError(f"tp must be positive, got {tp}")
-    for name, value in (
-        ("num_attention_heads", m.num_attention_heads),
-        ("num_query_groups", m.query_groups),
-        ("ffn_hidden_size", m.ffn),
-        ("vocab_size", m.vocab_size),
-    ):
-        if value % tp:
-            hint = (" (pad it with hybrid.parallel.vocab.pad_vocab_size)" if name == "vocab_size"
-                    else "")
-            raise ValueError(f"tp={tp} does not divide {name}={value}{hint}")
+    if (refusal := tp_split_refusal(m, tp, vocab_size=m.vocab_size)) is not None:
+        raise ValueError(str(refusal))
     sharded, replicated = parameter_split(m)
     return sharded // tp + replicated
 
@@ -120,7 +80,7 @@ def parameters_per_tp_rank(model: object, tp: int) -> int:
 
 
 def flops_per_iteration(
-    model: object, batch_size: int, seq_length: int, recompute: str = "none"
+    model: GPTConfig, batch_size: int, seq_length: int, recompute: str = "none"
 ) -> int:
     """Matmul FLOPs of one forward+backward over ``batch_size`` sequences of ``seq_length`` tokens.
 
@@ -139,8 +99,8 @@ def flops_per_iteration(
         raise ValueError(
             f"batch_size and seq_length must be positive, got {batch_size}, {seq_length}"
         )
-    m = ModelShape.of(model)
-    b, s, h, f = batch_size, seq_length, m.hidden_size, m.ffn
+    m = model
+    b, s, h, f = batch_size, seq_length, m.hidden_size, m.ffn_hidden_size
     gemm = 2 * b * s * (4 * h * h + 2 * h * f) * m.num_layers
     attention = 4 * b * s * s * h * m.num_layers
     logits = 2 * b * s * h * m.vocab_size
@@ -151,7 +111,7 @@ def flops_per_iteration(
     return 3 * gemm + 6 * attention + 3 * logits
 
 
-def megatron_flops_per_iteration(model: object, batch_size: int, seq_length: int,
+def megatron_flops_per_iteration(model: GPTConfig, batch_size: int, seq_length: int,
                                  padded_vocab_size: int | None = None) -> float:
     """Model FLOPs of one iteration over ``batch_size`` sequences of ``seq_length`` tokens, as
     Megatron-LM's throughput log counts them (its ``num_floating_point_operations``, dense
@@ -170,20 +130,20 @@ def megatron_flops_per_iteration(model: object, batch_size: int, seq_length: int
         raise ValueError(
             f"batch_size and seq_length must be positive, got {batch_size}, {seq_length}"
         )
-    m = ModelShape.of(model)
+    m = model
     h, a, L = m.hidden_size, m.num_attention_heads, m.num_layers
     kv = m.kv_channels or h // a
     q, k = kv * a, kv * (m.num_query_groups or a)
     vocab = padded_vocab_size or m.vocab_size
     tokens = batch_size * seq_length
-    mlp = 6 * h * m.ffn * (3 if m.swiglu else 2) * L
+    mlp = 6 * h * m.ffn_hidden_size * (3 if m.swiglu else 2) * L
     projections = 6 * (h * (q + 2 * k) + q * h) * L
     logits = 6 * h * vocab
     core = 6 * q * seq_length * L  # 3 x 2 x q / 2 (causal) x 2 (two matmuls), per token
     return float(tokens * (mlp + projections + logits + core))
 
 
-def flops_per_token(model: object, seq_length: int, recompute: str = "none") -> float:
+def flops_per_token(model: GPTConfig, seq_length: int, recompute: str = "none") -> float:
     """FLOPs per trained token (forward + backward), ``flops_per_iteration(B=1) / seq_length``."""
     return flops_per_iteration(model, 1, seq_length, recompute) / seq_length
 
@@ -198,7 +158,8 @@ def tflops_per_device(flops_per_step: float, step_time_s: float, num_devices: in
 
 
 def tflops_per_device_from_tokens(
-    model: object, tokens_per_s: float, seq_length: int, num_devices: int, recompute: str = "none"
+    model: GPTConfig, tokens_per_s: float, seq_length: int, num_devices: int,
+    recompute: str = "none",
 ) -> float:
     """TFLOP/s per device from the training loop's tokens/s (whole job, all devices together).
 
@@ -223,7 +184,7 @@ def utilization(
 
 
 def mfu(
-    model: object,
+    model: GPTConfig,
     batch_size: int,
     seq_length: int,
     step_time_s: float,
@@ -236,7 +197,7 @@ def mfu(
 
 
 def hfu(
-    model: object,
+    model: GPTConfig,
     batch_size: int,
     seq_length: int,
     step_time_s: float,

@@ -5,6 +5,26 @@ Every place that trains a parallel model (the pretraining job, the planner-vs-en
 the benchmark scripts, the test worlds) builds it with :func:`parallelize`, so the order of
 the three steps (tensor-parallel module swap, then checkpoint wrapping of the TP blocks, then
 ZeRO's flat buffers over the final parameters) is written down exactly once.
+
+The run-time doors of the plain model (each named with ``# door:`` where it opens in
+:mod:`models.gpt` / :mod:`models.blocks`), in the order they are installed:
+
+1. Module swaps by the TP plan (:func:`hybrid.parallel.tp_plan.parallelize_gpt`, a table of
+   name pattern -> style): ``wte`` vocab-parallel, ``layers.*.attn.qkv`` / ``mlp.gate`` /
+   ``mlp.fc1`` column-parallel, ``attn.proj`` / ``mlp.fc2`` row-parallel, ``attn.q_norm`` /
+   ``k_norm`` TP-summed, ``attn.attn_dropout`` on the TP stream, ``output_layer`` and
+   ``loss_fn`` vocab-parallel; under sequence parallelism also ``wpe``, ``ln1``/``ln2``/``ln_f``
+   and ``drop``/``drop1``/``drop2``.
+2. Module swaps of ``nn.LayerNorm`` for apex's fused one (:func:`hybrid.parallel.kernels.
+   use_fused_kernels`, CUDA with apex only).
+3. Instance attributes set by activation checkpointing
+   (:func:`hybrid.activation.apply.apply_activation_checkpointing`): ``Attention.core``
+   replaced by :class:`hybrid.activation.selective.SelectiveCore` (selective recompute), then
+   ``Block.forward`` replaced by ``CheckpointedForward`` (full recompute, P_a, CPU offload).
+4. PyTorch hooks installed by the ZeRO engine (:class:`hybrid.zero.engine.ZeroEngine`): every
+   parameter's ``register_post_accumulate_grad_hook`` (gradient reduce, ``hybrid.zero.reduce``);
+   at stage 3 forward pre/post hooks on ``GPT`` and each ``Block`` and tensor hooks in backward
+   (gather and free, ``hybrid.zero.stage3``).
 """
 
 from __future__ import annotations

@@ -9,23 +9,23 @@ shared by ``n = a / G`` query heads (``G = a`` is multi-head, ``G = 1`` multi-qu
 ``qkv`` output is ordered ``(group, [q_1 .. q_n, k, v], d)`` as in Megatron-LM, so a contiguous
 split of its rows over ``tp`` (with ``G % tp == 0``) gives each rank whole groups; at ``G = a``
 this is the GPT's ``(head, q|k|v, d)`` order.
+
+Run-time doors: ``hybrid/`` never edits this code; it opens the doors named here, one line each
+at the place it opens them (``# door:``), in the order ``hybrid.parallelize`` lists them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from models.config import GPTConfig
 from models.fused import RMSNorm, swiglu
 from models.rope import RotaryEmbedding
-
-if TYPE_CHECKING:
-    from models.gpt import GPTConfig
 
 
 def make_norm(config: GPTConfig, size: int) -> nn.Module:
@@ -73,6 +73,8 @@ class Attention(nn.Module):
         a, g = config.num_attention_heads, config.query_groups
         self.head_dim = d
         self.heads_per_group = a // g
+        # door: qkv (column), proj (row), attn_dropout (TP stream) and q_norm/k_norm (summed over
+        # the TP group) are swapped by the TP plan (hybrid.parallel.tp_plan)
         self.qkv = nn.Linear(h, (a + 2 * g) * d, bias=config.add_bias_linear or config.add_qkv_bias)
         self.proj = nn.Linear(a * d, h, bias=config.add_bias_linear)
         self.attn_dropout = nn.Dropout(config.attention_dropout)
@@ -98,6 +100,7 @@ class Attention(nn.Module):
             return (probs.view(b, heads // n, n * s, s) @ v).view(b, heads, s, d)
         return probs @ v
 
+    # door: replaced per instance by selective recompute (hybrid.activation.selective.SelectiveCore)
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """RoPE on q, k, then ``dropout(softmax(q k^T / sqrt(d) + causal mask)) v``.
 
@@ -177,6 +180,7 @@ class MLP(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         h, f, bias = config.hidden_size, config.ffn_hidden_size, config.add_bias_linear
+        # door: gate and fc1 (column), fc2 (row) are swapped by the TP plan (token-wise under SP)
         self.gate = nn.Linear(h, f, bias=bias) if config.swiglu else None
         self.fc1 = nn.Linear(h, f, bias=bias)
         self.fc2 = nn.Linear(f, h, bias=bias)
@@ -192,6 +196,8 @@ class Block(nn.Module):
 
     def __init__(self, config: GPTConfig, rotary: RotaryEmbedding | None = None):
         super().__init__()
+        # door: ln1/ln2 and drop1/drop2 are swapped under sequence parallelism (the TP plan's
+        # SEQUENCE_PARALLEL_PLAN); a LayerNorm becomes apex's fused one on CUDA (parallel.kernels)
         self.ln1 = make_norm(config, config.hidden_size)
         self.attn = Attention(config, rotary)
         self.ln2 = make_norm(config, config.hidden_size)
@@ -199,6 +205,8 @@ class Block(nn.Module):
         self.drop1 = nn.Dropout(config.hidden_dropout)
         self.drop2 = nn.Dropout(config.hidden_dropout)
 
+    # door: replaced per instance by activation checkpointing (hybrid.activation.apply), and
+    # hooked before/after by ZeRO-3, which gathers and frees the block's parameters (zero.stage3)
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.drop1(self.attn(self.ln1(x)))
         return x + self.drop2(self.mlp(self.ln2(x)))

@@ -34,191 +34,24 @@ same shape (Megatron-LM fuses them as ``linear_fc1`` ``[2f, h]``): each is colum
 tensor-parallel rank ``r`` holds rows ``[r f/t, (r+1) f/t)`` of both, the matching slices of
 gate and up, with the ordinary row split, checkpoint resharding and per-name seeded init.
 
-Megatron-LM's resolution of ambiguous flag combinations, which this model and
-``hybrid.job.config_checks`` follow: ``swiglu`` without ``ffn_hidden_size`` gives
-``int(4h * 2/3 / 64) * 64``; ``qk_layernorm`` uses the model's norm kind (LayerNorm q/k norms
-have a bias); ``rotary_percent < 1`` rotates the leading channels of each head;
-``rope_scaling_factor`` without ``use_rope_scaling`` has no effect.
+The config (:class:`GPTConfig`, its derived values and validation) lives in
+:mod:`models.config`; it is re-exported here.
 """
 
 from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from models.blocks import MLP, Attention, Block, make_norm
-from models.rope import RotaryEmbedding
+from models.config import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, GPTConfig
 
-__all__ = ["GPT", "GPTConfig", "Attention", "Block", "MLP", "init_parameter", "draws_normal",
-           "parameter_generator"]
-
-POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
-NORMALIZATIONS = ("LayerNorm", "RMSNorm")
-
-
-@dataclass
-class GPTConfig:
-    """Shape and regularisation of the model (names follow Megatron-LM's flags)."""
-
-    num_layers: int = 12
-    """Number of transformer blocks (``--num-layers``)."""
-    hidden_size: int = 768
-    """Model width h (``--hidden-size``)."""
-    num_attention_heads: int = 12
-    """Attention (query) heads a (``--num-attention-heads``)."""
-    ffn_hidden_size: int | None = None
-    """MLP inner width f (each half under SwiGLU); None means ``4h``, or with ``swiglu``
-    Megatron's ``int(4h * 2/3 / 64) * 64`` (``--ffn-hidden-size``)."""
-    vocab_size: int = 50257
-    """Real (unpadded) vocabulary size V; parallel layers pad it, never this model."""
-    max_position_embeddings: int = 1024
-    """Longest sequence; rows of the learned position table (``--max-position-embeddings``)."""
-    hidden_dropout: float = 0.1
-    """Dropout after the embeddings and on each residual branch (``--hidden-dropout``)."""
-    attention_dropout: float = 0.1
-    """Dropout on attention probabilities (``--attention-dropout``)."""
-    layernorm_epsilon: float = 1e-5
-    """Epsilon of every LayerNorm / RMSNorm (``--norm-epsilon``, alias ``--layernorm-epsilon``)."""
-    init_method_std: float = 0.02
-    """Std of the normal init; residual output projections use std / sqrt(2 * num_layers)."""
-    untie_embeddings_and_output_weights: bool = False
-    """Give the output layer its own weight instead of reusing ``wte.weight``."""
-    label_smoothing: float = 0.0
-    """Label smoothing of the language-model cross-entropy, in [0, 1)."""
-    position_embedding_type: str = "learned_absolute"
-    """``learned_absolute``, ``rope`` or ``none`` (``--position-embedding-type``)."""
-    rotary_base: float = 10000
-    """RoPE base theta (``--rotary-base``)."""
-    rotary_percent: float = 1.0
-    """Fraction of each head's channels that RoPE rotates, in (0, 1] (``--rotary-percent``)."""
-    rotary_interleaved: bool = False
-    """Rotate (even, odd) channel pairs instead of the two halves (``--rotary-interleaved``)."""
-    use_rope_scaling: bool = False
-    """Llama 3.1 RoPE frequency scaling (``--use-rope-scaling``)."""
-    rope_scaling_factor: float = 8.0
-    """Its factor (``--rope-scaling-factor``); no effect without ``use_rope_scaling``."""
-    normalization: str = "LayerNorm"
-    """``LayerNorm`` or ``RMSNorm`` (``--normalization``)."""
-    swiglu: bool = False
-    """SwiGLU MLP ``fc2(silu(gate(x)) * fc1(x))`` instead of GeLU (``--swiglu``)."""
-    num_query_groups: int | None = None
-    """K/V heads G of grouped-query attention; None means G = a (``--num-query-groups``)."""
-    kv_channels: int | None = None
-    """Channels per head d; None means h / a (``--kv-channels``)."""
-    add_bias_linear: bool = True
-    """Biases on every linear layer (False: ``--disable-bias-linear``)."""
-    add_qkv_bias: bool = False
-    """Bias on ``qkv`` even without ``add_bias_linear`` (``--add-qkv-bias``)."""
-    qk_layernorm: bool = False
-    """Normalise q and k per head before RoPE (``--qk-layernorm``)."""
-
-    def __post_init__(self) -> None:
-        if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = (int(4 * self.hidden_size * 2 / 3 / 64) * 64 if self.swiglu
-                                    else 4 * self.hidden_size)
-        self.validate()
-
-    @property
-    def head_dim(self) -> int:
-        """Channels per attention head d: ``kv_channels``, else ``hidden_size // heads``."""
-        return self.kv_channels or self.hidden_size // self.num_attention_heads
-
-    @property
-    def query_groups(self) -> int:
-        """K/V heads G (``num_attention_heads`` when ``num_query_groups`` is None)."""
-        return self.num_query_groups or self.num_attention_heads
-
-    @property
-    def norm_epsilon(self) -> float:
-        """``layernorm_epsilon`` under Megatron-LM's newer name."""
-        return self.layernorm_epsilon
-
-    @property
-    def tied(self) -> bool:
-        """True when the output layer reuses the word embedding."""
-        return not self.untie_embeddings_and_output_weights
-
-    def validate(self) -> None:
-        """Raise ``ValueError`` naming the first inconsistent field and the valid values."""
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-                     "vocab_size", "max_position_embeddings"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
-        for name in ("num_query_groups", "kv_channels"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value <= 0):
-                raise ValueError(f"GPTConfig.{name} must be a positive integer or None, got "
-                                 f"{value!r}")
-        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"hidden_size={self.hidden_size} is not divisible by "
-                f"num_attention_heads={self.num_attention_heads} (or give kv_channels)"
-            )
-        a, g = self.num_attention_heads, self.query_groups
-        if a % g:
-            valid = [x for x in range(1, a + 1) if a % x == 0]
-            raise ValueError(f"num_attention_heads={a} is not divisible by num_query_groups={g}; "
-                             f"valid groups: {valid}")
-        for name in ("hidden_dropout", "attention_dropout", "label_smoothing"):
-            value = getattr(self, name)
-            if not 0.0 <= value < 1.0:
-                raise ValueError(f"GPTConfig.{name} must be in [0, 1), got {value!r}")
-        self._validate_kinds()
-
-    def _validate_kinds(self) -> None:
-        for name, valid in (("position_embedding_type", POSITION_EMBEDDING_TYPES),
-                            ("normalization", NORMALIZATIONS)):
-            if getattr(self, name) not in valid:
-                raise ValueError(f"GPTConfig.{name}={getattr(self, name)!r}; valid: {valid}")
-        if not 0.0 < self.rotary_percent <= 1.0:
-            raise ValueError(f"GPTConfig.rotary_percent={self.rotary_percent} must be in (0, 1]")
-        for name in ("rotary_base", "rope_scaling_factor", "layernorm_epsilon"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"GPTConfig.{name}={getattr(self, name)} must be > 0")
-        if self.position_embedding_type == "rope":
-            self.rotary()  # raises on an odd or empty rotary width
-
-    def rotary(self) -> RotaryEmbedding | None:
-        """A new :class:`models.rope.RotaryEmbedding` of this config, or None without RoPE."""
-        if self.position_embedding_type != "rope":
-            return None
-        return RotaryEmbedding(self.head_dim, self.rotary_percent, self.rotary_base,
-                               self.rotary_interleaved,
-                               self.rope_scaling_factor if self.use_rope_scaling else None)
-
-    def norm_parameters(self, size: int) -> int:
-        """Elements of one norm of width ``size``: ``2 size`` (LayerNorm) or ``size`` (RMS)."""
-        return size if self.normalization == "RMSNorm" else 2 * size
-
-    def num_parameters(self) -> int:
-        """Exact parameter count of :class:`GPT` (elements, unpadded vocabulary).
-
-        For the default GPT this equals the PTD-P formula ``12lh^2 + 13lh + (V+s)h``
-        (Narayanan et al. 2021, §5.1 Eq. 2, with f = 4h) plus the final LayerNorm's ``2h``,
-        plus ``Vh`` when the output is untied. In general per layer: ``qkv`` ``(a + 2G) d h``,
-        ``proj`` ``a d h``, MLP ``(2 or 3) f h`` (GeLU or SwiGLU), their biases, two norms and
-        the optional q/k norms of width d; the position table only when learned.
-        """
-        h, f, n = self.hidden_size, self.ffn_hidden_size, self.num_layers
-        d, a, g = self.head_dim, self.num_attention_heads, self.query_groups
-        qkv_out, bias = (a + 2 * g) * d, self.add_bias_linear
-        attn = qkv_out * h + a * d * h + (qkv_out if bias or self.add_qkv_bias else 0)
-        attn += (h if bias else 0) + (2 * self.norm_parameters(d) if self.qk_layernorm else 0)
-        mlp = (3 if self.swiglu else 2) * f * h + ((2 if self.swiglu else 1) * f + h) * bias
-        total = n * (attn + mlp + 2 * self.norm_parameters(h)) + self.vocab_size * h
-        if self.position_embedding_type == "learned_absolute":
-            total += self.max_position_embeddings * h
-        total += self.norm_parameters(h)
-        if not self.tied:
-            total += self.vocab_size * h
-        return total
-
+__all__ = ["GPT", "GPTConfig", "Attention", "Block", "MLP", "NORMALIZATIONS",
+           "POSITION_EMBEDDING_TYPES", "init_parameter", "draws_normal", "parameter_generator"]
 
 def parameter_generator(seed: int, name: str) -> torch.Generator:
     """A CPU generator seeded from the job seed and a parameter's name (stable across runs)."""
@@ -289,6 +122,8 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         h = config.hidden_size
+        # door: wte (vocab-parallel), output_layer (parallel logits), loss_fn (vocab-parallel
+        # cross-entropy) are swapped by the TP plan; wpe, drop and ln_f too under SP
         self.wte = nn.Embedding(config.vocab_size, h)
         self.wpe = (nn.Embedding(config.max_position_embeddings, h)
                     if config.position_embedding_type == "learned_absolute" else None)
@@ -335,6 +170,8 @@ class GPT(nn.Module):
         pos = torch.arange(s, device=tokens.device)
         return self.drop(self.wte(tokens) + self.wpe(pos))
 
+    # door: hooked before/after by ZeRO-3 (the root unit's gather and free, hybrid.zero.stage3);
+    # every parameter's post-accumulate-grad hook is ZeRO's gradient reduce (hybrid.zero.reduce)
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embed(tokens)
         for block in self.layers:

@@ -1,7 +1,7 @@
 """Measured model-state bytes and data-parallel bytes per step against the planner's prediction.
 
 Not a test (``tests/test_plan_vs_engine.py`` asserts the same on a smaller model). One world of
-``--world`` ranks (gloo on CPU) runs every configuration of ``hybrid.planner.check.default_runs``
+``--world`` ranks (gloo on CPU) runs every configuration of ``hybrid.dryrun.check.default_runs``
 for one optimizer step: ZeRO stages 0-3 x (tp, dp) in {(1, world), (2, world/2)} x bf16/fp32 x
 1 and 2 micro-batches, plus stage 3 with persistent biases / LayerNorms. The planner is
 ``hybrid.planner.plan.evaluate`` with ``accounting="engine"``. Prints a table, writes
@@ -24,8 +24,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from hybrid.dryrun.check import compare, default_runs, measure_world, predict  # noqa: E402
 from hybrid.parallel.spawn import spawn_world  # noqa: E402
-from hybrid.planner.check import compare, default_runs, measure_world, predict  # noqa: E402
 
 MIB = 2**20
 

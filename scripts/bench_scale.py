@@ -154,14 +154,14 @@ def attempt(rank: int, world: int, mode: str, model_kw: dict, seq: int, budget: 
 def try_layers(mode: str, layers: int, args, log: list) -> dict | None:
     """Spawn 4 ranks for one attempt; the result of rank 0, or None when it did not fit."""
     from hybrid.flops import num_parameters
-    from hybrid.model_shape import ModelShape
     from hybrid.parallel.spawn import spawn_world
     from hybrid.parallel.vocab import pad_vocab_size
+    from models.config import GPTConfig
 
     kw = dict(num_layers=layers, hidden_size=args.hidden_size,
               num_attention_heads=args.num_attention_heads, vocab_size=args.vocab_size,
               max_position_embeddings=args.seq_length)
-    params = num_parameters(ModelShape(**{**kw, "vocab_size": pad_vocab_size(args.vocab_size)}))
+    params = num_parameters(GPTConfig(**{**kw, "vocab_size": pad_vocab_size(args.vocab_size)}))
     t0 = time.time()
     try:
         res = spawn_world(4, attempt, mode, kw, args.seq_length, args.budget_mib * MIB,

@@ -10,9 +10,9 @@ import torch
 
 from hybrid.checkpoint.directory import latest_iteration, list_iterations
 from hybrid.checkpoint.shards import KINDS, CheckpointReader
+from hybrid.dryrun.dry_run import dry_run
 from hybrid.job.cli import parse_config
 from hybrid.job.config_checks import validate
-from hybrid.job.dry_run import dry_run
 from hybrid.parallel.spawn import spawn_world
 from tests.async_save_worlds import async_events, killed_during_background_write
 from tests.pretrain_worlds import run_configs

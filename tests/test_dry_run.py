@@ -29,7 +29,7 @@ CODE = """
 import json, sys
 from hybrid.job.cli import parse_config
 from hybrid.job.config_checks import validate
-from hybrid.job.dry_run import dry_run
+from hybrid.dryrun.dry_run import dry_run
 cfg = parse_config(sys.argv[1:])
 print("RESULT " + json.dumps(dry_run(validate(cfg, world_size=64), 37)))
 """
@@ -74,7 +74,7 @@ def test_storage_meter_counts_like_torch_memtracker():
     import torch
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from hybrid.job.dry_run import StorageMeter
+    from hybrid.dryrun.dry_run import StorageMeter
 
     def work():
         a = torch.zeros(1000)                    # 4000 B

@@ -1,5 +1,5 @@
 """``--dry-run-device cuda``: the dry run builds and steps one rank on fake ``cuda:N`` tensors on
-this CPU (:mod:`hybrid.job.fake_cuda`), so a tensor created on the wrong device fails as it
+this CPU (:mod:`hybrid.dryrun.fake_cuda`), so a tensor created on the wrong device fails as it
 would on a GPU, and the step's host<->device copies and host reads are listed with their source
 lines. Needs a C++ compiler (the fake CUDA guard is a small extension); skipped, saying so,
 without one."""
@@ -37,7 +37,7 @@ ENV = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
 
 
 def _run(argv: list[str], code: str = "") -> subprocess.CompletedProcess:
-    program = ("import sys\nfrom hybrid.job.fake_cuda import run_preloaded\n"
+    program = ("import sys\nfrom hybrid.dryrun.fake_cuda import run_preloaded\n"
                "sys.exit(run_preloaded(sys.argv[2:], sys.argv[1]))")
     return subprocess.run([sys.executable, "-c", program, code, *argv], capture_output=True,
                           text=True, env=ENV, cwd=ROOT, timeout=550)
@@ -87,7 +87,7 @@ def test_a_cuda_build_of_torch_is_refused(monkeypatch):
     """A CUDA torch registers its own CUDA guard and hooks; faking them there would clash."""
     import torch
 
-    from hybrid.job import fake_cuda
+    from hybrid.dryrun import fake_cuda
 
     monkeypatch.setattr(torch.version, "cuda", "12.8")
     with pytest.raises(RuntimeError, match="is built with CUDA 12.8: run the job on the GPU"):

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from hybrid.devices import GIB, fit_verdict
 from hybrid.planner import cli as plan_cli
-from hybrid.planner.devices import GIB, fit_verdict
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4",
@@ -107,8 +107,8 @@ def test_dry_run_device_flags_are_checked_first(extra, message):
 def test_verdict_and_verify_lines_round_sizes_given_in_gb():
     """GB flags convert to unrounded GiB: ``verdict on 27.9397 GiB GPU``, ``1.86265 GiB
     reserve`` were printed as they came."""
-    from hybrid.job.dry_run_report import verdict_lines
-    from hybrid.planner.verify import comparison_lines
+    from hybrid.dryrun.report import verdict_lines
+    from hybrid.dryrun.verify import comparison_lines
 
     memory, reserve = 30e9 / GIB, 2e9 / GIB
     r = dict(measured=dict(total=20 * GIB), planned=dict(total=21 * GIB), rank=0,

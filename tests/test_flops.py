@@ -1,17 +1,17 @@
 """Parameter, FLOP, MFU and training-time arithmetic against the papers (arXiv 2104.04473 Eqs. 2-4,
 2205.05198 Eqs. 7-8)."""
 
-from types import SimpleNamespace
+import dataclasses
 
 import pytest
 
 from hybrid import flops
-from hybrid.model_shape import ModelShape
 from hybrid.parallel.vocab import pad_vocab_size
+from models.config import GPTConfig
 
 
 def gpt(layers, h, a, v=51200, s=2048, **kw):
-    return ModelShape(
+    return GPTConfig(
         num_layers=layers,
         hidden_size=h,
         num_attention_heads=a,
@@ -31,8 +31,8 @@ ONE_T = gpt(128, 25600, 160)
 
 def test_gpt2_small_parameter_count_matches_hf():
     assert flops.num_parameters(GPT2_SMALL) == 124_439_808
-    no_final_ln = ModelShape.of(SimpleNamespace(**{**vars(GPT2_SMALL), "final_layernorm": False}))
-    assert flops.num_parameters(no_final_ln) == 124_438_272  # 2104.04473 Eq. 2 exactly
+    no_final_ln = flops.num_parameters(GPT2_SMALL, final_layernorm=False)
+    assert no_final_ln == 124_438_272  # 2104.04473 Eq. 2 exactly
 
 
 @pytest.mark.parametrize(
@@ -65,8 +65,8 @@ def test_tp_shards_sum_back_to_the_total(tp):
     ) + replicated == flops.num_parameters(m)
 
 
-def test_duck_typed_config_and_bad_tp():
-    cfg = SimpleNamespace(
+def test_gpt_config_and_bad_tp():
+    cfg = GPTConfig(
         num_layers=12,
         hidden_size=768,
         num_attention_heads=12,
@@ -81,7 +81,7 @@ def test_duck_typed_config_and_bad_tp():
     with pytest.raises(ValueError, match="vocab_size=50257 \\(pad it"):
         flops.parameters_per_tp_rank(cfg, 2)
     with pytest.raises(ValueError, match="hidden_size must be a positive integer, got -1"):
-        ModelShape.of(SimpleNamespace(**{**vars(cfg), "hidden_size": -1}))
+        dataclasses.replace(cfg, hidden_size=-1)
 
 
 # item 14 -------------------------------------------------------------------------------------

@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 
 from hybrid.flops import flops_per_iteration, megatron_flops_per_iteration
-from hybrid.model_shape import ModelShape
 from hybrid.parallel.vocab import pad_vocab_size
+from models.config import GPTConfig
 
 
 def megatron_num_floating_point_operations(args, batch_size):
@@ -61,10 +61,11 @@ LLAMA3_8B = dict(num_layers=32, hidden_size=4096, num_attention_heads=32, ffn_hi
 @pytest.mark.parametrize("c", [GPT2_355M, LLAMA3_8B], ids=["gpt2-355m", "llama3-8b"])
 def test_flops_equal_megatrons_count(c):
     padded = pad_vocab_size(c["vocab_size"], c["tp"], 128)
-    shape = ModelShape(c["num_layers"], c["hidden_size"], c["num_attention_heads"],
-                       c["vocab_size"], c["seq_length"], c["ffn_hidden_size"],
-                       swiglu=c["swiglu"], num_query_groups=c["num_query_groups"],
-                       kv_channels=c["kv_channels"])
+    shape = GPTConfig(num_layers=c["num_layers"], hidden_size=c["hidden_size"],
+                      num_attention_heads=c["num_attention_heads"], vocab_size=c["vocab_size"],
+                      max_position_embeddings=c["seq_length"],
+                      ffn_hidden_size=c["ffn_hidden_size"], swiglu=c["swiglu"],
+                      num_query_groups=c["num_query_groups"], kv_channels=c["kv_channels"])
     args = SimpleNamespace(**c, padded_vocab_size=padded,
                            group_query_attention=c["num_query_groups"] is not None)
     ours = megatron_flops_per_iteration(shape, 256, c["seq_length"], padded)
@@ -75,7 +76,8 @@ def test_gpt2_355m_counts_below_the_non_causal_formula():
     # the ~7% the issue measured: 2205.05198 Eq. 7 counts the full attention square and the
     # unpadded vocabulary; Megatron-LM halves the first and pads the second
     c = GPT2_355M
-    shape = ModelShape(24, 1024, 16, 50257, 1024)
+    shape = GPTConfig(num_layers=24, hidden_size=1024, num_attention_heads=16, vocab_size=50257,
+                      max_position_embeddings=1024)
     ratio = flops_per_iteration(shape, 8, 1024) / megatron_flops_per_iteration(
         shape, 8, 1024, pad_vocab_size(50257, 2, 128))
     assert 1.06 < ratio < 1.08, ratio

@@ -20,7 +20,7 @@ CODE = """
 import json, sys
 from hybrid.job.cli import parse_config
 from hybrid.job.config_checks import validate
-from hybrid.job.dry_run import dry_run
+from hybrid.dryrun.dry_run import dry_run
 cfg = parse_config(sys.argv[1:])
 print("RESULT " + json.dumps(dry_run(validate(cfg, world_size=64), 63)))
 """

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from hybrid.model_shape import ModelShape
 from hybrid.parallel.spawn import spawn_world
 from hybrid.planner.memory import activation_bytes, layer_activation_bytes, layer_saved_terms
-from models.gpt import GPTConfig
+from models.config import GPTConfig
 from tests.llama_worlds import MODELS, B, S, saved_bytes_world
 
 ACT = MASK = 2
@@ -31,7 +30,7 @@ def test_planner_equals_meter_per_layer(world, tp):
         if t != tp or layers != 3:
             continue
         one = world[(t, name, dropout, sp, mode, 1)]
-        shape = ModelShape.of(GPTConfig(**MODELS[name]))
+        shape = GPTConfig(**MODELS[name])
         planned = layer_activation_bytes(S, B, 64, 4, tp, sequence_parallel=sp, recompute=mode,
                                           bytes_per_element=ACT, mask_bytes=MASK, shape=shape,
                                           dropout=dropout > 0)
@@ -46,7 +45,8 @@ def test_planner_equals_meter_per_layer(world, tp):
 
 
 def test_terms_reduce_to_table2_for_the_gpt():
-    gpt = ModelShape(2, 64, 4, 100, 32)
+    gpt = GPTConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=100,
+                    max_position_embeddings=32)
     assert layer_saved_terms(gpt) == dict(replicated=4 * 64, masks_replicated=2 * 64,
                                           split=4 * 64 + 2 * 256, fp32_split=0, scores=4)
     assert layer_activation_bytes(2048, 1, 12288, 96, 8) == 578_813_952  # Table 2, t = 8
@@ -57,7 +57,7 @@ def test_llama3_8b_layer_and_model():
     per token (3a + 3G)d + 3f = 15360 + 43008 split and 4h replicated, all / t."""
     from models.presets import get_preset
 
-    m = ModelShape.of(get_preset("llama3-8b"))
+    m = get_preset("llama3-8b")
     terms = layer_saved_terms(m, "none", dropout=False)
     assert terms["split"] == (3 * 32 + 3 * 8) * 128 + 3 * 14336
     got = layer_activation_bytes(8192, 1, 4096, 32, 8, sequence_parallel=True, shape=m,
@@ -80,7 +80,7 @@ def test_plan_cli_takes_llama_presets_and_flags(capsys):
     got = json.loads(capsys.readouterr().out)
     assert got["num_parameters"] == get_preset("llama-125m").num_parameters()
     (row,) = got["candidates"]
-    shape = ModelShape.of(get_preset("llama-125m"))
+    shape = get_preset("llama-125m")
     assert row["activations"]["layers"] == 12 * layer_activation_bytes(
         2048, 1, 768, 12, 2, sequence_parallel=True, shape=shape, dropout=False)
     # the same shape from flags, as a Megatron-LM script gives it

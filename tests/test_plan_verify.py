@@ -1,7 +1,7 @@
 """Issue 28 item 1: ``hybrid.plan --verify`` runs the dry run of its best layout for rank 0 and
 prints both totals and verdicts side by side; the planner's default accounting is the engine's.
 
-The activation modes round-trip: the flags :func:`hybrid.planner.verify.pretrain_argv` writes
+The activation modes round-trip: the flags :func:`hybrid.dryrun.verify.pretrain_argv` writes
 for each planner mode are read back by ``hybrid.pretrain``'s parser as that mode. One real
 ``--verify`` (a subprocess dry run at world 16) checks the totals agree within 10% and the
 verdicts are the same; a second GPU size just below the dry run's need makes both say
@@ -14,11 +14,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from hybrid.dryrun.dry_run import activation_mode
+from hybrid.dryrun.verify import ACTIVATION_FLAGS, pretrain_argv
 from hybrid.job.cli import parse_config
-from hybrid.job.dry_run import activation_mode
 from hybrid.planner import cli as plan_cli
 from hybrid.planner.memory import ACTIVATION_OPTIONS
-from hybrid.planner.verify import ACTIVATION_FLAGS, pretrain_argv
 
 DIMS = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4",
         "--vocab-size", "4096", "--seq-length", "64", "--num-gpus", "16", "--micro-batch-size",
@@ -38,7 +38,8 @@ def test_activation_flags_round_trip(mode):
         "gpt2-124m", True, False)
     assert (cfg.grid.tensor_model_parallel_size, cfg.zero.stage, cfg.zero.precision,
             cfg.zero.param_persistence_threshold) == (2, 3, "bf16", 100_000)
-    assert (cfg.grid.dry_run_world_size, cfg.grid.dry_run_rank, cfg.data.mock_data) == (16, 0, True)
+    assert (cfg.dry_run.dry_run_world_size, cfg.dry_run.dry_run_rank,
+            cfg.data.mock_data) == (16, 0, True)
 
 
 def test_default_accounting_is_the_engines(capsys):

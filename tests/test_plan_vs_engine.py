@@ -10,8 +10,8 @@ a multiple of dp * 8 elements: at most 4 units x 31 elements here, under 0.2%.
 
 import pytest
 
+from hybrid.dryrun.check import DP_KINDS, compare, default_runs, measure_world, predict
 from hybrid.parallel.spawn import spawn_world
-from hybrid.planner.check import DP_KINDS, compare, default_runs, measure_world, predict
 
 # A small GPT: 2 blocks, h = 64, f = 126 (units are no multiple of dp * 8, so the layout pads);
 # vocabulary 1000 (padded to 1024 by the TP plan).

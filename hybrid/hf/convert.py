@@ -21,7 +21,7 @@ import re
 
 import torch
 
-from models.gpt import GPTConfig
+from models.config import GPTConfig
 
 # Settings of GPT2Config that our model cannot reproduce, with the value it needs.
 _HF_REQUIRED = {

@@ -35,7 +35,7 @@ from hybrid.hf.convert import UnsupportedModelError
 from hybrid.hf.export_tokenizer import export_tokenizer, tokenizer_source
 from hybrid.hf.llama_config import export_family, llama_config_dict
 from hybrid.hf.sharded import DEFAULT_MAX_SHARD_SIZE, parse_size, write_sharded
-from models.gpt import GPTConfig
+from models.config import GPTConfig
 
 
 def _check_output(output: Path) -> None:

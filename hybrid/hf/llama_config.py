@@ -1,5 +1,5 @@
 """Hugging Face ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM`` settings <->
-our :class:`models.gpt.GPTConfig` (needs no ``transformers``).
+our :class:`models.config.GPTConfig` (needs no ``transformers``).
 
 All three are pre-RMSNorm decoders with RoPE (``rotate_half``), SwiGLU and grouped-query
 attention; they differ in biases and QK-norm:
@@ -20,7 +20,7 @@ other setting, a sliding window, or a partial rotary factor is refused by name.
 from __future__ import annotations
 
 from hybrid.hf.llama_flags import difference_line, flag_line
-from models.gpt import GPTConfig
+from models.config import GPTConfig
 from models.rope import (
     LLAMA3_HIGH_FREQ_FACTOR,
     LLAMA3_LOW_FREQ_FACTOR,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 
-from models.gpt import GPTConfig
+from models.config import GPTConfig
 
 _VALUE_FLAGS = {  # our field -> (config.json's name, the flag that sets ours)
     "num_layers": ("num_hidden_layers", "--num-layers"),

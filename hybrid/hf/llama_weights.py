@@ -22,7 +22,7 @@ import re
 
 import torch
 
-from models.gpt import GPTConfig
+from models.config import GPTConfig
 
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")

@@ -25,7 +25,7 @@ from hybrid.hf import convert as gpt2
 from hybrid.hf import llama_weights as llama
 from hybrid.hf.llama_config import check_llama_config
 from hybrid.hf.llama_flags import dropout_note
-from models.gpt import GPTConfig
+from models.config import GPTConfig
 
 
 def read_hf_config(hf_dir: str | os.PathLike) -> dict:

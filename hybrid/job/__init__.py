@@ -1,5 +1,7 @@
 """The pretraining job's assembly: the entry point, the CLI, the checks that run before any
-process group, the dry run, and when the job saves, resumes and stops.
+process group, and when the job saves, resumes and stops.
 
-The job wing uses every other package of ``hybrid``; nothing outside it imports it.
+The job wing uses the lower floors of ``hybrid`` and the planner; below it nothing imports it.
+Only the dry run (``hybrid.dryrun``), which builds a validated job, and the entry point
+``hybrid.job.pretrain``, which starts the dry run, stand above it.
 """

@@ -12,16 +12,18 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from data.checks import NO_DATA, check_data
 from hybrid.batch_rampup import BatchRampup
 from hybrid.config import PretrainConfig
 from hybrid.config_fields import ConfigError
-from hybrid.job.model_config import model_config
 from hybrid.job.preflight import check_index_caches, check_paths
 from hybrid.job.schedule_setup import batch_rampup, schedule_settings, training_iterations
+from hybrid.model_flags import resolve_model
 from hybrid.parallel.grid import validate_grid
+from hybrid.parallel.tp_split import tp_split_refusal
 from hybrid.parallel.vocab import pad_vocab_size
 from hybrid.tensorboard_log import tensorboard_missing
-from models.gpt import GPTConfig
+from models.config import GPTConfig
 
 
 @dataclass(frozen=True)
@@ -78,8 +80,6 @@ def _world_from_env() -> tuple[int, int | None]:
     return world, int(local) if local else None
 
 
-NO_DATA = ("no training data given: give --data-path PREFIX (a preprocessed <prefix>.bin/.idx "
-           "pair) with --tokenizer-model, or --mock-data --vocab-size N")
 
 
 def _vocab_size(cfg: PretrainConfig) -> int:
@@ -143,7 +143,7 @@ def validate(cfg: PretrainConfig, world_size: int | None = None,
     """
     world, dp = _check_world(cfg, world_size, local_world_size)
     vocab = _vocab_size(cfg)
-    gpt = model_config(cfg, vocab)
+    gpt = resolve_model(cfg.model, vocab)
     _check_model_split(cfg, gpt)
     t, m, tp = cfg.training, cfg.model, cfg.grid.tensor_model_parallel_size
     gbs = t.global_batch_size or t.micro_batch_size * dp
@@ -166,7 +166,7 @@ def validate(cfg: PretrainConfig, world_size: int | None = None,
     if cfg.logging.tensorboard_dir and (why := tensorboard_missing()):
         raise ConfigError(why)
     _check_checkpoint(cfg, gpt, schedule)
-    if cfg.grid.dry_run_world_size is None:  # a dry run writes none of them
+    if cfg.dry_run.dry_run_world_size is None:  # a dry run writes none of them
         check_paths(cfg)
     job = Job(
         cfg=cfg, gpt=gpt, world_size=world, tp=tp, dp=dp, global_batch_size=gbs,
@@ -174,7 +174,7 @@ def validate(cfg: PretrainConfig, world_size: int | None = None,
         padded_vocab_size=pad_vocab_size(vocab, tp, m.make_vocab_size_divisible_by),
         schedule=schedule, rampup=rampup,
     )
-    if cfg.grid.dry_run_world_size is None:
+    if cfg.dry_run.dry_run_world_size is None:
         check_index_caches(job)  # a read-only one must hold every index the job needs
     return job
 
@@ -201,7 +201,7 @@ def _check_world(cfg: PretrainConfig, world_size: int | None,
                  local_world_size: int | None) -> tuple[int, int]:
     """``(world size, data-parallel size)``: the dry run's ranks, or the launcher's world, split
     into the grid."""
-    g = cfg.grid
+    g = cfg.dry_run
     if g.dry_run_world_size is not None and g.dry_run_world_size < 1:
         raise ConfigError(f"--dry-run-world-size {g.dry_run_world_size} must be a positive number "
                           "of ranks")
@@ -226,21 +226,10 @@ def _check_model_split(cfg: PretrainConfig, gpt: GPTConfig) -> None:
     """The model splits over ``tp`` (heads, FFN, and the sequence under SP) and its position
     table holds ``--seq-length``."""
     tp, seq = cfg.grid.tensor_model_parallel_size, cfg.model.seq_length
-    if gpt.num_attention_heads % tp:
-        raise ConfigError(f"--num-attention-heads {gpt.num_attention_heads} is not divisible by "
-                          f"--tensor-model-parallel-size {tp}")
-    groups = gpt.query_groups
-    if gpt.num_query_groups is not None and groups % tp:
-        valid = [t for t in range(1, groups + 1) if groups % t == 0]
-        raise ConfigError(f"--num-query-groups {groups} is not divisible by "
-                          f"--tensor-model-parallel-size {tp}: each TP rank holds whole K/V "
-                          f"heads; valid tp values: {', '.join(map(str, valid))}")
-    if gpt.ffn_hidden_size % tp:
-        raise ConfigError(f"--ffn-hidden-size {gpt.ffn_hidden_size} is not divisible by "
-                          f"--tensor-model-parallel-size {tp}")
-    if cfg.grid.sequence_parallel and seq % tp:
-        raise ConfigError(f"--sequence-parallel needs --seq-length divisible by "
-                          f"--tensor-model-parallel-size: {seq} % {tp} = {seq % tp}")
+    refusal = tp_split_refusal(gpt, tp, sequence_length=seq if cfg.grid.sequence_parallel
+                               else None)
+    if refusal is not None:
+        raise ConfigError(refusal.flag_message())
     if seq > gpt.max_position_embeddings:
         raise ConfigError(f"--seq-length {seq} must be in [1, --max-position-embeddings "
                           f"{gpt.max_position_embeddings}]")
@@ -279,90 +268,15 @@ def _check_resume(cfg: PretrainConfig, gpt: GPTConfig, schedule: dict) -> None:
         raise ConfigError(str(e)) from None
 
 
-TOKEN_SAMPLE = 1 << 20
-"""Tokens read from the start of each dataset to check them against the vocabulary (4 MiB at
-most); the training loop checks every micro-batch too (``hybrid.job.pretrain.checked_tokens``)."""
-
-
-def _check_pair(prefix: str) -> None:
-    """Raise :class:`ConfigError` when ``prefix.bin`` or ``prefix.idx`` is missing, suggesting
-    the ``<prefix>_<key>_document`` datasets beside it (what ``data.preprocess --output-prefix
-    <prefix>`` writes, one per ``--json-keys`` column) when there are any."""
-    missing = [s for s in (".bin", ".idx") if not Path(prefix + s).is_file()]
-    if not missing:
-        return
-    msg = f"--data-path {prefix}: missing {', '.join(prefix + s for s in missing)}"
-    base = Path(prefix)
-    found = sorted(str(p)[:-len(".idx")] for p in base.parent.glob(base.name + "_*_document.idx")
-                   if p.with_suffix(".bin").is_file())
-    if found:
-        msg += (f"; data.preprocess --output-prefix {prefix} writes <prefix>_<key>_document: "
-                f"did you mean --data-path {' or '.join(found)}?")
-    raise ConfigError(msg)
-
-
 def _check_data(cfg: PretrainConfig, vocab: int) -> None:
+    """The data flags name data that trains this model (:func:`data.checks.check_data`)."""
     d = cfg.data
-    from data.blended_dataset import parse_data_path
-    from data.split import parse_split
-
+    source = ("--tokenizer-model " + d.tokenizer_model if d.tokenizer_model
+              else "--vocab-file " + d.vocab_file if d.vocab_file else "--vocab-size")
     try:
-        train_share = parse_split(d.split)[0]
+        check_data(d.split, d.data_path, d.mock_data, cfg.eval.eval_iters, vocab, source)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if train_share <= 0:
-        raise ConfigError(f"--split {d.split} gives the train split no share of the data; put a "
-                          "positive train proportion first (e.g. --split 969,30,1)")
-    if d.mock_data:  # with --data-path too: refused by _vocab_size, which runs first
-        return
-    if not d.data_path:
-        raise ConfigError(NO_DATA)
-    try:
-        _, prefixes = parse_data_path(d.data_path)
-    except ValueError as e:
-        raise ConfigError(f"--data-path {' '.join(map(str, d.data_path))}: {e}") from None
-    from data.indexed_dataset import IndexedDataset
-
-    counts = []
-    for prefix in prefixes:
-        _check_pair(prefix)
-        ds = IndexedDataset(prefix)
-        counts.append(len(ds.document_indices) - 1)
-        head = ds.all_tokens[:TOKEN_SAMPLE]  # a mismatched tokenizer shows in the first tokens
-        if len(head) and int(head.max()) >= vocab:
-            source = ("--tokenizer-model " + d.tokenizer_model if d.tokenizer_model
-                      else "--vocab-file " + d.vocab_file if d.vocab_file else "--vocab-size")
-            raise ConfigError(
-                f"--data-path {prefix} holds token id {int(head.max())}, outside the vocabulary "
-                f"[0, {vocab}) of {source}: the data was preprocessed with another tokenizer (give "
-                "that one, or preprocess again)")
-    _check_split_sizes(cfg, prefixes, counts)
-
-
-def _check_split_sizes(cfg: PretrainConfig, prefixes: list[str], counts: list[int]) -> None:
-    """Every split that is used holds a document of every dataset. An evaluation split empty in
-    all of them is skipped (``data.split.skipped_splits``, as Megatron-LM); one empty in some
-    dataset of a blend is an error whose advice is checked to work and is never the given
-    ``--split`` (``data.split.suggest_split``)."""
-    from data.split import SPLIT_NAMES, parse_split, skipped_splits, split_sizes, suggest_split
-
-    split, fractions = cfg.data.split, parse_split(cfg.data.split)
-    evals = cfg.eval.eval_iters > 0
-    skipped = skipped_splits(fractions, counts) if evals else []
-    needed = ("train",) + tuple(n for i, n in enumerate(SPLIT_NAMES)
-                                if i and evals and fractions[i] > 0 and n not in skipped)
-    for prefix, docs in zip(prefixes, counts, strict=True):
-        empty = [n for n in needed if split_sizes(fractions, docs)[SPLIT_NAMES.index(n)] == 0]
-        if not empty:
-            continue
-        name, advice = empty[0], suggest_split(split, counts, needed)
-        fixes = [f"give --split {advice}"] if advice else []
-        if len(prefixes) > 1:
-            fixes.append(f"drop {prefix} from --data-path")
-        if name != "train":
-            fixes += [f"give the {name} split no share", "set --eval-iters 0"]
-        raise ConfigError(f"--split {split} leaves the {name} split of {prefix} ({docs} "
-                          f"document{'s' if docs != 1 else ''}) empty; " + ", or ".join(fixes))
 
 
 def _check_init_from_hf(c, gpt: GPTConfig) -> None:

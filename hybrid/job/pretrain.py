@@ -108,7 +108,7 @@ def _build(job: Job) -> tuple[ProcessGrid, RNGTracker, ZeroEngine]:
 
     cfg = job.cfg
     init_distributed(timeout_s=60 * cfg.grid.distributed_timeout_minutes)
-    grid = ProcessGrid(tp=cfg.grid.tensor_model_parallel_size)
+    grid = ProcessGrid(tp=job.tp)
     seed_everything(cfg.data.seed, grid.device)
     tracker = RNGTracker(cfg.data.seed, grid.tp_rank, grid.device)
     if grid.rank == 0:
@@ -212,10 +212,10 @@ def _checked_job(argv: list[str] | None):
     dropout. Returns ``(cfg, job)``; raises :class:`ConfigError` for a bad flag."""
     ignored: list[str] = []
     cfg = parse_config(argv, ignored)
-    job = validate(cfg, world_size=cfg.grid.dry_run_world_size)
+    job = validate(cfg, world_size=cfg.dry_run.dry_run_world_size)
     if os.environ.get("RANK", "0") != "0":
         return cfg, job
-    if not cfg.grid.dry_run_world_size:
+    if not cfg.dry_run.dry_run_world_size:
         wandb_preflight(cfg.logging.wandb_project, cfg.logging.wandb_entity,
                         cfg.logging.wandb_init_timeout)  # online: refuse a foreign entity
     if ignored:
@@ -252,9 +252,9 @@ def main(argv: list[str] | None = None) -> int:
 
             time.sleep(3)
         return 2
-    from hybrid.job import fake_cuda
+    from hybrid.dryrun import fake_cuda
 
-    if cfg.grid.dry_run_device == "cuda" and not fake_cuda.loaded():
+    if cfg.dry_run.dry_run_device == "cuda" and not fake_cuda.loaded():
         return fake_cuda.run_preloaded(sys.argv[1:] if argv is None else argv)
     import torch.distributed as dist
 
@@ -263,8 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     from hybrid.training import TooManyNaNIterations
 
     try:
-        if cfg.grid.dry_run_world_size:
-            from hybrid.job.dry_run_report import run_and_report
+        if cfg.dry_run.dry_run_world_size:
+            from hybrid.dryrun.report import run_and_report
 
             return run_and_report(job, f"hybrid-zero dry run | {header(job)}")
         try:

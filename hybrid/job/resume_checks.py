@@ -66,7 +66,7 @@ def _flag(name: str) -> str:
 
 def _with_defaults(model_fields: dict) -> dict:
     """A checkpoint's ``model`` entry with GPTConfig's defaults for the fields it predates."""
-    from models.gpt import GPTConfig
+    from models.config import GPTConfig
 
     defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
     return {**{k: defaults[k] for k in SHAPE_FIELDS if k not in model_fields}, **model_fields}

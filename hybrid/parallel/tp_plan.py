@@ -49,6 +49,7 @@ from hybrid.parallel.layers import TPSpec, get_tp_spec, set_tp_spec
 from hybrid.parallel.ops import TPLedger
 from hybrid.parallel.rng import RNGTracker
 from hybrid.parallel.sequence import sequence_parallel_active
+from hybrid.parallel.tp_split import tp_split_refusal
 from hybrid.parallel.tp_styles import STYLES, Swap
 from hybrid.parallel.vocab import pad_vocab_size
 from models.gpt import GPT, draws_normal, init_parameter, parameter_generator
@@ -86,15 +87,8 @@ def _set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
 def _check_fits(cfg, tp: int, sequence_parallel: bool, tracker: RNGTracker | None) -> None:
     """Raises ValueError: tp does not divide heads / K/V groups / MLP width; TP-region dropout
     without a tracker."""
-    if cfg.num_attention_heads % tp:
-        raise ValueError(f"tensor-model-parallel size {tp} does not divide num_attention_heads="
-                         f"{cfg.num_attention_heads}")
-    if cfg.query_groups % tp:
-        raise ValueError(f"tensor-model-parallel size {tp} does not divide num_query_groups="
-                         f"{cfg.query_groups} (each TP rank holds whole K/V heads)")
-    if cfg.ffn_hidden_size % tp:
-        raise ValueError(f"tensor-model-parallel size {tp} does not divide "
-                         f"ffn_hidden_size={cfg.ffn_hidden_size}")
+    if (refusal := tp_split_refusal(cfg, tp)) is not None:
+        raise ValueError(refusal.layer_message())
     dropout_in_tp_region = (cfg.attention_dropout > 0
                             or sequence_parallel and cfg.hidden_dropout > 0)
     if dropout_in_tp_region and tracker is None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 
 from hybrid.flops import RECOMPUTE_MODES
-from hybrid.model_shape import ModelShape
+from models.config import GPTConfig
 
 
 def _check_positive(**values: float) -> None:
@@ -36,7 +36,7 @@ def layer_activation_bytes(
     bytes_per_element: int = 2,
     mask_bytes: int = 1,
     *,
-    shape: ModelShape | None = None,
+    shape: GPTConfig | None = None,
     dropout: bool = True,
 ) -> int:
     """Activation bytes one transformer layer keeps for backward, per TP rank.
@@ -51,7 +51,7 @@ def layer_activation_bytes(
     replicated part is the two LayerNorm inputs, the QKV and fc1 inputs and the two residual
     dropout masks. Exact integer bytes (ceil of /t).
 
-    ``shape`` (a :class:`ModelShape`, whose h, a and f then win) adapts the terms to the Llama
+    ``shape`` (a :class:`GPTConfig`, whose h, a and f then win) adapts the terms to the Llama
     family; :func:`layer_saved_terms` derives them. ``dropout=False`` (the usual Llama setting)
     drops the three mask terms and takes the attention core through SDPA (no ``s^2`` terms).
     """
@@ -65,8 +65,9 @@ def layer_activation_bytes(
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
     if shape is None:
-        shape = ModelShape(1, hidden_size, num_attention_heads, 1, 1,
-                           ffn_hidden_size=ffn_hidden_size)
+        shape = GPTConfig(num_layers=1, hidden_size=hidden_size,
+                          num_attention_heads=num_attention_heads, vocab_size=1,
+                          max_position_embeddings=1, ffn_hidden_size=ffn_hidden_size)
     s, b, e = seq_length, micro_batch_size, bytes_per_element
     sbh = s * b * shape.hidden_size
     if recompute == "full":
@@ -81,7 +82,7 @@ def layer_activation_bytes(
     return replicated + math.ceil(split / tp)
 
 
-def layer_saved_terms(shape: ModelShape, recompute: str = "none", dropout: bool = True,
+def layer_saved_terms(shape: GPTConfig, recompute: str = "none", dropout: bool = True,
                       tp: int = 1) -> dict[str, int]:
     """Per-token element counts of what one layer saves for backward (before TP).
 
@@ -119,7 +120,8 @@ def layer_saved_terms(shape: ModelShape, recompute: str = "none", dropout: bool 
         ``{"replicated", "masks_replicated", "split", "fp32_split", "scores"}``, elements per
         token (``scores`` per token and per position of the sequence).
     """
-    a, g, d, f = shape.num_attention_heads, shape.query_groups, shape.head_dim, shape.ffn
+    a, g, d = shape.num_attention_heads, shape.query_groups, shape.head_dim
+    f = shape.ffn_hidden_size
     qkv, rope, qk = (a + 2 * g) * d, shape.position_embedding_type == "rope", shape.qk_layernorm
     qcopy = a * d if a > g and g > tp else 0  # q a copy, not a view: GQA, > 1 group per rank
     explicit_core = recompute == "none" and dropout

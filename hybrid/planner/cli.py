@@ -7,7 +7,7 @@ bandwidths are in GB/s (1e9 bytes/s, as links are quoted); bucket sizes in eleme
 (tp not dividing the heads, GPUs not divisible by GPUs per node, non-positive sizes) exits
 with status 2 and a message naming the value.
 
-``--device`` picks a GPU preset (:mod:`hybrid.planner.devices`: the memory CUDA reports and the
+``--device`` picks a GPU preset (:mod:`hybrid.devices`: the memory CUDA reports and the
 datasheet's dense peak); ``--gpu-memory-gib`` and ``--peak-tflops`` override its two figures. A
 memory given without a device or a peak is refused when planning: the step time would silently
 use another GPU's peak.
@@ -23,8 +23,7 @@ import re
 import sys
 
 from hybrid.config_fields import flag_hints
-from hybrid.flops import device_peak_tflops, num_parameters
-from hybrid.planner.devices import (
+from hybrid.devices import (
     DEFAULT_DEVICE,
     DEFAULT_RESERVED_GIB,
     GIB,
@@ -32,20 +31,15 @@ from hybrid.planner.devices import (
     device_preset,
     preset_names,
 )
+from hybrid.dryrun.verify import comparison_lines, pretrain_argv, verify
+from hybrid.flops import device_peak_tflops, num_parameters
+from hybrid.model_flags import _finite, add_model_args, model_from_args
+from hybrid.planner.inputs import DEFAULT_BUCKET_ELEMENTS, Cluster, Training
 from hybrid.planner.max_model import max_layers, max_params
 from hybrid.planner.memory import ACTIVATION_OPTIONS, ZERO_STAGES
-from hybrid.planner.model_args import _finite, add_model_args, model_from_args
-from hybrid.planner.plan import (
-    DEFAULT_BUCKET_ELEMENTS,
-    Cluster,
-    Training,
-    best,
-    plan,
-    tp_candidates,
-)
+from hybrid.planner.plan import best, plan, tp_candidates
 from hybrid.planner.precision import ACCOUNTINGS, PRECISIONS
 from hybrid.planner.table import max_model_text, plan_text
-from hybrid.planner.verify import comparison_lines, pretrain_argv, verify
 
 
 class _Parser(argparse.ArgumentParser):
@@ -367,7 +361,7 @@ def no_layout_message(skipped: list[str]) -> str:
 
 
 def _verify(args, model, training: Training, cluster: Cluster, chosen) -> dict | None:
-    """``--verify``: the dry run of ``chosen`` for rank 0 (:mod:`hybrid.planner.verify`), its
+    """``--verify``: the dry run of ``chosen`` for rank 0 (:mod:`hybrid.dryrun.verify`), its
     lines streamed (to stderr under ``--json``); None when nothing fits."""
     if chosen is None:
         return None

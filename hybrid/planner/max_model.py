@@ -9,10 +9,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from hybrid.model_shape import ModelShape
 from hybrid.planner.memory import state_bytes_per_param
 from hybrid.planner.plan import Cluster, Training, evaluate
 from hybrid.planner.precision import get_precision
+from models.config import GPTConfig
 
 
 def max_params(
@@ -35,7 +35,7 @@ def max_params(
 
 
 def max_layers(
-    model: object,
+    model: GPTConfig,
     cluster: Cluster,
     training: Training,
     tp: int,
@@ -48,7 +48,7 @@ def max_layers(
     Memory grows monotonically with the layer count, so this bisects; 0 if even one layer does not
     fit. Use it for the activation-aware version of the max-model question (ZeRO §10.5, Fig. 6).
     """
-    m = ModelShape.of(model)
+    m = model
 
     def fits(layers: int) -> bool:
         return evaluate(

@@ -36,12 +36,12 @@ from __future__ import annotations
 import math
 
 from hybrid.flops import parameters_per_tp_rank
-from hybrid.model_shape import ModelShape
 from hybrid.planner.activations import layer_activation_bytes as layer_activation_bytes
 from hybrid.planner.activations import layer_saved_terms as layer_saved_terms
 from hybrid.planner.precision import Precision, get_precision
 from hybrid.zero.stage import ZERO_STAGES as ZERO_STAGES  # re-exported for the planner
 from hybrid.zero.stage import stage_plan
+from models.config import GPTConfig
 
 ACTIVATION_OPTIONS = ("none", "full", "full+pa", "full+pa+cpu", "selective", "sp", "sp+selective",
                       "full+sp", "full+sp+cpu")
@@ -72,7 +72,7 @@ def params_per_tp_rank(model_or_params: object, tp: int) -> int:
     return parameters_per_tp_rank(model_or_params, tp)
 
 
-def persistent_parameters(model: object, tp: int, threshold: int) -> int:
+def persistent_parameters(model: GPTConfig, tp: int, threshold: int) -> int:
     """Elements of one TP rank's parameters that ZeRO stage 3 keeps whole (never partitioned).
 
     ``ZeroConfig.param_persistence_threshold``: every local parameter tensor with fewer than
@@ -83,11 +83,11 @@ def persistent_parameters(model: object, tp: int, threshold: int) -> int:
     [s, h] (learned positions), ln_f [h] (+ [h]), untied head [V/t, h]. ``model`` must have a
     TP-padded vocabulary (``hybrid.parallel.vocab.pad_vocab_size``).
     """
-    m = ModelShape.of(model)
+    m = model
     if threshold <= 0:
         return 0
     _check_positive(tp=tp)
-    h, f, v, qkv = m.hidden_size, m.ffn, m.vocab_size, m.qkv_size
+    h, f, v, qkv = m.hidden_size, m.ffn_hidden_size, m.vocab_size, m.qkv_size
     ad = m.num_attention_heads * m.head_dim
     bias, rms = m.add_bias_linear, m.normalization == "RMSNorm"
     layer = [qkv * h // tp, ad * h // tp] + [f * h // tp] * (3 if m.swiglu else 2)
@@ -98,7 +98,7 @@ def persistent_parameters(model: object, tp: int, threshold: int) -> int:
     outside = [v * h // tp]
     outside += [m.max_position_embeddings * h] if m.position_embedding_type == "learned_absolute" \
         else []
-    outside += [h] * len(norm) if m.final_layernorm else []
+    outside += [h] * len(norm)
     outside += [v * h // tp] if m.untie_embeddings_and_output_weights else []
     small = m.num_layers * sum(n for n in layer if n < threshold)
     return small + sum(n for n in outside if n < threshold)
@@ -200,7 +200,7 @@ def non_layer_activation_bytes(
 
 
 def activation_bytes(
-    model: object,
+    model: GPTConfig,
     seq_length: int,
     micro_batch_size: int,
     tp: int = 1,
@@ -226,11 +226,12 @@ def activation_bytes(
     """
     if option not in ACTIVATION_OPTIONS:
         raise ValueError(f"activation option must be one of {ACTIVATION_OPTIONS}, got {option!r}")
-    m = ModelShape.of(model)
+    m = model
     e = get_precision(precision).activation_bytes
     parts = set(option.split("+"))
     sp, full = "sp" in parts, "full" in parts
-    s, b, h, a, f = seq_length, micro_batch_size, m.hidden_size, m.num_attention_heads, m.ffn
+    s, b, h, a = seq_length, micro_batch_size, m.hidden_size, m.num_attention_heads
+    f = m.ffn_hidden_size
     recompute = "selective" if "selective" in parts else "none"
     one_layer = layer_activation_bytes(s, b, h, a, tp, f, sp, recompute, bytes_per_element=e,
                                        mask_bytes=mask_bytes, shape=m, dropout=dropout)

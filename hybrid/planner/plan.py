@@ -28,7 +28,7 @@ Data-parallel traffic follows the engine's schedule (``traffic.dp_traffic_by_kin
 The fastest fitting candidate wins; ties go to the lower ZeRO stage, then the smaller footprint.
 "Fits" means model states + activations + temporaries + buffers + ``reserved_bytes`` (default
 1 GiB for the CUDA context and fragmentation; pass 0 to reproduce the ZeRO tables) <= GPU memory,
-the dry run's rule too (:func:`hybrid.planner.devices.fit_verdict`); bytes here, GiB in the CLI.
+the dry run's rule too (:func:`hybrid.devices.fit_verdict`); bytes here, GiB in the CLI.
 
 Constant-size buffers (ZeRO §6.2, C_B): gradients are reduced in buckets of 5e7 elements and
 stage 3 gathers parameters in buckets of 5e7 elements (100 MB each in bf16, two of each in flight).
@@ -42,10 +42,11 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from hybrid.flops import flops_per_iteration, layer_parameter_split
-from hybrid.model_shape import ModelShape
+from hybrid.parallel.grid import validate_grid
 from hybrid.parallel.sequence import sequence_parallel_active
+from hybrid.parallel.tp_split import tp_split_refusal
 from hybrid.parallel.vocab import pad_vocab_size
-from hybrid.planner.devices import GIB
+from hybrid.planner.inputs import GB, Cluster, Training
 from hybrid.planner.memory import (
     ACTIVATION_OPTIONS,
     ZERO_STAGES,
@@ -59,6 +60,7 @@ from hybrid.planner.precision import ACCOUNTINGS, get_precision
 from hybrid.planner.temporaries import embedding_backward_bytes, temporary_bytes
 from hybrid.planner.traffic import dp_traffic_bytes, tp_traffic_elements
 from hybrid.zero.stage import stage_plan
+from models.config import GPTConfig
 
 __all__ = [
     "ACCOUNTINGS",
@@ -73,98 +75,6 @@ __all__ = [
     "dp_traffic_bytes",
     "activation_bytes",
 ]
-
-GB = 1e9  # bandwidths only (GB/s, as links are quoted); memory is shown in GiB (devices.GIB)
-DEFAULT_BUCKET_ELEMENTS = 50_000_000
-
-
-@dataclass(frozen=True)
-class Cluster:
-    """The machines: GPU count and memory, speeds the cost model uses."""
-
-    num_gpus: int
-    """GPUs in the job (tp * dp)."""
-    gpus_per_node: int = 8
-    """GPUs sharing one NVLink domain; TP never crosses it."""
-    gpu_memory_bytes: float = 80 * GIB
-    """Memory per GPU in bytes (the A100-80GB reports 80 GiB; :mod:`hybrid.planner.devices`)."""
-    reserved_bytes: float = 1 * GIB
-    """Held back per GPU for the CUDA context, allocator fragmentation, temporaries (bytes)."""
-    peak_tflops: float = 312.0
-    """Dense bf16/fp16 peak per GPU in TFLOP/s (``flops.device_peak_tflops``)."""
-    efficiency: float = 0.45
-    """Fraction of peak the GEMMs achieve."""
-    intra_node_gbs: float = 200.0
-    """Achieved per-GPU collective bandwidth inside a node, GB/s."""
-    inter_node_gbs: float = 25.0
-    """Achieved per-GPU collective bandwidth across nodes, GB/s."""
-    cpu_gbs: float = 20.0
-    """Per-GPU host link bandwidth for P_a+cpu, GB/s."""
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if value < 0 or (value == 0 and f.name != "reserved_bytes"):
-                raise ValueError(f"{f.name} must be positive, got {value}")
-        if self.num_gpus % self.gpus_per_node:
-            raise ValueError(
-                f"num_gpus={self.num_gpus} is not divisible by gpus_per_node={self.gpus_per_node}"
-            )
-        if self.efficiency > 1:
-            raise ValueError(f"efficiency is a fraction of peak in (0, 1], got {self.efficiency:g}")
-
-
-@dataclass(frozen=True)
-class Training:
-    """What one step does."""
-
-    seq_length: int
-    """Tokens per sequence s."""
-    micro_batch_size: int = 1
-    """Sequences per rank per forward/backward b."""
-    global_batch_size: int | None = None
-    """Sequences per optimizer step; None = micro_batch_size * num_gpus."""
-    precision: str = "bf16"
-    """'bf16' / 'fp16' (mixed, 16 B/param) or 'fp32' (4 param + 4 grad + 8 Adam)."""
-    accounting: str = "paper"
-    """'paper': ZeRO §3.1 bytes per parameter (2 + 2 + 12; the paper's tables); 'engine': what
-    ``hybrid.zero.engine.ZeroEngine`` holds and sends (fp32 gradients, separate fp32 master: 18
-    B/param in 16-bit, 20 in fp32). See ``hybrid.planner.memory``."""
-    param_persistence_threshold: int = 0
-    """Stage 3 keeps local parameters with fewer elements than this whole (ZeroConfig's field of
-    the same name, default 100,000 there); 0 partitions everything, as the paper counts."""
-    reduce_bucket_elements: int = DEFAULT_BUCKET_ELEMENTS
-    """Gradient reduce bucket, elements."""
-    allgather_bucket_elements: int = DEFAULT_BUCKET_ELEMENTS
-    """Stage-3 parameter gather bucket, elements."""
-    make_vocab_size_divisible_by: int = 128
-    """Vocabulary padded to a multiple of this * tp (Megatron §5.1)."""
-    grad_reduce: str = "reduce_scatter"
-    """ZeroConfig.grad_reduce: 'reduce_scatter' or 'all_reduce' (2x the gradient bytes)."""
-    overlap_comm: bool = True
-    """Two reduce-scatter staging buffers (reduction overlapped with backward) instead of one."""
-    dropout: bool = True
-    """The model trains with dropout (Megatron's default 0.1): masks saved, the attention core
-    explicit; False (Llama recipes): no masks, SDPA (``hybrid.planner.activations``)."""
-
-    def __post_init__(self) -> None:
-        get_precision(self.precision, self.accounting)
-        if self.param_persistence_threshold < 0:
-            raise ValueError(
-                f"param_persistence_threshold must be >= 0, got {self.param_persistence_threshold}"
-            )
-        for name in (
-            "seq_length",
-            "micro_batch_size",
-            "reduce_bucket_elements",
-            "allgather_bucket_elements",
-            "make_vocab_size_divisible_by",
-        ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.global_batch_size is not None and self.global_batch_size <= 0:
-            raise ValueError(f"global_batch_size must be positive, got {self.global_batch_size}")
-
 
 @dataclass(frozen=True)
 class Candidate:
@@ -210,44 +120,60 @@ class Candidate:
         return dataclasses.asdict(self)
 
 
-def tp_candidates(model: object, cluster: Cluster) -> list[int]:
-    """Powers of two t <= gpus_per_node dividing the heads, the MLP width and the GPU count."""
-    m = ModelShape.of(model)
+def tp_candidates(model: GPTConfig, cluster: Cluster) -> list[int]:
+    """Powers of two t <= gpus_per_node over which the model splits (heads, K/V groups, MLP
+    width: :func:`hybrid.parallel.tp_split.tp_split_refusal`) and the grid forms."""
     out, t = [], 1
     while t <= cluster.gpus_per_node:
-        if m.num_attention_heads % t == 0 and m.ffn % t == 0 and cluster.num_gpus % t == 0:
+        if tp_split_refusal(model, t) is None and _grid_refusal(t, cluster) is None:
             out.append(t)
         t *= 2
     return out
 
 
-def _padded(model: object, tp: int, training: Training) -> ModelShape:
-    m = ModelShape.of(model)
+def _grid_refusal(tp: int, cluster: Cluster) -> str | None:
+    """Why ``tp`` makes no grid of the cluster (:func:`hybrid.parallel.grid.validate_grid`: tp
+    divides the GPUs and fits in a node), or None."""
+    try:
+        validate_grid(cluster.num_gpus, tp, cluster.gpus_per_node)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _padded(model: GPTConfig, tp: int, training: Training) -> GPTConfig:
+    m = model
     vocab = pad_vocab_size(m.vocab_size, tp, training.make_vocab_size_divisible_by)
     return dataclasses.replace(m, vocab_size=vocab)
 
 
-def _check_tp(m: ModelShape, tp: int, cluster: Cluster) -> None:
-    if tp <= 0 or m.num_attention_heads % tp or m.ffn % tp:
+def _check_tp(m: GPTConfig, tp: int, cluster: Cluster) -> None:
+    if tp <= 0:
+        raise ValueError(f"tp={tp} must be positive")
+    refusal = tp_split_refusal(m, tp)
+    if refusal is not None and refusal.dimension == "num_query_groups":
+        raise ValueError(f"tp={tp} must divide num_query_groups={m.query_groups} (each TP rank "
+                         f"holds whole K/V heads)")
+    if refusal is not None:
         raise ValueError(f"tp={tp} must divide num_attention_heads={m.num_attention_heads} "
-                         f"and ffn_hidden_size={m.ffn}")
-    if tp > cluster.gpus_per_node or cluster.num_gpus % tp:
-        raise ValueError(f"tp={tp} must divide num_gpus={cluster.num_gpus} and be <= "
-                         f"gpus_per_node={cluster.gpus_per_node}")
+                         f"and ffn_hidden_size={m.ffn_hidden_size}")
+    if (why := _grid_refusal(tp, cluster)) is not None:
+        raise ValueError(why)
 
 
-def _check_layout(model: object, cluster: Cluster, training: Training, tp: int,
-                  activation: str) -> ModelShape:
+def _check_layout(model: GPTConfig, cluster: Cluster, training: Training, tp: int,
+                  activation: str) -> GPTConfig:
     """The model with its vocabulary padded for ``tp``, after checking the layout is possible.
 
     Raises ValueError: tp does not divide the heads, the MLP width or the GPUs, or sequence
     parallelism with tp not dividing the sequence length.
     """
-    m0 = ModelShape.of(model)
+    m0 = model
     _check_tp(m0, tp, cluster)
     m = _padded(m0, tp, training)
     s = training.seq_length
-    if sequence_parallel_active("sp" in activation.split("+"), tp) and s % tp:
+    if (sequence_parallel_active("sp" in activation.split("+"), tp)
+            and tp_split_refusal(m0, tp, sequence_length=s) is not None):
         raise ValueError(f"sequence parallelism needs seq_length divisible by tp: "
                          f"{s} % {tp} = {s % tp}")
     return m
@@ -264,7 +190,7 @@ def _batch(training: Training, cluster: Cluster, dp: int) -> tuple[int, int]:
     return gbs, gbs // (b * dp)
 
 
-def _buffer_bytes(m: ModelShape, tp: int, dp: int, stage: int, prec, psi_t: int,
+def _buffer_bytes(m: GPTConfig, tp: int, dp: int, stage: int, prec, psi_t: int,
                   training: Training) -> int:
     """Communication buffers of one rank (``memory.comm_buffer_bytes``), bytes: one block's
     local parameters bound stage 3's gather unit, the rest is the root unit."""
@@ -276,7 +202,7 @@ def _buffer_bytes(m: ModelShape, tp: int, dp: int, stage: int, prec, psi_t: int,
                              training.overlap_comm, root)
 
 
-def _traffic(m: ModelShape, tp: int, dp: int, stage: int, prec, micro_batches: int,
+def _traffic(m: GPTConfig, tp: int, dp: int, stage: int, prec, micro_batches: int,
              persistent: int, activation: str, training: Training, acts: dict
              ) -> tuple[dict, float, float]:
     """``(dp bytes by kind, tp bytes, host bytes)`` one rank moves per optimizer step."""
@@ -293,7 +219,7 @@ def _traffic(m: ModelShape, tp: int, dp: int, stage: int, prec, micro_batches: i
     return dp_kinds, tp_bytes, cpu_bytes
 
 
-def _step_times(m: ModelShape, cluster: Cluster, gbs: int, s: int, activation: str,
+def _step_times(m: GPTConfig, cluster: Cluster, gbs: int, s: int, activation: str,
                 dp_bytes: float, tp_bytes: float, cpu_bytes: float) -> tuple[dict, float]:
     """``(times, mfu)``: the cost model's terms and their sum ``step_s`` (seconds), and the
     model-FLOPs utilisation that step time gives (see the module docstring)."""
@@ -316,7 +242,7 @@ def _step_times(m: ModelShape, cluster: Cluster, gbs: int, s: int, activation: s
 
 
 def evaluate(
-    model: object, cluster: Cluster, training: Training, tp: int, stage: int, activation: str
+    model: GPTConfig, cluster: Cluster, training: Training, tp: int, stage: int, activation: str
 ) -> Candidate:
     """Memory, traffic and estimated step time of one layout (see the module docstring).
 
@@ -336,7 +262,7 @@ def evaluate(
     acts = activation_bytes(m, s, b, tp, activation, prec, dropout=training.dropout)
     buffers = _buffer_bytes(m, tp, dp, stage, prec, psi_t, training)
     temps = temporary_bytes(m, s, b, tp, stage, activation, prec.activation_bytes,
-                            ModelShape.of(model).vocab_size, acts["layers"], training.dropout)
+                            model.vocab_size, acts["layers"], training.dropout)
     bucket = min(max(1, training.reduce_bucket_elements // dp), -(-psi_t // dp)) * dp
     temps["embedding_backward"] = embedding_backward_bytes(
         m, tp, stage, prec.activation_bytes, bucket, acts["gpu"], training.overlap_comm)
@@ -357,7 +283,7 @@ def evaluate(
 
 
 def plan(
-    model: object,
+    model: GPTConfig,
     cluster: Cluster,
     training: Training,
     tps: list[int] | None = None,
@@ -370,7 +296,7 @@ def plan(
     skipped at tp = 1, where partitioning over one rank is plain checkpointing and sequence
     parallelism is off.
     """
-    m = ModelShape.of(model)
+    m = model
     if tps is None:
         tps = tp_candidates(m, cluster)
     for tp in tps:

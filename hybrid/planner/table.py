@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from hybrid.devices import GIB, gib_text
 from hybrid.flops import num_parameters
-from hybrid.planner.devices import GIB, gib_text
 
 
 def _gb(x: float) -> str:
@@ -17,7 +17,7 @@ def plan_text(model, cluster, training, cands, skipped, chosen, fitting_only, de
     """
     lines = [
         f"model: {model.num_layers} layers, h={model.hidden_size}, "
-        f"heads={model.num_attention_heads}, f={model.ffn}, V={model.vocab_size}, "
+        f"heads={model.num_attention_heads}, f={model.ffn_hidden_size}, V={model.vocab_size}, "
         f"{num_parameters(model) / 1e9:.3f}B params (unpadded)",
         f"cluster: {cluster.num_gpus} GPUs ({cluster.gpus_per_node}/node) x {device}: "
         f"{cluster.gpu_memory_bytes / GIB:.2f} GiB, peak {cluster.peak_tflops:g} TFLOP/s x "

@@ -2,7 +2,7 @@
 
 ``hybrid.planner.memory.activation_bytes`` counts what autograd saves for backward (2205.05198
 §4, checked against the saved-bytes meter). The step peak the dry run measures
-(``hybrid.job.dry_run``) also holds short-lived tensors; :func:`temporary_bytes` adds them so the
+(``hybrid.dryrun.dry_run``) also holds short-lived tensors; :func:`temporary_bytes` adds them so the
 planner's total is the step peak. Derived from what the engine allocates (elements per TP rank;
 ``e`` the compute dtype's bytes, s sequence, b micro batch, h width, V the padded vocabulary,
 t the TP degree):
@@ -48,10 +48,11 @@ rank.
 from __future__ import annotations
 
 from hybrid.flops import layer_parameter_split
-from hybrid.model_shape import ModelShape
+from hybrid.zero.stage import stage_plan
+from models.config import GPTConfig
 
 
-def temporary_bytes(model: object, seq_length: int, micro_batch_size: int, tp: int, stage: int,
+def temporary_bytes(model: GPTConfig, seq_length: int, micro_batch_size: int, tp: int, stage: int,
                     activation: str, bytes_per_element: int, real_vocab_size: int | None = None,
                     layer_bytes: int = 0, dropout: bool = True, mask_bytes: int = 1
                     ) -> dict[str, int]:
@@ -78,7 +79,7 @@ def temporary_bytes(model: object, seq_length: int, micro_batch_size: int, tp: i
     """
     if tp <= 0 or stage not in (0, 1, 2, 3):
         raise ValueError(f"tp must be positive and stage in 0-3, got tp={tp}, stage={stage}")
-    m = ModelShape.of(model)
+    m, reduced = model, stage_plan(stage).reduce_every_micro_batch
     parts = set(activation.split("+"))
     e, s, b, h = bytes_per_element, seq_length, micro_batch_size, m.hidden_size
     logits = s * b * (m.vocab_size // tp)
@@ -87,12 +88,12 @@ def temporary_bytes(model: object, seq_length: int, micro_batch_size: int, tp: i
     loss -= layer_bytes if "full" in parts else 0
     sharded, replicated = layer_parameter_split(m)
     tied = not m.untie_embeddings_and_output_weights
-    head = (m.vocab_size // tp) * h if stage >= 2 or tied else 0
-    if stage >= 2:
+    head = (m.vocab_size // tp) * h if reduced or tied else 0
+    if reduced:  # each micro-batch's block gradients wait in the compute dtype for their reduce
         block = sharded // tp + replicated
     else:
-        block = max(m.ffn, m.qkv_size) * h // tp
-    mlp = s * b * (m.ffn // tp) * ((6 if e < 4 else 3) * 4 if m.swiglu else 2 * e)
+        block = max(m.ffn_hidden_size, m.qkv_size) * h // tp
+    mlp = s * b * (m.ffn_hidden_size // tp) * ((6 if e < 4 else 3) * 4 if m.swiglu else 2 * e)
     gathered = 2 * s * b * h * e if "sp" in parts and tp > 1 else 0
     backward = (head + block) * e + max(mlp, gathered)
     if dropout:
@@ -101,7 +102,7 @@ def temporary_bytes(model: object, seq_length: int, micro_batch_size: int, tp: i
     return {"loss_forward": loss, "block_backward": backward, "total": max(0, loss, backward)}
 
 
-def embedding_backward_bytes(model: object, tp: int, stage: int, bytes_per_element: int,
+def embedding_backward_bytes(model: GPTConfig, tp: int, stage: int, bytes_per_element: int,
                              bucket_elements: int, kept_bytes: int, overlap: bool = True) -> int:
     """Temporaries of the embedding's backward, the last of the step (module docstring), bytes
     per rank: ``(V h / t x (3 tied, 2 untied at ZeRO 2/3, else 1) + held) e - kept_bytes`` (the
@@ -113,13 +114,13 @@ def embedding_backward_bytes(model: object, tp: int, stage: int, bytes_per_eleme
     layer's local parameters. Raises ValueError for tp <= 0."""
     if tp <= 0:
         raise ValueError(f"tp must be positive, got {tp}")
-    m = ModelShape.of(model)
+    m, plan = model, stage_plan(stage)
     sharded, replicated = layer_parameter_split(m)
     block = sharded // tp + replicated
     vh = (m.vocab_size // tp) * m.hidden_size
     tied = not m.untie_embeddings_and_output_weights
-    out = vh * (3 if tied else 2 if stage >= 2 else 1)
-    if stage >= 2:
+    out = vh * (3 if tied else 2 if plan.reduce_every_micro_batch else 1)
+    if plan.reduce_every_micro_batch:
         out += min(m.num_layers * block, (3 if overlap else 2) * bucket_elements)
-    return out * bytes_per_element - kept_bytes - (2 * block * bytes_per_element if stage == 3
-                                                   else 0)
+    return out * bytes_per_element - kept_bytes - (2 * block * bytes_per_element
+                                                   if plan.shards_parameters else 0)

@@ -357,7 +357,7 @@ class ZeroEngine:
     def held_tensors(self) -> list[torch.Tensor]:
         """Every long-lived tensor this rank allocated: the model states, the gradient buffer,
         the compute-dtype parameters (stage 3: shard and persistent units) and the staging
-        buffers (for memory meters such as ``hybrid.job.dry_run``)."""
+        buffers (for memory meters such as ``hybrid.dryrun.dry_run``)."""
         st = self.states
         out = [st.master, st.exp_avg, st.exp_avg_sq, self.reducer.buffer]
         out += [st.param_flat] if st.param_flat is not None else [st.param_shard]

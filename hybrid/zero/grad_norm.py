@@ -107,9 +107,9 @@ def global_grad_norm_and_stop(counted: list[torch.Tensor], uncounted: list[torch
 def host_values(t: torch.Tensor) -> list[float]:
     """The values of a small tensor on the host (one synchronisation).
 
-    A fake tensor (``FakeTensorMode``, the dry run of :mod:`hybrid.job.dry_run`) has no values; it
-    reads as zeros, which is the normal path everywhere they are used (a finite loss, a finite
-    norm, no overflow). Real tensors are read as they are.
+    A fake tensor (``FakeTensorMode``, the dry run of :mod:`hybrid.dryrun.dry_run`) has no
+    values; it reads as zeros, which is the normal path everywhere they are used (a finite loss,
+    a finite norm, no overflow). Real tensors are read as they are.
     """
     from torch._subclasses.fake_tensor import is_fake
 

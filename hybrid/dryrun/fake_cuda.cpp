@@ -1,4 +1,4 @@
-// Fake CUDA for the dry run on a CPU-only torch (hybrid/job/fake_cuda.py): a no-op CUDA device
+// Fake CUDA for the dry run on a CPU-only torch (hybrid/dryrun/fake_cuda.py): a no-op CUDA device
 // guard and CUDA hooks that report devices, so that fake tensors on cuda:N can be copied,
 // sliced and back-propagated. No memory is ever allocated on a device: every tensor the dry run
 // creates is a FakeTensor. Loaded before torch (its hooks are read once, at torch's import).

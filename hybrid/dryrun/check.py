@@ -63,7 +63,7 @@ class CheckRun:
 def predict(run: CheckRun) -> dict:
     """Planner figures for ``run``: ``{'states': {key: bytes, 'total'}, 'dp': {kind: bytes},
     'dp_total': bytes}`` per rank (per optimizer step for traffic)."""
-    from models.gpt import GPTConfig
+    from models.config import GPTConfig
 
     n = run.tp * run.dp
     cluster = Cluster(num_gpus=n, gpus_per_node=n, reserved_bytes=0)

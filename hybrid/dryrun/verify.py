@@ -3,9 +3,9 @@
 :func:`pretrain_argv` writes the ``hybrid.pretrain`` flags of a planned layout (the model, the
 batch, the precision, tp, the ZeRO stage and buckets, the activation mode, the device) with
 ``--mock-data --dry-run-world-size N --dry-run-rank 0``; :func:`verify` runs that dry run
-(:mod:`hybrid.job.dry_run`) in a fresh interpreter (the fake process group is the default
+(:mod:`hybrid.dryrun.dry_run`) in a fresh interpreter (the fake process group is the default
 group) on the device whose code paths hold what a GPU holds (:func:`_command`), streams its
-phase lines and report, and returns both totals. ``python -m hybrid.planner.verify
+phase lines and report, and returns both totals. ``python -m hybrid.dryrun.verify
 PRETRAIN_FLAGS`` is that interpreter: it prints the phase lines and one ``RESULT {json}`` line.
 """
 
@@ -47,7 +47,7 @@ def _flag(name: str) -> str:
 def pretrain_argv(args, model, chosen, global_batch: int) -> list[str]:
     """The ``hybrid.pretrain`` flags of the dry run of ``chosen`` (a
     :class:`hybrid.planner.plan.Candidate`) for the planner's parsed ``args`` and its model
-    (a :class:`hybrid.model_shape.ModelShape`, for the vocabulary), rank 0 of
+    (a :class:`models.config.GPTConfig`, for the vocabulary), rank 0 of
     ``args.num_gpus``; ``global_batch`` in samples."""
     out = ["--preset", args.model] if args.model else []
     for name in _SAME_VALUE:
@@ -95,29 +95,29 @@ def verify(argv: list[str], say=print, gpu_paths: bool = True) -> dict:
 
 def _command(argv: list[str], say, gpu_paths: bool) -> tuple[list[str], dict | None]:
     """The dry run's interpreter. With attention dropout (``gpu_paths``; the dry run measures
-    the explicit attention core, :func:`hybrid.job.dry_run.measured_attention_path`) on fake
+    the explicit attention core, :func:`hybrid.dryrun.dry_run.measured_attention_path`) on fake
     CUDA devices (``--dry-run-device cuda``) where the small C++ extension builds:
     CUDA's fused dropout keeps a 1-byte mask per element, torch's CPU dropout a mask in the
     activation dtype (2 bytes in bf16: 4.5 GiB more per rank at 175B). Without it, on the CPU
     device: the attention core is ``scaled_dot_product_attention``, a flash kernel on the CPU
     (output and log-sum-exp kept, as on a GPU) but the math path under fake CUDA on a CPU-only
     torch (the whole score matrix: 161 GiB instead of 24 for Llama-3-8B at s = 8192)."""
-    from hybrid.job import fake_cuda
+    from hybrid.dryrun import fake_cuda
 
     if not gpu_paths:
-        return [sys.executable, "-m", "hybrid.planner.verify", *argv], None
+        return [sys.executable, "-m", "hybrid.dryrun.verify", *argv], None
     try:
-        return fake_cuda.preloaded_command("from hybrid.planner.verify import main\n",
+        return fake_cuda.preloaded_command("from hybrid.dryrun.verify import main\n",
                                            [*argv, "--dry-run-device", "cuda"])
     except RuntimeError as e:
         say(f"note: the dry run takes the CPU's code paths ({str(e).splitlines()[0]}); its "
             "dropout masks take 2 bytes per element where a GPU's take 1")
-        return [sys.executable, "-m", "hybrid.planner.verify", *argv], None
+        return [sys.executable, "-m", "hybrid.dryrun.verify", *argv], None
 
 
 def comparison_lines(result: dict, planned_total: float, planned_fits: bool) -> list[str]:
     """Both totals side by side (GiB, the reserve included) and both verdicts."""
-    from hybrid.planner.devices import gib_text
+    from hybrid.devices import gib_text
 
     gib = 2**30
     reserve = result["reserved_gib"]
@@ -136,14 +136,14 @@ def comparison_lines(result: dict, planned_total: float, planned_fits: bool) -> 
 def main(argv: list[str] | None = None) -> int:
     """The dry run's interpreter: phase lines, the report, then ``RESULT {json}`` with the
     measured and planned totals (bytes) and the verdict."""
+    from hybrid.devices import GIB, device_memory_gib, fit_verdict
+    from hybrid.dryrun.dry_run import dry_run
+    from hybrid.dryrun.report import format_report
     from hybrid.job.cli import parse_config
     from hybrid.job.config_checks import validate
-    from hybrid.job.dry_run import dry_run
-    from hybrid.job.dry_run_report import format_report
-    from hybrid.planner.devices import GIB, device_memory_gib, fit_verdict
 
     cfg = parse_config(sys.argv[1:] if argv is None else argv)
-    g = cfg.grid
+    g = cfg.dry_run
     r = dry_run(validate(cfg, world_size=g.dry_run_world_size), g.dry_run_rank,
                 progress=lambda line: print(line, flush=True))
     memory = device_memory_gib(g.device, g.gpu_memory_gib, g.reserved_gib)

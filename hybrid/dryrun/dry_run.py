@@ -24,7 +24,7 @@ engine's buffers give the bytes per kind. The planner's figures for the same con
 printed beside them. The fake backend ignores the device: everything is counted as memory of
 one device, and host-offloaded checkpoints (``--checkpoint-in-cpu``, the arena) are reported on
 their own line and left out of the device total. The report
-(:mod:`hybrid.job.dry_run_report`) is in GiB and ends with the verdict for ``--device`` /
+(:mod:`hybrid.dryrun.report`) is in GiB and ends with the verdict for ``--device`` /
 ``--gpu-memory-gib`` with ``--reserved-gib`` held back, the planner's rule.
 """
 
@@ -37,7 +37,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from hybrid.planner.check import STATE_KEYS
+from hybrid.dryrun.check import STATE_KEYS
 
 GIB = 2**30
 
@@ -205,9 +205,9 @@ def dry_run(job, rank: int = 0, progress=None) -> dict:
     phase (build, forward, backward, step, save) as it ends. Runs in a default process group
     of the fake backend, destroyed before it returns or raises.
 
-    ``--dry-run-device cuda`` (``job.cfg.grid.dry_run_device``): the rank's tensors are fake
+    ``--dry-run-device cuda`` (``job.cfg.dry_run.dry_run_device``): the rank's tensors are fake
     ``cuda:(rank % 8)`` tensors (8 GPUs per node); run it through
-    :func:`hybrid.job.fake_cuda.run_preloaded` (``hybrid.pretrain`` does).
+    :func:`hybrid.dryrun.fake_cuda.run_preloaded` (``hybrid.pretrain`` does).
 
     Raises:
         ValueError: ``rank`` outside ``[0, world_size)``.
@@ -218,16 +218,16 @@ def dry_run(job, rank: int = 0, progress=None) -> dict:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from hybrid.job import fake_cuda
+    from hybrid.dryrun import fake_cuda
     from hybrid.parallel.grid import ProcessGrid
 
     cfg, world = job.cfg, job.world_size
     if not 0 <= rank < world:
         raise ValueError(f"--dry-run-rank {rank} must be in [0, {world})")
-    cuda = cfg.grid.dry_run_device == "cuda"
+    cuda = cfg.dry_run.dry_run_device == "cuda"
     if cuda and not fake_cuda.loaded():
         raise RuntimeError("--dry-run-device cuda runs in an interpreter that loaded the fake "
-                           "CUDA library first (hybrid.job.fake_cuda.run_preloaded)")
+                           "CUDA library first (hybrid.dryrun.fake_cuda.run_preloaded)")
     t0 = time.perf_counter()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     clock = PhaseClock(progress)
@@ -280,7 +280,7 @@ def _timed_step(job, engine, grid, clock: PhaseClock, patches: list) -> None:
 
     from hybrid import training
 
-    cfg, n = job.cfg, job.cfg.grid.dry_run_micro_batches
+    cfg, n = job.cfg, job.cfg.dry_run.dry_run_micro_batches
     tokens = [torch.randint(0, job.gpt.vocab_size,
                             (cfg.training.micro_batch_size, cfg.model.seq_length + 1))
               for _ in range(n)]
@@ -325,7 +325,7 @@ def _build_and_step(job, grid, t0: float, clock: PhaseClock) -> dict:
 
     from hybrid import training
     from hybrid.checkpoint.async_save import host_snapshot_bytes
-    from hybrid.job.fake_cuda import transfer_log
+    from hybrid.dryrun.fake_cuda import transfer_log
     from hybrid.parallel.rng import RNGTracker
     from hybrid.parallelize import meta_gpt, parallelize
     from hybrid.zero import grad_norm
@@ -372,7 +372,7 @@ def _build_and_step(job, grid, t0: float, clock: PhaseClock) -> dict:
                 bound=start + 4 * max(u.padded for u in engine.layout.units),
                 save_bound=start + 12 * max(u.padded for u in engine.layout.units),
                 planned=planner_figures(job), build_s=built_s, copies=log.copies,
-                reads=log.reads, micro_batches=cfg.grid.dry_run_micro_batches,
+                reads=log.reads, micro_batches=cfg.dry_run.dry_run_micro_batches,
                 step_micro_batches=job.grad_accum_steps,
                 dropout=job.gpt.hidden_dropout > 0 or job.gpt.attention_dropout > 0,
                 sdpa=job.gpt.attention_dropout == 0, attention=attention)

@@ -1,16 +1,16 @@
 """The dry run's report: measured vs planned bytes per kind, in GiB, and the verdict.
 
-:func:`format_report` turns the dict of :func:`hybrid.job.dry_run.dry_run` into the table
+:func:`format_report` turns the dict of :func:`hybrid.dryrun.dry_run.dry_run` into the table
 ``hybrid.pretrain --dry-run-world-size N`` prints, and ends it with the answer to "does it fit":
 the measured step peak plus the reserve against one GPU's memory, the rule of ``hybrid.plan``
-(:func:`hybrid.planner.devices.fit_verdict`), for ``--device`` (a planner preset, default
+(:func:`hybrid.devices.fit_verdict`), for ``--device`` (a planner preset, default
 A100-80GB) or ``--gpu-memory-gib``, with ``--reserved-gib`` (default 1 GiB) held back.
 Memory is in GiB (2^30 bytes) throughout, as in the planner.
 """
 
 from __future__ import annotations
 
-from hybrid.planner.devices import (
+from hybrid.devices import (
     DEFAULT_DEVICE,
     DEFAULT_RESERVED_GIB,
     GIB,
@@ -30,7 +30,7 @@ _ROWS = [(lambda r: f"compute params ({r['precision']})", "params"),
 
 def _transfers(r: dict) -> list[str]:
     """The step's host<->device copies and host reads, counted, with their source lines."""
-    from hybrid.job.fake_cuda import summarize
+    from hybrid.dryrun.fake_cuda import summarize
 
     lines = [f"one step on {r['device']}: {len(r['copies'])} host<->device copies, "
              f"{len(r['reads'])} host reads"]
@@ -42,7 +42,7 @@ def _transfers(r: dict) -> list[str]:
 def verdict_lines(r: dict, device: str | None = None, memory_gib: float | None = None,
                   reserved_gib: float = DEFAULT_RESERVED_GIB) -> list[str]:
     """The verdict for the measured step peak ``r['measured']['total']`` (bytes) and the
-    planner's for its total, on ``device`` (a :mod:`hybrid.planner.devices` preset; None: the
+    planner's for its total, on ``device`` (a :mod:`hybrid.devices` preset; None: the
     default) or ``memory_gib`` GiB, each with ``reserved_gib`` GiB held back.
 
     Raises:
@@ -139,9 +139,9 @@ def run_and_report(job, title: str) -> int:
     line per phase as it ends, then the report and its verdict for the job's ``--device`` /
     ``--gpu-memory-gib`` / ``--reserved-gib``. Returns 0 (the exit status): a layout that does
     not fit is an answer, not an error."""
-    from hybrid.job.dry_run import dry_run
+    from hybrid.dryrun.dry_run import dry_run
 
-    g = job.cfg.grid
+    g = job.cfg.dry_run
 
     def say(line: str) -> None:
         print(line, flush=True)

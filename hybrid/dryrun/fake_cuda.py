@@ -1,6 +1,6 @@
 """Fake CUDA devices for the dry run (``--dry-run-device cuda``) on a CPU-only machine.
 
-The dry run (:mod:`hybrid.job.dry_run`) builds and steps one rank under ``FakeTensorMode``.
+The dry run (:mod:`hybrid.dryrun.dry_run`) builds and steps one rank under ``FakeTensorMode``.
 With ``--dry-run-device cuda`` its tensors are fake ``cuda:LOCAL_RANK`` tensors, so a tensor
 created on the wrong device (a CPU accumulator added to a GPU gradient, say) fails there as it
 would on a GPU. A CPU-only torch cannot do that alone: copying into, slicing and

@@ -1,0 +1,197 @@
+"""Megatron-LM's model flags -> one :class:`models.config.GPTConfig`, for every command line.
+
+``hybrid.pretrain`` (the ``ModelConfig`` section of its config tree) and ``hybrid.plan`` (its model
+argument group, :func:`add_model_args`, read into the same section by :func:`model_section`) both
+call :func:`resolve_model`, so ``--preset``, ``--num-query-groups``, ``--swiglu`` and the rest mean
+the same in both: a preset, the explicit shape and the architecture flags over it, resolved as
+Megatron-LM resolves them (``--group-query-attention``, ``--num-query-groups``, the RoPE flags),
+with the refusals that need no grid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import replace
+
+from hybrid.config import ModelConfig
+from hybrid.config_fields import ConfigError
+from models.config import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, GPTConfig, invalid_query_groups
+from models.presets import get_preset
+
+ROPE_FLAGS = ("rotary_base", "rotary_percent", "rotary_interleaved", "use_rope_scaling",
+              "rope_scaling_factor")
+ARCHITECTURE_FLAGS = ("position_embedding_type", *ROPE_FLAGS, "normalization", "swiglu",
+                      "kv_channels", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
+                      "untie_embeddings_and_output_weights")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _architecture(m: ModelConfig, base: GPTConfig | None) -> dict:
+    """The architecture fields given on the command line (the rest stay the preset's, or
+    GPTConfig's defaults), resolved as Megatron-LM does: ``--group-query-attention`` without
+    ``--num-query-groups`` is G = 1 (multi-query), ``--num-query-groups`` without
+    ``--group-query-attention`` is ignored (a preset with G K/V heads counts as giving it).
+
+    Raises:
+        ConfigError: a RoPE flag (``--rotary-*``, ``--use-rope-scaling``,
+            ``--rope-scaling-factor``) without RoPE.
+    """
+    out = {k: getattr(m, k) for k in ARCHITECTURE_FLAGS if getattr(m, k) is not None}
+    kind = out.get("position_embedding_type",
+                   base.position_embedding_type if base else "learned_absolute")
+    given = [_flag(k) for k in ROPE_FLAGS if getattr(m, k) not in (None, False)]
+    if kind != "rope" and given:
+        raise ConfigError(f"{', '.join(given)} need(s) --position-embedding-type rope (or "
+                          f"--use-rotary-position-embeddings); the model's is {kind}")
+    gqa = m.group_query_attention
+    if gqa is None:
+        gqa = base is not None and base.num_query_groups is not None
+    if not gqa:
+        out["num_query_groups"] = None
+    elif m.num_query_groups is not None or base is None or base.num_query_groups is None:
+        out["num_query_groups"] = m.num_query_groups or 1
+    return out
+
+
+def resolve_model(m: ModelConfig, vocab: int | None = None,
+                  preset_flag: str = "--preset") -> GPTConfig:
+    """The :class:`GPTConfig` of model section ``m``: the preset (if any), the explicit shape and
+    architecture flags over it, and the vocabulary ``vocab`` (None: ``--vocab-size``, else the
+    preset's, else GPT-2's 50257). ``preset_flag`` names the preset flag in messages.
+
+    Raises:
+        ConfigError: an unknown preset, missing shape flags, a RoPE flag without RoPE, query
+            groups that do not divide the heads, or a shape GPTConfig refuses (named).
+    """
+    try:
+        base = get_preset(m.preset) if m.preset else None
+    except KeyError as e:
+        raise ConfigError(f"{preset_flag}: {e.args[0]}") from None
+    required = ("num_layers", "hidden_size", "num_attention_heads")
+    dims = {k: getattr(m, k) for k in (*required, "ffn_hidden_size")}
+    if base is None:
+        missing = [f"--{k.replace('_', '-')}" for k in required if dims[k] is None]
+        if missing:
+            raise ConfigError(f"give {preset_flag} or all of {', '.join(missing)}")
+    overrides = {k: v for k, v in dims.items() if v is not None}
+    overrides.update(_architecture(m, base))
+    reshaped = base is not None and ("hidden_size" in overrides
+                                     or overrides.get("swiglu", base.swiglu) != base.swiglu)
+    if reshaped and "ffn_hidden_size" not in overrides:
+        overrides["ffn_hidden_size"] = None  # Megatron's default width for the new shape
+    max_pos = m.max_position_embeddings or (
+        max(base.max_position_embeddings, m.seq_length) if base is not None else m.seq_length)
+    common = dict(max_position_embeddings=max_pos,
+                  hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
+                  init_method_std=m.init_method_std, layernorm_epsilon=m.layernorm_epsilon)
+    if vocab or m.vocab_size:
+        common["vocab_size"] = vocab or m.vocab_size
+    _check_heads(overrides.get("num_attention_heads", base and base.num_attention_heads),
+                 overrides.get("num_query_groups", base and base.num_query_groups))
+    try:
+        if base is None:
+            return GPTConfig(**overrides, **common)
+        return replace(base, **overrides, **common)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _check_heads(heads: int, groups: int | None) -> None:
+    """``--num-query-groups`` divides ``--num-attention-heads`` (each K/V head serves a/G)."""
+    if groups is not None and (valid := invalid_query_groups(heads, groups)):
+        raise ConfigError(f"--num-attention-heads {heads} is not divisible by --num-query-groups "
+                          f"{groups}: each K/V head serves a whole number of query heads; valid "
+                          f"--num-query-groups: {', '.join(map(str, valid))}")
+
+
+# ----------------------------------------------------------------- hybrid.plan's flags
+
+_DIMS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size")
+
+
+def _finite(text: str) -> float:
+    """argparse type: a float that is a number (nan and inf would pass every comparison check)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+def add_model_args(g) -> None:
+    g.add_argument("--model", "--preset", dest="model",
+                   help="preset name (models.presets.get_preset; --preset as in hybrid.pretrain); "
+                   "dims below override")
+    g.add_argument("--num-layers", type=int, help="transformer blocks (--max-model: searched)")
+    g.add_argument("--hidden-size", type=int, help="model width h")
+    g.add_argument("--num-attention-heads", type=int, help="tp must divide it")
+    g.add_argument("--ffn-hidden-size", type=int, help="default 4 * hidden")
+    g.add_argument("--vocab-size", type=int, default=None, help="default 50257 (GPT-2)")
+    g.add_argument("--seq-length", type=int, default=1024, help="tokens per sample s")
+    g.add_argument("--max-position-embeddings", type=int, help="default --seq-length")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="a separate output matrix (V x h more parameters)")
+    g.add_argument("--position-embedding-type", choices=POSITION_EMBEDDING_TYPES,
+                   help="rope and none have no position table (default: the preset's)")
+    g.add_argument("--normalization", choices=NORMALIZATIONS, help="default: the preset's")
+    g.add_argument("--swiglu", action="store_true", default=None,
+                   help="SwiGLU MLP (--ffn-hidden-size is each half)")
+    g.add_argument("--group-query-attention", action="store_true", default=None,
+                   help="K/V heads --num-query-groups (default 1)")
+    g.add_argument("--num-query-groups", type=int, help="K/V heads under GQA")
+    g.add_argument("--kv-channels", type=int, help="head size (default hidden / heads)")
+    g.add_argument("--disable-bias-linear", action="store_true", help="no linear biases")
+    g.add_argument("--add-qkv-bias", action="store_true", default=None, help="QKV bias only")
+    g.add_argument("--qk-layernorm", action="store_true", default=None, help="q/k norms")
+    g.add_argument("--hidden-dropout", type=_finite, default=0.1,
+                   help="0 with --attention-dropout 0: no masks, SDPA attention")
+    g.add_argument("--attention-dropout", type=_finite, default=0.1, help="see --hidden-dropout")
+
+
+def model_from_args(args: argparse.Namespace, required: bool) -> GPTConfig | None:
+    """The model of ``hybrid.plan``'s flags (:func:`add_model_args`) through
+    :func:`resolve_model`; None when no model is given and ``required`` is False (``--max-model``
+    over model states only); a missing ``--num-layers`` then is 1 (``--max-model`` searches it).
+
+    Raises:
+        ValueError: a non-positive dimension, missing dimensions, or what resolve_model refuses.
+    """
+    given = {d: getattr(args, d) for d in _DIMS if getattr(args, d) is not None}
+    for name, value in given.items():
+        if value <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    layers = args.num_layers
+    if not args.model:
+        missing = [d for d in ("num_layers", "hidden_size", "num_attention_heads")
+                   if d not in given]
+        if missing and not required and len(missing) == 3:
+            return None
+        if not required and missing == ["num_layers"]:
+            layers, missing = 1, []
+        if missing:
+            raise ValueError(
+                "give --model or " + ", ".join(f"--{d.replace('_', '-')}" for d in missing)
+            )
+    return resolve_model(model_section(args, layers), preset_flag="--model")
+
+
+def model_section(args: argparse.Namespace, num_layers: int | None) -> ModelConfig:
+    """``hybrid.plan``'s model flags as ``hybrid.pretrain``'s :class:`ModelConfig` section."""
+    return ModelConfig(
+        preset=args.model, num_layers=num_layers, hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
+        seq_length=args.seq_length, max_position_embeddings=args.max_position_embeddings,
+        vocab_size=args.vocab_size, hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights or None,
+        position_embedding_type=args.position_embedding_type, normalization=args.normalization,
+        swiglu=args.swiglu, group_query_attention=args.group_query_attention,
+        num_query_groups=args.num_query_groups, kv_channels=args.kv_channels,
+        add_bias_linear=False if args.disable_bias_linear else None,
+        add_qkv_bias=args.add_qkv_bias, qk_layernorm=args.qk_layernorm)
