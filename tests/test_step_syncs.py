@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hybrid.job.cpu_precision import fp32_cuda_message, warn_if_slow
 from hybrid.training import evaluate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,3 +39,17 @@ def test_torch_floor_covers_enable_gqa():
     assert floor and (int(floor[1]), int(floor[2])) >= (2, 5)  # SDPA enable_gqa is torch 2.5
     uses = [p for p in (ROOT / "models").glob("*.py") if "enable_gqa" in p.read_text()]
     assert uses  # the reason for the floor is still there
+
+
+def test_true_fp32_on_cuda_warns_and_nothing_else_does(monkeypatch):
+    msg = fp32_cuda_message("fp32", "cuda", tf32=False)
+    assert "--bf16" in msg and "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1" in msg
+    assert fp32_cuda_message("fp32", "cuda", tf32=True) is None
+    assert fp32_cuda_message("bf16", "cuda", tf32=False) is None
+    assert fp32_cuda_message("fp32", "cpu", tf32=False) is None
+    monkeypatch.delenv("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", raising=False)
+    monkeypatch.setattr(torch._C, "_get_cublas_allow_tf32", lambda: False)
+    with pytest.warns(UserWarning, match="true fp32"):
+        assert warn_if_slow("fp32", "cuda") == msg
+    monkeypatch.setenv("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "1")
+    assert warn_if_slow("fp32", "cuda") is None
