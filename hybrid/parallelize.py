@@ -52,11 +52,9 @@ def parallelize(model: GPT, grid: ProcessGrid, config: PretrainConfig,
             not fit the model (e.g. ``--recompute-num-layers`` > layers).
     """
     from hybrid.activation.apply import apply_activation_checkpointing
-    from hybrid.parallel.kernels import apply_kernel_fusion
     from hybrid.parallel.rng import RNGTracker
     from hybrid.parallel.tp_plan import parallelize_gpt, seeded_weights
     from hybrid.zero.engine import ZeroEngine
-    from models.fusion import OFF
 
     sp = config.grid.sequence_parallel
     if tracker is None and (model.config.attention_dropout > 0
@@ -69,11 +67,7 @@ def parallelize(model: GPT, grid: ProcessGrid, config: PretrainConfig,
                     sequence_parallel=sp)
     if not on_meta:
         model.to(grid.device)
-    # The dry run traces fake tensors: it measures the eager path (fused kernels keep no more)
-    fusion = config.fusion.resolve(grid.device)
-    if config.grid.dry_run_world_size is not None:
-        fusion = OFF
-    engine_note = apply_kernel_fusion(model, fusion, grid.device)
+    engine_note = _fuse_kernels(model, grid, config)
     # A meta model stays on meta: the engine allocates its buffers at their final size and fills
     # them one unit at a time from the seeded source (no second full copy, hybrid.zero.storage).
     weights = seeded_weights(gpt_config, config.data.seed) if on_meta else None
@@ -84,6 +78,18 @@ def parallelize(model: GPT, grid: ProcessGrid, config: PretrainConfig,
     engine.activation_checkpointing = handle
     engine.kernel_fusion_note = engine_note
     return engine
+
+
+def _fuse_kernels(model, grid: ProcessGrid, config: PretrainConfig) -> str:
+    """Apply ``config.fusion`` on ``grid.device`` (:mod:`hybrid.parallel.kernels`); the note."""
+    from hybrid.parallel.kernels import apply_kernel_fusion
+    from models.fusion import OFF
+
+    # The dry run traces fake tensors: it measures the eager path (fused kernels keep no more)
+    fusion = config.fusion.resolve(grid.device)
+    if config.grid.dry_run_world_size is not None:
+        fusion = OFF
+    return apply_kernel_fusion(model, fusion, grid.device)
 
 
 def meta_gpt(gpt_config) -> GPT:
