@@ -85,7 +85,7 @@ def _fuse_kernels(model, grid: ProcessGrid, config: PretrainConfig) -> str:
     from hybrid.parallel.kernels import apply_kernel_fusion
     from models.fusion import OFF
 
-    # The dry run traces fake tensors: it measures the eager path (fused kernels keep no more)
+    # The dry run traces fake tensors, which torch.compile does not take: it runs eager
     fusion = config.fusion.resolve(grid.device)
     if config.grid.dry_run_world_size is not None:
         fusion = OFF
