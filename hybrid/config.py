@@ -20,6 +20,7 @@ from hybrid.activation.config import ActivationConfig
 from hybrid.config_fields import ConfigError, arg, check_choice, check_int, check_number, fail
 from hybrid.devices import device_memory_gib
 from hybrid.parallel import sequence
+from hybrid.parallel.kernels import FusionConfig
 from hybrid.schedule import DECAY_STYLES, WD_INCR_STYLES, WSD_DECAY_STYLES
 from hybrid.zero.config import OptimizerConfig, ZeroConfig
 from models.config import NORMALIZATIONS, POSITION_EMBEDDING_TYPES
@@ -354,6 +355,7 @@ class PretrainConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fusion: FusionConfig = field(default_factory=FusionConfig)
 
     def to_dict(self) -> dict:
         """Nested plain dict (for printing, wandb and checkpoints)."""

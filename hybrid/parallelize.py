@@ -61,16 +61,17 @@ def parallelize(model: GPT, grid: ProcessGrid, config: PretrainConfig,
             ``grid.tp_rank`` when the model has attention dropout.
 
     Returns:
-        The :class:`hybrid.zero.engine.ZeroEngine`; ``engine.model`` is the parallel model and
+        The :class:`hybrid.zero.engine.ZeroEngine`; ``engine.model`` is the parallel model,
         ``engine.activation_checkpointing`` the
-        :class:`hybrid.activation.apply.ActivationCheckpointing` handle (None when off).
+        :class:`hybrid.activation.apply.ActivationCheckpointing` handle (None when off) and
+        ``engine.kernel_fusion_note`` one line saying which kernels are fused
+        (``config.fusion``, :mod:`hybrid.parallel.kernels`).
 
     Raises:
         ValueError: tp does not divide the heads or the MLP width, or the activation options do
             not fit the model (e.g. ``--recompute-num-layers`` > layers).
     """
     from hybrid.activation.apply import apply_activation_checkpointing
-    from hybrid.parallel.kernels import use_fused_kernels
     from hybrid.parallel.rng import RNGTracker
     from hybrid.parallel.tp_plan import parallelize_gpt, seeded_weights
     from hybrid.zero.engine import ZeroEngine
@@ -86,7 +87,7 @@ def parallelize(model: GPT, grid: ProcessGrid, config: PretrainConfig,
                     sequence_parallel=sp)
     if not on_meta:
         model.to(grid.device)
-    use_fused_kernels(model, grid.device)
+    engine_note = _fuse_kernels(model, grid, config)
     # A meta model stays on meta: the engine allocates its buffers at their final size and fills
     # them one unit at a time from the seeded source (no second full copy, hybrid.zero.storage).
     weights = seeded_weights(gpt_config, config.data.seed) if on_meta else None
@@ -95,7 +96,20 @@ def parallelize(model: GPT, grid: ProcessGrid, config: PretrainConfig,
         handle = apply_activation_checkpointing(model, grid, config.activation, tracker)
     engine = ZeroEngine(model, grid, config.zero, config.optimizer, weights=weights)
     engine.activation_checkpointing = handle
+    engine.kernel_fusion_note = engine_note
     return engine
+
+
+def _fuse_kernels(model, grid: ProcessGrid, config: PretrainConfig) -> str:
+    """Apply ``config.fusion`` on ``grid.device`` (:mod:`hybrid.parallel.kernels`); the note."""
+    from hybrid.parallel.kernels import apply_kernel_fusion
+    from models.fusion import OFF
+
+    # The dry run traces fake tensors, which torch.compile does not take: it runs eager
+    fusion = config.fusion.resolve(grid.device)
+    if config.grid.dry_run_world_size is not None:
+        fusion = OFF
+    return apply_kernel_fusion(model, fusion, grid.device)
 
 
 def meta_gpt(gpt_config) -> GPT:

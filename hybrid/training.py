@@ -124,14 +124,15 @@ def evaluate(engine: ZeroEngine, batches: Iterator[torch.Tensor], num_micro_batc
     when it says stop the evaluation ends there and returns None (a partial mean is dropped).
     """
     engine.eval()
-    total = torch.zeros(1, dtype=torch.float64)
+    # accumulated on the device: a host copy per micro-batch would wait for its forward
+    total = torch.zeros(1, dtype=torch.float64, device=grid.device)
     count = 0
     for _ in range(num_micro_batches):
         try:
             tokens = next(batches).to(grid.device)
         except StopIteration:
             break
-        total += engine.model(tokens[:, :-1], tokens[:, 1:]).mean().double().cpu()
+        total += engine.model(tokens[:, :-1], tokens[:, 1:]).mean().double()
         count += 1
         if stop is not None and stop():
             engine.train()
@@ -139,7 +140,7 @@ def evaluate(engine: ZeroEngine, batches: Iterator[torch.Tensor], num_micro_batc
     engine.train()
     if count == 0:
         return float("nan")
-    return _dp_mean((total / count).to(grid.device), grid.dp_group, grid.dp_size).item()
+    return _dp_mean(total / count, grid.dp_group, grid.dp_size).item()
 
 
 @dataclass

@@ -23,18 +23,20 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from models import fusion
 from models.config import GPTConfig
-from models.fused import RMSNorm, swiglu
+from models.fused import LayerNorm, RMSNorm, swiglu
+from models.fusion import OFF, linear_skip_bias
 from models.rope import RotaryEmbedding
 
 
 def make_norm(config: GPTConfig, size: int) -> nn.Module:
-    """``nn.LayerNorm`` (weight and bias) or :class:`models.fused.RMSNorm` (weight only; Zhang &
-    Sennrich 2019, arXiv 1910.07467 Eq. 4) of width ``size``, per ``config.normalization``, with
-    ``config.layernorm_epsilon``."""
+    """:class:`models.fused.LayerNorm` (weight and bias) or :class:`models.fused.RMSNorm`
+    (weight only; Zhang & Sennrich 2019, arXiv 1910.07467 Eq. 4) of width ``size``, per
+    ``config.normalization``, with ``config.layernorm_epsilon``."""
     if config.normalization == "RMSNorm":
         return RMSNorm(size, eps=config.layernorm_epsilon)
-    return nn.LayerNorm(size, eps=config.layernorm_epsilon)
+    return LayerNorm(size, eps=config.layernorm_epsilon)
 
 
 def dropout_rng_scope(dropout: nn.Module) -> contextlib.AbstractContextManager | None:
@@ -81,6 +83,8 @@ class Attention(nn.Module):
         self.q_norm = make_norm(config, d) if config.qk_layernorm else None
         self.k_norm = make_norm(config, d) if config.qk_layernorm else None
         self.rotary = rotary
+        self.fusion = OFF
+        """:class:`models.fusion.KernelFusion`; ``rope`` runs RoPE compiled."""
         self.kernel = "auto"
         """Attention kernel with dropout: ``"auto"``, ``"fused"`` or ``"explicit"`` (see
         :meth:`core`; :func:`set_attention_kernel` sets every layer's)."""
@@ -122,7 +126,10 @@ class Attention(nn.Module):
         materialises the probabilities it must see. Without dropout (or in eval) every kernel
         is SDPA without dropout.
         """
-        if self.rotary is not None:
+        if self.rotary is not None and self.fusion.rope:
+            cos, sin = self.rotary.tables(q.shape[-2], q.device, q.dtype)
+            q, k = fusion.rope(q, k, cos, sin, self.rotary.interleaved)
+        elif self.rotary is not None:
             q, k = self.rotary(q, k)
         p = self.attn_dropout.p if self.training else 0.0
         scope = contextlib.nullcontext()
@@ -145,14 +152,17 @@ class Attention(nn.Module):
             return qkv.unbind(dim=3)
         return qkv[:, :, :, :n].flatten(2, 3), qkv[:, :, :, n], qkv[:, :, :, n + 1]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, skip_bias: bool = False):
+        """``[b, s, h]`` -> ``[b, s, h]``; with ``skip_bias`` ``(output without the projection's
+        bias, that bias or None)`` for a fused bias-dropout-add."""
         qkv = self.qkv(x)
         b, s = qkv.shape[:2]
         q, k, v = self.split_qkv(qkv)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         y = self.core(*(t.transpose(1, 2) for t in (q, k, v)))  # each [b, heads_local, s, d]
-        return self.proj(y.transpose(1, 2).reshape(b, s, -1))
+        y = y.transpose(1, 2).reshape(b, s, -1)
+        return linear_skip_bias(self.proj, y) if skip_bias else self.proj(y)
 
 
 ATTENTION_KERNELS = ("auto", "fused", "explicit")
@@ -184,11 +194,25 @@ class MLP(nn.Module):
         self.gate = nn.Linear(h, f, bias=bias) if config.swiglu else None
         self.fc1 = nn.Linear(h, f, bias=bias)
         self.fc2 = nn.Linear(f, h, bias=bias)
+        self.fusion = OFF
+        """:class:`models.fusion.KernelFusion`: ``bias_swiglu`` / ``bias_gelu`` compiled."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def activation(self, x: torch.Tensor) -> torch.Tensor:
+        """``[b, s, h]`` -> the activation ``[b, s, f]`` that ``fc2`` consumes."""
+        if self.gate is not None and self.fusion.bias_swiglu:
+            return fusion.bias_swiglu(*linear_skip_bias(self.gate, x),
+                                      *linear_skip_bias(self.fc1, x))
         if self.gate is not None:
-            return self.fc2(swiglu(self.gate(x), self.fc1(x)))
-        return self.fc2(F.gelu(self.fc1(x)))
+            return swiglu(self.gate(x), self.fc1(x))
+        if self.fusion.bias_gelu:
+            return fusion.bias_gelu(*linear_skip_bias(self.fc1, x))
+        return F.gelu(self.fc1(x))
+
+    def forward(self, x: torch.Tensor, skip_bias: bool = False):
+        """``[b, s, h]`` -> ``[b, s, h]``; with ``skip_bias`` ``(output without fc2's bias, that
+        bias or None)`` for a fused bias-dropout-add."""
+        y = self.activation(x)
+        return linear_skip_bias(self.fc2, y) if skip_bias else self.fc2(y)
 
 
 class Block(nn.Module):
@@ -204,9 +228,30 @@ class Block(nn.Module):
         self.mlp = MLP(config)
         self.drop1 = nn.Dropout(config.hidden_dropout)
         self.drop2 = nn.Dropout(config.hidden_dropout)
+        self.fusion = OFF
+        """:class:`models.fusion.KernelFusion`; ``bias_dropout`` fuses each branch's output
+        bias, dropout and residual add (:func:`bias_dropout_add`)."""
 
     # door: replaced per instance by activation checkpointing (hybrid.activation.apply), and
     # hooked before/after by ZeRO-3, which gathers and frees the block's parameters (zero.stage3)
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fusion.bias_dropout:
+            x = bias_dropout_add(*self.attn(self.ln1(x), skip_bias=True), self.drop1, x)
+            return bias_dropout_add(*self.mlp(self.ln2(x), skip_bias=True), self.drop2, x)
         x = x + self.drop1(self.attn(self.ln1(x)))
         return x + self.drop2(self.mlp(self.ln2(x)))
+
+
+def bias_dropout_add(y: torch.Tensor, bias: torch.Tensor | None, dropout: nn.Module,
+                     residual: torch.Tensor) -> torch.Tensor:
+    """``residual + dropout(y + bias)`` as one compiled region (:func:`models.fusion.
+    bias_dropout_add`), its mask drawn in ``dropout``'s generator scope
+    (:func:`dropout_rng_scope`: the default generator, or the TP rank's stream). A dropout
+    module of another kind (one that records or replays masks) is called on ``y + bias``
+    instead: it must see the tensor. All ``[b, s, h]`` (this rank's ``s/t`` under SP)."""
+    p = dropout.p if dropout.training else 0.0
+    scope = dropout_rng_scope(dropout) if p > 0 else contextlib.nullcontext()
+    if scope is None:
+        return residual + dropout(y if bias is None else y + bias)
+    with scope:
+        return fusion.bias_dropout_add(y, bias, residual, p, p > 0)

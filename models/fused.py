@@ -18,6 +18,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from models import fusion
+from models.fusion import OFF
+
 
 def _wide(t: torch.Tensor) -> torch.Tensor:
     """``t`` in fp32, or as it is when wider (float64)."""
@@ -64,9 +67,28 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.normalized_shape, self.eps = (size,), eps
         self.weight = nn.Parameter(torch.ones(size))
+        self.fusion = OFF
+        """:class:`models.fusion.KernelFusion`; ``norm`` runs the compiled kernel."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fusion.norm:
+            return fusion.rms_norm(x, self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps)
+
+
+class LayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` (same parameters and names) that runs the compiled kernel when its
+    ``fusion.norm`` is set (:mod:`models.fusion`); otherwise exactly ``nn.LayerNorm``."""
+
+    def __init__(self, size: int, eps: float = 1e-5):
+        super().__init__(size, eps=eps)
+        self.fusion = OFF
+        """:class:`models.fusion.KernelFusion`; ``norm`` runs the compiled kernel."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fusion.norm:
+            return fusion.layer_norm(x, self.weight, self.bias, self.eps)
+        return super().forward(x)
 
 
 class _SwiGLU(torch.autograd.Function):

@@ -17,8 +17,10 @@
 #   LOG_DIR          where the log and the run's files go (default runs/gpu_check)
 #   GPU_CHECK_CPU=1  CPU rehearsal: tiny shapes on CPU, every step that can run without a GPU
 #   GPU_CHECK_STEPS  the steps to run, space-separated (default: all, in the order above)
-#   GPU_CHECK_BUDGET_S  the whole check's time limit (default 480); a step gets the smaller of
-#                    its own limit and what is left
+#   GPU_CHECK_BUDGET_S  the whole check's time limit (default 480; 1500 in a CPU rehearsal); a
+#                    step gets the smaller of its own limit and what is left
+#   GPU_CHECK_LIMIT_SCALE  multiplies every step's own limit (default 1; 5 in a CPU rehearsal,
+#                    whose tiny steps on a loaded 2-core machine take several times a GPU's)
 # Extra arguments go to the real hybrid.pretrain run (e.g. --micro-batch-size 8).
 set -uo pipefail
 
@@ -65,7 +67,14 @@ fi
 
 declare -a RESULTS=()
 FAILED=0
-DEADLINE=$(($(date +%s) + ${GPU_CHECK_BUDGET_S:-480}))
+if [ "$CPU" = 1 ]; then
+    BUDGET=${GPU_CHECK_BUDGET_S:-1500}
+    SCALE=${GPU_CHECK_LIMIT_SCALE:-5}
+else
+    BUDGET=${GPU_CHECK_BUDGET_S:-480}
+    SCALE=${GPU_CHECK_LIMIT_SCALE:-1}
+fi
+DEADLINE=$(($(date +%s) + BUDGET))
 
 # run NAME LIMIT_S [ARGS...]: step_NAME under a time limit, as this script run with --step (a
 # shell function cannot run under timeout); its status goes to the summary
@@ -75,10 +84,11 @@ run() {
     start=$(date +%s)
     left=$((DEADLINE - start))
     if [ "$left" -lt 10 ]; then
-        RESULTS+=("$name: FAIL, not run (the ${GPU_CHECK_BUDGET_S:-480} s budget is spent)")
+        RESULTS+=("$name: FAIL, not run (the $BUDGET s budget is spent)")
         FAILED=1
         return
     fi
+    limit=$((limit * SCALE))
     [ "$left" -lt "$limit" ] && limit=$left
     echo "=== $name (limit ${limit} s)"
     timeout --kill-after=10 "$limit" bash "$ROOT/scripts/gpu_check.sh" --step "$name" "$@"
@@ -105,6 +115,21 @@ print(f"python {sys.version.split()[0]}, torch {torch.__version__}, CUDA build "
 if torch.cuda.is_available():
     p = torch.cuda.get_device_properties(0)
     print(f"GPU 0: {p.name}, {p.total_memory / 2**30:.0f} GiB, {torch.cuda.device_count()} GPUs")
+    nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.distributed.is_nccl_available() else "none"
+    print(f"cuDNN {torch.backends.cudnn.version()}, NCCL {nccl}")
+    import torch.nn.functional as F
+    from torch.profiler import ProfilerActivity, profile
+    q = torch.randn(1, 8, 1024, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    F.scaled_dot_product_attention(q, q, q, is_causal=True)  # warm-up
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        F.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+        torch.cuda.synchronize()
+    ops = sorted({e.name for e in prof.events() if e.name.startswith("aten::_") and
+                  "attention" in e.name})
+    print("SDPA backend chosen (causal bf16 [1, 8, 1024, 64], forward + backward): "
+          + (", ".join(ops) or "none found"))
+else:
+    print(f"cuDNN {torch.backends.cudnn.version()}, NCCL none (no CUDA)")
 need = ["numpy", "sentencepiece", "yaml", "tqdm", "safetensors", "pytest", "pytest_timeout"]
 missing = [m for m in need if importlib.util.find_spec(m) is None]
 print("missing packages: " + (", ".join(missing) if missing else "none"))

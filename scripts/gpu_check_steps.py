@@ -169,11 +169,12 @@ def pretrain_summary(a: dict) -> bool:
         print(f"pretrain summary: no training record in {a['metrics']}: FAIL")
         return False
     r = train[-1]
-    predicted = "-"
+    predicted, scale = "-", 1024.0  # the dry run reports GiB unless its header says MiB
     with open(a["dry_run_report"]) as f:
         for line in f:
             m = re.match(r"total at the step peak\s+([\d.]+)\s+([\d.]+)", line.strip())
-            unit = re.search(r"measured (GiB|MiB)", line)
+            # the header's unit: "memory in GiB (2^30 bytes)" (older reports: "measured GiB")
+            unit = re.search(r"(?:memory in|measured) (GiB|MiB)", line)
             if unit:
                 scale = 1024.0 if unit.group(1) == "GiB" else 1.0
             if m:

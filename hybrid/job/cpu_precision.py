@@ -8,6 +8,13 @@ step is several times slower than in fp32: a user measured 4.7-7x (2.3-3.7 s aga
 per iteration, tp 2 x dp 2 ZeRO-3, bf16, on a CPU without ``avx512_bf16``). The trainer warns
 once at start-up (rank 0) naming the missing feature; fp32 (no ``--bf16`` / ``--fp16``) is the
 fast choice there.
+
+On CUDA the opposite trap: fp32 (no ``--bf16`` / ``--fp16``) with PyTorch's default
+``torch.backends.cuda.matmul.allow_tf32 = False`` runs every GEMM in true fp32, several times
+below the tensor cores' TF32 / bf16 rate. Megatron-LM does not change that setting either (its
+NGC containers set ``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1``); turning TF32 on silently would
+change the numerics a user asked for, so the trainer warns once instead
+(:func:`fp32_cuda_message`).
 """
 
 from __future__ import annotations
@@ -56,12 +63,37 @@ def slow_precision_message(precision: str, features: tuple[str, set[str]] | None
             "on this machine, or use a GPU")
 
 
+def fp32_cuda_message(precision: str, device_type: str, tf32: bool) -> str | None:
+    """The warning for true-fp32 GEMMs on CUDA (``tf32``: TF32 matmuls allowed), or None."""
+    if device_type != "cuda" or precision != "fp32" or tf32:
+        return None
+    return ("fp32 on CUDA without --bf16 / --fp16: every GEMM runs in true fp32 (PyTorch's "
+            "default torch.backends.cuda.matmul.allow_tf32 = False, which Megatron-LM keeps "
+            "too), several times below the tensor cores' rate; train with --bf16, or set "
+            "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1 for TF32 GEMMs")
+
+
+def tf32_allowed() -> bool:
+    """Whether CUDA GEMMs may use TF32: ``torch.backends.cuda.matmul.allow_tf32`` or the
+    ``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1`` environment variable."""
+    import os
+
+    import torch
+
+    return (bool(torch._C._get_cublas_allow_tf32())
+            or os.environ.get("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE") == "1")
+
+
 def warn_if_slow(precision: str, device_type: str, path: str = "/proc/cpuinfo") -> str | None:
     """Warn (once per process, ``UserWarning``) when ``precision`` runs on a CPU
-    (``device_type == 'cpu'``) without native support; returns the message, or None."""
-    if device_type != "cpu":
+    (``device_type == 'cpu'``) without native support, or in true fp32 on CUDA
+    (:func:`fp32_cuda_message`); returns the message, or None."""
+    if device_type == "cuda":
+        message = fp32_cuda_message(precision, device_type, tf32_allowed())
+    elif device_type != "cpu":
         return None
-    message = slow_precision_message(precision, cpu_features(path))
+    else:
+        message = slow_precision_message(precision, cpu_features(path))
     if message is not None:
         warnings.warn(message, UserWarning, stacklevel=2)
     return message

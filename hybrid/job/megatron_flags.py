@@ -38,9 +38,9 @@ SIZE_ONE = {"--pipeline-model-parallel-size": "pipeline parallelism",
 NO_OP = {
     "--use-mcore-models", "--use-legacy-models", "--distributed-backend", "--attention-backend",
     "--use-flash-attn", "--transformer-impl", "--ckpt-format", "--no-masked-softmax-fusion",
-    "--masked-softmax-fusion", "--no-bias-gelu-fusion", "--bias-gelu-fusion",
-    "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion", "--no-gradient-accumulation-fusion",
-    "--no-rope-fusion", "--no-persist-layer-norm", "--cross-entropy-loss-fusion",
+    "--masked-softmax-fusion", "--no-gradient-accumulation-fusion",
+    # no persistent LayerNorm kernel here: the fused norm is compiled (or apex's FusedLayerNorm)
+    "--no-persist-layer-norm", "--cross-entropy-loss-fusion",
     "--cross-entropy-fusion-impl", "--no-async-tensor-model-parallel-allreduce",
     "--tp-comm-overlap", "--manual-gc", "--manual-gc-interval", "--log-throughput",
     "--timing-log-level", "--timing-log-option", "--num-workers", "--no-mmap-bin-files",

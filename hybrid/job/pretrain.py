@@ -154,7 +154,8 @@ def run(job: Job) -> dict:
 
     grid, tracker, engine = _build(job)
     if grid.rank == 0:  # once per job: bf16/fp16 without native CPU support is 4.7-7x slower
-        warn_if_slow(engine.config.precision, grid.device.type)
+        warn_if_slow(engine.config.precision, grid.device.type)  # (and true fp32 on CUDA)
+        print(f"hybrid-pretrain: {engine.kernel_fusion_note}", flush=True)
     lock = lock_save_dir(job, grid)  # a second job on --save is refused here, before training
     state = TrainState()
     meta = start_from(job, engine, grid, tracker, state)

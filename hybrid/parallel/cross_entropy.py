@@ -22,17 +22,20 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, labels, vocab_start, vocab_size, group, eps):
         # logits [..., Vl] (16-bit upcast to fp32), labels [...] int64. Every [..., Vl] pass costs
         # as much as a matmul on CPU, so the passes are counted: max, subtract, exp in place, sum,
-        # divide in place (plus one masked copy on a rank holding padded columns).
+        # divide in place. Padded columns are masked in the subtraction's own output, never in a
+        # copy of the logits (which the caller may hold).
         x = logits if logits.dtype == torch.float64 else logits.float()  # 16-bit -> fp32
         vl = x.shape[-1]
         real = min(vl, max(0, vocab_size - vocab_start))  # columns [real, vl) are padding
-        if real < vl:
-            x = x.clone()
-            x[..., real:] = float("-inf")
-        local_max = x.max(dim=-1).values
+        if real > 0:
+            local_max = x[..., :real].max(dim=-1).values
+        else:  # this rank holds padding only: the other ranks' max decides
+            local_max = x.new_full(x.shape[:-1], float("-inf"))
         if dist.get_world_size(group) > 1:
             dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=group)
-        shifted = x - local_max.unsqueeze(-1)  # [..., Vl], -inf on padding
+        shifted = x - local_max.unsqueeze(-1)  # [..., Vl]
+        if real < vl:
+            shifted[..., real:] = float("-inf")  # exp() -> 0: no probability, no gradient
 
         in_range = (labels >= vocab_start) & (labels < vocab_start + vl)
         local_label = (labels - vocab_start).masked_fill(~in_range, 0)

@@ -33,7 +33,9 @@ from hybrid.parallel.ops import (
     sequence_parallel_linear,
 )
 from hybrid.parallel.rng import RNGTracker
+from models import fusion
 from models.fused import RMSNorm, rms_norm
+from models.fusion import OFF
 
 
 @dataclass(frozen=True)
@@ -156,6 +158,14 @@ class ColumnParallelLinear(nn.Module):
                                             self.token_wise)
         return F.linear(copy_to_tp(x, self.group, self.ledger), self.weight, self.bias)
 
+    def forward_skip_bias(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(forward(x) without the bias, this rank's bias slice or None)``, for a fused
+        consumer that adds it (``models.fusion.linear_skip_bias``)."""
+        if self.sequence_parallel:
+            return sequence_parallel_linear(x, self.weight, None, self.group, self.ledger,
+                                            self.token_wise), self.bias
+        return F.linear(copy_to_tp(x, self.group, self.ledger), self.weight), self.bias
+
 
 class RowParallelLinear(nn.Module):
     """``Y = sum_i X_i A_i + b``: the weight ``[out, in]`` is split by columns (input features).
@@ -194,6 +204,17 @@ class RowParallelLinear(nn.Module):
             return y if self.bias is None else y + tp_summed(self.bias, self.group, self.ledger)
         y = reduce_from_tp(F.linear(x, self.weight), self.group, self.ledger)
         return y if self.bias is None else y + self.bias
+
+    def forward_skip_bias(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(forward(x) without the bias, the bias or None)``, for a fused bias-dropout-add
+        (``models.fusion.linear_skip_bias``); under sequence parallelism the bias is
+        :func:`tp_summed`, as :meth:`forward` adds it."""
+        if self.sequence_parallel:
+            y = reduce_scatter_sequence(F.linear(x, self.weight), self.group, self.ledger,
+                                        self.token_wise)
+            return y, None if self.bias is None else tp_summed(self.bias, self.group,
+                                                                 self.ledger)
+        return reduce_from_tp(F.linear(x, self.weight), self.group, self.ledger), self.bias
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -305,12 +326,16 @@ class SequenceParallelLayerNorm(nn.Module):
         self.weight, self.bias = norm.weight, getattr(norm, "bias", None)
         self.group, self.ledger = group, ledger
         self.sequence_parallel = sequence_parallel
+        self.fusion = getattr(norm, "fusion", OFF)
+        """``models.fusion.KernelFusion``; ``norm`` runs the compiled kernel."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = None if self.weight is None else tp_summed(self.weight, self.group, self.ledger)
         if self.rms:
-            return rms_norm(x, w, self.eps)
+            return (fusion.rms_norm if self.fusion.norm else rms_norm)(x, w, self.eps)
         b = None if self.bias is None else tp_summed(self.bias, self.group, self.ledger)
+        if self.fusion.norm:
+            return fusion.layer_norm(x, w, b, self.eps)
         return F.layer_norm(x, self.normalized_shape, w, b, self.eps)
 
 
