@@ -15,8 +15,11 @@ The run-time doors of the plain model (each named with ``# door:`` where it open
    ``k_norm`` TP-summed, ``attn.attn_dropout`` on the TP stream, ``output_layer`` and
    ``loss_fn`` vocab-parallel; under sequence parallelism also ``wpe``, ``ln1``/``ln2``/``ln_f``
    and ``drop``/``drop1``/``drop2``.
-2. Module swaps of ``nn.LayerNorm`` for apex's fused one (:func:`hybrid.parallel.kernels.
-   use_fused_kernels`, CUDA with apex only).
+2. Kernel fusion (:func:`hybrid.parallel.kernels.apply_kernel_fusion`, per
+   ``config.fusion``): each ``Block``/``Attention``/``MLP``/norm's ``fusion`` attribute
+   (:class:`models.fusion.KernelFusion`, a plain attribute the model reads, off by default)
+   selects its compiled elementwise regions; on CUDA with apex, norm modules are swapped for
+   apex's fused ones.
 3. Instance attributes set by activation checkpointing
    (:func:`hybrid.activation.apply.apply_activation_checkpointing`): ``Attention.core``
    replaced by :class:`hybrid.activation.selective.SelectiveCore` (selective recompute), then
