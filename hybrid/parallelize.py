@@ -110,7 +110,7 @@ def _fuse_kernels(model, grid: ProcessGrid, config: PretrainConfig) -> str:
 
     # The dry run traces fake tensors, which torch.compile does not take: it runs eager
     fusion = config.fusion.resolve(grid.device)
-    if config.grid.dry_run_world_size is not None:
+    if config.dry_run.dry_run_world_size is not None:
         fusion = OFF
     return apply_kernel_fusion(model, fusion, grid.device)
 
