@@ -18,7 +18,8 @@ L = GPT_CFG["num_layers"]
 
 @pytest.fixture(scope="module")
 def world():
-    return spawn_world(2, tp_overlap_world, ["order", "bitwise", "parity", "coalesce"],
+    return spawn_world(2, tp_overlap_world, ["order", "bitwise", "parity", "coalesce",
+                                             "no_input_grad"],
                        timeout_s=90)
 
 
@@ -31,6 +32,11 @@ def test_input_gradient_all_reduce_overlaps_the_weight_gradient_gemm(world):
 def test_overlapped_linear_is_bitwise_the_copy_then_linear_path(world):
     for r in world:
         assert r["bitwise"] == {(a, b): True for a in (False, True) for b in (False, True)}
+
+
+def test_no_input_gradient_no_all_reduce(world):
+    for r in world:
+        assert r["no_input_grad"] == (0, True)
 
 
 def test_tp2_matches_the_single_process(world):

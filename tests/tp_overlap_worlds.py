@@ -113,6 +113,23 @@ def overlap_bitwise(grid: ProcessGrid) -> dict:
     return out
 
 
+def no_input_grad(grid: ProcessGrid) -> tuple[int, bool]:
+    """An input that needs no gradient: ``(all-reduces in backward, weight gradient equal to
+    the copy-then-linear path's)``; neither path sums anything then."""
+    from hybrid.parallel.ops import TPLedger
+
+    torch.manual_seed(2)
+    ledger = TPLedger()
+    layer = ColumnParallelLinear(6, 16, grid.tp_group, ledger=ledger)
+    torch.nn.init.normal_(layer.weight)
+    x = torch.randn(2, 5, 6)
+    layer(x).sum().backward()
+    new = layer.weight.grad.clone()
+    layer.weight.grad = None
+    F.linear(copy_to_tp(x, grid.tp_group), layer.weight, layer.bias).sum().backward()
+    return ledger.calls.get("all_reduce", 0), torch.equal(new, layer.weight.grad)
+
+
 def _batch(vocab: int):
     g = torch.Generator().manual_seed(5)
     x = torch.randint(0, vocab, (B, S + 1), generator=g)
@@ -182,6 +199,7 @@ def coalesce(grid: ProcessGrid) -> dict:
 
 def tp_overlap_world(rank: int, world: int, checks: list[str]) -> dict:
     """The named checks at tp = ``world`` in one spawned world."""
-    fns = dict(order=overlap_order, bitwise=overlap_bitwise, parity=parity, coalesce=coalesce)
+    fns = dict(order=overlap_order, bitwise=overlap_bitwise, parity=parity, coalesce=coalesce,
+               no_input_grad=no_input_grad)
     grid = ProcessGrid(tp=world)
     return {name: fns[name](grid) for name in checks}

@@ -313,9 +313,10 @@ class _SequenceParallelLinear(torch.autograd.Function):
 
 class _ColumnParallelLinear(torch.autograd.Function):
     """``F.linear(copy_to_tp(x), weight, bias)`` whose backward launches the input gradient's
-    all-reduce before the weight-gradient GEMM and waits for it after, so the two overlap
-    (Megatron-LM's asynchronous input-gradient all-reduce; arXiv 2104.04473 §4.3 notes the same
-    scheduling freedom)."""
+    all-reduce before the weight-gradient GEMM and waits for it after, so the two overlap (as
+    Megatron-LM's column-parallel linear does; the sum is the "f" of arXiv 1909.08053 §3,
+    Figure 3). On a GPU the all-reduce runs on the process group's own stream, the GEMM on the
+    compute stream; ``wait`` only makes the compute stream wait for it."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, group, ledger):
@@ -337,8 +338,10 @@ class _ColumnParallelLinear(torch.autograd.Function):
         grad = grad.to(weight.dtype)
         # The sum runs in the input's dtype, as when the all-reduce followed autocast's cast
         # back (the same bytes and rounding as an all-reduce after F.linear's backward).
-        grad_x = grad.matmul(weight).to(ctx.x_dtype)
-        work = _all_reduce_start(grad_x, ctx.group, ctx.ledger)
+        grad_x = work = None
+        if ctx.needs_input_grad[0]:  # as "f" before the linear: no input gradient, no sum
+            grad_x = grad.matmul(weight).to(ctx.x_dtype)
+            work = _all_reduce_start(grad_x, ctx.group, ctx.ledger)
         g2 = grad.reshape(-1, grad.shape[-1])
         grad_w = g2.t().matmul(x.reshape(-1, x.shape[-1]))
         grad_b = g2.sum(0) if ctx.has_bias else None
