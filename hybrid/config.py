@@ -173,6 +173,13 @@ class TrainingConfig:
     train_samples: int | None = arg(None, "samples to train on, instead of --train-iters "
                                           "(sample-based training, Megatron-LM's)")
     min_lr: float = arg(0.0, "learning rate at the end of the decay")
+    decoupled_min_lr: float | None = arg(
+        None, "learning rate of the embedding and output layer at the end of the decay (with "
+              "--decoupled-lr; default --min-lr)")
+    calculate_per_token_loss: bool = arg(
+        False, "weigh every unmasked token of the global batch alike: each micro-batch's loss "
+               "sum over the global batch's token count (default: the mean of micro-batch "
+               "means, Megatron-LM's)")
     lr_decay_style: str = arg("linear", "learning-rate decay after warmup (Megatron-LM's styles)",
                               choices=DECAY_STYLES)
     lr_warmup_iters: int = arg(0, "linear warmup steps (from --lr-warmup-init to --lr)")
@@ -208,6 +215,7 @@ class TrainingConfig:
         check_int(self, "train_iters", 1, optional=True)
         check_int(self, "train_samples", 1, optional=True)
         check_number(self, "min_lr", 0.0)
+        check_number(self, "decoupled_min_lr", 0.0, optional=True)
         check_choice(self, "lr_decay_style", DECAY_STYLES)
         check_int(self, "lr_warmup_iters", 0)
         f = self.lr_warmup_fraction
@@ -252,7 +260,11 @@ class DataConfig:
         0.005, "extra fraction of samples built per dataset of a weighted --data-path blend")
 
     def __post_init__(self) -> None:
+        from data.split import unquote_split
+
         check_number(self, "mid_level_dataset_surplus", 0.0)
+        if isinstance(self.split, str):  # one spelling in messages, checkpoints, resume checks
+            self.split = unquote_split(self.split)
 
 
 @dataclass

@@ -96,6 +96,7 @@ def loop_settings(job: Job, grid: ProcessGrid):
                                                     cfg.model.seq_length, job.padded_vocab_size),
         peak_tflops=device_peak_tflops() if grid.device.type == "cuda" else None,
         batch_size=job.rampup.batch_size if job.rampup else None,
+        per_token_loss=o.calculate_per_token_loss,
         final_evaluations=2,  # valid and test after the loop (none without --eval-iters)
     )
 
@@ -222,6 +223,10 @@ def _checked_job(argv: list[str] | None):
     if ignored:
         print(f"hybrid-pretrain: Megatron-LM flags accepted without effect here (kernel, "
               f"fusion and backend choices): {', '.join(ignored)}", flush=True)
+    if cfg.grid.sequence_parallel and not cfg.grid.sequence_parallel_active:
+        print("hybrid-pretrain: note: --sequence-parallel has no effect at "
+              "--tensor-model-parallel-size 1 (no group to split the sequence over); disabled, as "
+              "Megatron-LM disables it", flush=True)
     if cfg.checkpoint.init_from_hf:
         from hybrid.hf.weights import start_note  # the run's dropout against config.json's
 
