@@ -90,29 +90,90 @@ def _dp_mean(values: torch.Tensor, group, dp: int) -> torch.Tensor:
     return values / dp
 
 
-def train_step(engine: ZeroEngine, micro_batches: list[torch.Tensor], lr: float,
-               grid: ProcessGrid, weight_decay: float | None = None) -> StepResult:
-    """One optimizer step over this rank's micro-batches ``[b, s+1]`` (int64 token ids), with
-    learning rate ``lr`` and the decayed parameters' ``weight_decay`` (None: unchanged).
+Batch = "torch.Tensor | dict[str, torch.Tensor]"
+"""A micro-batch: ``[b, s+1]`` int64 token ids, or ``{"tokens": [b, s+1], "loss_mask": [b, s]}``
+(float, 1 where a label counts: Megatron-LM's loss mask)."""
 
-    The loss of each micro-batch (mean over its tokens) is divided by the number of
-    micro-batches before backward, so the gradient is that of the mean over the global batch.
-    A NaN/inf data-parallel mean loss discards the gradients instead of stepping.
+
+def _tokens_and_mask(batch, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if isinstance(batch, dict):
+        mask = batch.get("loss_mask")
+        return (batch["tokens"].to(device, non_blocking=True),
+                None if mask is None else mask.to(device, non_blocking=True))
+    return batch.to(device, non_blocking=True), None
+
+
+def _token_counts(micro_batches: list, grid: ProcessGrid, per_token: bool) -> torch.Tensor | None:
+    """The unmasked labels of the global batch (summed over micro-batches and data-parallel
+    ranks; one all-reduce) when ``per_token`` (``--calculate-per-token-loss``); else None. Known
+    before any forward: the loss mask depends on the tokens only."""
+    if not per_token:
+        return None
+    count = torch.zeros(1, dtype=torch.float64, device=grid.device)
+    for b in micro_batches:
+        tokens, mask = _tokens_and_mask(b, grid.device)
+        count += mask.sum() if mask is not None else tokens[:, 1:].numel()
+    if grid.dp_size > 1:
+        dist.all_reduce(count, group=grid.dp_group)
+    return count
+
+
+def train_step(engine: ZeroEngine, micro_batches: list, lr: float, grid: ProcessGrid,
+               weight_decay: float | None = None, decoupled_lr: float | None = None,
+               per_token: bool = False) -> StepResult:
+    """One optimizer step over this rank's micro-batches (:data:`Batch`), with learning rate
+    ``lr`` (``decoupled_lr`` for the embedding and output weights, None: ``lr``) and the decayed
+    parameters' ``weight_decay`` (None: unchanged).
+
+    As Megatron-LM's schedule (``forward_step``): each micro-batch's loss is its masked sum over
+    its unmasked labels (clamped at 1), divided by the number of micro-batches, and the
+    data-parallel reduction averages; with ``per_token`` (``--calculate-per-token-loss``) it is
+    the masked sum over the unmasked labels of the whole global batch (every micro-batch and
+    data-parallel rank), so every token weighs the same. The logged loss is the data-parallel
+    mean of the per-micro-batch means without a loss mask, and the global batch's masked sum over
+    its unmasked-label count with one (Megatron-LM's ``lm loss``). A NaN/inf loss discards the
+    gradients instead of stepping.
     """
     n = len(micro_batches)
+    total = _token_counts(micro_batches, grid, per_token)
     losses = torch.zeros(n, dtype=torch.float64, device=grid.device)  # no host sync per micro-batch
-    for i, tokens in enumerate(micro_batches):
-        tokens = tokens.to(grid.device, non_blocking=True)
+    sums = torch.zeros(2, dtype=torch.float64, device=grid.device)  # masked sum, unmasked count
+    masked = False
+    for i, batch in enumerate(micro_batches):
+        tokens, mask = _tokens_and_mask(batch, grid.device)
         with getattr(engine, "timer", NULL_TIMER).phase("forward"):
-            loss = engine.model(tokens[:, :-1], tokens[:, 1:]).mean()
-        engine.backward(loss / n, is_last_micro_batch=i == n - 1)
+            per_label = engine.model(tokens[:, :-1], tokens[:, 1:])
+            if mask is None:
+                loss, loss_sum = per_label.mean(), per_label.sum()
+            else:
+                masked = True
+                loss_sum, count = (per_label.float() * mask).sum(), mask.sum()
+                loss = loss_sum / torch.clamp(count, min=1)
+                sums += torch.stack([loss_sum.detach(), count]).double()
+        if per_token:  # the data-parallel reduction averages: dp / N makes it sum / N
+            scaled = loss_sum * (grid.dp_size / total[0]).to(loss_sum.dtype)
+        else:
+            scaled = loss / n
+        engine.backward(scaled, is_last_micro_batch=i == n - 1)
         losses[i] = loss.detach()
-    mean = host_values(_dp_mean(losses.mean().reshape(1), grid.dp_group, grid.dp_size))[0]
+    mean = host_values(_logged_loss(losses, sums, masked, grid))[0]
     if not math.isfinite(mean):
         engine.zero_grad()
         return StepResult(mean, float("nan"), engine.loss_scale, True, True)
-    info = engine.step(lr, weight_decay)
+    info = (engine.step(lr, weight_decay) if decoupled_lr is None
+            else engine.step(lr, weight_decay, decoupled_lr))
     return StepResult(mean, info.grad_norm, info.loss_scale, info.skipped, False)
+
+
+def _logged_loss(losses: torch.Tensor, sums: torch.Tensor, masked: bool,
+                 grid: ProcessGrid) -> torch.Tensor:
+    """``[1]``: the mean of the micro-batch means over dp (no loss mask: every micro-batch has
+    as many labels), else the global masked sum over the global unmasked count."""
+    if not masked:
+        return _dp_mean(losses.mean().reshape(1), grid.dp_group, grid.dp_size)
+    if grid.dp_size > 1:
+        dist.all_reduce(sums, group=grid.dp_group)
+    return (sums[0] / sums[1]).reshape(1)
 
 
 @torch.no_grad()
@@ -189,6 +250,9 @@ class LoopSettings:
     batch_size: Callable[[int], int] | None = None
     """``batch_size(consumed samples)``: the global batch of the next iteration under a rampup
     (:class:`hybrid.batch_rampup.BatchRampup`); None: always ``global_batch_size``."""
+    per_token_loss: bool = False
+    """``--calculate-per-token-loss``: every unmasked token of the global batch weighs the same
+    (:func:`train_step`)."""
     final_evaluations: int = 0
     """Evaluations the job runs after the loop (``hybrid.pretrain``: valid and test), counted in
     the ETA."""
@@ -245,6 +309,8 @@ class Trainer:
     progress: Any = None
     state: TrainState = field(default_factory=TrainState)
     stop_now: Callable[[], bool] | None = None
+    last_decoupled_lr: float | None = None
+    """The embedding and output layer's learning rate of the last iteration (None: ``lr``)."""
     eval_s: float | None = None
     """Seconds the last evaluation in the loop took (the ETA's time per evaluation); None
     before the first."""
@@ -266,7 +332,11 @@ class Trainer:
             gbs = s.batch_size(state.consumed_samples) if s.batch_size else s.global_batch_size
             batches = [next(train_batches)
                        for _ in range(s.grad_accum_steps * gbs // s.global_batch_size)]
-            last = train_step(self.engine, batches, lr, self.grid, weight_decay)
+            decoupled = getattr(self.schedule, "decoupled_lr", lambda n: None)(
+                state.scheduler_samples)
+            last = train_step(self.engine, batches, lr, self.grid, weight_decay, decoupled,
+                              s.per_token_loss)
+            self.last_decoupled_lr = decoupled
             too_many_nan = self._count(last, window, gbs)
             timer = getattr(self.engine, "timer", NULL_TIMER)
             if timer.enabled:
@@ -329,7 +399,9 @@ class Trainer:
         record = dict(
             iteration=state.iteration, consumed_samples=state.consumed_samples,
             lm_loss=window.mean_loss(),
-            lr=lr, global_batch_size=window.last_batch, grad_norm=last.grad_norm,
+            lr=lr, **({} if self.last_decoupled_lr is None
+                      else {"decoupled_lr": self.last_decoupled_lr}),
+            global_batch_size=window.last_batch, grad_norm=last.grad_norm,
             loss_scale=last.loss_scale, skipped_iterations=window.skipped,
             nan_iterations=window.nan, elapsed_ms=1000 * elapsed,
             **self._eta(elapsed),

@@ -159,10 +159,7 @@ LLAMA3_8B = [
 ]
 LLAMA3_OUT_OF_SCOPE = [
     ("--apply-layernorm-1p", "zero-centered LayerNorm"),
-    ("--decoupled-lr 5.0e-4", "a separate learning rate for the embeddings"),
-    ("--decoupled-min-lr 4.5e-5", "a separate learning rate for the embeddings"),
     ("--grad-reduce-in-bf16", "bf16 gradient reduction"),
-    ("--calculate-per-token-loss", "per-token loss averaging"),
     ("--fp8-format hybrid", "FP8 training"), ("--fp8-amax-history-len 1024", "FP8 training"),
     ("--fp8-amax-compute-algo max", "FP8 training"), ("--fp8-param-gather", "FP8 training"),
 ]
