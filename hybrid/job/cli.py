@@ -47,7 +47,7 @@ def _base_type(annotation) -> type:
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
         return _base_type(args[0])
     if typing.get_origin(annotation) is list:
-        return str
+        return (typing.get_args(annotation) or (str,))[0]
     return annotation
 
 
@@ -310,7 +310,12 @@ def _coerce(f: dataclasses.Field, value):
         items = value.split() if isinstance(value, str) else value
         if not isinstance(items, list):
             raise ConfigError(f"{flag_of(f)}: expected a list, got {value!r}")
-        return [str(v) for v in items]
+        kind = _base_type(_annotation(f))  # list[int]: --profile-ranks
+        try:
+            return [kind(v) for v in items]
+        except (TypeError, ValueError):
+            raise ConfigError(f"{flag_of(f)}: {value!r} is not a list of "
+                              f"{kind.__name__}") from None
     if value is None or isinstance(value, bool):
         return value
     kind = _base_type(_annotation(f))

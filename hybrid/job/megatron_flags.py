@@ -46,8 +46,8 @@ NO_OP = {
     "--tp-comm-overlap", "--manual-gc", "--manual-gc-interval",
     "--timing-log-level", "--timing-log-option", "--num-workers", "--no-mmap-bin-files",
     "--mmap-bin-files", "--no-create-attention-mask-in-dataloader", "--dataloader-type",
-    "--empty-unused-memory-level", "--use-cpu-initialization", "--profile",
-    "--profile-step-start", "--profile-step-end", "--log-params-norm", "--log-num-zeros-in-grad",
+    "--empty-unused-memory-level", "--use-cpu-initialization",
+    "--log-params-norm", "--log-num-zeros-in-grad",
     "--tiktoken-pattern",  # read by TikTokenizer only, which is refused
     "--tensorboard-log-interval", "--tensorboard-queue-size", "--log-timers-to-tensorboard",
     "--log-validation-ppl-to-tensorboard", "--log-memory-to-tensorboard",

@@ -147,6 +147,20 @@ def _metrics(job: Job, grid: ProcessGrid, state: TrainState, meta: dict | None):
     return writer, progress
 
 
+def _profiler(job: Job, grid: ProcessGrid):
+    """``--profile``'s :class:`hybrid.torch_profile.IterationProfiler` on a rank of
+    ``--profile-ranks`` (all by default); None otherwise."""
+    lg = job.cfg.logging
+    if not lg.profile or (lg.profile_ranks and grid.rank not in lg.profile_ranks):
+        return None
+    from hybrid.torch_profile import IterationProfiler, trace_dir
+
+    return IterationProfiler(lg.profile_step_start, lg.profile_step_end, grid.rank,
+                             trace_dir(lg.tensorboard_dir),
+                             cuda_range=grid.device.type == "cuda" and not lg.use_pytorch_profiler,
+                             print_fn=print)
+
+
 def run(job: Job) -> dict:
     """Train a validated job; returns ``{"history": records, "engine": engine}``."""
     from hybrid.job.checkpointing import Checkpointer, lock_save_dir, lr_schedule, start_from
@@ -175,13 +189,16 @@ def run(job: Job) -> dict:
     checkpointer = Checkpointer(job, engine, grid, tracker, writer)
     checkpointer.metadata["lr_schedule"] = settings  # the one followed, for the next resume
     trainer = Trainer(engine, grid, loop_settings(job, grid), schedule, writer, eval_batches,
-                      checkpointer.after_iteration, progress, state, checkpointer.stop_now)
+                      checkpointer.after_iteration, progress, state, checkpointer.stop_now,
+                      profiler=_profiler(job, grid))
     try:
         trainer.train(_batches(train_ds, state.consumed_samples, job, grid))
         checkpointer.save(state, wait=True)  # --async-save: written and published here
         if trainer.settings.eval_iters and state.iteration >= job.cfg.training.train_iters:
             checkpointer.final_evaluation(trainer.evaluate, state)
     finally:
+        if trainer.profiler is not None:  # a run that stopped early still writes its trace
+            trainer.profiler.close()
         if progress is not None:
             progress.close()
         writer.close()
