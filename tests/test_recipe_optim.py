@@ -43,3 +43,26 @@ def test_the_modes_differ_from_each_other(refs):
     assert DECOUPLED(0) == LR(0) == 0.0 and DECOUPLED(16) > LR(16)
     a, b = refs["masked"]["losses"], refs["per_token"]["losses"]
     assert a[0] == b[0] and abs(a[-1] - b[-1]) > 1e-4
+
+
+def test_decoupled_flags_are_checked_and_a_resume_compares_them():
+    from hybrid.job.cli import parse_config
+    from hybrid.job.config_checks import ConfigError, validate
+    from hybrid.job.schedule_setup import differences
+
+    base = ["--mock-data", "--vocab-size", "64", "--num-layers", "1", "--hidden-size", "16",
+            "--num-attention-heads", "2", "--seq-length", "8", "--lr", "1e-3", "--min-lr", "1e-4"]
+    job = validate(parse_config(base + ["--decoupled-lr", "5e-4"]), world_size=1)
+    assert (job.schedule["decoupled_lr"], job.schedule["decoupled_min_lr"]) == (5e-4, 1e-4)
+    other = validate(parse_config(base + ["--decoupled-lr", "5e-4", "--decoupled-min-lr", "5e-5"]),
+                     world_size=1)
+    assert differences(job.schedule, other.schedule) == [
+        "--decoupled-min-lr (default --min-lr) 0.0001 -> 5e-05"]
+    plain = validate(parse_config(base), world_size=1).schedule
+    assert differences(plain, job.schedule) == ["--decoupled-lr None -> 0.0005",
+                                                "--decoupled-min-lr (default --min-lr) None -> "
+                                                "0.0001"]
+    with pytest.raises(ConfigError, match="--decoupled-min-lr 1e-05 applies with --decoupled-lr"):
+        validate(parse_config(base + ["--decoupled-min-lr", "1e-5"]), world_size=1)
+    with pytest.raises(ConfigError, match=r"<= --decoupled-lr \(5e-05\)"):
+        validate(parse_config(base + ["--decoupled-lr", "5e-5"]), world_size=1)
