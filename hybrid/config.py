@@ -81,6 +81,8 @@ class ModelConfig:
                                           "--disable-bias-linear")
     qk_layernorm: bool | None = arg(None, "normalise q and k per head (the model's norm kind) "
                                           "before RoPE")
+    apply_layernorm_1p: bool | None = arg(None, "zero-centred norm weights: every norm scales by "
+                                                "1 + w, w initialised to 0 (Megatron-LM's)")
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from models import fusion
 from models.config import GPTConfig
-from models.fused import LayerNorm, RMSNorm, swiglu
+from models.fused import LayerNorm, LayerNorm1P, RMSNorm, RMSNorm1P, swiglu
 from models.fusion import OFF, linear_skip_bias
 from models.rope import RotaryEmbedding
 
@@ -34,6 +34,9 @@ def make_norm(config: GPTConfig, size: int) -> nn.Module:
     """:class:`models.fused.LayerNorm` (weight and bias) or :class:`models.fused.RMSNorm`
     (weight only; Zhang & Sennrich 2019, arXiv 1910.07467 Eq. 4) of width ``size``, per
     ``config.normalization``, with ``config.layernorm_epsilon``."""
+    if config.apply_layernorm_1p:  # zero-centred weights, Megatron-LM's --apply-layernorm-1p
+        kind = RMSNorm1P if config.normalization == "RMSNorm" else LayerNorm1P
+        return kind(size, eps=config.layernorm_epsilon)
     if config.normalization == "RMSNorm":
         return RMSNorm(size, eps=config.layernorm_epsilon)
     return LayerNorm(size, eps=config.layernorm_epsilon)

@@ -76,7 +76,8 @@ def init_parameter(name: str, tensor: torch.Tensor, config: GPTConfig,
     """
     std = config.init_method_std
     if not draws_normal(name):
-        tensor.zero_() if name.endswith("bias") else tensor.fill_(1.0)
+        one = 0.0 if config.apply_layernorm_1p else 1.0  # the norm scales by 1 + w
+        tensor.zero_() if name.endswith("bias") else tensor.fill_(one)
     else:
         if name.endswith(("attn.proj.weight", "mlp.fc2.weight")):
             std = std / math.sqrt(2.0 * config.num_layers)

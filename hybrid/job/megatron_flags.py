@@ -70,7 +70,6 @@ REFUSED = {
     "--use-torch-fsdp2": "FSDP (--zero-stage 3 partitions the parameters here)",
     "--use-megatron-fsdp": "FSDP (--zero-stage 3 partitions the parameters here)",
     "--step-batch-size-schedule": "a batch-size schedule",
-    "--apply-layernorm-1p": "zero-centered LayerNorm weights (1 + gamma)",
     "--grad-reduce-in-bf16": "bf16 gradient reduction (gradients are reduced in fp32 here)",
     "--eod-mask-loss": "masking the loss at end-of-document tokens",
     "--reset-position-ids": "per-document position ids",
