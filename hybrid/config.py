@@ -254,7 +254,13 @@ class DataConfig:
     vocab_file: str | None = arg(None, "GPT-2 BPE vocab.json (with --merge-file; data "
                                        "preprocessed with Megatron-LM's GPT2BPETokenizer)")
     merge_file: str | None = arg(None, "GPT-2 BPE merges.txt (with --vocab-file)")
-    mock_data: bool = arg(False, "synthetic random tokens instead of --data-path")
+    mock_data: bool = arg(False, "Megatron-LM's mock dataset (documents 1, 2, 3, ..., eod) instead "
+                                 "of --data-path")
+    reset_position_ids: bool = arg(False, "positions restart at 0 after each end-of-document "
+                                          "token (models.documents)")
+    reset_attention_mask: bool = arg(False, "attention stays within each document of a sample "
+                                            "(block-causal)")
+    eod_mask_loss: bool = arg(False, "no loss where the input is the end-of-document token")
     data_cache_path: str | None = arg(None,
                                       "where sample indices are cached (default: beside the data)")
     seed: int = arg(1234, "random seed for init, dropout and data shuffling")

@@ -34,17 +34,32 @@ def _dp_mean(values: torch.Tensor, group, dp: int) -> torch.Tensor:
     return values / dp
 
 
-Batch = "torch.Tensor | dict[str, torch.Tensor]"
-"""A micro-batch: ``[b, s+1]`` int64 token ids, or ``{"tokens": [b, s+1], "loss_mask": [b, s]}``
-(float, 1 where a label counts: Megatron-LM's loss mask)."""
+Batch = "torch.Tensor | dict"
+"""A micro-batch: ``[b, s+1]`` int64 token ids, or ``{"tokens": [b, s+1], "loss_mask": [b, s]
+(float, 1 where a label counts: Megatron-LM's loss mask) or None, "documents":
+models.documents.Documents or None}``."""
 
 
 def _tokens_and_mask(batch, device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    if isinstance(batch, dict):
-        mask = batch.get("loss_mask")
-        return (batch["tokens"].to(device, non_blocking=True),
-                None if mask is None else mask.to(device, non_blocking=True))
-    return batch.to(device, non_blocking=True), None
+    tokens, mask, _ = unpack(batch, device)
+    return tokens, mask
+
+
+def unpack(batch, device) -> tuple:
+    """``(tokens, loss_mask or None, documents or None)`` of a :data:`Batch`, on ``device``."""
+    if not isinstance(batch, dict):
+        return batch.to(device, non_blocking=True), None, None
+    mask, docs = batch.get("loss_mask"), batch.get("documents")
+    return (batch["tokens"].to(device, non_blocking=True),
+            None if mask is None else mask.to(device, non_blocking=True),
+            None if docs is None else docs.to(device, non_blocking=True))
+
+
+def per_label_losses(model, tokens: torch.Tensor, documents) -> torch.Tensor:
+    """``[b, s]`` losses of ``tokens`` ``[b, s+1]`` (packed ``documents`` when given)."""
+    if documents is None:
+        return model(tokens[:, :-1], tokens[:, 1:])
+    return model(tokens[:, :-1], tokens[:, 1:], documents=documents)
 
 
 def _token_counts(micro_batches: list, grid: ProcessGrid, per_token: bool) -> torch.Tensor | None:
@@ -84,9 +99,9 @@ def train_step(engine: ZeroEngine, micro_batches: list, lr: float, grid: Process
     sums = torch.zeros(2, dtype=torch.float64, device=grid.device)  # masked sum, unmasked count
     masked = False
     for i, batch in enumerate(micro_batches):
-        tokens, mask = _tokens_and_mask(batch, grid.device)
+        tokens, mask, docs = unpack(batch, grid.device)
         with getattr(engine, "timer", NULL_TIMER).phase("forward"):
-            per_label = engine.model(tokens[:, :-1], tokens[:, 1:])
+            per_label = per_label_losses(engine.model, tokens, docs)
             if mask is None:
                 loss, loss_sum = per_label.mean(), per_label.sum()
             else:

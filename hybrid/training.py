@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from hybrid.metrics import MetricsWriter, interval_memory
-from hybrid.train_step import StepResult, _dp_mean, train_step
+from hybrid.train_step import StepResult, _dp_mean, per_label_losses, train_step, unpack
 from hybrid.zero.profile import NULL_TIMER
 
 __all__ = ["StepResult", "train_step"]  # hybrid.training.train_step, as before the move
@@ -86,13 +87,19 @@ def evaluate(engine: ZeroEngine, batches: Iterator[torch.Tensor], num_micro_batc
     engine.eval()
     # accumulated on the device: a host copy per micro-batch would wait for its forward
     total = torch.zeros(1, dtype=torch.float64, device=grid.device)
-    count = 0
+    sums = torch.zeros(2, dtype=torch.float64, device=grid.device)  # masked sum, unmasked count
+    count, masked = 0, False
     for _ in range(num_micro_batches):
         try:
-            tokens = next(batches).to(grid.device)
+            tokens, mask, docs = unpack(next(batches), grid.device)
         except StopIteration:
             break
-        total += engine.model(tokens[:, :-1], tokens[:, 1:]).mean().double()
+        per_label = per_label_losses(engine.model, tokens, docs)
+        if mask is None:
+            total += per_label.mean().double()
+        else:
+            masked = True
+            sums += torch.stack([(per_label.float() * mask).sum(), mask.sum()]).double()
         count += 1
         if stop is not None and stop():
             engine.train()
@@ -100,6 +107,10 @@ def evaluate(engine: ZeroEngine, batches: Iterator[torch.Tensor], num_micro_batc
     engine.train()
     if count == 0:
         return float("nan")
+    if masked:  # Megatron-LM: the masked sum over the unmasked count, across dp
+        if grid.dp_size > 1:
+            dist.all_reduce(sums, group=grid.dp_group)
+        return (sums[0] / sums[1]).item()
     return _dp_mean(total / count, grid.dp_group, grid.dp_size).item()
 
 

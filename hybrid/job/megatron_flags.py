@@ -71,9 +71,6 @@ REFUSED = {
     "--use-megatron-fsdp": "FSDP (--zero-stage 3 partitions the parameters here)",
     "--step-batch-size-schedule": "a batch-size schedule",
     "--grad-reduce-in-bf16": "bf16 gradient reduction (gradients are reduced in fp32 here)",
-    "--eod-mask-loss": "masking the loss at end-of-document tokens",
-    "--reset-position-ids": "per-document position ids",
-    "--reset-attention-mask": "per-document attention masks",
     "--rotary-seq-len-interpolation-factor": "RoPE sequence-length interpolation",
 }
 """Flag -> the feature it asks for, which this trainer does not have."""

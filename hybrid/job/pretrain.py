@@ -18,7 +18,7 @@ process_start()  # --exit-duration-in-mins counts from here at the latest (befor
 
 from hybrid.job.cli import parse_config  # noqa: E402
 from hybrid.job.config_checks import ConfigError, Job, validate  # noqa: E402
-from hybrid.job.datasets import build_datasets  # noqa: E402
+from hybrid.job.datasets import build_datasets, eod_id  # noqa: E402
 from hybrid.wandb_names import preflight as wandb_preflight  # noqa: E402
 
 if TYPE_CHECKING:
@@ -35,7 +35,26 @@ def _batches(dataset, consumed: int, job: Job, grid: ProcessGrid):
     # pinned host batches on CUDA: train_step's non_blocking copy is then truly asynchronous
     loader = build_data_loader(dataset, consumed, cfg.training.micro_batch_size, grid.dp_rank,
                                grid.dp_size, pin_memory=grid.device.type == "cuda")
-    return checked_tokens(loader, job.gpt.vocab_size, cfg.data.data_path)
+    batches = checked_tokens(loader, job.gpt.vocab_size, cfg.data.data_path)
+    d = cfg.data
+    if not (d.reset_position_ids or d.reset_attention_mask or d.eod_mask_loss):
+        return batches
+    return packed_documents(batches, eod_id(cfg, job.gpt.vocab_size), d.reset_position_ids,
+                            d.reset_attention_mask, d.eod_mask_loss)
+
+
+def packed_documents(batches, eod: int, reset_position_ids: bool, reset_attention_mask: bool,
+                     eod_mask_loss: bool):
+    """``batches`` ``[b, s+1]`` as ``{"tokens", "loss_mask", "documents"}`` micro-batches
+    (:func:`models.documents.document_layout` of the inputs, on the host as Megatron-LM's
+    dataset builds them): ``--reset-position-ids``, ``--reset-attention-mask``,
+    ``--eod-mask-loss``."""
+    from models.documents import document_layout
+
+    for tokens in batches:
+        docs, mask = document_layout(tokens[:, :-1], eod, reset_position_ids,
+                                     reset_attention_mask, eod_mask_loss)
+        yield {"tokens": tokens, "loss_mask": mask, "documents": docs}
 
 
 def checked_tokens(batches, vocab_size: int, source):
