@@ -249,7 +249,8 @@ def _checked_job(argv: list[str] | None):
     group (rank 0 only): wandb's names, the ignored Megatron-LM flags, --init-from-hf's
     dropout. Returns ``(cfg, job)``; raises :class:`ConfigError` for a bad flag."""
     ignored: list[str] = []
-    cfg = parse_config(argv, ignored)
+    hf_flags: list[str] = []
+    cfg = parse_config(argv, ignored, hf_flags)
     job = validate(cfg, world_size=cfg.dry_run.dry_run_world_size)
     if os.environ.get("RANK", "0") != "0":
         return cfg, job
@@ -263,6 +264,9 @@ def _checked_job(argv: list[str] | None):
         print("hybrid-pretrain: note: --sequence-parallel has no effect at "
               "--tensor-model-parallel-size 1 (no group to split the sequence over); disabled, as "
               "Megatron-LM disables it", flush=True)
+    if hf_flags:
+        print(f"hybrid-pretrain: --init-from-hf {cfg.checkpoint.init_from_hf}: the model flags of "
+              f"its config.json: {' '.join(hf_flags)}", flush=True)
     if cfg.checkpoint.init_from_hf:
         from hybrid.hf.weights import start_note  # the run's dropout against config.json's
 
