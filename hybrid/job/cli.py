@@ -280,7 +280,7 @@ def parse_config(argv: list[str] | None = None, ignored: list[str] | None = None
     (:func:`hybrid.job.megatron_flags.translate`); those accepted without effect are appended
     to ``ignored`` when given. Every section validates its own fields as it is built.
     ``--init-from-hf DIR`` without ``--preset`` or shape flags takes the model flags of
-    ``DIR/config.json`` before the given ones (:mod:`hybrid.hf.model_flags`); they are appended
+    ``DIR/config.json`` before the given ones (:mod:`hybrid.hf.config_flags`); they are appended
     to ``hf_flags`` when given.
 
     Raises:
@@ -296,7 +296,7 @@ def parse_config(argv: list[str] | None = None, ignored: list[str] | None = None
     m = cfg.model
     if cfg.checkpoint.init_from_hf and m.preset is None and all(
             v is None for v in (m.num_layers, m.hidden_size, m.num_attention_heads)):
-        from hybrid.hf.model_flags import hf_model_flags
+        from hybrid.hf.config_flags import hf_model_flags
 
         try:
             derived = hf_model_flags(cfg.checkpoint.init_from_hf)
