@@ -129,3 +129,27 @@ def test_training_with_the_loss_mask_equals_the_single_process_model(worlds, gri
     assert got["losses"] == pytest.approx(want["losses"], abs=1e-5)
     for k, v in want["final"].items():
         torch.testing.assert_close(got["final"][k], v, rtol=1e-5, atol=1e-5, msg=k)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_varlen_flash_path_equals_the_masked_sdpa_path_on_cuda():
+    """On CUDA in bf16 without dropout the block-causal core is varlen flash attention; it must
+    give what SDPA with the document mask gives (bf16 tolerance 2e-2), gradients included."""
+    import contextlib
+
+    from models.blocks import block_causal_attention
+
+    tokens = packed_batch().cuda()
+    docs, _ = layout(tokens, False)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    b, s = tokens.shape[0], tokens.shape[1] - 1
+    q, k, v = (torch.randn(b, h, s, 16, device="cuda", generator=g,
+                           dtype=torch.bfloat16).requires_grad_() for h in (4, 2, 2))
+    out = block_causal_attention(q, k, v, docs, 0.0, contextlib.nullcontext(),
+                                 {"enable_gqa": True})
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), attn_mask=docs.mask(), enable_gqa=True)
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+    out.float().sum().backward()
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))
