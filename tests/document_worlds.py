@@ -94,10 +94,33 @@ def world1(rank: int, world: int) -> dict:
     return {"tp1_dp1_zero0": run(ProcessGrid(tp=1), 0, False, None)}
 
 
+def run_dropout(grid: ProcessGrid, stage: int) -> list[float]:
+    """``STEPS`` logged losses with attention and hidden dropout 0.1 (tp2 + SP + selective,
+    documents and the loss mask): the same on every ZeRO stage of one grid."""
+    from hybrid.parallel.rng import RNGTracker, seed_everything
+
+    seed_everything(5, grid.device)
+    tracker = RNGTracker(5, grid.tp_rank, grid.device)
+    engine = build_parallel(grid, dict(CFG, attention_dropout=0.1, hidden_dropout=0.1),
+                            zero=ZeroConfig(stage=stage, param_persistence_threshold=0),
+                            optimizer=OptimizerConfig(**OPT),
+                            activation=ActivationConfig(recompute_granularity="selective"),
+                            tracker=tracker, sequence_parallel=True)
+    losses = []
+    for step in range(STEPS):
+        t = packed_batch(step)[_rows(grid)]
+        d, mask = layout(t, True)
+        losses.append(train_step(engine, [{"tokens": t, "loss_mask": mask, "documents": d}],
+                                 OPT["lr"], grid, per_token=True).loss)
+    engine.close()
+    return losses
+
+
 def world4(rank: int, world: int) -> dict:
     grid = ProcessGrid(tp=2)
     return {"tp2_dp2_zero3_sp_selective": run(grid, 3, True, "selective"),
-            "tp2_dp2_zero1_sp_full": run(grid, 1, True, "full")}
+            "tp2_dp2_zero1_sp_full": run(grid, 1, True, "full"),
+            "dropout": {stage: run_dropout(grid, stage) for stage in (0, 3)}}
 
 
 def reference_training() -> dict:

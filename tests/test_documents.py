@@ -91,9 +91,10 @@ def hf_document_losses(tokens: torch.Tensor) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def worlds():
     out = dict(spawn_world(1, world1, timeout_s=120)[0])
-    four = spawn_world(4, world4, timeout_s=180)
+    four = spawn_world(4, world4, timeout_s=240)
     for name in four[0]:
         out[name] = [r[name] for r in four]
+    out["dropout"] = four[0]["dropout"]
     out["tp1_dp1_zero0"] = [out["tp1_dp1_zero0"]]
     return out
 
@@ -129,6 +130,15 @@ def test_training_with_the_loss_mask_equals_the_single_process_model(worlds, gri
     assert got["losses"] == pytest.approx(want["losses"], abs=1e-5)
     for k, v in want["final"].items():
         torch.testing.assert_close(got["final"][k], v, rtol=1e-5, atol=1e-5, msg=k)
+
+
+@pytest.mark.timeout(900)
+def test_with_dropout_every_zero_stage_gives_the_same_losses(worlds):
+    """Dropout on (attention and hidden 0.1): ZeRO-0 and ZeRO-3 on one grid, bit for bit, and
+    not the dropout-free losses."""
+    d = worlds["dropout"]
+    assert d[0] == d[3]
+    assert d[0] != worlds["tp2_dp2_zero3_sp_selective"][0]["losses"]
 
 
 @pytest.mark.gpu
