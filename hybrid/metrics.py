@@ -77,6 +77,7 @@ def format_train_line(r: dict, train_iters: int) -> str:
         parts.append(f"ETA: {format_eta(r['eta_s'])}{more}")
     parts += [
         f"learning rate: {r['lr']:.6E}",
+        *([f"decoupled learning rate: {r['decoupled_lr']:.6E}"] if "decoupled_lr" in r else []),
         f"global batch size: {r['global_batch_size']:5d}",
         f"lm loss: {r['lm_loss']:.6E}",
         f"loss scale: {r['loss_scale']:.1f}",

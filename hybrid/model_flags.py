@@ -23,7 +23,7 @@ ROPE_FLAGS = ("rotary_base", "rotary_percent", "rotary_interleaved", "use_rope_s
               "rope_scaling_factor")
 ARCHITECTURE_FLAGS = ("position_embedding_type", *ROPE_FLAGS, "normalization", "swiglu",
                       "kv_channels", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
-                      "untie_embeddings_and_output_weights")
+                      "untie_embeddings_and_output_weights", "apply_layernorm_1p")
 
 
 def _flag(name: str) -> str:

@@ -323,7 +323,7 @@ def _build_and_step(job, grid, t0: float, clock: PhaseClock) -> dict:
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from hybrid import training
+    from hybrid import train_step
     from hybrid.checkpoint.async_save import host_snapshot_bytes
     from hybrid.dryrun.fake_cuda import transfer_log
     from hybrid.parallel.rng import RNGTracker
@@ -350,7 +350,7 @@ def _build_and_step(job, grid, t0: float, clock: PhaseClock) -> dict:
         step.track(*_engine_tensors(engine))
         start = step.current
         _timed_step(job, engine, grid, clock, [
-            step, log, mock.patch.object(training, "host_values", read),
+            step, log, mock.patch.object(train_step, "host_values", read),
             mock.patch.object(grad_norm, "host_values", read)])
         t = time.perf_counter()
         save_peak = _save_staging_peak(engine, grid)

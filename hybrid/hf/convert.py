@@ -232,15 +232,23 @@ def check_hf_config(hf: dict, config: GPTConfig, where: str = "config.json") -> 
                      + ("(tied): drop --untie-embeddings-and-output-weights" if tied else
                         "(untied): add --untie-embeddings-and-output-weights"))
     if lines:
-        flags = " ".join(f"{_FLAGS[ours].split()[0]} {theirs[ours]}" for ours in _SHAPE_FIELDS)
-        flags += "" if tied else " --untie-embeddings-and-output-weights"
-        flags += (f" --attention-dropout {hf.get('attn_pdrop', 0.1)} --hidden-dropout "
-                  f"{hf.get('resid_pdrop', 0.1)}")
+        flags = flag_line(hf)
         n = len(lines)
         raise ValueError("\n".join([
             f"{where}: this run's model differs from config.json in {n} setting"
             + "s" * (n > 1) + ":", *lines, "  the model flags that reproduce config.json (in "
             "place of --preset and the model flags given):", "  " + flags]))
+
+
+def flag_line(hf: dict) -> str:
+    """The model flags that reproduce GPT-2 config.json ``hf`` (shape, tying, dropout)."""
+    n_inner = hf.get("n_inner") or 4 * hf.get("n_embd", 0)
+    theirs = {ours: n_inner if key == "n_inner" else hf.get(key)
+              for ours, key in _SHAPE_FIELDS.items()}
+    flags = " ".join(f"{_FLAGS[ours].split()[0]} {theirs[ours]}" for ours in _SHAPE_FIELDS)
+    flags += "" if hf.get("tie_word_embeddings", True) else " --untie-embeddings-and-output-weights"
+    return flags + (f" --attention-dropout {hf.get('attn_pdrop', 0.1)} --hidden-dropout "
+                    f"{hf.get('resid_pdrop', 0.1)}")
 
 
 def _same(theirs, config: GPTConfig, ours: str) -> bool:

@@ -35,6 +35,7 @@ from hybrid.hf.convert import UnsupportedModelError
 from hybrid.hf.export_tokenizer import export_tokenizer, tokenizer_source
 from hybrid.hf.llama_config import export_family, llama_config_dict
 from hybrid.hf.sharded import DEFAULT_MAX_SHARD_SIZE, parse_size, write_sharded
+from hybrid.hf.weights import is_norm_weight
 from models.config import GPTConfig
 
 
@@ -112,6 +113,8 @@ def entries(reader: CheckpointReader, config: GPTConfig, family: str,
             keys, metas = llama.hf_keys(name), llama.to_hf(name, shape, config)
             make = [lambda n=name, i=i: llama.to_hf(n, full(n), config)[i]
                     for i in range(len(keys))]
+        if config.apply_layernorm_1p and is_norm_weight(name):  # HF norms scale by w itself
+            make = [lambda f=f: f() + 1 for f in make]
         out += [Entry(k, dtype, tuple(m.shape), lambda f=f: f().to(dtype))
                 for k, m, f in zip(keys, metas, make, strict=True)]
     return out
