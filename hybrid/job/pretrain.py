@@ -232,9 +232,9 @@ def _checked_job(argv: list[str] | None):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Console entry point; returns the exit status (2 for a configuration error, 1 when
-    ``--max-nan-iterations`` consecutive NaN/inf losses stopped training, a save failed or
-    another job holds ``--save``)."""
+    """Console entry point; returns the exit status (2 when refused before training: a
+    configuration error or another job holding ``--save``; 1 when ``--max-nan-iterations``
+    consecutive NaN/inf losses stopped training or a save failed)."""
     import warnings
 
     # a user's warning is a line of its own, not a source file and line of this package
@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         except (TooManyNaNIterations, SaveFailedError, SaveDirectoryInUseError) as e:
             if dist.get_rank() == 0:
                 print(f"hybrid-pretrain: error: {e}", file=sys.stderr, flush=True)
-            return 1
+            return 2 if isinstance(e, SaveDirectoryInUseError) else 1  # 2: refused, not failed
         if dist.get_world_size() > 1:
             dist.barrier()  # no rank tears down while a peer still communicates
     finally:
