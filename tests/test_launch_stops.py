@@ -27,6 +27,22 @@ def test_a_stop_before_torchrun_starts_starts_nothing(monkeypatch, capsys):
                                          "started: no process was started, nothing to save\n")
 
 
+def test_the_entry_point_catches_a_stop_before_any_import_of_its_own():
+    """``python -m hybrid.pretrain`` catches SIGTERM as soon as it has imported
+    :mod:`hybrid.job.preemption`, which loads nothing the interpreter has not (``ctypes``, for
+    the parent-death signal, only when asked): a SIGTERM in the launcher's first tens of ms
+    exited 143 without a word while it loaded."""
+    import subprocess
+    import sys
+
+    code = ("import sys; before = set(sys.modules); import hybrid.job.preemption; "
+            "print(' '.join(sorted(set(sys.modules) - before)))")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=60)
+    assert out.stdout.split() == ["hybrid", "hybrid.job", "hybrid.job.preemption", "signal"]
+
+
 def test_a_stop_before_the_workers_catch_it_is_kept_for_them(monkeypatch):
     """torchrun starting (no worker), then workers that still ignore SIGTERM (inherited from
     torchrun): the stop waits; each worker gets it once, when its handler exists."""
