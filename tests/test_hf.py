@@ -164,6 +164,11 @@ def test_import_names_every_mismatch(tmp_path):
     hf = json.loads((tmp_path / "config.json").read_text())
     with pytest.raises(UnsupportedModelError, match="activation_function='gelu_new'"):
         check_hf_config(dict(hf, activation_function="gelu_new"), config)
+    with pytest.raises(UnsupportedModelError) as e:  # several: all at once, not one per attempt
+        check_hf_config(dict(hf, activation_function="gelu_new", add_cross_attention=True),
+                        config)
+    assert "activation_function='gelu_new'" in str(e.value)
+    assert "; add_cross_attention=True, but our GPT needs False" in str(e.value)
     state = load_file(str(tmp_path / "model.safetensors"))
     state["transformer.h.1.mlp.c_fc.weight"] = (
         state["transformer.h.1.mlp.c_fc.weight"][:, :200].contiguous())
