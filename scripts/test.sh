@@ -6,7 +6,7 @@
 #           checkpoints and exact resume, data, the end-to-end job under torchrun, HF import,
 #           planner, FLOPs, schedule, golden losses, the launcher and pre-flight checks), each by
 #           its cheapest test that runs it for real; the multi-rank suites that repeat a check
-#           across layouts are left to the full run. About 150 CPU-seconds (see README, Tests).
+#           across layouts are left to the full run. About 140 CPU-seconds (see README, Tests).
 #   VENV    which environment (default .venv); extra arguments go to pytest.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
