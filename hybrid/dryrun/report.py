@@ -140,7 +140,8 @@ def run_and_report(job, title: str) -> int:
     ``--gpu-memory-gib`` / ``--reserved-gib``. Returns 0 (the exit status): a layout that does
     not fit is an answer, not an error; a stop (SIGTERM, Ctrl-C) ends it at the next phase
     boundary with one line, exit status 0, as training stops."""
-    from hybrid.dryrun.dry_run import DryRunStopped, dry_run
+    from hybrid.dryrun.dry_run import dry_run
+    from hybrid.dryrun.phases import DryRunStopped
 
     g = job.cfg.dry_run
 
