@@ -91,11 +91,11 @@ for vocab in ("4000", "4096"):
 
 @pytest.mark.timeout(300)
 def test_the_loss_forward_term_is_the_measured_one():
-    """bf16 logits with padded vocabulary columns: the masked fp32 clone replaces the upcast, it
-    is not beside it. The planner counted both (GPT-2 124M, s 1024, b 8, ZeRO-1, selective,
-    bf16, 8 GPUs: 9.09 GiB planned, 7.56 measured); here a model whose step peak is the loss's
-    forward, padded (V 4000 -> 4096) and not, planned within 1% of the dry run's measurement
-    (it was +37% padded)."""
+    """bf16 logits with padded vocabulary columns: the loss masks them in its own fp32 output,
+    with no clone of the logits. The planner counted a clone beside the upcast (GPT-2 124M,
+    s 1024, b 8, ZeRO-1, selective, bf16, 8 GPUs: 9.09 GiB planned, 7.56 measured); here a
+    model whose step peak is the loss's forward, padded (V 4000 -> 4096) and not, planned
+    within 1% of the dry run's measurement (it was +37% padded)."""
     flags = ["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4",
              "--seq-length", "256", "--micro-batch-size", "8", "--mock-data", "--bf16",
              "--hidden-dropout", "0", "--attention-dropout", "0", "--zero-stage", "1",
