@@ -213,13 +213,15 @@ def check_hf_config(hf: dict, config: GPTConfig, where: str = "config.json") -> 
         check_gpt2_architecture(config)
     except UnsupportedModelError as e:
         raise UnsupportedModelError(f"{where}: this run's model is not GPT-2: {e}") from None
+    unheld = []  # every setting our GPT cannot reproduce, named at once
     for key, need in _HF_REQUIRED.items():
         value = hf.get(key, need if key != "activation_function" else "gelu_new")
         if value != need:
-            raise UnsupportedModelError(
-                f"{where}: {key}={value!r}, but our GPT needs {need!r}"
-                + (" (the exact erf GELU; GPT-2's 'gelu_new' is its tanh approximation)"
-                   if key == "activation_function" else ""))
+            unheld.append(f"{key}={value!r}, but our GPT needs {need!r}"
+                          + (" (the exact erf GELU; GPT-2's 'gelu_new' is its tanh "
+                             "approximation)" if key == "activation_function" else ""))
+    if unheld:
+        raise UnsupportedModelError(f"{where}: {'; '.join(unheld)}")
     n_inner = hf.get("n_inner") or 4 * hf.get("n_embd", 0)
     theirs = {ours: n_inner if key == "n_inner" else hf.get(key)
               for ours, key in _SHAPE_FIELDS.items()}

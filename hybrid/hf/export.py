@@ -155,8 +155,8 @@ def export_hf(load: str | os.PathLike, output: str | os.PathLike, iteration: int
         ``"tokenizer_exported"`` (the tokenizer path, or None) and ``"files"`` added.
 
     Raises:
-        FileNotFoundError / IncompleteCheckpointError: no complete checkpoint, or the tokenizer
-            is missing.
+        FileNotFoundError / IncompleteCheckpointError: ``load`` does not exist or holds no
+            complete checkpoint, or the tokenizer is missing.
         FileExistsError: ``output`` exists and is not empty.
         ValueError: a bad ``max_shard_size`` or ``dtype``; a tokenizer of another vocabulary.
         UnsupportedModelError: no transformers class holds the model exactly (the setting
@@ -165,6 +165,9 @@ def export_hf(load: str | os.PathLike, output: str | os.PathLike, iteration: int
     output, max_bytes = Path(output), parse_size(max_shard_size)
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype}: valid: {', '.join(DTYPES)}")
+    if not Path(load).is_dir():
+        raise FileNotFoundError(f"--load {load}: no such directory (the --save directory of a "
+                                "training run)")
     _check_output(output)
     reader = CheckpointReader(load, iteration)
     config, family = model_family(reader.meta.get("model", {}))

@@ -245,6 +245,8 @@ def _check_checkpoint(cfg: PretrainConfig, gpt: GPTConfig, schedule: dict) -> No
     c = cfg.checkpoint
     if c.save_interval is not None and not c.save:
         raise ConfigError(f"--save-interval {c.save_interval} needs --save DIR")
+    if c.async_save and not c.save:  # accepted silently, it did nothing
+        raise ConfigError("--async-save needs --save DIR (where it writes in the background)")
     if c.finetune and not c.load:
         raise ConfigError("--finetune needs --load DIR (the checkpoint to start from)")
     if c.init_from_hf:

@@ -99,9 +99,11 @@ def engine_line(engine) -> str:
             f"rank 0: {held}{note}")
 
 
-def loop_settings(job: Job, grid: ProcessGrid):
+def loop_settings(job: Job, grid: ProcessGrid, splits=("valid", "test")):
     """The loop's counts and the FLOPs per step for TFLOP/s and MFU, counted as Megatron-LM's
-    ``--log-throughput`` (:func:`hybrid.flops.megatron_flops_per_iteration`)."""
+    ``--log-throughput`` (:func:`hybrid.flops.megatron_flops_per_iteration`). ``splits``: the
+    evaluation splits that hold samples; one left out (empty, or skipped as empty) is never
+    evaluated, so the ETA does not count it (no validation split: no evaluation in the loop)."""
     from hybrid.flops import device_peak_tflops, megatron_flops_per_iteration
     from hybrid.training import LoopSettings
 
@@ -109,14 +111,15 @@ def loop_settings(job: Job, grid: ProcessGrid):
     return LoopSettings(
         train_iters=o.train_iters, grad_accum_steps=job.grad_accum_steps,
         global_batch_size=job.global_batch_size, tokens_per_step=job.tokens_per_step,
-        log_interval=cfg.logging.log_interval, eval_interval=cfg.eval.eval_interval,
+        log_interval=cfg.logging.log_interval,
+        eval_interval=cfg.eval.eval_interval if "valid" in splits else None,
         eval_iters=cfg.eval.eval_iters, max_nan_iterations=o.max_nan_iterations,
         flops_per_step=megatron_flops_per_iteration(job.gpt, job.global_batch_size,
                                                     cfg.model.seq_length, job.padded_vocab_size),
         peak_tflops=device_peak_tflops() if grid.device.type == "cuda" else None,
         batch_size=job.rampup.batch_size if job.rampup else None,
         per_token_loss=o.calculate_per_token_loss,
-        final_evaluations=2,  # valid and test after the loop (none without --eval-iters)
+        final_evaluations=len(splits),  # after the loop (none without --eval-iters)
     )
 
 
@@ -207,7 +210,8 @@ def run(job: Job) -> dict:
         writer.print(engine_line(engine) + where)
     checkpointer = Checkpointer(job, engine, grid, tracker, writer)
     checkpointer.metadata["lr_schedule"] = settings  # the one followed, for the next resume
-    trainer = Trainer(engine, grid, loop_settings(job, grid), schedule, writer, eval_batches,
+    loop = loop_settings(job, grid, tuple(k for k, ds in eval_sets.items() if ds is not None))
+    trainer = Trainer(engine, grid, loop, schedule, writer, eval_batches,
                       checkpointer.after_iteration, progress, state, checkpointer.stop_now,
                       profiler=_profiler(job, grid))
     try:
@@ -277,9 +281,9 @@ def _checked_job(argv: list[str] | None):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Console entry point; returns the exit status (2 for a configuration error, 1 when
-    ``--max-nan-iterations`` consecutive NaN/inf losses stopped training, a save failed or
-    another job holds ``--save``)."""
+    """Console entry point; returns the exit status (2 when refused before training: a
+    configuration error or another job holding ``--save``; 1 when ``--max-nan-iterations``
+    consecutive NaN/inf losses stopped training or a save failed)."""
     import warnings
 
     # a user's warning is a line of its own, not a source file and line of this package
@@ -319,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         except (TooManyNaNIterations, SaveFailedError, SaveDirectoryInUseError) as e:
             if dist.get_rank() == 0:
                 print(f"hybrid-pretrain: error: {e}", file=sys.stderr, flush=True)
-            return 1
+            return 2 if isinstance(e, SaveDirectoryInUseError) else 1  # 2: refused, not failed
         if dist.get_world_size() > 1:
             dist.barrier()  # no rank tears down while a peer still communicates
     finally:
