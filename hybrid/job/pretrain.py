@@ -192,7 +192,6 @@ def run(job: Job) -> dict:
     grid, tracker, engine = _build(job)
     if grid.rank == 0:  # once per job: bf16/fp16 without native CPU support is 4.7-7x slower
         warn_if_slow(engine.config.precision, grid.device.type)  # (and true fp32 on CUDA)
-        print(f"hybrid-pretrain: {engine.kernel_fusion_note}", flush=True)
     lock = lock_save_dir(job, grid)  # a second job on --save is refused here, before training
     state = TrainState()
     meta = start_from(job, engine, grid, tracker, state)
@@ -207,7 +206,7 @@ def run(job: Job) -> dict:
     writer, progress = _metrics(job, grid, state, meta)
     if grid.rank == 0:
         where = f" | resolved config: {writer.config_file}" if writer.config_file else ""
-        writer.print(engine_line(engine) + where)
+        writer.print(f"{engine_line(engine)} | {engine.kernel_fusion_note}{where}")
     checkpointer = Checkpointer(job, engine, grid, tracker, writer)
     checkpointer.metadata["lr_schedule"] = settings  # the one followed, for the next resume
     loop = loop_settings(job, grid, tuple(k for k, ds in eval_sets.items() if ds is not None))
