@@ -19,8 +19,6 @@ from hybrid.config_fields import ConfigError
 
 MEANING = {
     "--use-distributed-optimizer": ["--zero-stage", "1"],
-    "--overlap-grad-reduce": ["--overlap-comm"],
-    "--overlap-param-gather": ["--overlap-comm"],
     "--recompute-activations": ["--recompute-granularity", "selective"],
     "--distribute-saved-activations": ["--partition-activations"],
     "--exit-signal-handler": [],  # SIGTERM always finishes the iteration, saves and exits
@@ -38,7 +36,7 @@ SIZE_ONE = {"--pipeline-model-parallel-size": "pipeline parallelism",
 NO_OP = {
     "--use-mcore-models", "--use-legacy-models", "--distributed-backend", "--attention-backend",
     "--use-flash-attn", "--transformer-impl", "--ckpt-format", "--no-masked-softmax-fusion",
-    "--masked-softmax-fusion", "--no-gradient-accumulation-fusion",
+    "--masked-softmax-fusion",
     # no persistent LayerNorm kernel here: the fused norm is compiled (or apex's FusedLayerNorm)
     "--no-persist-layer-norm", "--cross-entropy-loss-fusion",
     "--cross-entropy-fusion-impl", "--no-async-tensor-model-parallel-allreduce",
@@ -73,7 +71,6 @@ REFUSED = {
     "--decoupled-min-lr": "a separate learning rate for the embeddings",
     "--calculate-per-token-loss": "per-token loss averaging across micro-batches",
     "--apply-layernorm-1p": "zero-centered LayerNorm weights (1 + gamma)",
-    "--grad-reduce-in-bf16": "bf16 gradient reduction (gradients are reduced in fp32 here)",
     "--eod-mask-loss": "masking the loss at end-of-document tokens",
     "--reset-position-ids": "per-document position ids",
     "--reset-attention-mask": "per-document attention masks",
