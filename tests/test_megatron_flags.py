@@ -188,6 +188,20 @@ def test_zero_engine_flags_have_megatron_names_defaults_and_rules():
             parse_config(argv)
 
 
+def test_start_up_line_says_what_each_gradient_and_gather_path_is():
+    from hybrid.job.pretrain import engine_modes
+
+    line = engine_modes(parse_config([]).zero)
+    for words in ("gradients fp32", "main-grad buffer (--gradient-accumulation-fusion)",
+                  "during backward (--overlap-grad-reduce)", "(--overlap-param-gather off)"):
+        assert words in line, line
+    line = engine_modes(parse_config(["--bf16", "--grad-reduce-in-bf16", "--overlap-param-gather",
+                                      "--no-gradient-accumulation-fusion"]).zero)
+    for words in ("gradients bf16 (--grad-reduce-in-bf16)", "(--no-gradient-accumulation-fusion)",
+                  "waited unit by unit in the next forward (--overlap-param-gather)"):
+        assert words in line, line
+
+
 @pytest.mark.timeout(200)
 def test_the_shrunk_llama3_script_refuses_only_its_out_of_scope_flags_and_trains():
     with pytest.raises(ConfigError) as e:
