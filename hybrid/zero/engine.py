@@ -31,9 +31,9 @@ and n the data-parallel size, in bytes for 16-bit training (``memory_bytes``):
     3             2 Psi/n    4 Psi/n     4 Psi/n   8 Psi/n
     ============  =========  ==========  ========  ==========
 
-The paper (§3.1, §5) counts 2 bytes of gradient; we keep gradients in fp32 (4 bytes) because
-micro-batches accumulate in fp32. In fp32 training ``params`` is 4 bytes per element and the
-fp32 master is a separate copy, so the sum is 20 Psi (stage 0) instead of 16 Psi. Stage 3 keeps
+The paper (§3.1, §5) counts 2 bytes of gradient; we keep fp32 gradients (4 bytes: micro-batches
+accumulate in fp32), or bf16 ones with ``grad_reduce_in_bf16``. In fp32 training ``params`` is 4
+bytes per element and the fp32 master a separate copy: 20 Psi at stage 0, not 16. Stage 3 keeps
 persistent (small) parameters whole, and gathers units transiently (``gathered_peak``).
 """
 

@@ -16,7 +16,16 @@ in plan order (last block first) as soon as every unit they touch has all its gr
 every rank issues the same collectives in the same order whatever order hooks fire in. With
 ``overlap`` the reductions are asynchronous and two staging buffers alternate (the older one is
 waited for before reuse); without it everything is reduced synchronously after backward.
-Reductions run in fp32 and are pre-divided by the data-parallel size (a mean over ranks).
+Reductions run in the gradient dtype (fp32, or bf16 with ``grad_reduce_in_bf16``) and average
+over ranks: pre-divided by the data-parallel size, or with fusion divided after the sum (exact
+for a power-of-two dp).
+
+Gradient-accumulation fusion (``fusion``, Megatron-LM's ``--gradient-accumulation-fusion``):
+stage 0/1 parameters whose dtype is the gradient's get ``p.grad`` = their view of the full flat
+buffer (Megatron's ``main_grad``), so autograd accumulates in place and the hook adds nothing;
+stage 1 reduce-scatters each unit in place in that buffer (:func:`unit_reduce_plan`), with no
+staging; stage 2/3 write each bucket's staging input once (copies, plus zeroes only where no
+gradient lands) and average the reduced chunk as they add it into the partition.
 On NCCL an asynchronous collective runs on the process group's own stream, ordered after the
 staging copies on the compute stream; ``wait()`` only makes the compute stream wait for it, so
 overlapped reductions never block the host.
