@@ -184,6 +184,8 @@ def planner_figures(job) -> dict:
         allgather_bucket_elements=z.allgather_bucket_size,
         make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
         overlap_comm=z.overlap_comm, grad_reduce=z.grad_reduce,
+        grad_reduce_in_bf16=z.grad_reduce_in_bf16,
+        gradient_accumulation_fusion=z.gradient_accumulation_fusion,
         dropout=job.gpt.hidden_dropout > 0 or job.gpt.attention_dropout > 0)
     cluster = Cluster(num_gpus=job.world_size, gpus_per_node=job.tp, reserved_bytes=0)
     c = evaluate(job.gpt, cluster, training, job.tp, z.stage, activation)
