@@ -65,6 +65,8 @@ class GradReducer:
         overlap: reduce during backward (True) or after it.
         on_unit_ready: called with a unit index once all its gradients have accumulated in
             this backward (stage 3 releases the unit's gathered parameters there).
+        grad_dtype: the dtype gradients accumulate and travel in (fp32, or bf16).
+        fusion: gradient-accumulation fusion (see the module docstring).
     """
 
     timer = NULL_TIMER
