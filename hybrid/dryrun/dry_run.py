@@ -369,6 +369,7 @@ def _build_and_step(job, grid, t0: float, clock: PhaseClock) -> dict:
                     async_save_snapshot=snapshot)
     return dict(tp=grid.tp_size, dp=grid.dp_size, tp_rank=grid.tp_rank,
                 dp_rank=grid.dp_rank, stage=engine.stage, precision=engine.config.precision,
+                grad_dtype="bf16" if engine.config.grad_reduce_in_bf16 else "fp32",
                 local_params=engine.layout.numel, optimizer_steps=engine.optimizer_steps,
                 largest_param=max(sl.numel for sl in engine.layout.slots), measured=measured,
                 bound=start + 4 * max(u.padded for u in engine.layout.units),
