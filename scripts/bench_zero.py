@@ -26,7 +26,8 @@ the whole spread clears it (``scripts/bench_zero_targets.py``).
 ``--configs 'z1 z3 z2_tp2'`` picks ours by name; ``--fusion 'on off'`` runs each with
 gradient-accumulation fusion and without (``*_nofusion``: the path before issue 33) in the same
 rounds; ``--model llama`` runs ours on the same sizes in the Llama shape (no peer has it);
-``--overlap-param-gather`` turns that on for ours.
+``--overlap-param-gather`` turns that on for ours, ``--kernel-fusion on|off`` sets ours' fused
+elementwise kernels (run the two in turn for their ratio).
 
 Writes ``throughput_<size>_w<world>.md`` (the tables and the verdicts) and ``..._ratios.png``
 under ``--out`` (default runs/bench).
@@ -79,6 +80,7 @@ def worker(stage: int, tp: int, floor: bool, profile: bool, fusion: bool = True)
 
     from hybrid.config import PretrainConfig
     from hybrid.parallel.grid import ProcessGrid
+    from hybrid.parallel.kernels import FusionConfig
     from hybrid.parallelize import parallelize
     from hybrid.zero.config import OptimizerConfig, ZeroConfig
     from hybrid.zero.profile import NULL_TIMER, PhaseTimer
@@ -93,7 +95,9 @@ def worker(stage: int, tp: int, floor: bool, profile: bool, fusion: bool = True)
     model = GPT(_model_config(c, os.environ.get("HYBRID_MODEL", "gpt")))
     grad_reduce = os.environ.get("HYBRID_GRAD_REDUCE", "reduce_scatter")
     bucket = int(os.environ.get("HYBRID_REDUCE_BUCKET", "50000000"))
+    kernels = FusionConfig(kernel_fusion=os.environ.get("HYBRID_KERNEL_FUSION", "auto"))
     engine = parallelize(model, grid, PretrainConfig(
+        fusion=kernels,
         zero=ZeroConfig(stage=stage, precision="fp32", grad_reduce=grad_reduce,
                         reduce_bucket_size=bucket, gradient_accumulation_fusion=fusion,
                         overlap_param_gather=stage > 0
@@ -201,6 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default="gpt", choices=["gpt", "llama"],
                     help="ours on the peers' GPT or on the same sizes in the Llama shape "
                          "(no peer runs that: the peers are skipped)")
+    ap.add_argument("--kernel-fusion", default="auto", choices=["auto", "on", "off"],
+                    help="ours with this --kernel-fusion (fused elementwise kernels; auto: "
+                         "CUDA only, so eager here)")
     ap.add_argument("--overlap-param-gather", action="store_true",
                     help="ours (stages 1-3) with ZeroConfig.overlap_param_gather")
     ap.add_argument("--worker", nargs=2, type=int, metavar=("STAGE", "TP"), help=argparse.SUPPRESS)
@@ -293,7 +300,8 @@ def main() -> None:
                GLOO_SOCKET_IFNAME="lo", PEER_TP="2", HYBRID_GRAD_REDUCE=args.grad_reduce,
                HYBRID_NATIVE_COLLECTIVES=str(int(args.native_collectives)),
                HYBRID_REDUCE_BUCKET=str(args.reduce_bucket_size), HYBRID_MODEL=args.model,
-               HYBRID_OVERLAP_PARAM_GATHER=str(int(args.overlap_param_gather)))
+               HYBRID_OVERLAP_PARAM_GATHER=str(int(args.overlap_param_gather)),
+               HYBRID_KERNEL_FUSION=args.kernel_fusion)
     logdir = Path(args.logdir) / args.size
     logdir.mkdir(parents=True, exist_ok=True)
     runs = _runs(args)
