@@ -37,3 +37,44 @@ def gpt2_bpe_vocab_size(vocab_file: str, merge_file: str) -> int:
         raise ValueError(f"--vocab-file {vocab_file}: expected a JSON object of token -> id "
                          f"({len(vocab)} entries, {size} distinct ids)")
     return size
+
+
+class GPT2BPETokenizer:
+    """Megatron-LM's ``--tokenizer-type GPT2BPETokenizer`` for ``data.preprocess``: transformers'
+    ``GPT2TokenizerFast`` on the ``--vocab-file`` / ``--merge-file`` pair, whose ids of a text
+    are what Megatron-LM's ``tools/preprocess_data.py`` writes (its tokenizer is that class,
+    called on the text; GPT-2 adds no BOS or EOS); the end-of-document id is ``<|endoftext|>``.
+
+    ``model_path`` is ``(vocab_file, merge_file)``, so that worker processes can load it again.
+
+    Raises:
+        ValueError: see :func:`gpt2_bpe_vocab_size`, or a vocabulary without ``<|endoftext|>``.
+    """
+
+    kind = "GPT2BPETokenizer"
+
+    def __init__(self, model_path: tuple[str, str]):
+        from transformers import GPT2TokenizerFast
+
+        vocab_file, merge_file = model_path
+        self.vocab_size = gpt2_bpe_vocab_size(vocab_file, merge_file)
+        self.model_path = (str(vocab_file), str(merge_file))
+        self._tok = GPT2TokenizerFast(vocab_file=str(vocab_file), merges_file=str(merge_file))
+        vocab = self._tok.get_vocab()
+        if "<|endoftext|>" not in vocab:
+            raise ValueError(f"--vocab-file {vocab_file} has no <|endoftext|>, the "
+                             "end-of-document token of GPT2BPETokenizer")
+        self._eod = vocab["<|endoftext|>"]
+        self.bos, self.adds_bos = -1, False
+
+    @property
+    def eod(self) -> int:
+        """End-of-document id: ``<|endoftext|>``."""
+        return self._eod
+
+    def encode(self, texts: list[str], num_threads: int = 1) -> list[list[int]]:
+        """Token ids of each text, ``GPT2TokenizerFast(text).input_ids`` (one call per batch)."""
+        return list(self._tok(list(texts), add_special_tokens=True)["input_ids"]) if texts else []
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids)

@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import uuid
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -111,8 +112,12 @@ def load_or_build(
     Returns:
         ``{name: array}``, memory-mapped read-only from the cache files.
 
+    A cache file that exists but cannot be read (truncated by a copy or a full disk) is named
+    in a ``RuntimeWarning`` and rebuilt.
+
     Raises:
-        OSError: the cache directory cannot be created or written (pass another one).
+        OSError: the cache directory cannot be created or written (pass another one); an
+            unreadable cache file that cannot be rebuilt there (named).
         MissingIndexError: a miss in a read-only directory of :func:`probing`.
     """
     base = Path(cache_dir)
@@ -122,13 +127,42 @@ def load_or_build(
         if os.path.abspath(base) in _PROBES[-1]:
             raise MissingIndexError(next(p for p in paths.values() if not p.is_file()))
         return build()
-    if not all(p.is_file() for p in paths.values()):
+    if all(p.is_file() for p in paths.values()):
+        loaded = _read(paths)
+        if isinstance(loaded, dict):
+            return loaded
+        bad, why = loaded
+        warnings.warn(f"index cache file {bad} is unreadable ({why}; a copy or a write cut "
+                      "short?): rebuilding it", RuntimeWarning, stacklevel=2)
+        try:
+            _write(base, stem, paths, description, build())
+        except OSError as e:
+            raise OSError(f"index cache file {bad} is unreadable ({why}) and cannot be rebuilt "
+                          f"there ({e}): delete it, or pass another --data-cache-path") from e
+    else:
         base.mkdir(parents=True, exist_ok=True)
-        arrays = build()
-        for n, p in paths.items():
-            _atomic_write(
-                p, lambda f, a=arrays[n]: np.save(f, np.ascontiguousarray(a), allow_pickle=False)
-            )
-        text = json.dumps(description, sort_keys=True, indent=1).encode()
-        _atomic_write(base / f"{stem}-description.json", lambda f: f.write(text))
+        _write(base, stem, paths, description, build())
     return {n: np.load(p, mmap_mode="r", allow_pickle=False) for n, p in paths.items()}
+
+
+def _read(paths: dict[str, Path]) -> dict[str, np.ndarray] | tuple[Path, str]:
+    """``{name: array}`` memory-mapped from ``paths``; ``(file, why)`` for the first file that
+    cannot be read as an array (truncated, not an ``.npy``)."""
+    out = {}
+    for n, p in paths.items():
+        try:
+            out[n] = np.load(p, mmap_mode="r", allow_pickle=False)
+        except (ValueError, OSError, EOFError) as e:
+            return p, f"{type(e).__name__}: {e}"
+    return out
+
+
+def _write(base: Path, stem: str, paths: dict[str, Path], description: dict,
+           arrays: dict[str, np.ndarray]) -> None:
+    """Save ``arrays`` under ``paths`` and the description beside them, each atomically."""
+    for n, p in paths.items():
+        _atomic_write(
+            p, lambda f, a=arrays[n]: np.save(f, np.ascontiguousarray(a), allow_pickle=False)
+        )
+    text = json.dumps(description, sort_keys=True, indent=1).encode()
+    _atomic_write(base / f"{stem}-description.json", lambda f: f.write(text))

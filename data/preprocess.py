@@ -268,6 +268,24 @@ def _write_column(col, writer: IndexedDatasetWriter, ks: KeyStats) -> None:
     ks.tokens += int(values.size)
 
 
+def _tokenizer_source(p: argparse.ArgumentParser, a: argparse.Namespace):
+    """``--tokenizer-model``, or ``(--vocab-file, --merge-file)`` for GPT2BPETokenizer (given
+    with the pair, or implied by it); exits with a one-line error for a missing or mixed one."""
+    bpe = (a.vocab_file, a.merge_file)
+    if a.tokenizer_type == "GPT2BPETokenizer" or any(bpe):
+        if a.tokenizer_type not in (None, "GPT2BPETokenizer") or a.tokenizer_model:
+            p.error("--vocab-file/--merge-file are GPT2BPETokenizer's; give them or "
+                    "--tokenizer-model, not both")
+        if not all(bpe):
+            p.error("--tokenizer-type GPT2BPETokenizer needs both --vocab-file and --merge-file")
+        a.tokenizer_type = "GPT2BPETokenizer"
+        return bpe
+    if not a.tokenizer_model:
+        p.error("give --tokenizer-model (sentencepiece or Hugging Face), or "
+                "--tokenizer-type GPT2BPETokenizer --vocab-file V --merge-file M")
+    return a.tokenizer_model
+
+
 def main(argv: list[str] | None = None) -> None:
     # a user's warning is a line of its own, not a source file and line of this module
     warnings.formatwarning = lambda msg, cat, *_, **__: f"{cat.__name__}: {msg}\n"
@@ -277,12 +295,15 @@ def main(argv: list[str] | None = None) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_input_args(p, "text column(s), one output each")
-    p.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES + SENTENCEPIECE_ALIASES,
+    p.add_argument("--tokenizer-type",
+                   choices=TOKENIZER_TYPES + SENTENCEPIECE_ALIASES + ("GPT2BPETokenizer",),
                    help="default: HuggingFaceTokenizer for a directory or .json file, else "
-                        "SentencePieceTokenizer")
-    p.add_argument("--tokenizer-model", required=True,
+                        "SentencePieceTokenizer; GPT2BPETokenizer with --vocab-file/--merge-file")
+    p.add_argument("--tokenizer-model",
                    help="sentencepiece .model file, or a Hugging Face tokenizer directory "
                         "(tokenizer.json + tokenizer_config.json)")
+    p.add_argument("--vocab-file", help="GPT2BPETokenizer's vocab.json (Megatron-LM's flag)")
+    p.add_argument("--merge-file", help="GPT2BPETokenizer's merges.txt (Megatron-LM's flag)")
     p.add_argument("--output-prefix", required=True, help="writes <prefix>_<key>_document.bin/.idx")
     p.add_argument("--workers", type=int, default=1, help="tokenizer processes")
     p.add_argument("--append-eod", action="store_true", help="end each document with the eod id")
@@ -290,12 +311,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cache-dir", default=None, help="datasets cache directory")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     a = p.parse_args(argv)
+    model = _tokenizer_source(p, a)
     datasets.disable_progress_bars()  # ours reports documents and tokens per second instead
     try:
         s = preprocess(
             a.input,
             a.output_prefix,
-            a.tokenizer_model,
+            model,
             a.json_keys,
             a.workers,
             a.append_eod,

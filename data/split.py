@@ -3,7 +3,8 @@
 ``"949,50,1"`` means train/valid/test get 949, 50 and 1 parts of the documents, in order
 (contiguous ranges: the split is by document, before any shuffling). Megatron-LM pulls the
 numbers out with a regex and so accepts ``"-1,1,0"`` or ``"90,abc5,5"``; here every field
-must be a plain non-negative number.
+must be a plain non-negative number. Quotes around the string are dropped, as Megatron-LM's regex
+drops them: a script's ``SPLIT="'99,1,0'"`` expanded unquoted passes the quotes literally.
 """
 
 from __future__ import annotations
@@ -13,6 +14,11 @@ import re
 
 _NUMBER = re.compile(r"\d+(\.\d*)?|\.\d+")
 SPLIT_NAMES = ("train", "valid", "test")
+
+
+def unquote_split(split: str) -> str:
+    """``split`` without the quotes around it (``"'99,1,0'"`` -> ``"99,1,0"``)."""
+    return split.strip().strip("'\"").strip()
 
 
 def parse_split(split: str) -> tuple[float, float, float]:
@@ -25,7 +31,7 @@ def parse_split(split: str) -> tuple[float, float, float]:
         ValueError: an empty or non-numeric field, a negative or non-finite one, more than three
             fields, or all zero; the message quotes the string.
     """
-    fields = [f.strip() for f in split.split(",")]
+    fields = [f.strip() for f in unquote_split(split).split(",")]
     if not 1 <= len(fields) <= 3:
         raise ValueError(
             f"--split {split!r}: expected 1 to 3 comma-separated numbers, got {len(fields)}"

@@ -35,13 +35,19 @@ def infer_tokenizer_type(model_path: str | os.PathLike) -> str:
 
 def load_tokenizer(model_path: str | os.PathLike, tokenizer_type: str | None = None):
     """The tokenizer of ``--tokenizer-model`` (``--tokenizer-type``; None: inferred by
-    :func:`infer_tokenizer_type`): :class:`Tokenizer` or :class:`data.hf_tokenizer.HFTokenizer`,
+    :func:`infer_tokenizer_type`): :class:`Tokenizer`, :class:`data.hf_tokenizer.HFTokenizer` or,
+    for ``GPT2BPETokenizer`` with ``model_path = (vocab file, merge file)``,
+    :class:`data.gpt2_bpe.GPT2BPETokenizer`,
     which share ``encode``, ``decode``, ``eod``, ``bos``, ``adds_bos`` and ``vocab_size``.
 
     Raises:
         ValueError: an unknown type (the valid ones named) or an unreadable model.
         FileNotFoundError: the file or directory is missing.
     """
+    if tokenizer_type == "GPT2BPETokenizer":  # model_path: (vocab file, merge file)
+        from data.gpt2_bpe import GPT2BPETokenizer
+
+        return GPT2BPETokenizer(model_path)
     kind = tokenizer_type or infer_tokenizer_type(model_path)
     if kind in SENTENCEPIECE_ALIASES:
         kind = "SentencePieceTokenizer"

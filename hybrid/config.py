@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from hybrid.activation.config import ActivationConfig
 from hybrid.config_fields import ConfigError, arg, check_choice, check_int, check_number, fail
 from hybrid.devices import device_memory_gib
+from hybrid.logging_config import LoggingConfig
 from hybrid.parallel import sequence
 from hybrid.parallel.kernels import FusionConfig
 from hybrid.schedule import DECAY_STYLES, WD_INCR_STYLES, WSD_DECAY_STYLES
@@ -81,6 +82,8 @@ class ModelConfig:
                                           "--disable-bias-linear")
     qk_layernorm: bool | None = arg(None, "normalise q and k per head (the model's norm kind) "
                                           "before RoPE")
+    apply_layernorm_1p: bool | None = arg(None, "zero-centred norm weights: every norm scales by "
+                                                "1 + w, w initialised to 0 (Megatron-LM's)")
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
@@ -173,6 +176,13 @@ class TrainingConfig:
     train_samples: int | None = arg(None, "samples to train on, instead of --train-iters "
                                           "(sample-based training, Megatron-LM's)")
     min_lr: float = arg(0.0, "learning rate at the end of the decay")
+    decoupled_min_lr: float | None = arg(
+        None, "learning rate of the embedding and output layer at the end of the decay (with "
+              "--decoupled-lr; default --min-lr)")
+    calculate_per_token_loss: bool = arg(
+        False, "weigh every unmasked token of the global batch alike: each micro-batch's loss "
+               "sum over the global batch's token count (default: the mean of micro-batch "
+               "means, Megatron-LM's)")
     lr_decay_style: str = arg("linear", "learning-rate decay after warmup (Megatron-LM's styles)",
                               choices=DECAY_STYLES)
     lr_warmup_iters: int = arg(0, "linear warmup steps (from --lr-warmup-init to --lr)")
@@ -208,6 +218,7 @@ class TrainingConfig:
         check_int(self, "train_iters", 1, optional=True)
         check_int(self, "train_samples", 1, optional=True)
         check_number(self, "min_lr", 0.0)
+        check_number(self, "decoupled_min_lr", 0.0, optional=True)
         check_choice(self, "lr_decay_style", DECAY_STYLES)
         check_int(self, "lr_warmup_iters", 0)
         f = self.lr_warmup_fraction
@@ -244,7 +255,13 @@ class DataConfig:
     vocab_file: str | None = arg(None, "GPT-2 BPE vocab.json (with --merge-file; data "
                                        "preprocessed with Megatron-LM's GPT2BPETokenizer)")
     merge_file: str | None = arg(None, "GPT-2 BPE merges.txt (with --vocab-file)")
-    mock_data: bool = arg(False, "synthetic random tokens instead of --data-path")
+    mock_data: bool = arg(False, "Megatron-LM's mock dataset (documents 1, 2, 3, ..., eod) instead "
+                                 "of --data-path")
+    reset_position_ids: bool = arg(False, "positions restart at 0 after each end-of-document "
+                                          "token (models.documents)")
+    reset_attention_mask: bool = arg(False, "attention stays within each document of a sample "
+                                            "(block-causal)")
+    eod_mask_loss: bool = arg(False, "no loss where the input is the end-of-document token")
     data_cache_path: str | None = arg(None,
                                       "where sample indices are cached (default: beside the data)")
     seed: int = arg(1234, "random seed for init, dropout and data shuffling")
@@ -252,7 +269,11 @@ class DataConfig:
         0.005, "extra fraction of samples built per dataset of a weighted --data-path blend")
 
     def __post_init__(self) -> None:
+        from data.split import unquote_split
+
         check_number(self, "mid_level_dataset_surplus", 0.0)
+        if isinstance(self.split, str):  # one spelling in messages, checkpoints, resume checks
+            self.split = unquote_split(self.split)
 
 
 @dataclass
@@ -266,34 +287,6 @@ class EvalConfig:
     def __post_init__(self) -> None:
         check_int(self, "eval_interval", 1, optional=True)
         check_int(self, "eval_iters", 0)
-
-
-@dataclass
-class LoggingConfig:
-    """Metrics and tracking."""
-
-    log_interval: int = arg(100, "steps between log lines / metrics records")
-    metrics_file: str | None = arg(None,
-                                   "JSONL file with one record per logged step and evaluation")
-    tensorboard_dir: str | None = arg(None, "write the metrics as TensorBoard events here "
-                                             "(global rank 0)")
-    wandb_project: str | None = arg(None, "wandb project (wandb is off when unset)")
-    wandb_exp_name: str | None = arg(None, "wandb run name")
-    wandb_save_dir: str | None = arg(None, "directory for wandb files (default: ./wandb)")
-    wandb_entity: str | None = arg(None, "wandb entity (user or team) of the project (default: "
-                                         "your user's); checked before training when online")
-    profile_phases: bool = arg(False, "time each step's phases (forward, backward, grad comm, "
-                               "optimizer, ...; hybrid.zero.profile) and log them as "
-                               "phase_<name>_ms per step")
-
-    def __post_init__(self) -> None:
-        from hybrid.wandb_names import check_names
-
-        check_int(self, "log_interval", 1)
-        check_names(self.wandb_project, self.wandb_entity)
-    wandb_init_timeout: float = arg(30.0, "seconds wandb may take to reach its server before the "
-                                          "run logs offline instead (upload later with `wandb "
-                                          "sync`)")
 
 
 @dataclass

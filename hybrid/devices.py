@@ -47,11 +47,35 @@ DEVICE_PRESETS: dict[str, DevicePreset] = {
     )
 }
 DEFAULT_DEVICE = "A100-80GB"
+SPELLINGS: dict[str, str] = {
+    "V100-32GB": "V100-SXM2-32GB V100-32GB-SXM2 V100-SXM2",
+    "A100-40GB": "A100-SXM4-40GB A100-40GB-SXM4 A100-SXM-40GB",
+    "A100-80GB": "A100-SXM4-80GB A100-80GB-SXM4 A100-SXM-80GB",
+    "H100": "H100-80GB H100-SXM H100-SXM5 H100-SXM-80GB H100-SXM5-80GB H100-80GB-HBM3",
+    "H200": "H200-141GB H200-SXM H200-SXM-141GB H200-141GB-HBM3E",
+}
+"""The one table of the other names each preset goes by (datasheets, cloud catalogues, and
+``nvidia-smi`` / ``torch.cuda.get_device_name``, whose ``NVIDIA`` / ``Tesla`` prefix is
+dropped): matched case-insensitively, spaces and underscores read as ``-``. A bare ``A100`` or
+``V100`` names two memory sizes and stays refused; PCIe cards (another peak) are no preset."""
+
+
+def _key(name: str) -> str:
+    """``"NVIDIA H100 80GB HBM3"`` -> ``"h100-80gb-hbm3"``."""
+    words = name.lower().replace("_", " ").replace("-", " ").split()
+    if words and words[0] in ("nvidia", "tesla"):
+        words = words[1:]
+    return "-".join(words)
 
 
 def device_preset(name: str) -> DevicePreset | None:
-    """The preset called ``name`` (case-insensitive), or None."""
-    return DEVICE_PRESETS.get(name.lower())
+    """The preset called ``name`` or one of its :data:`SPELLINGS` (case-insensitive), or
+    None."""
+    key = _key(name)
+    for preset, others in SPELLINGS.items():
+        if key in (_key(n) for n in others.split()):
+            key = preset.lower()
+    return DEVICE_PRESETS.get(key)
 
 
 def preset_names() -> str:
@@ -78,7 +102,8 @@ def device_memory_gib(device: str | None, memory_gib: float | None,
         preset = device_preset(device or DEFAULT_DEVICE)
         if preset is None:
             raise ValueError(f"--device {device!r} is no preset ({preset_names()}); give "
-                             "--gpu-memory-gib")
+                             "--gpu-memory-gib (the presets' usual spellings are accepted too: "
+                             "H100-80GB, H100-SXM5, A100-SXM4-80GB, ...)")
         memory_gib = preset.memory_gib
     if reserved_gib >= memory_gib:
         raise ValueError(f"--reserved-gib {reserved_gib:g} leaves nothing of the GPU's "

@@ -77,6 +77,7 @@ def format_train_line(r: dict, train_iters: int) -> str:
         parts.append(f"ETA: {format_eta(r['eta_s'])}{more}")
     parts += [
         f"learning rate: {r['lr']:.6E}",
+        *([f"decoupled learning rate: {r['decoupled_lr']:.6E}"] if "decoupled_lr" in r else []),
         f"global batch size: {r['global_batch_size']:5d}",
         f"lm loss: {r['lm_loss']:.6E}",
         f"loss scale: {r['loss_scale']:.1f}",
@@ -121,6 +122,7 @@ class MetricsWriter:
         self.active = rank == 0
         self.print = print_fn
         self._file = None
+        self._created: Path | None = None  # the metrics file, when this writer created it
         self._start: dict | None = None  # written before this launch's first record
         self._wandb = None
         self.config_file: Path | None = None
@@ -130,6 +132,7 @@ class MetricsWriter:
             Path(metrics_file).parent.mkdir(parents=True, exist_ok=True)
             # a record cut short by a crash stays its own line
             torn = _ends_without_newline(metrics_file)
+            self._created = None if os.path.exists(metrics_file) else Path(metrics_file)
             self._file = open(metrics_file, "a", buffering=1)
             if torn:
                 self._file.write("\n")
@@ -176,9 +179,13 @@ class MetricsWriter:
                 self._wandb = None
 
     def close(self) -> None:
+        """Close the file (removed when this writer created it and the run ended before its
+        first record: a stop before the first log line leaves no empty file) and wandb."""
         if self._file:
             self._file.close()
             self._file = None
+            if self._created is not None and self._start is not None:
+                self._created.unlink(missing_ok=True)
         if self._wandb is not None:
             try:
                 self._wandb.finish()

@@ -17,13 +17,13 @@ from dataclasses import replace
 from hybrid.config import ModelConfig
 from hybrid.config_fields import ConfigError
 from models.config import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, GPTConfig, invalid_query_groups
-from models.presets import get_preset
+from models.presets import get_preset, training_defaults
 
 ROPE_FLAGS = ("rotary_base", "rotary_percent", "rotary_interleaved", "use_rope_scaling",
               "rope_scaling_factor")
 ARCHITECTURE_FLAGS = ("position_embedding_type", *ROPE_FLAGS, "normalization", "swiglu",
                       "kv_channels", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
-                      "untie_embeddings_and_output_weights")
+                      "untie_embeddings_and_output_weights", "apply_layernorm_1p")
 
 
 def _flag(name: str) -> str:
@@ -133,7 +133,9 @@ def add_model_args(g) -> None:
     g.add_argument("--num-attention-heads", type=int, help="tp must divide it")
     g.add_argument("--ffn-hidden-size", type=int, help="default 4 * hidden")
     g.add_argument("--vocab-size", type=int, default=None, help="default 50257 (GPT-2)")
-    g.add_argument("--seq-length", type=int, default=1024, help="tokens per sample s")
+    g.add_argument("--seq-length", type=int,
+                   help="tokens per sample s (default: 1024); with --model, the preset's own "
+                   "(GPT-3's 2048, Llama 3's 8192: models.presets.training_defaults)")
     g.add_argument("--max-position-embeddings", type=int, help="default --seq-length")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                    help="a separate output matrix (V x h more parameters)")
@@ -149,9 +151,33 @@ def add_model_args(g) -> None:
     g.add_argument("--disable-bias-linear", action="store_true", help="no linear biases")
     g.add_argument("--add-qkv-bias", action="store_true", default=None, help="QKV bias only")
     g.add_argument("--qk-layernorm", action="store_true", default=None, help="q/k norms")
-    g.add_argument("--hidden-dropout", type=_finite, default=0.1,
-                   help="0 with --attention-dropout 0: no masks, SDPA attention")
-    g.add_argument("--attention-dropout", type=_finite, default=0.1, help="see --hidden-dropout")
+    g.add_argument("--hidden-dropout", type=_finite,
+                   help="0 with --attention-dropout 0: no masks, SDPA attention (default: 0.1, "
+                   "Megatron-LM's; a Llama --model preset's own 0)")
+    g.add_argument("--attention-dropout", type=_finite,
+                   help="see --hidden-dropout (default: 0.1; a Llama preset's 0)")
+
+
+MEGATRON_DEFAULTS = {"seq_length": 1024, "hidden_dropout": 0.1, "attention_dropout": 0.1}
+"""``hybrid.plan``'s defaults for the training settings a preset may carry (Megatron-LM's)."""
+
+
+def apply_preset_defaults(args: argparse.Namespace) -> dict:
+    """Fill ``hybrid.plan``'s ``--seq-length``, ``--hidden-dropout`` and ``--attention-dropout``
+    left unset: the ``--model`` preset's own (:func:`models.presets.training_defaults`) where it
+    has them, else :data:`MEGATRON_DEFAULTS`. Returns ``{flag: value}`` of those taken from the
+    preset, for the planner's header (an unknown preset takes none; resolve_model names it)."""
+    try:
+        own = training_defaults(args.model) if args.model else {}
+    except KeyError:
+        own = {}
+    taken = {}
+    for name, default in MEGATRON_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, own.get(name, default))
+            if name in own:
+                taken[_flag(name)] = own[name]
+    return taken
 
 
 def model_from_args(args: argparse.Namespace, required: bool) -> GPTConfig | None:

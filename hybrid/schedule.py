@@ -134,10 +134,17 @@ class WeightDecaySchedule:
 
 @dataclass(frozen=True)
 class ParamSchedule:
-    """The learning rate and weight decay of each step: ``schedule(n) -> (lr, weight_decay)``."""
+    """The learning rate and weight decay of each step: ``schedule(n) -> (lr, weight_decay)``;
+    ``decoupled_lr(n)``: that of the embedding and output layer (Megatron-LM's
+    ``--decoupled-lr``: the same warmup and decay between its own peak and minimum), None
+    without one."""
 
     lr: LRSchedule
     weight_decay: WeightDecaySchedule
+    decoupled: LRSchedule | None = None
+
+    def decoupled_lr(self, n: float) -> float | None:
+        return None if self.decoupled is None else self.decoupled(n)
 
     def __call__(self, n: float) -> tuple[float, float]:
         return self.lr(n), self.weight_decay(n)

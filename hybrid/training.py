@@ -10,7 +10,6 @@ data-parallel mean (identical on every rank).
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -20,8 +19,10 @@ import torch
 import torch.distributed as dist
 
 from hybrid.metrics import MetricsWriter, interval_memory
-from hybrid.zero.grad_norm import host_values
+from hybrid.train_step import StepResult, _dp_mean, per_label_losses, train_step, unpack
 from hybrid.zero.profile import NULL_TIMER
+
+__all__ = ["StepResult", "train_step"]  # hybrid.training.train_step, as before the move
 
 if TYPE_CHECKING:
     from hybrid.parallel.grid import ProcessGrid
@@ -75,46 +76,6 @@ class TrainState:
             setattr(self, k, int(counters[k]))
 
 
-@dataclass(frozen=True)
-class StepResult:
-    loss: float
-    grad_norm: float
-    loss_scale: float
-    skipped: bool
-    nan_loss: bool
-
-
-def _dp_mean(values: torch.Tensor, group, dp: int) -> torch.Tensor:
-    if dp > 1:
-        dist.all_reduce(values, group=group)
-    return values / dp
-
-
-def train_step(engine: ZeroEngine, micro_batches: list[torch.Tensor], lr: float,
-               grid: ProcessGrid, weight_decay: float | None = None) -> StepResult:
-    """One optimizer step over this rank's micro-batches ``[b, s+1]`` (int64 token ids), with
-    learning rate ``lr`` and the decayed parameters' ``weight_decay`` (None: unchanged).
-
-    The loss of each micro-batch (mean over its tokens) is divided by the number of
-    micro-batches before backward, so the gradient is that of the mean over the global batch.
-    A NaN/inf data-parallel mean loss discards the gradients instead of stepping.
-    """
-    n = len(micro_batches)
-    losses = torch.zeros(n, dtype=torch.float64, device=grid.device)  # no host sync per micro-batch
-    for i, tokens in enumerate(micro_batches):
-        tokens = tokens.to(grid.device, non_blocking=True)
-        with getattr(engine, "timer", NULL_TIMER).phase("forward"):
-            loss = engine.model(tokens[:, :-1], tokens[:, 1:]).mean()
-        engine.backward(loss / n, is_last_micro_batch=i == n - 1)
-        losses[i] = loss.detach()
-    mean = host_values(_dp_mean(losses.mean().reshape(1), grid.dp_group, grid.dp_size))[0]
-    if not math.isfinite(mean):
-        engine.zero_grad()
-        return StepResult(mean, float("nan"), engine.loss_scale, True, True)
-    info = engine.step(lr, weight_decay)
-    return StepResult(mean, info.grad_norm, info.loss_scale, info.skipped, False)
-
-
 @torch.no_grad()
 def evaluate(engine: ZeroEngine, batches: Iterator[torch.Tensor], num_micro_batches: int,
              grid: ProcessGrid, stop: Callable[[], bool] | None = None) -> float | None:
@@ -126,13 +87,19 @@ def evaluate(engine: ZeroEngine, batches: Iterator[torch.Tensor], num_micro_batc
     engine.eval()
     # accumulated on the device: a host copy per micro-batch would wait for its forward
     total = torch.zeros(1, dtype=torch.float64, device=grid.device)
-    count = 0
+    sums = torch.zeros(2, dtype=torch.float64, device=grid.device)  # masked sum, unmasked count
+    count, masked = 0, False
     for _ in range(num_micro_batches):
         try:
-            tokens = next(batches).to(grid.device)
+            tokens, mask, docs = unpack(next(batches), grid.device)
         except StopIteration:
             break
-        total += engine.model(tokens[:, :-1], tokens[:, 1:]).mean().double()
+        per_label = per_label_losses(engine.model, tokens, docs)
+        if mask is None:
+            total += per_label.mean().double()
+        else:
+            masked = True
+            sums += torch.stack([(per_label.float() * mask).sum(), mask.sum()]).double()
         count += 1
         if stop is not None and stop():
             engine.train()
@@ -140,6 +107,10 @@ def evaluate(engine: ZeroEngine, batches: Iterator[torch.Tensor], num_micro_batc
     engine.train()
     if count == 0:
         return float("nan")
+    if masked:  # Megatron-LM: the masked sum over the unmasked count, across dp
+        if grid.dp_size > 1:
+            dist.all_reduce(sums, group=grid.dp_group)
+        return (sums[0] / sums[1]).item()
     return _dp_mean(total / count, grid.dp_group, grid.dp_size).item()
 
 
@@ -189,6 +160,9 @@ class LoopSettings:
     batch_size: Callable[[int], int] | None = None
     """``batch_size(consumed samples)``: the global batch of the next iteration under a rampup
     (:class:`hybrid.batch_rampup.BatchRampup`); None: always ``global_batch_size``."""
+    per_token_loss: bool = False
+    """``--calculate-per-token-loss``: every unmasked token of the global batch weighs the same
+    (:func:`train_step`)."""
     final_evaluations: int = 0
     """Evaluations the job runs after the loop (``hybrid.pretrain``: valid and test), counted in
     the ETA."""
@@ -245,6 +219,11 @@ class Trainer:
     progress: Any = None
     state: TrainState = field(default_factory=TrainState)
     stop_now: Callable[[], bool] | None = None
+    profiler: Any = None
+    """``--profile``: a :class:`hybrid.torch_profile.IterationProfiler` told where each iteration
+    begins and ends (None: no trace)."""
+    last_decoupled_lr: float | None = None
+    """The embedding and output layer's learning rate of the last iteration (None: ``lr``)."""
     eval_s: float | None = None
     """Seconds the last evaluation in the loop took (the ETA's time per evaluation); None
     before the first."""
@@ -262,11 +241,17 @@ class Trainer:
         s, state = self.settings, self.state
         window = _LogWindow()
         while state.iteration < s.train_iters:
+            if self.profiler is not None:
+                self.profiler.begin(state.iteration + 1)
             lr, weight_decay = self.schedule(state.scheduler_samples)
             gbs = s.batch_size(state.consumed_samples) if s.batch_size else s.global_batch_size
             batches = [next(train_batches)
                        for _ in range(s.grad_accum_steps * gbs // s.global_batch_size)]
-            last = train_step(self.engine, batches, lr, self.grid, weight_decay)
+            decoupled = getattr(self.schedule, "decoupled_lr", lambda n: None)(
+                state.scheduler_samples)
+            last = train_step(self.engine, batches, lr, self.grid, weight_decay, decoupled,
+                              s.per_token_loss)
+            self.last_decoupled_lr = decoupled
             too_many_nan = self._count(last, window, gbs)
             timer = getattr(self.engine, "timer", NULL_TIMER)
             if timer.enabled:
@@ -288,6 +273,8 @@ class Trainer:
                 self.evaluate("valid")
                 self.eval_s = time.perf_counter() - paused
             stop = self.after_iteration is not None and self.after_iteration(state)
+            if self.profiler is not None:  # a profiled step spans the whole iteration
+                self.profiler.end_iteration(state.iteration)
             window.t0 += time.perf_counter() - paused
             if stop:
                 break
@@ -329,7 +316,9 @@ class Trainer:
         record = dict(
             iteration=state.iteration, consumed_samples=state.consumed_samples,
             lm_loss=window.mean_loss(),
-            lr=lr, global_batch_size=window.last_batch, grad_norm=last.grad_norm,
+            lr=lr, **({} if self.last_decoupled_lr is None
+                      else {"decoupled_lr": self.last_decoupled_lr}),
+            global_batch_size=window.last_batch, grad_norm=last.grad_norm,
             loss_scale=last.loss_scale, skipped_iterations=window.skipped,
             nan_iterations=window.nan, elapsed_ms=1000 * elapsed,
             **self._eta(elapsed),

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -25,15 +26,21 @@ import torch.nn.functional as F
 
 from models import fusion
 from models.config import GPTConfig
-from models.fused import LayerNorm, RMSNorm, swiglu
+from models.fused import LayerNorm, LayerNorm1P, RMSNorm, RMSNorm1P, swiglu
 from models.fusion import OFF, linear_skip_bias
 from models.rope import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from models.documents import DocumentContext, Documents
 
 
 def make_norm(config: GPTConfig, size: int) -> nn.Module:
     """:class:`models.fused.LayerNorm` (weight and bias) or :class:`models.fused.RMSNorm`
     (weight only; Zhang & Sennrich 2019, arXiv 1910.07467 Eq. 4) of width ``size``, per
     ``config.normalization``, with ``config.layernorm_epsilon``."""
+    if config.apply_layernorm_1p:  # zero-centred weights, Megatron-LM's --apply-layernorm-1p
+        kind = RMSNorm1P if config.normalization == "RMSNorm" else LayerNorm1P
+        return kind(size, eps=config.layernorm_epsilon)
     if config.normalization == "RMSNorm":
         return RMSNorm(size, eps=config.layernorm_epsilon)
     return LayerNorm(size, eps=config.layernorm_epsilon)
@@ -52,6 +59,36 @@ def dropout_rng_scope(dropout: nn.Module) -> contextlib.AbstractContextManager |
     if type(dropout) is nn.Dropout:
         return contextlib.nullcontext()
     return None
+
+
+def block_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents,
+                           p: float, scope, gqa: dict) -> torch.Tensor:
+    """Attention of each position to the earlier positions of its own document only.
+
+    q ``[b, heads, s, d]``, k, v ``[b, groups, s, d]`` -> ``[b, heads, s, d]``. On CUDA in 16-bit
+    without dropout: varlen flash attention over the documents of the flattened batch
+    (``torch.nn.attention.varlen``, causal per document; no mask at all). Otherwise SDPA with
+    the ``[b, 1, s, s]`` boolean mask of :meth:`models.documents.Documents.mask`, one per
+    sequence shared by the heads and layers: on CPU torch has no varlen or flash kernel with
+    a document structure (FlexAttention needs ``torch.compile`` and a CUDA/Triton backend), and
+    the mask costs ``b s^2`` bytes per forward, next to the ``b a s^2`` scores the CPU math
+    path keeps anyway.
+    """
+    varlen_attn = None
+    if q.is_cuda and p == 0 and q.dtype in (torch.float16, torch.bfloat16):
+        try:
+            from torch.nn.attention.varlen import varlen_attn
+        except ImportError:  # an older torch: the masked SDPA below
+            varlen_attn = None
+    if varlen_attn is not None:
+        b, heads, s, d = q.shape
+        cu, longest = docs.cu_seqlens()
+        flat = [t.transpose(1, 2).reshape(b * s, t.shape[1], d) for t in (q, k, v)]
+        out = varlen_attn(*flat, cu, cu, longest, longest, window_size=(-1, 0),
+                          enable_gqa=bool(gqa))
+        return out.view(b, s, heads, d).transpose(1, 2)
+    with scope:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=docs.mask(), dropout_p=p, **gqa)
 
 
 class Attention(nn.Module):
@@ -85,20 +122,26 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.fusion = OFF
         """:class:`models.fusion.KernelFusion`; ``rope`` runs RoPE compiled."""
+        self.documents: DocumentContext | None = None
+        """The model's :class:`models.documents.DocumentContext` (set by ``GPT``; a plain
+        attribute): packed documents' positions and block-causal attention."""
         self.kernel = "auto"
         """Attention kernel with dropout: ``"auto"``, ``"fused"`` or ``"explicit"`` (see
         :meth:`core`; :func:`set_attention_kernel` sets every layer's)."""
 
-    def _explicit(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # Probabilities as a tensor, for a dropout module that must see them (see core()).
+    def _explicit(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  allowed: torch.Tensor | None = None) -> torch.Tensor:
+        # Probabilities as a tensor, for a dropout module that must see them (see core());
+        # allowed: [b, 1, s, s] block-causal mask of packed documents (None: causal)
         b, heads, s, d = q.shape
         n = self.heads_per_group
         if n > 1:  # the n query heads of a group as n*s rows against its one K/V head: plain
             q = q.reshape(b, heads // n, n * s, d)  # batched matmuls, no repeated K/V copies
             v = v.contiguous()  # saved for backward: v alone, not the QKV output it views
         scores = ((q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)).view(b, heads, s, s)
-        causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~causal, float("-inf"))
+        if allowed is None:
+            allowed = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~allowed, float("-inf"))
         probs = self.attn_dropout(scores.softmax(dim=-1))
         if n > 1:
             return (probs.view(b, heads // n, n * s, s) @ v).view(b, heads, s, d)
@@ -126,19 +169,26 @@ class Attention(nn.Module):
         materialises the probabilities it must see. Without dropout (or in eval) every kernel
         is SDPA without dropout.
         """
+        docs = self.documents.current if self.documents is not None else None
+        positions = None if docs is None else docs.position_ids
         if self.rotary is not None and self.fusion.rope:
             cos, sin = self.rotary.tables(q.shape[-2], q.device, q.dtype)
+            if positions is not None:  # documents' restarting positions: [b, 1, s, r]
+                cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
             q, k = fusion.rope(q, k, cos, sin, self.rotary.interleaved)
         elif self.rotary is not None:
-            q, k = self.rotary(q, k)
+            q, k = self.rotary(q, k, positions)
+        blocks = docs if docs is not None and docs.document_ids is not None else None
         p = self.attn_dropout.p if self.training else 0.0
         scope = contextlib.nullcontext()
         if p > 0:
             fused = self.kernel == "fused" or self.kernel == "auto" and q.device.type != "cpu"
             scope = dropout_rng_scope(self.attn_dropout) if fused else None
             if scope is None:
-                return self._explicit(q, k, v)
+                return self._explicit(q, k, v, None if blocks is None else blocks.mask())
         gqa = {"enable_gqa": True} if self.heads_per_group > 1 else {}
+        if blocks is not None:
+            return block_causal_attention(q, k, v, blocks, p, scope, gqa)
         with scope:
             return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, **gqa)
 

@@ -98,6 +98,9 @@ class GPTConfig:
     """Bias on ``qkv`` even without ``add_bias_linear`` (``--add-qkv-bias``)."""
     qk_layernorm: bool = False
     """Normalise q and k per head before RoPE (``--qk-layernorm``)."""
+    apply_layernorm_1p: bool = False
+    """Zero-centred norm weights: each norm scales by ``1 + w``, ``w`` initialised to 0
+    (``--apply-layernorm-1p``; exported to Hugging Face as ``1 + w``)."""
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:

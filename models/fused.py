@@ -91,6 +91,36 @@ class LayerNorm(nn.LayerNorm):
         return super().forward(x)
 
 
+class RMSNorm1P(RMSNorm):
+    """:class:`RMSNorm` scaled by ``1 + weight``, the weight starting at 0 (Megatron-LM's
+    ``--apply-layernorm-1p``: zero-centred gamma, so weight decay pulls the scale towards 1)."""
+
+    def __init__(self, size: int, eps: float = 1e-5):
+        super().__init__(size, eps)
+        nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = self.weight + 1
+        if self.fusion.norm:
+            return fusion.rms_norm(x, scale, self.eps)
+        return rms_norm(x, scale, self.eps)
+
+
+class LayerNorm1P(LayerNorm):
+    """``nn.LayerNorm`` scaled by ``1 + weight``, the weight starting at 0
+    (``--apply-layernorm-1p``, as Megatron-LM's ``FusedLayerNorm`` with ``zero_centered_gamma``)."""
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.weight)
+        nn.init.zeros_(self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = self.weight + 1
+        if self.fusion.norm:
+            return fusion.layer_norm(x, scale, self.bias, self.eps)
+        return nn.functional.layer_norm(x, self.normalized_shape, scale, self.bias, self.eps)
+
+
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

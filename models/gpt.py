@@ -49,6 +49,7 @@ import torch.nn.functional as F
 
 from models.blocks import MLP, Attention, Block, make_norm
 from models.config import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, GPTConfig
+from models.documents import DocumentContext, Documents
 
 __all__ = ["GPT", "GPTConfig", "Attention", "Block", "MLP", "NORMALIZATIONS",
            "POSITION_EMBEDDING_TYPES", "init_parameter", "draws_normal", "parameter_generator"]
@@ -76,7 +77,8 @@ def init_parameter(name: str, tensor: torch.Tensor, config: GPTConfig,
     """
     std = config.init_method_std
     if not draws_normal(name):
-        tensor.zero_() if name.endswith("bias") else tensor.fill_(1.0)
+        one = 0.0 if config.apply_layernorm_1p else 1.0  # the norm scales by 1 + w
+        tensor.zero_() if name.endswith("bias") else tensor.fill_(one)
     else:
         if name.endswith(("attn.proj.weight", "mlp.fc2.weight")):
             std = std / math.sqrt(2.0 * config.num_layers)
@@ -130,6 +132,9 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(config.hidden_dropout)
         self.rotary = config.rotary()  # shared by every layer's attention (one table cache)
         self.layers = nn.ModuleList(Block(config, self.rotary) for _ in range(config.num_layers))
+        self.documents = DocumentContext()  # the micro-batch's documents, read by attention
+        for block in self.layers:
+            block.attn.documents = self.documents
         self.ln_f = make_norm(config, h)
         self.lm_head = None if config.tied else nn.Linear(h, config.vocab_size, bias=False)
         self.output_layer = OutputLayer()
@@ -153,8 +158,9 @@ class GPT(nn.Module):
         """The output layer's weight: ``wte.weight`` when tied, else ``lm_head.weight``."""
         return self.wte.weight if self.lm_head is None else self.lm_head.weight
 
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Token (+ learned position) embeddings with dropout: ``[b, s]`` ids -> ``[b, s, h]``.
+    def embed(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Token (+ learned position) embeddings with dropout: ``[b, s]`` ids -> ``[b, s, h]``;
+        ``positions`` ``[b, s]``: the documents' restarting positions (default ``0..s-1``).
 
         Raises:
             ValueError: ``s`` exceeds ``max_position_embeddings``.
@@ -167,13 +173,17 @@ class GPT(nn.Module):
             )
         if self.wpe is None:
             return self.drop(self.wte(tokens))
-        pos = torch.arange(s, device=tokens.device)
+        pos = torch.arange(s, device=tokens.device) if positions is None else positions
         return self.drop(self.wte(tokens) + self.wpe(pos))
 
     # door: hooked before/after by ZeRO-3 (the root unit's gather and free, hybrid.zero.stage3);
     # every parameter's post-accumulate-grad hook is ZeRO's gradient reduce (hybrid.zero.reduce)
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        x = self.embed(tokens)
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
+                documents: Documents | None = None) -> torch.Tensor:
+        """``documents``: packed documents' positions and block-causal attention
+        (:mod:`models.documents`); None: one causal sequence."""
+        self.documents.current = documents
+        x = self.embed(tokens, None if documents is None else documents.position_ids)
         for block in self.layers:
             x = block(x)
         logits = self.output_layer(self.ln_f(x), self.output_weight())

@@ -87,6 +87,27 @@ _LLAMA: dict[str, dict] = {
 }
 
 
+_LLAMA_SEQ = {"llama-125m": 2048, "llama2-7b": 4096, "llama3-8b": 8192, "llama3-70b": 8192,
+              "llama3.1-405b": 8192}
+"""Each Llama preset's pretraining sequence length (Llama 3.1 pretrained at 8192 and extended
+its context to 131072 only at the end, arXiv 2407.21783 §3.4)."""
+
+
+def training_defaults(name: str) -> dict:
+    """The training settings preset ``name`` was published with, where it has them:
+    ``seq_length`` (the GPT presets' context, the Llama presets' pretraining sequence) and, for
+    the Llama family (no dropout in its recipe), ``hidden_dropout`` and ``attention_dropout``
+    0. ``hybrid.plan --model`` takes them as its defaults.
+
+    Raises:
+        KeyError: ``name`` is not a preset.
+    """
+    key = name.lower()
+    if key in _LLAMA:
+        return dict(seq_length=_LLAMA_SEQ[key], hidden_dropout=0.0, attention_dropout=0.0)
+    return dict(seq_length=get_preset(key).max_position_embeddings)
+
+
 def list_presets() -> list[str]:
     """All preset names, smallest family first (GPTs, then the Llama family)."""
     return [*_SIZES, *_LLAMA]

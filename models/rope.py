@@ -118,8 +118,13 @@ class RotaryEmbedding:
             self._tables[key] = (freqs.cos().to(device, dtype), freqs.sin().to(device, dtype))
         return self._tables[key]
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE on ``q`` ``[b, heads, s, d]`` and ``k`` ``[b, groups, s, d]`` (local heads)."""
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE on ``q`` ``[b, heads, s, d]`` and ``k`` ``[b, groups, s, d]`` (local heads), at
+        positions ``0..s-1`` or ``positions`` ``[b, s]`` (each below ``s``: documents'
+        restarting positions, ``models.documents``)."""
         cos, sin = self.tables(q.shape[-2], q.device, q.dtype)
+        if positions is not None:  # [b, s, r] -> [b, 1, s, r], broadcast over the heads
+            cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
         return (apply_rotary(q, cos, sin, self.interleaved),
                 apply_rotary(k, cos, sin, self.interleaved))

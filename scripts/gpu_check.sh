@@ -8,8 +8,14 @@
 #   parity     CPU vs GPU training, 2,048 tokens per micro-batch, fp32 and bf16, ZeRO 0 and 3
 #   recompute  recompute / P_a / offload / arena: peak memory, same gradients with dropout 0.1
 #   syncs      host synchronisations per iteration of the real training loop
-#   pretrain   hybrid.pretrain --bf16 on a 1.5B-class shape (zero-1.5b): tokens/s, TFLOP/s, MFU
-#              and peak memory, beside the dry run's prediction of its memory
+#   pretrain   hybrid.pretrain --bf16 on a 1.5B-class shape (zero-1.5b), dropout 0: tokens/s,
+#              TFLOP/s, MFU and peak memory, beside the dry run's prediction of its memory (both
+#              take the same attention core, SDPA without dropout; the summary names each), and
+#              one iteration profiled: kernel time by class (GEMM, attention, elementwise,
+#              collectives, copies) and kernels per step (scripts/gpu_profile_run.py)
+#   llama      the same for --preset llama3-8b --num-layers 4 --seq-length 4096 --bf16, dropout 0
+#   bench      scripts/bench_gpu.py: ours (ZeRO-0 bf16) vs a plain torch loop of the same model
+#              (autocast + fused AdamW), the tokens/s ratio printed
 #   attention  fused attention (SDPA) vs the explicit softmax path (dropout on)
 #
 # Environment:
@@ -34,7 +40,7 @@ if [ -z "${PYTHON:-}" ]; then
     fi
 fi
 LOG_DIR=${LOG_DIR:-$ROOT/runs/gpu_check}
-STEPS=${GPU_CHECK_STEPS:-env tests parity recompute syncs pretrain attention}
+STEPS=${GPU_CHECK_STEPS:-env tests parity recompute syncs pretrain llama bench attention}
 export PYTHON LOG_DIR
 mkdir -p "$LOG_DIR"
 LOG=$LOG_DIR/gpu_check.log
@@ -53,6 +59,11 @@ if [ "$CPU" = 1 ]; then
     SHAPE=(--num-layers 2 --hidden-size 64 --num-attention-heads 4 --vocab-size 512
            --seq-length 64 --micro-batch-size 2 --global-batch-size 4 --train-iters 4
            --log-interval 2)
+    LLAMA=(--preset llama3-8b --num-layers 1 --hidden-size 64 --num-attention-heads 4
+           --num-query-groups 2 --vocab-size 512 --seq-length 64 --micro-batch-size 1
+           --global-batch-size 2 --train-iters 4 --log-interval 2)
+    PROFILE_AT=(2 2)  # the iteration profiled: pretrain, llama
+    BENCH=(--smoke --skip-activations)
     ATTN=(--cpu --attn-shape 2 4 128 16 --reps 2)
 else
     DEVICE=cuda
@@ -62,6 +73,10 @@ else
     SHAPE=(--preset zero-1.5b --vocab-size 50257 --seq-length 1024 --micro-batch-size 4
            --global-batch-size 16
            --train-iters 12 --log-interval 4)
+    LLAMA=(--preset llama3-8b --num-layers 4 --seq-length 4096 --vocab-size 128256
+           --micro-batch-size 1 --global-batch-size 2 --train-iters 6 --log-interval 3)
+    PROFILE_AT=(6 2)  # after the warm-up, outside the last log interval (whose MFU is printed)
+    BENCH=(--model zero-1.5b --micro-batch-size 4 --steps 4 --warmup 2 --skip-activations)
     ATTN=()
 fi
 
@@ -147,20 +162,30 @@ step_tests() {
     return "$rc"
 }
 
-step_pretrain() {
+# pretrain_like NAME PROFILE_ITERATION FLAGS...: the dry run's prediction, the real run through
+# torchrun with one iteration profiled, and the summary beside the prediction
+pretrain_like() {
+    local name=$1 at=$2
+    shift 2
     local common=(--mock-data --bf16 --lr 1e-4 --min-lr 1e-5 --eval-iters 0 --seed 1234
-                  --zero-stage 1 "${SHAPE[@]}" "$@")
+                  --zero-stage 1 --hidden-dropout 0 --attention-dropout 0 "$@")
     echo "--- dry run (fake tensors on CPU): the prediction"
     "$PYTHON" -m hybrid.pretrain "${common[@]}" --dry-run-world-size 1 \
-        | tee "$LOG_DIR/dry_run.txt" || return 1
-    echo "--- the real run"
-    rm -f "$LOG_DIR/pretrain.jsonl"
-    "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 1 -m hybrid.pretrain \
-        "${common[@]}" --metrics-file "$LOG_DIR/pretrain.jsonl" || return 1
-    "$PYTHON" scripts/gpu_check_steps.py pretrain-summary --metrics "$LOG_DIR/pretrain.jsonl" \
-        --dry-run-report "$LOG_DIR/dry_run.txt"
+        | tee "$LOG_DIR/${name}_dry_run.txt" || return 1
+    echo "--- the real run (iteration $at profiled)"
+    rm -f "$LOG_DIR/$name.jsonl"
+    "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 1 \
+        scripts/gpu_profile_run.py --check-profile-iteration "$at" \
+        --check-profile-json "$LOG_DIR/${name}_profile.json" \
+        "${common[@]}" --metrics-file "$LOG_DIR/$name.jsonl" || return 1
+    "$PYTHON" scripts/gpu_check_steps.py pretrain-summary --name "$name" \
+        --metrics "$LOG_DIR/$name.jsonl" --dry-run-report "$LOG_DIR/${name}_dry_run.txt" \
+        --profile-json "$LOG_DIR/${name}_profile.json" --device "$DEVICE" --attention-dropout 0
 }
 
+step_pretrain() { pretrain_like pretrain "${PROFILE_AT[0]}" "${SHAPE[@]}" "$@"; }
+step_llama() { pretrain_like llama "${PROFILE_AT[1]}" "${LLAMA[@]}"; }
+step_bench() { "$PYTHON" scripts/bench_gpu.py "${BENCH[@]}" --out "$LOG_DIR/bench"; }
 step_parity() { "$PYTHON" scripts/gpu_check_steps.py parity "${PARITY[@]}"; }
 step_recompute() { "$PYTHON" scripts/gpu_activation_memory.py "${ACT[@]}"; }
 step_syncs() { "$PYTHON" scripts/gpu_sync_count.py --device "$DEVICE"; }
@@ -176,13 +201,16 @@ fi
 : >"$LOG"
 exec > >(tee -a "$LOG") 2>&1
 echo "gpu_check: $(date -u +%FT%TZ), device $DEVICE, steps: $STEPS, log $LOG"
-wanted env && run env 30
-wanted tests && run tests 150
-wanted parity && run parity 90
-wanted recompute && run recompute 60
-wanted syncs && run syncs 60
-wanted pretrain && run pretrain 180 "$@"
-wanted attention && run attention 30
+# Limits sum to the 480 s budget: on a GPU each step should take well under its own.
+wanted env && run env 20
+wanted tests && run tests 90
+wanted parity && run parity 45
+wanted recompute && run recompute 40
+wanted syncs && run syncs 30
+wanted pretrain && run pretrain 110 "$@"
+wanted llama && run llama 90
+wanted bench && run bench 40
+wanted attention && run attention 15
 
 echo "=== summary ($DEVICE)"
 for r in "${RESULTS[@]}"; do

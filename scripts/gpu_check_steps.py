@@ -13,7 +13,9 @@ Subcommands (each prints its figures and exits non-zero when its check fails):
   gradients (bf16 on GPU), forward+backward time and peak memory of each.
 - ``pretrain-summary``: the last record of a ``hybrid.pretrain`` metrics file (tokens/s,
   TFLOP/s, MFU, peak allocated and reserved memory) beside the dry run's prediction read from
-  its report.
+  its report, and the attention core each took: the dry run's from its report, the run's from
+  its device and dropout (:func:`run_attention_core`, the rule of ``models.blocks.Attention``)
+  with the attention kernels its profile recorded; the step fails when they differ.
 """
 
 from __future__ import annotations
@@ -159,18 +161,20 @@ def attention(a: dict) -> bool:
     return ok
 
 
-def pretrain_summary(a: dict) -> bool:
-    """Print the last training record of ``a["metrics"]`` beside the dry run's predicted step
-    peak (``a["dry_run_report"]``); True when its loss is finite."""
-    with open(a["metrics"]) as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    train = [r for r in records if "tokens_per_sec" in r]
-    if not train:
-        print(f"pretrain summary: no training record in {a['metrics']}: FAIL")
-        return False
-    r = train[-1]
-    predicted, scale = "-", 1024.0  # the dry run reports GiB unless its header says MiB
-    with open(a["dry_run_report"]) as f:
+def run_attention_core(device: str, attention_dropout: float) -> str:
+    """The core ``models.blocks.Attention.core`` takes in training (kernel ``"auto"``), in the
+    dry run report's words."""
+    if attention_dropout == 0:
+        return "scaled_dot_product_attention without dropout"
+    if device == "cpu":
+        return "explicit softmax core with dropout"
+    return "fused scaled_dot_product_attention with dropout"
+
+
+def _read_prediction(path: str) -> tuple[str, str]:
+    """``(predicted peak, attention core measured)`` from a dry run's printed report."""
+    predicted, core, scale = "-", "-", 1024.0  # GiB unless its header says MiB
+    with open(path) as f:
         for line in f:
             m = re.match(r"total at the step peak\s+([\d.]+)\s+([\d.]+)", line.strip())
             # the header's unit: "memory in GiB (2^30 bytes)" (older reports: "measured GiB")
@@ -180,14 +184,41 @@ def pretrain_summary(a: dict) -> bool:
             if m:
                 predicted = (f"dry run {float(m.group(1)) * scale:.0f} MiB measured on fake "
                              f"tensors, planner {float(m.group(2)) * scale:.0f} MiB")
+            c = re.match(r"attention core measured: (.+)", line.strip())
+            if c:
+                core = c.group(1)
+    return predicted, core
+
+
+def pretrain_summary(a: dict) -> bool:
+    """Print the last training record of ``a["metrics"]`` beside the dry run's predicted step
+    peak (``a["dry_run_report"]``) and the attention core of each; True when its loss is finite
+    and both took the same core."""
+    with open(a["metrics"]) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    train = [r for r in records if "tokens_per_sec" in r]
+    if not train:
+        print(f"{a['name']} summary: no training record in {a['metrics']}: FAIL")
+        return False
+    r = train[-1]
+    predicted, dry_core = _read_prediction(a["dry_run_report"])
     mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
     memory = (f"peak allocated {r['memory_mb']:.0f} MiB, peak reserved "
               f"{r['memory_reserved_mb']:.0f} MiB" if "memory_reserved_mb" in r
               else f"peak RSS {r['memory_mb']:.0f} MiB (CPU)")
-    print(f"pretrain (last log interval, iteration {r['iteration']}): {r['tokens_per_sec']:,.0f} "
-          f"tokens/s, {r['tflops_per_device']:.1f} TFLOP/s per device, MFU {mfu}, {memory} | "
-          f"predicted: {predicted}")
-    return math.isfinite(r["lm_loss"])
+    print(f"{a['name']} (last log interval, iteration {r['iteration']}): "
+          f"{r['tokens_per_sec']:,.0f} tokens/s, {r['tflops_per_device']:.1f} TFLOP/s per device, "
+          f"MFU {mfu}, {memory} | predicted: {predicted}")
+    run_core = run_attention_core(a["device"], a["attention_dropout"])
+    kernels = "-"
+    if a.get("profile_json") and os.path.exists(a["profile_json"]):
+        with open(a["profile_json"]) as f:
+            top = json.load(f)["top"].get("attention", [])
+        kernels = "; ".join(name[:70] for name, _ in top) or "none recorded"
+    same = run_core == dry_core
+    print(f"attention core: dry run measured {dry_core}; the run took {run_core} (profiled "
+          f"attention kernels: {kernels}): {'same' if same else 'DIFFERENT'}")
+    return math.isfinite(r["lm_loss"]) and same
 
 
 def main(argv=None) -> int:
@@ -208,6 +239,12 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--metrics", help="pretrain-summary: the metrics JSONL")
     p.add_argument("--dry-run-report", help="pretrain-summary: the dry run's printed report")
+    p.add_argument("--name", default="pretrain", help="pretrain-summary: the step's name")
+    p.add_argument("--profile-json", help="pretrain-summary: scripts/gpu_profile_run.py's JSON")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda",
+                   help="pretrain-summary: where the run trained")
+    p.add_argument("--attention-dropout", type=float, default=0.0,
+                   help="pretrain-summary: the run's --attention-dropout")
     a = vars(p.parse_args(argv))
     step = dict(parity=parity, attention=attention, **{"pretrain-summary": pretrain_summary})
     return 0 if step[a["step"]](a) else 1

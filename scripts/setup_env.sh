@@ -20,6 +20,10 @@ if [ -n "${TORCH_SPEC:-}" ] || ! "$V/bin/python" -c 'import torch' 2>/dev/null; 
 fi
 C=$(mktemp)
 "$V/bin/python" -c 'import torch; print("torch==" + torch.__version__.split("+")[0])' > "$C"
-"$V/bin/python" -m pip install -q -c "$C" -e "$ROOT[${EXTRAS:-test,plot,hf,tensorboard}]"
+# setuptools frames every editable install with an "Editable installation ... be careful with
+# folders ... named as your package" banner: expected here (the repository is the package), so
+# it is kept off the screen; every other warning still shows.
+PYTHONWARNINGS="ignore:Editable installation" \
+  "$V/bin/python" -m pip install -q -c "$C" -e "$ROOT[${EXTRAS:-test,plot,hf,tensorboard}]"
 rm -f "$C"
 echo "environment ready: $V (torch $("$V/bin/python" -c 'import torch; print(torch.__version__)'))"

@@ -86,3 +86,39 @@ def killed_during_background_write(rank: int, world: int, argv: list[str], point
     else:
         shards.publish = second(shards.publish)
     run_configs(rank, world, [argv])
+
+
+def poll_on_the_host(rank: int, world: int) -> list:
+    """:meth:`AsyncSaver.poll` with the grid's device on ``meta`` (no tensor there can reach
+    the host, so a flag all-reduced on the device fails): rank 1's write finishes only after
+    the first poll. Returns what each poll decided (``"wait"`` / ``"publish"``)."""
+    import threading
+    import types
+
+    import torch
+    import torch.distributed as dist
+
+    from hybrid.checkpoint.async_save import AsyncSaver, Pending
+
+    saver = AsyncSaver(types.SimpleNamespace(device=torch.device("meta"), rank=rank))
+    release = threading.Event()
+    if rank == 0:
+        release.set()
+    saver.pending = Pending("unused", 7, None, None,
+                            thread=threading.Thread(target=release.wait, daemon=True))
+    saver.pending.thread.start()
+    decided = []
+
+    def finish(report=True):
+        saver.pending = None
+        decided.append("publish")
+
+    saver._finish = finish
+    saver.poll()  # rank 1 is still writing
+    if saver.pending is not None:
+        decided.append("wait")
+        release.set()
+        saver.pending.thread.join()
+    dist.barrier()
+    saver.poll()
+    return decided

@@ -14,7 +14,11 @@ from hybrid.dryrun.dry_run import dry_run
 from hybrid.job.cli import parse_config
 from hybrid.job.config_checks import validate
 from hybrid.parallel.spawn import spawn_world
-from tests.async_save_worlds import async_events, killed_during_background_write
+from tests.async_save_worlds import (
+    async_events,
+    killed_during_background_write,
+    poll_on_the_host,
+)
 from tests.pretrain_worlds import run_configs
 from tests.save_worlds import MOCK
 
@@ -85,3 +89,8 @@ def test_killed_during_background_write_resumes_exactly_from_the_previous(tmp_pa
         assert sorted(got) == [3, 4, 5, 6], point
         assert all(got[i] == want[i] for i in got), (point, got, want)  # bitwise
         assert latest_iteration(dirs[point]) == 6
+
+
+def test_the_poll_agrees_on_the_host_without_touching_the_device():
+    # rank 1 still writes at the first poll: nobody publishes; at the second everyone does
+    assert spawn_world(2, poll_on_the_host, timeout_s=60) == [["wait", "publish"]] * 2

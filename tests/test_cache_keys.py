@@ -52,3 +52,28 @@ def test_token_dataset_rewritten_with_same_sizes_and_mtimes_gets_new_indices(tmp
         assert np.array_equal(a, b)
     assert [again[i]["tokens"].tolist() for i in range(len(again))] == [
         fresh[i]["tokens"].tolist() for i in range(len(fresh))]
+
+
+def test_a_truncated_cached_index_is_named_and_rebuilt(tmp_path):
+    """A cached ``.npy`` cut short (a copy or a full disk) was a 115-line traceback naming no
+    file: it is named in one warning and rebuilt, and the arrays are the right ones."""
+    import pytest
+
+    from data.index_cache import load_or_build
+
+    calls = []
+
+    def build():
+        calls.append(1)
+        return {"a": np.arange(1000, dtype=np.int64), "b": np.ones(7)}
+
+    first = {k: np.array(v) for k, v in load_or_build(tmp_path, "K", {"x": 1}, ("a", "b"),
+                                                       build).items()}
+    (a_file,) = tmp_path.glob("*-K-a.npy")
+    a_file.write_bytes(a_file.read_bytes()[:500])
+    with pytest.warns(RuntimeWarning, match=f"index cache file {a_file} is unreadable .*: "
+                                             "rebuilding it"):
+        again = load_or_build(tmp_path, "K", {"x": 1}, ("a", "b"), build)
+    assert len(calls) == 2 and all(np.array_equal(first[k], again[k]) for k in first)
+    assert np.array_equal(load_or_build(tmp_path, "K", {"x": 1}, ("a", "b"), build)["a"],
+                          first["a"]) and len(calls) == 2  # whole again: read, not rebuilt

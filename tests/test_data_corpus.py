@@ -61,3 +61,27 @@ def test_preprocess_data_script_end_to_end(tmp_path):
     tok = Tokenizer(tmp_path / "tokenizer.model")
     first = json.loads(corpus.read_text(encoding="utf-8").splitlines()[0])["text"]
     assert tok.decode(ds[0][:-1].tolist()) == first and ds[0][-1] == tok.eod
+
+
+def test_preprocess_data_script_passes_the_tokenizer_type(tmp_path):
+    """Megatron-LM's preprocess_data.py needs --tokenizer-type; the script passed none (and
+    could not take a Hugging Face tokenizer). The commands it runs, seen through a stand-in
+    interpreter that records its arguments."""
+    record = tmp_path / "args"
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/bin/sh\necho "$@" >> {record}\n')
+    fake.chmod(0o755)
+    (tmp_path / "stdlib_docs.jsonl").write_text("{}\n")
+    (tmp_path / "tokenizer.model").write_text("")
+    script = ["bash", str(ROOT / "scripts" / "preprocess_data.sh")]
+    env = dict(os.environ, PYTHON=str(fake), DATA_DIR=str(tmp_path))
+    subprocess.run(script, env=env, cwd=ROOT, check=True, timeout=60)
+    sp = tmp_path / "tokenizer.model"
+    assert f"--tokenizer-type SentencePieceTokenizer --tokenizer-model {sp} " in record.read_text()
+    record.unlink()
+    hf = tmp_path / "hf_tok"
+    subprocess.run(script, env=dict(env, TOKENIZER_TYPE="HuggingFaceTokenizer", TOKENIZER=str(hf)),
+                   cwd=ROOT, check=True, timeout=60)
+    (line,) = record.read_text().splitlines()  # no tokenizer training for a given HF one
+    assert line.startswith("-m data.preprocess ") and \
+        f"--tokenizer-type HuggingFaceTokenizer --tokenizer-model {hf} " in line

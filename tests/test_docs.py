@@ -159,3 +159,16 @@ def test_readme_package_map_names_every_package():
     packages = {str(p.parent.relative_to(ROOT)) for p in (ROOT / "hybrid").glob("*/__init__.py")}
     assert packages | {"models", "data", "scripts"} <= named, "packages missing from the map"
     assert all((ROOT / n).is_dir() for n in named), "the map names folders that do not exist"
+
+
+def test_every_fast_entry_names_a_test_that_exists():
+    """``scripts/test.sh --fast`` is the loop developers run: a renamed test in its list would
+    fail it with "not found" (or, as a file, run nothing of what was meant)."""
+    text = (ROOT / "scripts" / "test.sh").read_text()
+    entries = text[text.index("FAST=(") + 6:text.index(")", text.index("FAST=("))].split()
+    assert len(entries) >= 20
+    for entry in entries:
+        path, _, name = entry.partition("::")
+        assert (ROOT / path).is_file(), entry
+        if name:
+            assert re.search(rf"^def {re.escape(name)}\(", (ROOT / path).read_text(), re.M), entry

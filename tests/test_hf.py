@@ -164,6 +164,11 @@ def test_import_names_every_mismatch(tmp_path):
     hf = json.loads((tmp_path / "config.json").read_text())
     with pytest.raises(UnsupportedModelError, match="activation_function='gelu_new'"):
         check_hf_config(dict(hf, activation_function="gelu_new"), config)
+    with pytest.raises(UnsupportedModelError) as e:  # several: all at once, not one per attempt
+        check_hf_config(dict(hf, activation_function="gelu_new", add_cross_attention=True),
+                        config)
+    assert "activation_function='gelu_new'" in str(e.value)
+    assert "; add_cross_attention=True, but our GPT needs False" in str(e.value)
     state = load_file(str(tmp_path / "model.safetensors"))
     state["transformer.h.1.mlp.c_fc.weight"] = (
         state["transformer.h.1.mlp.c_fc.weight"][:, :200].contiguous())
@@ -296,3 +301,23 @@ def test_generate_is_deterministic_and_reads_checkpoints(worlds, capsys):
     assert outs[0] == outs[1] == outs[2] and outs[0].startswith("Return the")
     assert generate_main(["--hf-dir", str(hf_dir), "--max-new-tokens", "100"]) == 2
     assert "exceed the model's 64 positions" in capsys.readouterr().err
+
+
+def test_generate_names_a_training_checkpoint_and_export_a_missing_directory(tmp_path, capsys):
+    """``--hf-dir`` given a training checkpoint (no config.json) says so and names the commands
+    that read one, instead of blaming a tokenizer; ``export_hf --load`` of a missing directory
+    says it does not exist."""
+    ck = tmp_path / "ck"
+    (ck / "iter_0000010").mkdir(parents=True)
+    (ck / "latest_checkpointed_iteration.txt").write_text("10\n")
+    assert generate_main(["--hf-dir", str(ck)]) == 2
+    assert capsys.readouterr().err == (
+        f"generate: error: --hf-dir {ck} is a training checkpoint (no config.json), not a "
+        f"Hugging Face model directory: sample from it with --load {ck}, or export it once with "
+        f"python -m hybrid.export_hf --load {ck} --output HF_DIR\n")
+    assert generate_main(["--hf-dir", str(tmp_path)]) == 2
+    assert "has no config.json: not a Hugging Face model directory" in capsys.readouterr().err
+    gone = tmp_path / "gone"
+    assert export_main(["--load", str(gone), "--output", str(tmp_path / "hf")]) == 2
+    assert capsys.readouterr().err == (f"export_hf: error: --load {gone}: no such directory (the "
+                                       "--save directory of a training run)\n")

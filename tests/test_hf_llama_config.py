@@ -90,6 +90,15 @@ def test_both_rope_spellings_and_the_refusals(dirs):
             hf_settings({**hf, **change})
     qwen2 = json.loads((dirs[0] / "qwen2" / "config.json").read_text())
     assert hf_settings({**qwen2, "use_sliding_window": False, "sliding_window": 4096})
+    # several at once are named at once (they were refused one per attempt)
+    with pytest.raises(UnsupportedHFSetting) as e:
+        hf_settings({**hf, **refused["hidden_act='gelu'"], **refused["use_sliding_window=True"],
+                     "rope_parameters": {"rope_type": "yarn"}, "attention_bias": True})
+    assert str(e.value) == (
+        "config.json: 4 settings are not held here: use_sliding_window=True (sliding-window "
+        "attention is not held here); hidden_act='gelu' (SwiGLU needs 'silu'); rope type 'yarn' "
+        "is not held here (only 'default' and 'llama3'); attention_bias=True with "
+        "mlp_bias=False: biases are on every linear layer or none here")
 
 
 def test_a_mismatch_is_named_with_our_flag(dirs):

@@ -15,7 +15,7 @@ import pytest
 
 from hybrid.job.preemption import StopSignal
 from hybrid.parallel.spawn import spawn_world
-from tests.pretrain_worlds import run_configs, sigterm_at, sigterm_in_evaluation
+from tests.pretrain_worlds import printed_sigterm_in_evaluation, run_configs, sigterm_at
 
 ROOT = Path(__file__).resolve().parents[1]
 MOCK = ["--mock-data", "--vocab-size", "500", "--num-layers", "1", "--hidden-size", "32",
@@ -58,11 +58,15 @@ def test_sigterm_during_a_long_evaluation_stops_within_one_batch_and_saves(tmp_p
     ck = tmp_path / "ck"
     argv = MOCK + ["--global-batch-size", "4", "--eval-interval", "2", "--eval-iters", "5000",
                    "--save", str(ck)]
-    runs = spawn_world(2, sigterm_in_evaluation, argv, 3, timeout_s=60)
-    for history, counts in runs:
+    runs = spawn_world(2, printed_sigterm_in_evaluation, argv, 3, timeout_s=60)
+    for rank, (history, counts, lines) in enumerate(runs):
         assert iterations(history) == [1, 2]
         assert not [r for r in history if "split" in r]  # the partial evaluation is dropped
         assert counts == [3]  # the signal came with batch 3: its forward, then the stop
+        # and the line says so (it named only the save)
+        assert [x for x in lines if "exiting" in x] == ([] if rank else [
+            " exiting at iteration 2: received SIGTERM; dropped the validation at iteration 2; "
+            f"saved checkpoint at iteration 2 to {ck}"]), lines
     assert latest_iteration(ck) == 2
     meta = read_metadata(ck, 2)
     assert meta["train_state"]["consumed_valid_samples"] == 5000 * 4  # as if it had finished
@@ -72,7 +76,6 @@ def test_sigterm_during_a_long_evaluation_stops_within_one_batch_and_saves(tmp_p
 def test_sigterm_during_the_final_evaluation_is_one_line(tmp_path):
     # exited 0 without a line: the stop dropped the final evaluations silently
     from hybrid.checkpoint.directory import latest_iteration
-    from tests.pretrain_worlds import printed_sigterm_in_evaluation
 
     ck = tmp_path / "ck"
     argv = MOCK + ["--global-batch-size", "4", "--train-iters", "2", "--eval-iters", "3000",

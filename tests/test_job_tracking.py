@@ -76,6 +76,24 @@ def test_a_torn_last_line_stays_its_own_line_and_is_skipped_with_a_warning(tmp_p
         read_metrics(path)
 
 
+def test_a_run_stopped_before_its_first_record_leaves_no_empty_metrics_file(tmp_path):
+    """A job stopped (or failed) before its first log line left an empty ``--metrics-file``;
+    one that existed before stays, as it was."""
+    path = tmp_path / "m.jsonl"
+    w = MetricsWriter(0, str(path), {}, print_fn=lambda *_: None)
+    assert path.exists()  # opened at start: an unwritable path fails before training
+    w.close()
+    assert not path.exists()
+    path.write_text("")
+    MetricsWriter(0, str(path), {}, print_fn=lambda *_: None).close()
+    assert path.read_text() == ""
+    path.unlink()
+    w = MetricsWriter(0, str(path), {}, print_fn=lambda *_: None)
+    w.eval(dict(split="valid", iteration=0, lm_loss=4.0))
+    w.close()
+    assert len(path.read_text().splitlines()) == 2
+
+
 def test_plot_labels_tell_files_of_the_same_name_apart():
     assert run_labels(["a/m.jsonl", "b/n.jsonl"]) == ["m", "n"]
     assert run_labels(["runs/a/metrics.jsonl", "runs/b/metrics.jsonl"]) == ["a/metrics",

@@ -27,6 +27,22 @@ def test_a_stop_before_torchrun_starts_starts_nothing(monkeypatch, capsys):
                                          "started: no process was started, nothing to save\n")
 
 
+def test_the_entry_point_catches_a_stop_before_any_import_of_its_own():
+    """``python -m hybrid.pretrain`` catches SIGTERM as soon as it has imported
+    :mod:`hybrid.job.preemption`, which loads nothing the interpreter has not (``ctypes``, for
+    the parent-death signal, only when asked): a SIGTERM in the launcher's first tens of ms
+    exited 143 without a word while it loaded."""
+    import subprocess
+    import sys
+
+    code = ("import sys; before = set(sys.modules); import hybrid.job.preemption; "
+            "print(' '.join(sorted(set(sys.modules) - before)))")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=60)
+    assert out.stdout.split() == ["hybrid", "hybrid.job", "hybrid.job.preemption", "signal"]
+
+
 def test_a_stop_before_the_workers_catch_it_is_kept_for_them(monkeypatch):
     """torchrun starting (no worker), then workers that still ignore SIGTERM (inherited from
     torchrun): the stop waits; each worker gets it once, when its handler exists."""
@@ -88,11 +104,37 @@ def test_workers_stop_and_save_when_the_launcher_and_torchrun_are_killed(tmp_pat
                             f"checkpoint at iteration {stopped} to {ck}"], lines[-30:]
 
 
+@pytest.mark.timeout(300)
+def test_a_launcher_killed_alone_takes_torchrun_and_the_workers_with_it(tmp_path):
+    """``kill -9`` of the launcher process only (the OOM killer): within 10 s nothing of the
+    job runs (the kernel SIGKILLs torchrun, whose workers save and exit), and the next launch
+    with the same ``--save`` starts and continues from the stop's checkpoint."""
+    ck, m = tmp_path / "ck", tmp_path / "m.jsonl"
+    proc = launch(["--train-iters", "10000", "--save", str(ck)], m, program="hybrid.pretrain")
+    pids = wait_for_iterations(proc, m, 2)
+    os.kill(proc.pid, signal.SIGKILL)
+    assert proc.wait(timeout=10) == -signal.SIGKILL
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{p}").exists() for p in pids[1:]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = [p for p in pids[1:] if Path(f"/proc/{p}").exists()]
+    for p in alive:
+        os.kill(p, signal.SIGKILL)
+    assert not alive, f"torchrun {pids[1]} / workers {pids[2:]}: {alive} still alive after 10 s"
+    stopped = latest_iteration(ck)
+    assert stopped is not None and stopped >= 2
+    again = launch(["--train-iters", str(stopped + 1), "--save", str(ck), "--load", str(ck)],
+                   tmp_path / "again.jsonl", program="hybrid.pretrain")
+    rc, lines = finish(again)
+    assert rc == 0 and latest_iteration(ck) == stopped + 1, lines[-30:]
+
+
 @pytest.mark.timeout(120)
 def test_a_locked_save_is_refused_by_the_launcher_in_one_line(tmp_path):
     """A live job (this test's process) holds ``--save``'s lock: the launcher refuses before
-    torchrun starts, one line and exit status 1 (not torchrun's ChildFailedError report); a
-    stale lock (its pid gone) does not stop it there."""
+    torchrun starts, one line and exit status 2 as every refusal before start (not torchrun's
+    ChildFailedError report), and so does a job without the launcher (its rank 0); a stale
+    lock (its pid gone) does not stop it there."""
     import json
     import socket
     import subprocess
@@ -111,10 +153,15 @@ def test_a_locked_save_is_refused_by_the_launcher_in_one_line(tmp_path):
                               *BASE, "--train-iters", "2", "--save", str(ck)],
                              capture_output=True, text=True, timeout=100, env=env)
         lines = (out.stdout + out.stderr).splitlines()
-        assert out.returncode == 1 and len(lines) == 1, lines[-40:]
+        assert out.returncode == 2 and len(lines) == 1, lines[-40:]
         assert lines[0].startswith(f"hybrid-pretrain: error: --save {ck} is in use by another "
                                    f"job: host {socket.gethostname()}, pid {holder.pid}, ")
         assert in_use(ck).split(" (its lock")[0] == lines[0][24:].split(" (its lock")[0]
+        alone = subprocess.run([sys.executable, "-m", "hybrid.pretrain", *BASE, "--train-iters",
+                                "2", "--save", str(ck)], capture_output=True, text=True,
+                               timeout=100, env=env)
+        assert alone.returncode == 2, alone.stderr[-3000:]
+        assert lines[0].split(" (its lock")[0] in alone.stderr, alone.stderr[-3000:]
     finally:
         holder.kill()
         holder.wait()

@@ -53,3 +53,26 @@ def test_a_record_without_eta_keeps_megatrons_line():
              lm_loss=1.0, loss_scale=1.0, grad_norm=1.0, skipped_iterations=0,
              nan_iterations=0, tokens_per_sec=1.0, tflops_per_device=0.0, memory_mb=1.0)
     assert "ETA" not in format_train_line(r, 10)
+
+
+def test_the_eta_leaves_out_an_evaluation_split_that_is_skipped():
+    """An empty test split (or one skipped for holding no document) is never evaluated: the
+    ETA counts the final validation only; without a validation split, no evaluation at all."""
+    import torch
+
+    from hybrid.job.cli import parse_config
+    from hybrid.job.config_checks import validate
+    from hybrid.job.pretrain import loop_settings
+
+    job = validate(parse_config(["--num-layers", "2", "--hidden-size", "64",
+                                 "--num-attention-heads", "4", "--seq-length", "32",
+                                 "--mock-data", "--vocab-size", "500", "--micro-batch-size", "2",
+                                 "--global-batch-size", "2", "--train-iters", "40",
+                                 "--eval-iters", "5", "--eval-interval", "10"]), world_size=1)
+    grid = type("Grid", (), {"device": torch.device("cpu")})()
+    both = loop_settings(job, grid)
+    assert [both.evaluations_left(i) for i in (10, 31)] == [5, 2]
+    valid_only = loop_settings(job, grid, ("valid",))
+    assert [valid_only.evaluations_left(i) for i in (10, 31)] == [4, 1]
+    assert loop_settings(job, grid, ("test",)).evaluations_left(10) == 1
+    assert loop_settings(job, grid, ()).evaluations_left(10) == 0

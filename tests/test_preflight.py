@@ -126,3 +126,32 @@ def test_a_read_only_index_cache_is_read_when_it_holds_every_index_the_job_needs
         assert why.split(" lacks the index ")[1].split()[0].endswith("-GPTDataset-train-doc.npy")
         assert "--data-cache-path" in why.split(";")[2], why
         read_only.clear()
+
+
+@pytest.mark.timeout(300)
+def test_the_read_only_cache_check_sizes_a_resumed_job_from_its_checkpoint(tmp_path, monkeypatch):
+    """A resumed job's training split holds its consumed samples plus the rest at this run's
+    global batch, so it needs other indices than a fresh run of the same flags: the check sized
+    them for a fresh run, passed, and the ranks then failed on the read-only cache."""
+    from hybrid.job import preflight
+    from hybrid.job.pretrain import build_datasets
+    from hybrid.parallel.spawn import spawn_world
+    from tests.pretrain_worlds import run_configs
+
+    data, cache, ck = tmp_path / "data", tmp_path / "indices", tmp_path / "ck"
+    data.mkdir()
+    prefix, tok = prepare_data(data)
+    job = MODEL + ["--data-path", prefix, "--tokenizer-model", tok, "--split", "1",
+                   "--micro-batch-size", "2", "--eval-iters", "0", "--data-cache-path",
+                   str(cache), "--lr", "1e-3", "--lr-decay-style", "constant"]
+    spawn_world(1, run_configs, [job + ["--global-batch-size", "8", "--train-iters", "2",
+                                        "--save", str(ck)]], timeout_s=60)  # 16 samples
+    resumed = job + ["--global-batch-size", "2", "--train-iters", "4", "--load", str(ck)]
+    fresh = validate(parse_config(resumed[:-2]), world_size=1, local_world_size=1)
+    build_datasets(fresh)  # a fresh run's indices (8 samples) are there; the resume needs 20
+    monkeypatch.setattr(preflight, "unwritable", lambda p, is_dir=True: (
+        "Read-only file system" if Path(p) == cache else None))
+    validate(parse_config(resumed[:-2]), world_size=1, local_world_size=1)
+    why = refusal(resumed)
+    assert why.startswith(f"--data-cache-path {cache} cannot be written: Read-only file system; "
+                          "it lacks the index "), why

@@ -14,9 +14,11 @@ later, when every rank's write has finished. Here:
    default CPU priority: a niced thread that holds the GIL while the OS runs others stalls the
    training thread, which must hand the GIL over to it (priority inversion).
 3. **Publish**: after each iteration every rank calls :meth:`AsyncSaver.poll`; while a save is
-   pending it all-reduces "my write has finished" (MIN: one integer per iteration). Only when
-   every rank has finished do they agree on the outcome and rank 0 publishes (metadata, rename,
-   pointer, retention), exactly as a synchronous save does.
+   pending it all-reduces "my write has finished" (MIN: one integer per iteration) on the host,
+   over a gloo group when the job's tensors live on a GPU, so the poll never waits for the
+   device (an all-reduce there and reading its result would sync the host with the GPU every
+   iteration). Only when every rank has finished do they agree on the outcome and rank 0
+   publishes (metadata, rename, pointer, retention), exactly as a synchronous save does.
 
 The next save, the end of training and a stop wait for the pending save (:meth:`wait`) before
 going on. A process killed at any point of the background write leaves the previous checkpoint
@@ -118,12 +120,15 @@ class AsyncSaver:
     """One job's background saves (at most one pending at a time).
 
     Args:
-        grid: the process grid (its device is where the per-iteration flag is all-reduced).
+        grid: the process grid; on a CPU device the per-iteration flag is all-reduced over the
+            world group, otherwise over a gloo group of every rank made here (collective: every
+            rank constructs its saver at the same point).
         print_fn: rank 0's printer for the "saved" line (None: silent).
     """
 
     def __init__(self, grid: ProcessGrid, print_fn=None):
         self.grid, self.print = grid, print_fn
+        self.flag_group = None if grid.device.type == "cpu" else dist.new_group(backend="gloo")
         self.pending: Pending | None = None
         self.buffer: torch.Tensor | None = None
         self.snapshot_s = 0.0
@@ -183,8 +188,8 @@ class AsyncSaver:
         job = self.pending
         if job is None:
             return None
-        done = torch.tensor([0 if job.thread.is_alive() else 1], device=self.grid.device)
-        dist.all_reduce(done, op=dist.ReduceOp.MIN)
+        done = torch.tensor([0 if job.thread.is_alive() else 1])  # host memory: no device sync
+        dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self.flag_group)
         return self._finish() if int(done.item()) else None
 
     def wait(self, report: bool = True) -> Path | None:

@@ -38,6 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from hybrid.dryrun.check import STATE_KEYS
+from hybrid.dryrun.phases import PhaseClock
 
 GIB = 2**30
 
@@ -244,36 +245,6 @@ def dry_run(job, rank: int = 0, progress=None) -> dict:
     return out
 
 
-class PhaseClock:
-    """Times the dry run's phases and reports each as it ends: ``progress(line)`` with the
-    phase's name and its seconds (wall clock), e.g. ``dry run phase: backward (micro-batch
-    1/1) 41.2 s``. ``phases`` keeps ``[(name, seconds)]`` in order."""
-
-    def __init__(self, progress=None) -> None:
-        self.progress = progress
-        self.phases: list[tuple[str, float]] = []
-
-    def done(self, name: str, seconds: float) -> None:
-        """Record phase ``name`` that took ``seconds`` and report it."""
-        self.phases.append((name, seconds))
-        if self.progress is not None:
-            self.progress(f"dry run phase: {name} {seconds:.1f} s")
-
-    def timed(self, fn, name):
-        """``fn`` wrapped to report ``name(call)`` (a callable of the call's index) when it
-        returns."""
-        calls = [0]
-
-        def wrapper(*args, **kwargs):
-            t = time.perf_counter()
-            out = fn(*args, **kwargs)
-            calls[0] += 1
-            self.done(name(calls[0]), time.perf_counter() - t)
-            return out
-
-        return wrapper
-
-
 def _timed_step(job, engine, grid, clock: PhaseClock, patches: list) -> None:
     """One ``train_step`` of ``--dry-run-micro-batches`` micro-batches under ``patches`` (context
     managers), each forward, backward and the optimizer step reported to ``clock``."""
@@ -325,7 +296,7 @@ def _build_and_step(job, grid, t0: float, clock: PhaseClock) -> dict:
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from hybrid import training
+    from hybrid import train_step
     from hybrid.checkpoint.async_save import host_snapshot_bytes
     from hybrid.dryrun.fake_cuda import transfer_log
     from hybrid.parallel.rng import RNGTracker
@@ -352,12 +323,12 @@ def _build_and_step(job, grid, t0: float, clock: PhaseClock) -> dict:
         step.track(*_engine_tensors(engine))
         start = step.current
         _timed_step(job, engine, grid, clock, [
-            step, log, mock.patch.object(training, "host_values", read),
+            step, log, mock.patch.object(train_step, "host_values", read),
             mock.patch.object(grad_norm, "host_values", read)])
         t = time.perf_counter()
         save_peak = _save_staging_peak(engine, grid)
         clock.done("save (staging this rank's checkpoint shard, no file written)",
-                   time.perf_counter() - t)
+                   time.perf_counter() - t, last=True)
     snapshot = host_snapshot_bytes(engine, grid) if cfg.checkpoint.async_save else 0
     host = _host_checkpoint_bytes(engine)
     gathered = engine.memory_bytes()["gathered_peak"]

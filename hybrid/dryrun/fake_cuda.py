@@ -63,9 +63,23 @@ def loaded() -> bool:
 
 def run_preloaded(argv: list[str], code: str = "") -> int:
     """Run ``hybrid.pretrain`` with ``argv`` in a fresh interpreter that loads the library
-    first; ``code`` runs after it (tests plant faults there). Returns the exit status."""
-    cmd, env = preloaded_command(code + "\nfrom hybrid.job.pretrain import main\n", argv)
-    return subprocess.run(cmd, env=env).returncode
+    first; ``code`` runs after it (tests plant faults there). Returns the exit status. The
+    interpreter catches SIGTERM / SIGINT as ``hybrid.pretrain`` does (the dry run stops at its
+    next phase boundary), and this process passes on those it receives (a ``kill`` of the
+    command's pid reaches the dry run; a terminal's Ctrl-C reaches both, counted once)."""
+    import signal
+
+    catch = "from hybrid.job.preemption import catch_stops_early\ncatch_stops_early()\n"
+    cmd, env = preloaded_command(catch + code + "\nfrom hybrid.job.pretrain import main\n",
+                                 argv)
+    proc = subprocess.Popen(cmd, env=env)
+    previous = {s: signal.signal(s, lambda signum, frame: proc.send_signal(signum))
+                for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return proc.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def preloaded_command(program: str, argv: list[str]) -> tuple[list[str], dict]:

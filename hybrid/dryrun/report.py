@@ -139,8 +139,10 @@ def run_and_report(job, title: str) -> int:
     """``hybrid.pretrain --dry-run-world-size N``: print ``title``, the micro-batch note, one
     line per phase as it ends, then the report and its verdict for the job's ``--device`` /
     ``--gpu-memory-gib`` / ``--reserved-gib``. Returns 0 (the exit status): a layout that does
-    not fit is an answer, not an error."""
+    not fit is an answer, not an error; a stop (SIGTERM, Ctrl-C) ends it at the next phase
+    boundary with one line, exit status 0, as training stops."""
     from hybrid.dryrun.dry_run import dry_run
+    from hybrid.dryrun.phases import DryRunStopped
 
     g = job.cfg.dry_run
 
@@ -149,6 +151,10 @@ def run_and_report(job, title: str) -> int:
 
     say(title + " | memory in GiB (2^30 bytes)")
     say(micro_batch_note(g.dry_run_micro_batches, job.grad_accum_steps))
-    r = dry_run(job, g.dry_run_rank, progress=say)
+    try:
+        r = dry_run(job, g.dry_run_rank, progress=say)
+    except DryRunStopped as stopped:
+        say(stopped.line())
+        return 0
     say(format_report(r, g.device, g.gpu_memory_gib, g.reserved_gib))
     return 0

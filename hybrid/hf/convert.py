@@ -213,13 +213,15 @@ def check_hf_config(hf: dict, config: GPTConfig, where: str = "config.json") -> 
         check_gpt2_architecture(config)
     except UnsupportedModelError as e:
         raise UnsupportedModelError(f"{where}: this run's model is not GPT-2: {e}") from None
+    unheld = []  # every setting our GPT cannot reproduce, named at once
     for key, need in _HF_REQUIRED.items():
         value = hf.get(key, need if key != "activation_function" else "gelu_new")
         if value != need:
-            raise UnsupportedModelError(
-                f"{where}: {key}={value!r}, but our GPT needs {need!r}"
-                + (" (the exact erf GELU; GPT-2's 'gelu_new' is its tanh approximation)"
-                   if key == "activation_function" else ""))
+            unheld.append(f"{key}={value!r}, but our GPT needs {need!r}"
+                          + (" (the exact erf GELU; GPT-2's 'gelu_new' is its tanh "
+                             "approximation)" if key == "activation_function" else ""))
+    if unheld:
+        raise UnsupportedModelError(f"{where}: {'; '.join(unheld)}")
     n_inner = hf.get("n_inner") or 4 * hf.get("n_embd", 0)
     theirs = {ours: n_inner if key == "n_inner" else hf.get(key)
               for ours, key in _SHAPE_FIELDS.items()}
@@ -232,15 +234,23 @@ def check_hf_config(hf: dict, config: GPTConfig, where: str = "config.json") -> 
                      + ("(tied): drop --untie-embeddings-and-output-weights" if tied else
                         "(untied): add --untie-embeddings-and-output-weights"))
     if lines:
-        flags = " ".join(f"{_FLAGS[ours].split()[0]} {theirs[ours]}" for ours in _SHAPE_FIELDS)
-        flags += "" if tied else " --untie-embeddings-and-output-weights"
-        flags += (f" --attention-dropout {hf.get('attn_pdrop', 0.1)} --hidden-dropout "
-                  f"{hf.get('resid_pdrop', 0.1)}")
+        flags = flag_line(hf)
         n = len(lines)
         raise ValueError("\n".join([
             f"{where}: this run's model differs from config.json in {n} setting"
             + "s" * (n > 1) + ":", *lines, "  the model flags that reproduce config.json (in "
             "place of --preset and the model flags given):", "  " + flags]))
+
+
+def flag_line(hf: dict) -> str:
+    """The model flags that reproduce GPT-2 config.json ``hf`` (shape, tying, dropout)."""
+    n_inner = hf.get("n_inner") or 4 * hf.get("n_embd", 0)
+    theirs = {ours: n_inner if key == "n_inner" else hf.get(key)
+              for ours, key in _SHAPE_FIELDS.items()}
+    flags = " ".join(f"{_FLAGS[ours].split()[0]} {theirs[ours]}" for ours in _SHAPE_FIELDS)
+    flags += "" if hf.get("tie_word_embeddings", True) else " --untie-embeddings-and-output-weights"
+    return flags + (f" --attention-dropout {hf.get('attn_pdrop', 0.1)} --hidden-dropout "
+                    f"{hf.get('resid_pdrop', 0.1)}")
 
 
 def _same(theirs, config: GPTConfig, ours: str) -> bool:

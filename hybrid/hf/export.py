@@ -35,6 +35,7 @@ from hybrid.hf.convert import UnsupportedModelError
 from hybrid.hf.export_tokenizer import export_tokenizer, tokenizer_source
 from hybrid.hf.llama_config import export_family, llama_config_dict
 from hybrid.hf.sharded import DEFAULT_MAX_SHARD_SIZE, parse_size, write_sharded
+from hybrid.hf.weights import is_norm_weight
 from models.config import GPTConfig
 
 
@@ -112,6 +113,8 @@ def entries(reader: CheckpointReader, config: GPTConfig, family: str,
             keys, metas = llama.hf_keys(name), llama.to_hf(name, shape, config)
             make = [lambda n=name, i=i: llama.to_hf(n, full(n), config)[i]
                     for i in range(len(keys))]
+        if config.apply_layernorm_1p and is_norm_weight(name):  # HF norms scale by w itself
+            make = [lambda f=f: f() + 1 for f in make]
         out += [Entry(k, dtype, tuple(m.shape), lambda f=f: f().to(dtype))
                 for k, m, f in zip(keys, metas, make, strict=True)]
     return out
@@ -152,8 +155,8 @@ def export_hf(load: str | os.PathLike, output: str | os.PathLike, iteration: int
         ``"tokenizer_exported"`` (the tokenizer path, or None) and ``"files"`` added.
 
     Raises:
-        FileNotFoundError / IncompleteCheckpointError: no complete checkpoint, or the tokenizer
-            is missing.
+        FileNotFoundError / IncompleteCheckpointError: ``load`` does not exist or holds no
+            complete checkpoint, or the tokenizer is missing.
         FileExistsError: ``output`` exists and is not empty.
         ValueError: a bad ``max_shard_size`` or ``dtype``; a tokenizer of another vocabulary.
         UnsupportedModelError: no transformers class holds the model exactly (the setting
@@ -162,6 +165,9 @@ def export_hf(load: str | os.PathLike, output: str | os.PathLike, iteration: int
     output, max_bytes = Path(output), parse_size(max_shard_size)
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype}: valid: {', '.join(DTYPES)}")
+    if not Path(load).is_dir():
+        raise FileNotFoundError(f"--load {load}: no such directory (the --save directory of a "
+                                "training run)")
     _check_output(output)
     reader = CheckpointReader(load, iteration)
     config, family = model_family(reader.meta.get("model", {}))

@@ -44,7 +44,8 @@ def generate(hf_dir: str, prompt: str, max_new_tokens: int = 64, temperature: fl
         ValueError: a bad sampling setting, or prompt plus ``max_new_tokens`` longer than the
             model's positions (``n_positions`` / ``max_position_embeddings``); the message
             gives the numbers.
-        FileNotFoundError: ``hf_dir`` is not a directory, or holds no tokenizer.
+        FileNotFoundError: ``hf_dir`` is not a directory, holds no ``config.json`` (a training
+            checkpoint, named as such: :func:`no_config`) or no tokenizer.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -61,6 +62,8 @@ def generate(hf_dir: str, prompt: str, max_new_tokens: int = 64, temperature: fl
     if not Path(hf_dir).is_dir():
         raise FileNotFoundError(f"--hf-dir {hf_dir}: no such directory (an export_hf output "
                                 "directory)")
+    if not (Path(hf_dir) / "config.json").is_file():
+        raise FileNotFoundError(no_config(hf_dir))
     if not (Path(hf_dir) / "tokenizer.json").is_file():
         raise FileNotFoundError(f"--hf-dir {hf_dir} has no tokenizer.json: the checkpoint was "
                                 "exported without a tokenizer (trained on --mock-data?); export "
@@ -82,6 +85,23 @@ def generate(hf_dir: str, prompt: str, max_new_tokens: int = 64, temperature: fl
         out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
                              eos_token_id=eod, pad_token_id=eod, **sampling)
     return tok.decode(out[0, len(ids):].tolist(), skip_special_tokens=True)
+
+
+def no_config(hf_dir) -> str:
+    """Why ``hf_dir`` (a directory without ``config.json``) cannot be sampled: a training
+    checkpoint (``iter_*`` directories or Megatron's pointer file) is named as one, with the
+    commands that read it."""
+    from pathlib import Path
+
+    from hybrid.checkpoint.directory import POINTER
+    from hybrid.checkpoint.names import list_iterations
+
+    if (Path(hf_dir) / POINTER).is_file() or list_iterations(hf_dir):
+        return (f"--hf-dir {hf_dir} is a training checkpoint (no config.json), not a Hugging "
+                f"Face model directory: sample from it with --load {hf_dir}, or export it once "
+                f"with python -m hybrid.export_hf --load {hf_dir} --output HF_DIR")
+    return (f"--hf-dir {hf_dir} has no config.json: not a Hugging Face model directory (python "
+            "-m hybrid.export_hf --load CHECKPOINT --output HF_DIR writes one)")
 
 
 class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -54,58 +54,54 @@ class UnsupportedHFSetting(ValueError):
     message names it."""
 
 
-def rope_settings(hf: dict, where: str) -> tuple[float, float | None]:
-    """``(rope_theta, llama3 scaling factor or None)`` from either spelling of the RoPE config.
-
-    Raises:
-        UnsupportedHFSetting: a RoPE type other than default / llama3, llama3 parameters other
-            than ours, or ``partial_rotary_factor`` != 1.
-    """
+def _rope(hf: dict, problems: list[str]) -> tuple[float, float | None]:
+    """``(rope_theta, llama3 scaling factor or None)`` from either spelling of the RoPE config;
+    what this model cannot compute (a RoPE type other than default / llama3, llama3 parameters
+    other than ours, ``partial_rotary_factor`` != 1) is appended to ``problems``."""
     params = dict(hf.get("rope_parameters") or {})
     scaling = dict(hf.get("rope_scaling") or {})
     params = {**scaling, **params}
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
     kind = params.get("rope_type", params.get("type", "default"))
-    if params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise UnsupportedHFSetting(f"{where}: partial_rotary_factor="
-                                   f"{params.get('partial_rotary_factor')} is not held here")
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        problems.append(f"partial_rotary_factor={partial} is not held here")
     if kind == "default":
         return float(theta), None
     if kind != "llama3":
-        raise UnsupportedHFSetting(f"{where}: rope type {kind!r} is not held here (only "
-                                   "'default' and 'llama3')")
-    for key, ours in _LLAMA3.items():
-        if key in params and float(params[key]) != float(ours):
-            raise UnsupportedHFSetting(f"{where}: llama3 rope {key}={params[key]}; this model "
-                                       f"computes {ours} only")
+        problems.append(f"rope type {kind!r} is not held here (only 'default' and 'llama3')")
+        return float(theta), None
+    problems += [f"llama3 rope {key}={params[key]}; this model computes {ours} only"
+                 for key, ours in _LLAMA3.items()
+                 if key in params and float(params[key]) != float(ours)]
     return float(theta), float(params["factor"])
 
 
-def _biases(family: str, hf: dict, where: str) -> dict:
+def _biases(family: str, hf: dict, problems: list[str]) -> dict:
     attn, mlp = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
     if family == "qwen2":
         return dict(add_bias_linear=False, add_qkv_bias=True)
     if family == "qwen3" and attn:
-        raise UnsupportedHFSetting(f"{where}: Qwen3 attention_bias=True (an o_proj bias without "
-                                   "MLP biases) has no form here")
-    if attn != mlp:
-        raise UnsupportedHFSetting(f"{where}: attention_bias={attn} with mlp_bias={mlp}: biases "
-                                   "are on every linear layer or none here")
+        problems.append("Qwen3 attention_bias=True (an o_proj bias without MLP biases) has no "
+                        "form here")
+    elif attn != mlp:
+        problems.append(f"attention_bias={attn} with mlp_bias={mlp}: biases are on every "
+                        "linear layer or none here")
     return dict(add_bias_linear=attn, add_qkv_bias=False)
 
 
-def _refuse_windows(hf: dict, where: str) -> None:
+def _layer_problems(hf: dict) -> list[str]:
+    problems = []
     if hf.get("use_sliding_window"):
-        raise UnsupportedHFSetting(f"{where}: use_sliding_window=True (sliding-window attention "
-                                   "is not held here)")
+        problems.append("use_sliding_window=True (sliding-window attention is not held here)")
     odd = sorted({t for t in hf.get("layer_types") or [] if t != "full_attention"})
     if odd:
-        raise UnsupportedHFSetting(f"{where}: layer_types {odd} (only full_attention)")
+        problems.append(f"layer_types {odd} (only full_attention)")
     if hf.get("hidden_act", "silu") != "silu":
-        raise UnsupportedHFSetting(f"{where}: hidden_act={hf.get('hidden_act')!r} (SwiGLU needs "
-                                   "'silu')")
+        problems.append(f"hidden_act={hf.get('hidden_act')!r} (SwiGLU needs 'silu')")
     if hf.get("pretraining_tp", 1) != 1:
-        raise UnsupportedHFSetting(f"{where}: pretraining_tp={hf['pretraining_tp']} (only 1)")
+        problems.append(f"pretraining_tp={hf['pretraining_tp']} (only 1)")
+    return problems
 
 
 def hf_settings(hf: dict, where: str = "config.json") -> dict:
@@ -113,14 +109,21 @@ def hf_settings(hf: dict, where: str = "config.json") -> dict:
     :data:`FLAGS` (``query_groups``, ``head_dim`` and ``tied`` are GPTConfig's properties).
 
     Raises:
-        UnsupportedHFSetting: another model_type, or a setting we cannot hold (named).
+        UnsupportedHFSetting: another model_type, or the settings we cannot hold, every one
+            named in one message (``where: N settings are not held here: a; b``).
     """
     family = hf.get("model_type")
     if family not in ARCHITECTURES:
         raise UnsupportedHFSetting(f"{where}: model_type={family!r}; loadable: "
                                    f"{sorted(ARCHITECTURES) + ['gpt2']}")
-    _refuse_windows(hf, where)
-    theta, factor = rope_settings(hf, where)
+    problems = _layer_problems(hf)
+    theta, factor = _rope(hf, problems)
+    biases = _biases(family, hf, problems)
+    if len(problems) == 1:
+        raise UnsupportedHFSetting(f"{where}: {problems[0]}")
+    if problems:
+        raise UnsupportedHFSetting(f"{where}: {len(problems)} settings are not held here: "
+                                   + "; ".join(problems))
     heads = hf["num_attention_heads"]
     out = dict(num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
                num_attention_heads=heads,
@@ -134,7 +137,7 @@ def hf_settings(hf: dict, where: str = "config.json") -> dict:
                normalization="RMSNorm", swiglu=True, rotary_percent=1.0)
     if factor is not None:
         out["rope_scaling_factor"] = factor
-    out.update(_biases(family, hf, where))
+    out.update(biases)
     return out
 
 

@@ -28,6 +28,14 @@ from hybrid.hf.llama_flags import dropout_note
 from models.config import GPTConfig
 
 
+def is_norm_weight(name: str) -> bool:
+    """A norm's scale (``ln1``, ``ln2``, ``ln_f``, ``q_norm``, ``k_norm`` weights): with
+    ``--apply-layernorm-1p`` the model stores ``w`` of the scale ``1 + w`` and Hugging Face files
+    hold the scale itself."""
+    return name.endswith(("ln1.weight", "ln2.weight", "ln_f.weight", "q_norm.weight",
+                          "k_norm.weight"))
+
+
 def read_hf_config(hf_dir: str | os.PathLike) -> dict:
     """``HF_DIR/config.json`` as a dict.
 
@@ -136,8 +144,11 @@ class _Family:
         return [gpt2.hf_name(name)] if self.gpt2 else llama.hf_keys(name)
 
     def build(self, name: str, tensors: list[torch.Tensor]) -> torch.Tensor:
-        return (gpt2.from_hf(name, tensors[0], self.config) if self.gpt2
-                else llama.from_hf(name, tensors, self.config))
+        t = (gpt2.from_hf(name, tensors[0], self.config) if self.gpt2
+             else llama.from_hf(name, tensors, self.config))
+        if self.config.apply_layernorm_1p and is_norm_weight(name):  # --apply-layernorm-1p
+            return t - 1  # stores w of the scale 1 + w; the file holds the scale
+        return t
 
     def derived(self, key: str) -> bool:
         """A stored tensor that is no weight: GPT-2's causal masks, Llama's inv_freq."""

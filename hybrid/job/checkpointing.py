@@ -65,7 +65,8 @@ class Checkpointer:
         """Publish a finished background save; save when due; True (on every rank) when the
         run must stop now (the Trainer's ``after_iteration`` hook): a stop signal, the time
         limit, or an iteration that is a multiple of ``--exit-interval``. A stop is one line:
-        why, and where the checkpoint is."""
+        why, the validation it dropped (a stop during this iteration's evaluation), and where
+        the checkpoint is."""
         if self.saver is not None:
             self.saver.poll()
         if self.ck.save_interval and state.iteration % self.ck.save_interval == 0:
@@ -79,6 +80,8 @@ class Checkpointer:
                 saved = (f"saved checkpoint at iteration {state.iteration} to {self.ck.save}"
                          if self.ck.save else "not saved (no --save)")
                 why = f"reached --exit-interval ({every})" if interval else self.stop.reason()
+                if self.stop_agreed:  # stop_now() said stop: during this iteration's evaluation
+                    why += f"; dropped the validation at iteration {state.iteration}"
                 self.writer.print(f" exiting at iteration {state.iteration}: {why}; {saved}")
             return True
         return False

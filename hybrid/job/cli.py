@@ -47,7 +47,7 @@ def _base_type(annotation) -> type:
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
         return _base_type(args[0])
     if typing.get_origin(annotation) is list:
-        return str
+        return (typing.get_args(annotation) or (str,))[0]
     return annotation
 
 
@@ -271,13 +271,17 @@ def _unknown_fields(path: str, unknown: list[str], valid: list[str]) -> str:
     return f"--config {path}: unknown field{s} {', '.join(hints)}{tail}"
 
 
-def parse_config(argv: list[str] | None = None, ignored: list[str] | None = None
+def parse_config(argv: list[str] | None = None, ignored: list[str] | None = None,
+                 hf_flags: list[str] | None = None
                  ) -> PretrainConfig:
     """Parse ``argv`` (and its ``--config`` file) into a :class:`PretrainConfig`.
 
     Megatron-LM flags without a field here are answered first
     (:func:`hybrid.job.megatron_flags.translate`); those accepted without effect are appended
     to ``ignored`` when given. Every section validates its own fields as it is built.
+    ``--init-from-hf DIR`` without ``--preset`` or shape flags takes the model flags of
+    ``DIR/config.json`` before the given ones (:mod:`hybrid.hf.config_flags`); they are appended
+    to ``hf_flags`` when given.
 
     Raises:
         ConfigError: a bad config file, two conflicting alias flags, a bad field value, or an
@@ -287,9 +291,28 @@ def parse_config(argv: list[str] | None = None, ignored: list[str] | None = None
     """
     import sys
 
+    argv = sys.argv[1:] if argv is None else list(argv)
+    cfg = _parse(argv, ignored)
+    m = cfg.model
+    if cfg.checkpoint.init_from_hf and m.preset is None and all(
+            v is None for v in (m.num_layers, m.hidden_size, m.num_attention_heads)):
+        from hybrid.hf.config_flags import hf_model_flags
+
+        try:
+            derived = hf_model_flags(cfg.checkpoint.init_from_hf)
+        except (FileNotFoundError, ValueError) as e:
+            flag = "" if str(e).startswith("--init-from-hf") else "--init-from-hf "
+            raise ConfigError(flag + str(e)) from None
+        if hf_flags is not None:
+            hf_flags += derived
+        cfg = _parse(derived + argv, None)
+    return cfg
+
+
+def _parse(argv: list[str], ignored: list[str] | None) -> PretrainConfig:
     from hybrid.job.megatron_flags import translate
 
-    argv, no_ops = translate(sys.argv[1:] if argv is None else argv)
+    argv, no_ops = translate(argv)
     if ignored is not None:
         ignored += no_ops
     ns = vars(build_parser().parse_args(argv))
@@ -310,7 +333,12 @@ def _coerce(f: dataclasses.Field, value):
         items = value.split() if isinstance(value, str) else value
         if not isinstance(items, list):
             raise ConfigError(f"{flag_of(f)}: expected a list, got {value!r}")
-        return [str(v) for v in items]
+        kind = _base_type(_annotation(f))  # list[int]: --profile-ranks
+        try:
+            return [kind(v) for v in items]
+        except (TypeError, ValueError):
+            raise ConfigError(f"{flag_of(f)}: {value!r} is not a list of "
+                              f"{kind.__name__}") from None
     if value is None or isinstance(value, bool):
         return value
     kind = _base_type(_annotation(f))

@@ -165,6 +165,10 @@ def validate(cfg: PretrainConfig, world_size: int | None = None,
     _check_data(cfg, vocab)
     if cfg.logging.tensorboard_dir and (why := tensorboard_missing()):
         raise ConfigError(why)
+    lg = cfg.logging
+    if lg.profile and (bad := [r for r in lg.profile_ranks if not 0 <= r < world]):
+        raise ConfigError(f"--profile-ranks {' '.join(map(str, bad))}: not a global rank of this "
+                          f"world of {world} (0 to {world - 1})")
     _check_checkpoint(cfg, gpt, schedule)
     if cfg.dry_run.dry_run_world_size is None:  # a dry run writes none of them
         check_paths(cfg)
@@ -241,6 +245,8 @@ def _check_checkpoint(cfg: PretrainConfig, gpt: GPTConfig, schedule: dict) -> No
     c = cfg.checkpoint
     if c.save_interval is not None and not c.save:
         raise ConfigError(f"--save-interval {c.save_interval} needs --save DIR")
+    if c.async_save and not c.save:  # accepted silently, it did nothing
+        raise ConfigError("--async-save needs --save DIR (where it writes in the background)")
     if c.finetune and not c.load:
         raise ConfigError("--finetune needs --load DIR (the checkpoint to start from)")
     if c.init_from_hf:

@@ -40,9 +40,10 @@ def build_datasets(job, state=None):
               valid_samples if fractions[1] > 0 else 0,
               eval_samples if fractions[2] > 0 else 0)
     if cfg.data.mock_data:
-        from data.mock_dataset import MockGPTDataset
+        from data.mock_dataset import MockGPTDataset, MockLowLevelDataset
 
-        return tuple(MockGPTDataset(n, seq, job.gpt.vocab_size, cfg.data.seed + 7919 * i) if n
+        low = MockLowLevelDataset(job.gpt.vocab_size, eod_id(cfg, job.gpt.vocab_size))
+        return tuple(MockGPTDataset(low, cfg.data.split, i, n, seq, cfg.data.seed) if n
                      else None for i, n in enumerate(counts))
     from data.gpt_dataset import build_gpt_datasets
 
@@ -64,3 +65,23 @@ def _skip_empty_eval_splits(cfg, counts: tuple) -> tuple:
         for name in skipped:
             print(skip_note(cfg.data.split, name), flush=True)
     return tuple(0 if SPLIT_NAMES[i] in skipped else n for i, n in enumerate(counts))
+
+
+def eod_id(cfg, vocab_size: int) -> int:
+    """The end-of-document id of the run's tokenizer: ``--tokenizer-model``'s eod (eos),
+    ``<|endoftext|>`` of a ``--vocab-file``, else ``vocab_size - 1`` (Megatron-LM's
+    NullTokenizer). Raises ValueError when the tokenizer has none."""
+    d = cfg.data
+    if d.tokenizer_model:
+        from data.tokenizer import load_tokenizer
+
+        return int(load_tokenizer(d.tokenizer_model, d.tokenizer_type).eod)
+    if d.vocab_file:
+        import json
+        from pathlib import Path
+
+        vocab = json.loads(Path(d.vocab_file).read_text(encoding="utf-8"))
+        if "<|endoftext|>" not in vocab:
+            raise ValueError(f"--vocab-file {d.vocab_file} has no <|endoftext|> (the eod)")
+        return int(vocab["<|endoftext|>"])
+    return vocab_size - 1

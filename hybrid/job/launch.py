@@ -22,10 +22,18 @@ prints one line that says which checkpoint stays, and exits 130; once the worker
 check) starts nothing: one line, exit status 0. A stop after that, before the workers catch it
 (they inherit torchrun's ignored SIGTERM/SIGINT until their entry point installs its handler),
 is kept and sent to each worker once it catches it: it is honoured after the first iteration.
+
+A launcher that dies without a word (SIGKILL: the OOM killer, ``kill -9``) takes torchrun with
+it: the kernel SIGKILLs torchrun when its parent dies (``prctl(PR_SET_PDEATHSIG)``, set in the
+child before it runs torchrun), and the workers, which die with torchrun
+(:func:`hybrid.job.preemption.stop_with_parent`), stop as on SIGTERM: finish the iteration,
+save, exit 0 (SIGKILL while they start: nothing to save yet). Nothing of the job trains on
+orphaned, and ``--save``'s lock is released (or, left by a killed rank 0, stale).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -139,6 +147,24 @@ def children(pid: int) -> list[int]:
 def _ignore_stops() -> None:
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, signal.SIG_IGN)
+
+
+def _torchrun_start(launcher: int):
+    """What torchrun's process runs after the fork, before torchrun itself: ignore SIGTERM and
+    SIGINT (the launcher forwards them) and die with the launcher ``launcher`` (Linux
+    ``PR_SET_PDEATHSIG`` with SIGKILL; SIGTERM would be ignored). A launcher that died during
+    the fork ends the child at once."""
+    def start() -> None:
+        _ignore_stops()
+        if not sys.platform.startswith("linux"):
+            return
+        try:
+            ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            return
+        if os.getppid() != launcher:
+            os._exit(128 + signal.SIGKILL)
+    return start
 
 
 def _kill(pids: list[int], sig: int) -> None:
@@ -257,12 +283,12 @@ class _Forward:
 
 def supervise(cmd: list[str], save: str | None = None, workers: int = 1) -> int:
     """Run torchrun ``cmd`` with SIGTERM/SIGINT ignored, forwarding them to its ``workers``
-    workers; returns its exit status (128 + n when signal n killed it). ``save``: the job's
-    ``--save``. A stop that came before (:func:`hybrid.job.preemption.early_stop`) is kept for
-    the workers."""
+    workers, and dying with this process; returns its exit status (128 + n when signal n
+    killed it). ``save``: the job's ``--save``. A stop that came before
+    (:func:`hybrid.job.preemption.early_stop`) is kept for the workers."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default too, without its warning
-    proc = subprocess.Popen(cmd, env=env, preexec_fn=_ignore_stops)
+    proc = subprocess.Popen(cmd, env=env, preexec_fn=_torchrun_start(os.getpid()))
     forward = _Forward(proc, save, workers=workers)
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     if early_stop() is not None:  # between the launcher's check and the handler above
@@ -286,8 +312,8 @@ def supervise(cmd: list[str], save: str | None = None, workers: int = 1) -> int:
 
 def launch(argv: list[str], module: str = "hybrid.pretrain") -> int:
     """Validate ``argv``'s flags for the world its launcher options start, then run torchrun;
-    returns the exit status (2: a configuration error, 1: a live job holds ``--save``'s lock;
-    each printed as one line, before torchrun starts)."""
+    returns the exit status (2: refused before torchrun starts, for a configuration error or a
+    live job holding ``--save``'s lock; one line)."""
     try:
         options, flags = split_launch_options(argv)
         world, per_node = world_of(options)
@@ -297,8 +323,8 @@ def launch(argv: list[str], module: str = "hybrid.pretrain") -> int:
         print(f"hybrid-pretrain: error: {e}", file=sys.stderr)
         return 2
     if cfg.checkpoint.save and (why := in_use(cfg.checkpoint.save)):
-        print(f"hybrid-pretrain: error: {why}", file=sys.stderr)  # as rank 0 would, exit 1
-        return 1
+        print(f"hybrid-pretrain: error: {why}", file=sys.stderr)  # as rank 0 would
+        return 2
     if early_stop() is not None:  # before any worker exists: nothing to stop or save
         name = signal.Signals(early_stop()).name
         print(f"hybrid-pretrain: received {name} before torchrun started: no process was "

@@ -24,6 +24,7 @@ MEANING = {
     "--exit-signal-handler": [],  # SIGTERM always finishes the iteration, saves and exits
     "--accumulate-allreduce-grads-in-fp32": [],  # gradients are always accumulated in fp32
     "--no-position-embedding": ["--position-embedding-type", "none"],  # [] beside RoPE
+    "--log-throughput": [],  # every log line has tokens/s and TFLOP/s per device
 }
 """Flag -> the equivalent flags here (empty: what happens here anyway)."""
 
@@ -40,11 +41,11 @@ NO_OP = {
     # no persistent LayerNorm kernel here: the fused norm is compiled (or apex's FusedLayerNorm)
     "--no-persist-layer-norm", "--cross-entropy-loss-fusion",
     "--cross-entropy-fusion-impl", "--no-async-tensor-model-parallel-allreduce",
-    "--tp-comm-overlap", "--manual-gc", "--manual-gc-interval", "--log-throughput",
+    "--tp-comm-overlap", "--manual-gc", "--manual-gc-interval",
     "--timing-log-level", "--timing-log-option", "--num-workers", "--no-mmap-bin-files",
     "--mmap-bin-files", "--no-create-attention-mask-in-dataloader", "--dataloader-type",
-    "--empty-unused-memory-level", "--use-cpu-initialization", "--profile",
-    "--profile-step-start", "--profile-step-end", "--log-params-norm", "--log-num-zeros-in-grad",
+    "--empty-unused-memory-level", "--use-cpu-initialization",
+    "--log-params-norm", "--log-num-zeros-in-grad",
     "--tiktoken-pattern",  # read by TikTokenizer only, which is refused
     "--tensorboard-log-interval", "--tensorboard-queue-size", "--log-timers-to-tensorboard",
     "--log-validation-ppl-to-tensorboard", "--log-memory-to-tensorboard",
@@ -67,13 +68,6 @@ REFUSED = {
     "--use-torch-fsdp2": "FSDP (--zero-stage 3 partitions the parameters here)",
     "--use-megatron-fsdp": "FSDP (--zero-stage 3 partitions the parameters here)",
     "--step-batch-size-schedule": "a batch-size schedule",
-    "--decoupled-lr": "a separate learning rate for the embeddings",
-    "--decoupled-min-lr": "a separate learning rate for the embeddings",
-    "--calculate-per-token-loss": "per-token loss averaging across micro-batches",
-    "--apply-layernorm-1p": "zero-centered LayerNorm weights (1 + gamma)",
-    "--eod-mask-loss": "masking the loss at end-of-document tokens",
-    "--reset-position-ids": "per-document position ids",
-    "--reset-attention-mask": "per-document attention masks",
     "--rotary-seq-len-interpolation-factor": "RoPE sequence-length interpolation",
 }
 """Flag -> the feature it asks for, which this trainer does not have."""

@@ -18,7 +18,6 @@ SIGTERM once training is under way, SIGKILL while it starts) when torchrun dies
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import sys
@@ -53,7 +52,11 @@ _EARLY: list[tuple[int, float]] = []
 
 def catch_stops_early() -> None:
     """From now on, record SIGTERM / SIGINT for the :class:`StopSignal` built later (the
-    process entry point calls it, before the slow imports; a second SIGINT exits at once)."""
+    process entry point calls it, before the slow imports; a second SIGINT exits at once).
+    This module imports nothing beyond what the interpreter has loaded (``signal`` aside), so
+    the entry point catches a stop a few ms after the interpreter's own start-up; before that
+    (Python starting, no line of this package run yet) SIGTERM ends the process by its default
+    action (status 143) with nothing started."""
     def record(signum, frame):
         now = time.monotonic()
         last = max((t for s, t in _EARLY if s == signal.SIGINT), default=-REPEAT_S)
@@ -93,6 +96,8 @@ def stop_with_parent(signum: int = signal.SIGTERM) -> None:
     torchrun) sends ``signum`` at once. Elsewhere: nothing."""
     if not sys.platform.startswith("linux"):
         return
+    import ctypes  # here: the entry point imports this module before it catches a stop
+
     parent = os.getppid()
     try:
         libc = ctypes.CDLL(None, use_errno=True)

@@ -85,14 +85,36 @@ def _missing_index(job, read_only: list[Path]) -> Path | None:
     from data.index_cache import MissingIndexError, probing
     from hybrid.job.datasets import build_datasets
 
+    state = _resumed_state(job)
     try:  # its notes (a skipped split) are printed by the job itself
         with probing(read_only), contextlib.redirect_stdout(io.StringIO()):
-            build_datasets(job)
+            build_datasets(job, state)
     except MissingIndexError as e:
         return e.path
     except (ValueError, OSError):
         return None
     return None
+
+
+def _resumed_state(job):
+    """The loop counters the ranks will restore from ``--load``'s latest checkpoint (a resumed
+    job's splits are sized from its consumed samples, so its indices differ from a fresh
+    run's); None for a fresh run, ``--finetune``, or a checkpoint that cannot be read (the
+    ranks report that)."""
+    from hybrid.job.resume_checks import checkpoint_metadata
+    from hybrid.training import TrainState
+
+    c = job.cfg.checkpoint
+    if not c.load or c.finetune:
+        return None
+    try:
+        meta = checkpoint_metadata(c.load)
+        state = TrainState()
+        if meta is not None:
+            state.restore(meta["train_state"], job.global_batch_size)
+    except (ValueError, OSError, RuntimeError, KeyError, TypeError):
+        return None
+    return state if meta is not None else None
 
 
 def check_index_caches(job) -> None:

@@ -18,7 +18,7 @@ process_start()  # --exit-duration-in-mins counts from here at the latest (befor
 
 from hybrid.job.cli import parse_config  # noqa: E402
 from hybrid.job.config_checks import ConfigError, Job, validate  # noqa: E402
-from hybrid.job.datasets import build_datasets  # noqa: E402
+from hybrid.job.datasets import build_datasets, eod_id  # noqa: E402
 from hybrid.wandb_names import preflight as wandb_preflight  # noqa: E402
 
 if TYPE_CHECKING:
@@ -35,7 +35,26 @@ def _batches(dataset, consumed: int, job: Job, grid: ProcessGrid):
     # pinned host batches on CUDA: train_step's non_blocking copy is then truly asynchronous
     loader = build_data_loader(dataset, consumed, cfg.training.micro_batch_size, grid.dp_rank,
                                grid.dp_size, pin_memory=grid.device.type == "cuda")
-    return checked_tokens(loader, job.gpt.vocab_size, cfg.data.data_path)
+    batches = checked_tokens(loader, job.gpt.vocab_size, cfg.data.data_path)
+    d = cfg.data
+    if not (d.reset_position_ids or d.reset_attention_mask or d.eod_mask_loss):
+        return batches
+    return packed_documents(batches, eod_id(cfg, job.gpt.vocab_size), d.reset_position_ids,
+                            d.reset_attention_mask, d.eod_mask_loss)
+
+
+def packed_documents(batches, eod: int, reset_position_ids: bool, reset_attention_mask: bool,
+                     eod_mask_loss: bool):
+    """``batches`` ``[b, s+1]`` as ``{"tokens", "loss_mask", "documents"}`` micro-batches
+    (:func:`models.documents.document_layout` of the inputs, on the host as Megatron-LM's
+    dataset builds them): ``--reset-position-ids``, ``--reset-attention-mask``,
+    ``--eod-mask-loss``."""
+    from models.documents import document_layout
+
+    for tokens in batches:
+        docs, mask = document_layout(tokens[:, :-1], eod, reset_position_ids,
+                                     reset_attention_mask, eod_mask_loss)
+        yield {"tokens": tokens, "loss_mask": mask, "documents": docs}
 
 
 def checked_tokens(batches, vocab_size: int, source):
@@ -100,9 +119,11 @@ def engine_modes(config) -> str:
     return f"gradients {grads}, {fusion}, {reduce}; {gather}"
 
 
-def loop_settings(job: Job, grid: ProcessGrid):
+def loop_settings(job: Job, grid: ProcessGrid, splits=("valid", "test")):
     """The loop's counts and the FLOPs per step for TFLOP/s and MFU, counted as Megatron-LM's
-    ``--log-throughput`` (:func:`hybrid.flops.megatron_flops_per_iteration`)."""
+    ``--log-throughput`` (:func:`hybrid.flops.megatron_flops_per_iteration`). ``splits``: the
+    evaluation splits that hold samples; one left out (empty, or skipped as empty) is never
+    evaluated, so the ETA does not count it (no validation split: no evaluation in the loop)."""
     from hybrid.flops import device_peak_tflops, megatron_flops_per_iteration
     from hybrid.training import LoopSettings
 
@@ -110,13 +131,15 @@ def loop_settings(job: Job, grid: ProcessGrid):
     return LoopSettings(
         train_iters=o.train_iters, grad_accum_steps=job.grad_accum_steps,
         global_batch_size=job.global_batch_size, tokens_per_step=job.tokens_per_step,
-        log_interval=cfg.logging.log_interval, eval_interval=cfg.eval.eval_interval,
+        log_interval=cfg.logging.log_interval,
+        eval_interval=cfg.eval.eval_interval if "valid" in splits else None,
         eval_iters=cfg.eval.eval_iters, max_nan_iterations=o.max_nan_iterations,
         flops_per_step=megatron_flops_per_iteration(job.gpt, job.global_batch_size,
                                                     cfg.model.seq_length, job.padded_vocab_size),
         peak_tflops=device_peak_tflops() if grid.device.type == "cuda" else None,
         batch_size=job.rampup.batch_size if job.rampup else None,
-        final_evaluations=2,  # valid and test after the loop (none without --eval-iters)
+        per_token_loss=o.calculate_per_token_loss,
+        final_evaluations=len(splits),  # after the loop (none without --eval-iters)
     )
 
 
@@ -166,6 +189,20 @@ def _metrics(job: Job, grid: ProcessGrid, state: TrainState, meta: dict | None):
     return writer, progress
 
 
+def _profiler(job: Job, grid: ProcessGrid):
+    """``--profile``'s :class:`hybrid.torch_profile.IterationProfiler` on a rank of
+    ``--profile-ranks`` (all by default); None otherwise."""
+    lg = job.cfg.logging
+    if not lg.profile or (lg.profile_ranks and grid.rank not in lg.profile_ranks):
+        return None
+    from hybrid.torch_profile import IterationProfiler, trace_dir
+
+    return IterationProfiler(lg.profile_step_start, lg.profile_step_end, grid.rank,
+                             trace_dir(lg.tensorboard_dir),
+                             cuda_range=grid.device.type == "cuda" and not lg.use_pytorch_profiler,
+                             print_fn=print)
+
+
 def run(job: Job) -> dict:
     """Train a validated job; returns ``{"history": records, "engine": engine}``."""
     from hybrid.job.checkpointing import Checkpointer, lock_save_dir, lr_schedule, start_from
@@ -193,14 +230,18 @@ def run(job: Job) -> dict:
         writer.print(engine_line(engine) + where)
     checkpointer = Checkpointer(job, engine, grid, tracker, writer)
     checkpointer.metadata["lr_schedule"] = settings  # the one followed, for the next resume
-    trainer = Trainer(engine, grid, loop_settings(job, grid), schedule, writer, eval_batches,
-                      checkpointer.after_iteration, progress, state, checkpointer.stop_now)
+    loop = loop_settings(job, grid, tuple(k for k, ds in eval_sets.items() if ds is not None))
+    trainer = Trainer(engine, grid, loop, schedule, writer, eval_batches,
+                      checkpointer.after_iteration, progress, state, checkpointer.stop_now,
+                      profiler=_profiler(job, grid))
     try:
         trainer.train(_batches(train_ds, state.consumed_samples, job, grid))
         checkpointer.save(state, wait=True)  # --async-save: written and published here
         if trainer.settings.eval_iters and state.iteration >= job.cfg.training.train_iters:
             checkpointer.final_evaluation(trainer.evaluate, state)
     finally:
+        if trainer.profiler is not None:  # a run that stopped early still writes its trace
+            trainer.profiler.close()
         if progress is not None:
             progress.close()
         writer.close()
@@ -232,7 +273,8 @@ def _checked_job(argv: list[str] | None):
     group (rank 0 only): wandb's names, the ignored Megatron-LM flags, --init-from-hf's
     dropout. Returns ``(cfg, job)``; raises :class:`ConfigError` for a bad flag."""
     ignored: list[str] = []
-    cfg = parse_config(argv, ignored)
+    hf_flags: list[str] = []
+    cfg = parse_config(argv, ignored, hf_flags)
     job = validate(cfg, world_size=cfg.dry_run.dry_run_world_size)
     if os.environ.get("RANK", "0") != "0":
         return cfg, job
@@ -242,6 +284,13 @@ def _checked_job(argv: list[str] | None):
     if ignored:
         print(f"hybrid-pretrain: Megatron-LM flags accepted without effect here (kernel, "
               f"fusion and backend choices): {', '.join(ignored)}", flush=True)
+    if cfg.grid.sequence_parallel and not cfg.grid.sequence_parallel_active:
+        print("hybrid-pretrain: note: --sequence-parallel has no effect at "
+              "--tensor-model-parallel-size 1 (no group to split the sequence over); disabled, as "
+              "Megatron-LM disables it", flush=True)
+    if hf_flags:
+        print(f"hybrid-pretrain: --init-from-hf {cfg.checkpoint.init_from_hf}: the model flags of "
+              f"its config.json: {' '.join(hf_flags)}", flush=True)
     if cfg.checkpoint.init_from_hf:
         from hybrid.hf.weights import start_note  # the run's dropout against config.json's
 
@@ -252,9 +301,9 @@ def _checked_job(argv: list[str] | None):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Console entry point; returns the exit status (2 for a configuration error, 1 when
-    ``--max-nan-iterations`` consecutive NaN/inf losses stopped training, a save failed or
-    another job holds ``--save``)."""
+    """Console entry point; returns the exit status (2 when refused before training: a
+    configuration error or another job holding ``--save``; 1 when ``--max-nan-iterations``
+    consecutive NaN/inf losses stopped training or a save failed)."""
     import warnings
 
     # a user's warning is a line of its own, not a source file and line of this package
@@ -294,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         except (TooManyNaNIterations, SaveFailedError, SaveDirectoryInUseError) as e:
             if dist.get_rank() == 0:
                 print(f"hybrid-pretrain: error: {e}", file=sys.stderr, flush=True)
-            return 1
+            return 2 if isinstance(e, SaveDirectoryInUseError) else 1  # 2: refused, not failed
         if dist.get_world_size() > 1:
             dist.barrier()  # no rank tears down while a peer still communicates
     finally:

@@ -14,20 +14,25 @@ restarts the schedule from sample 0, as Megatron-LM does when it loads no schedu
 
 from __future__ import annotations
 
+import dataclasses
+
 from hybrid.batch_rampup import BatchRampup
 from hybrid.config import PretrainConfig
 from hybrid.config_fields import ConfigError
 from hybrid.schedule import LRSchedule, ParamSchedule, WeightDecaySchedule
 
 COMPARED = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style",
-            "start_wd", "end_wd", "wd_incr_steps", "wd_incr_style")
-"""What Megatron-LM's ``OptimizerParamScheduler.load_state_dict`` checks against the run."""
+            "start_wd", "end_wd", "wd_incr_steps", "wd_incr_style", "decoupled_lr",
+            "decoupled_min_lr")
+"""What Megatron-LM's ``OptimizerParamScheduler.load_state_dict`` checks against the run, and
+the decoupled group's peak and minimum (its optimizer state carries them per parameter group)."""
 
 LABELS = dict(max_lr="--lr", min_lr="--min-lr", lr_warmup_steps="warmup samples",
               lr_decay_steps="decay samples", lr_decay_style="--lr-decay-style",
               start_wd="start weight decay", end_wd="end weight decay",
               wd_incr_steps="weight decay increment samples",
-              wd_incr_style="--weight-decay-incr-style")
+              wd_incr_style="--weight-decay-incr-style", decoupled_lr="--decoupled-lr",
+              decoupled_min_lr="--decoupled-min-lr (default --min-lr)")
 
 
 DEFAULT_TRAIN_ITERS = 100
@@ -131,11 +136,36 @@ def schedule_settings(cfg: PretrainConfig, global_batch_size: int) -> dict:
         raise ConfigError(f"--lr-decay-style WSD needs --lr-wsd-decay-iters (or -samples) within "
                           f"the decay ({dflag}), got {wsd} samples")
     start, end = _weight_decay_range(cfg)
-    return dict(max_lr=lr, min_lr=t.min_lr, lr_warmup_steps=warmup, lr_decay_steps=decay,
+    decoupled, decoupled_min = _decoupled(cfg)
+    return dict(max_lr=lr, min_lr=t.min_lr, decoupled_lr=decoupled,
+                decoupled_min_lr=decoupled_min, lr_warmup_steps=warmup, lr_decay_steps=decay,
                 lr_decay_style=t.lr_decay_style, start_wd=start, end_wd=end,
                 wd_incr_steps=incr, wd_incr_style=t.weight_decay_incr_style,
                 init_lr=t.lr_warmup_init, wsd_decay_steps=wsd,
                 lr_wsd_decay_style=t.lr_wsd_decay_style)
+
+
+def _decoupled(cfg: PretrainConfig) -> tuple[float | None, float | None]:
+    """``(peak, minimum)`` of the embedding and output layer's learning rate (Megatron-LM's
+    ``--decoupled-lr`` / ``--decoupled-min-lr``, the minimum ``--min-lr`` when not given);
+    ``(None, None)`` without ``--decoupled-lr``.
+
+    Raises:
+        ConfigError: ``--decoupled-min-lr`` alone (Megatron-LM ignores it silently), a minimum
+            above the peak, or a peak below ``--lr-warmup-init``.
+    """
+    t, peak = cfg.training, cfg.optimizer.decoupled_lr
+    if peak is None:
+        if t.decoupled_min_lr is not None:
+            raise ConfigError(f"--decoupled-min-lr {t.decoupled_min_lr} applies with "
+                              "--decoupled-lr only: give --decoupled-lr too, or drop it")
+        return None, None
+    low = t.min_lr if t.decoupled_min_lr is None else t.decoupled_min_lr
+    if low > peak or t.lr_warmup_init > peak:
+        raise ConfigError(f"need the decoupled minimum ({low}: --decoupled-min-lr, default "
+                          f"--min-lr) and --lr-warmup-init ({t.lr_warmup_init}) <= "
+                          f"--decoupled-lr ({peak})")
+    return peak, low
 
 
 def _weight_decay_range(cfg: PretrainConfig) -> tuple[float, float]:
@@ -161,7 +191,10 @@ def build_schedule(s: dict) -> ParamSchedule:
                     s["lr_decay_style"], s["init_lr"], s["wsd_decay_steps"],
                     s["lr_wsd_decay_style"])
     wd = WeightDecaySchedule(s["start_wd"], s["end_wd"], s["wd_incr_steps"], s["wd_incr_style"])
-    return ParamSchedule(lr, wd)
+    decoupled = None
+    if s.get("decoupled_lr") is not None:  # the same shape, its own peak and minimum
+        decoupled = dataclasses.replace(lr, lr=s["decoupled_lr"], min_lr=s["decoupled_min_lr"])
+    return ParamSchedule(lr, wd, decoupled)
 
 
 def differences(saved: dict, ours: dict) -> list[str]:

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from hybrid.parallel.ops import (
     TPLedger,
+    column_parallel_linear,
     copy_to_tp,
     reduce_from_tp,
     reduce_scatter_sequence,
@@ -156,7 +157,7 @@ class ColumnParallelLinear(nn.Module):
         if self.sequence_parallel:
             return sequence_parallel_linear(x, self.weight, self.bias, self.group, self.ledger,
                                             self.token_wise)
-        return F.linear(copy_to_tp(x, self.group, self.ledger), self.weight, self.bias)
+        return column_parallel_linear(x, self.weight, self.bias, self.group, self.ledger)
 
     def forward_skip_bias(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(forward(x) without the bias, this rank's bias slice or None)``, for a fused
@@ -164,7 +165,7 @@ class ColumnParallelLinear(nn.Module):
         if self.sequence_parallel:
             return sequence_parallel_linear(x, self.weight, None, self.group, self.ledger,
                                             self.token_wise), self.bias
-        return F.linear(copy_to_tp(x, self.group, self.ledger), self.weight), self.bias
+        return column_parallel_linear(x, self.weight, None, self.group, self.ledger), self.bias
 
 
 class RowParallelLinear(nn.Module):
@@ -185,6 +186,8 @@ class RowParallelLinear(nn.Module):
         self.token_wise = False
         """With ``sequence_parallel``: the input's tokens are in rank-major order (from a
         ``token_wise`` :class:`ColumnParallelLinear`), reduce-scattered without reordering."""
+        self.grad_group = None
+        """The unit's ``hybrid.parallel.grad_groups.TPSummedGroup`` (SP bias), or None."""
         rank, size = _group_coords(group)
         if in_features % size:
             raise ValueError(f"input features {in_features} are not divisible by the TP size "
@@ -201,7 +204,7 @@ class RowParallelLinear(nn.Module):
         if self.sequence_parallel:
             y = reduce_scatter_sequence(F.linear(x, self.weight), self.group, self.ledger,
                                         self.token_wise)
-            return y if self.bias is None else y + tp_summed(self.bias, self.group, self.ledger)
+            return y if self.bias is None else y + _summed(self, "bias")
         y = reduce_from_tp(F.linear(x, self.weight), self.group, self.ledger)
         return y if self.bias is None else y + self.bias
 
@@ -212,9 +215,12 @@ class RowParallelLinear(nn.Module):
         if self.sequence_parallel:
             y = reduce_scatter_sequence(F.linear(x, self.weight), self.group, self.ledger,
                                         self.token_wise)
-            return y, None if self.bias is None else tp_summed(self.bias, self.group,
-                                                                 self.ledger)
+            return y, None if self.bias is None else _summed(self, "bias")
         return reduce_from_tp(F.linear(x, self.weight), self.group, self.ledger), self.bias
+
+    def tp_summed_params(self) -> list[str]:
+        """``["bias"]`` under sequence parallelism (its gradient is TP-summed), else nothing."""
+        return ["bias"] if self.sequence_parallel and self.bias is not None else []
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -270,7 +276,7 @@ class ParallelOutputLayer(nn.Module):
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
             return sequence_parallel_linear(hidden, weight, None, self.group, self.ledger)
-        return F.linear(copy_to_tp(hidden, self.group, self.ledger), weight)
+        return column_parallel_linear(hidden, weight, None, self.group, self.ledger)
 
 
 class TPRegionDropout(nn.Module):
@@ -308,6 +314,15 @@ def tp_summed(param: torch.Tensor, group, ledger: TPLedger | None = None) -> tor
     return copy_to_tp(param, group, ledger, "grad_all_reduce")
 
 
+def _summed(module: nn.Module, name: str) -> torch.Tensor:
+    """:func:`tp_summed` of ``module``'s parameter ``name``, through the module's unit-wide group
+    when it has one (``hybrid.parallel.grad_groups``: one all-reduce per block instead of one
+    per parameter)."""
+    if module.grad_group is not None:
+        return module.grad_group.take(module, name)
+    return tp_summed(getattr(module, name), module.group, module.ledger)
+
+
 class SequenceParallelLayerNorm(nn.Module):
     """A LayerNorm or RMSNorm whose replicated weight (and bias) — the same Parameter objects as
     the module it replaces — get TP-summed gradients (:func:`tp_summed`).
@@ -328,12 +343,19 @@ class SequenceParallelLayerNorm(nn.Module):
         self.sequence_parallel = sequence_parallel
         self.fusion = getattr(norm, "fusion", OFF)
         """``models.fusion.KernelFusion``; ``norm`` runs the compiled kernel."""
+        self.grad_group = None
+        """The unit's ``hybrid.parallel.grad_groups.TPSummedGroup``, or None (one all-reduce
+        per parameter)."""
+
+    def tp_summed_params(self) -> list[str]:
+        """Names of the parameters whose gradients are TP-summed."""
+        return [n for n in ("weight", "bias") if getattr(self, n) is not None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = None if self.weight is None else tp_summed(self.weight, self.group, self.ledger)
+        w = None if self.weight is None else _summed(self, "weight")
         if self.rms:
             return (fusion.rms_norm if self.fusion.norm else rms_norm)(x, w, self.eps)
-        b = None if self.bias is None else tp_summed(self.bias, self.group, self.ledger)
+        b = None if self.bias is None else _summed(self, "bias")
         if self.fusion.norm:
             return fusion.layer_norm(x, w, b, self.eps)
         return F.layer_norm(x, self.normalized_shape, w, b, self.eps)
@@ -353,6 +375,12 @@ class SequenceParallelPositionEmbedding(nn.Module):
         self.group, self.ledger = group, ledger
         self.rank, self.size = _group_coords(group)
         self.sequence_parallel = True
+        self.grad_group = None
+        """The unit's ``hybrid.parallel.grad_groups.TPSummedGroup``, or None."""
+
+    def tp_summed_params(self) -> list[str]:
+        """Names of the parameters whose gradients are TP-summed."""
+        return ["weight"]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         s = ids.shape[-1]
@@ -360,4 +388,4 @@ class SequenceParallelPositionEmbedding(nn.Module):
             raise ValueError(f"sequence length {s} is not divisible by the TP size {self.size} "
                              "(sequence parallelism needs seq_length % tp == 0)")
         local = ids.narrow(-1, self.rank * (s // self.size), s // self.size)
-        return F.embedding(local, tp_summed(self.weight, self.group, self.ledger))
+        return F.embedding(local, _summed(self, "weight"))

@@ -86,6 +86,18 @@ def _all_reduce(x: torch.Tensor, group, ledger: TPLedger | None = None,
     return x
 
 
+def _all_reduce_start(x: torch.Tensor, group, ledger: TPLedger | None = None,
+                      kind: str = "all_reduce"):
+    """Launch the in-place sum of ``x`` (contiguous) over ``group``; its work handle, or None
+    at one rank."""
+    n = dist.get_world_size(group)
+    if n == 1:
+        return None
+    if ledger is not None:
+        ledger.count(kind, _nbytes(x), n)
+    return dist.all_reduce(x, group=group, async_op=True)
+
+
 def all_gather_seq(x: torch.Tensor, group, ledger: TPLedger | None = None,
                    kind: str = "all_gather", token_wise: bool = False) -> torch.Tensor:
     """``[b, s/t, ...]`` on each rank -> ``[b, s, ...]`` (rank-major along dim 1); no autograd.
@@ -297,6 +309,59 @@ class _SequenceParallelLinear(torch.autograd.Function):
             grad_w = g2.t().matmul(full.reshape(-1, full.shape[-1]))
             grad_b = g2.sum(0) if ctx.has_bias else None
             return scatter(), grad_w, grad_b, None, None, None
+
+
+class _ColumnParallelLinear(torch.autograd.Function):
+    """``F.linear(copy_to_tp(x), weight, bias)`` whose backward launches the input gradient's
+    all-reduce before the weight-gradient GEMM and waits for it after, so the two overlap (as
+    Megatron-LM's column-parallel linear does; the sum is the "f" of arXiv 1909.08053 §3,
+    Figure 3). On a GPU the all-reduce runs on the process group's own stream, the GEMM on the
+    compute stream; ``wait`` only makes the compute stream wait for it."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, ledger):
+        # Autocast's casts made by hand (what it does to F.linear's arguments) so that the
+        # 16-bit copies, not the fp32 input, are what backward keeps, as F.linear keeps them.
+        kind, enabled, dtype = _autocast_state(x.device)
+        ctx.group, ctx.ledger, ctx.has_bias = group, ledger, bias is not None
+        ctx.x_dtype = x.dtype
+        if enabled and x.is_floating_point():
+            x, weight = x.to(dtype), weight.to(dtype)
+            bias = None if bias is None else bias.to(dtype)
+        ctx.save_for_backward(x, weight)
+        with torch.autocast(kind, enabled=False):
+            return torch.nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad = grad.to(weight.dtype)
+        # The sum runs in the input's dtype, as when the all-reduce followed autocast's cast
+        # back (the same bytes and rounding as an all-reduce after F.linear's backward).
+        grad_x = work = None
+        if ctx.needs_input_grad[0]:  # as "f" before the linear: no input gradient, no sum
+            grad_x = grad.matmul(weight).to(ctx.x_dtype)
+            work = _all_reduce_start(grad_x, ctx.group, ctx.ledger)
+        g2 = grad.reshape(-1, grad.shape[-1])
+        grad_w = g2.t().matmul(x.reshape(-1, x.shape[-1]))
+        grad_b = g2.sum(0) if ctx.has_bias else None
+        if work is not None:
+            work.wait()
+        return grad_x, grad_w, grad_b, None, None
+
+
+def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                           group, ledger: TPLedger | None = None) -> torch.Tensor:
+    """Column-parallel linear on a replicated input: ``[..., in]`` -> ``[..., out_local]``.
+
+    Forward is ``F.linear``; backward all-reduces the input gradient over ``group`` ("f") while
+    the weight gradient is computed (launched before that GEMM, waited after it). Equal, bit
+    for bit on CPU, to ``F.linear(copy_to_tp(x, group), weight, bias)``, with or without
+    autocast. At one rank it is ``F.linear``.
+    """
+    if dist.get_world_size(group) == 1:
+        return torch.nn.functional.linear(x, weight, bias)
+    return _ColumnParallelLinear.apply(x, weight, bias, group, ledger)
 
 
 def sequence_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -25,6 +25,9 @@ take their sequence-parallel form (see :mod:`hybrid.parallel.layers`) and these 
     layers.*.ln1, ln2, ln_f  -> SequenceParallelLayerNorm (TP-summed weight/bias gradients)
     drop, layers.*.drop1, layers.*.drop2 -> TPRegionDropout (each rank's slice is other data)
 
+The TP-summed gradients of each block's replicated parameters (and of the rest of the model's)
+are summed in one all-reduce per block (:mod:`hybrid.parallel.grad_groups`).
+
 The MLP's linears are ``token_wise``: under sequence parallelism the tokens between its gather
 and its reduce-scatter stay in the collectives' rank-major order (the MLP treats each token
 alike), so a micro-batch > 1 needs no reordering copy there (``hybrid.parallel.ops``).
@@ -45,6 +48,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from hybrid.parallel.grad_groups import group_tp_summed_grads
 from hybrid.parallel.layers import TPSpec, get_tp_spec, set_tp_spec
 from hybrid.parallel.ops import TPLedger
 from hybrid.parallel.rng import RNGTracker
@@ -169,6 +173,8 @@ def parallelize_gpt(
         style = next((s for pat, s in plan.items() if fnmatch.fnmatchcase(name, pat)), None)
         if style is not None and module is not None:
             _set_submodule(model, name, STYLES[style](module, swap))
+    if tp > 1:
+        group_tp_summed_grads(model, tp_group, swap.ledger)
     _fill_weights(model, tp_group, full, seed, swap.device)
     return model
 

@@ -33,7 +33,7 @@ from hybrid.devices import (
 )
 from hybrid.dryrun.verify import comparison_lines, pretrain_argv, verify
 from hybrid.flops import device_peak_tflops, num_parameters
-from hybrid.model_flags import _finite, add_model_args, model_from_args
+from hybrid.model_flags import _finite, add_model_args, apply_preset_defaults, model_from_args
 from hybrid.planner.inputs import DEFAULT_BUCKET_ELEMENTS, Cluster, Training
 from hybrid.planner.max_model import max_layers, max_params
 from hybrid.planner.memory import ACTIVATION_OPTIONS, ZERO_STAGES
@@ -123,6 +123,14 @@ def _decimal_gb_as_gib(text: str) -> float:
     return _finite(text) * 1e9 / GIB
 
 
+def _positive_gb_as_gib(text: str) -> float:
+    """argparse type of ``--gpu-memory-gb``: :func:`_decimal_gb_as_gib` of a positive size, so
+    that 0 is refused under the flag given (the shared check names ``--gpu-memory-gib``)."""
+    if _finite(text) <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive (GB = 10^9 bytes per GPU), got {text}")
+    return _decimal_gb_as_gib(text)
+
+
 def _add_cluster_args(g) -> None:
     g.add_argument("--num-gpus", type=int, default=8, help="GPUs in the job (tp * dp)")
     g.add_argument("--gpus-per-node", type=int, default=8, help="tp never crosses a node")
@@ -134,7 +142,7 @@ def _add_cluster_args(g) -> None:
     memory.add_argument("--gpu-memory-gib", dest="gpu_memory_gb", type=_finite, metavar="GIB",
                         help="memory per GPU in GiB = 2^30 bytes, as nvidia-smi and torch.cuda "
                         "report it (default: the --device preset's)")
-    memory.add_argument("--gpu-memory-gb", dest="gpu_memory_gb", type=_decimal_gb_as_gib,
+    memory.add_argument("--gpu-memory-gb", dest="gpu_memory_gb", type=_positive_gb_as_gib,
                         metavar="GB", help="the same in GB = 10^9 bytes, converted to GiB "
                         "(80 GB = 74.51 GiB); not with --gpu-memory-gib")
     reserved = g.add_mutually_exclusive_group()
@@ -313,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from_preset = apply_preset_defaults(args)
     try:
         model = model_from_args(args, required=not args.max_model)
         cluster = _cluster(args, planning=not args.max_model)
@@ -342,6 +351,7 @@ def _main(argv: list[str] | None = None) -> int:
             "model": dataclasses.asdict(model),
             "num_parameters": num_parameters(model),
             "device": _device_label(args),
+            "defaults_from_preset": from_preset,
             "cluster": dataclasses.asdict(cluster),
             "training": dataclasses.asdict(training),
             "candidates": [c.as_dict() for c in cands],
@@ -353,11 +363,20 @@ def _main(argv: list[str] | None = None) -> int:
         print()
         return 0
     print(plan_text(model, cluster, training, cands, skipped, chosen, args.fitting_only,
-                    _device_label(args)), flush=True)
+                    _device_label(args), preset_note(args.model, from_preset)), flush=True)
     checked = _verify(args, model, training, cluster, chosen) if args.verify else None
     if checked is not None:
         print("\n".join(comparison_lines(checked, chosen.total_bytes, chosen.fits)))
     return 0
+
+
+def preset_note(preset: str | None, taken: dict) -> str | None:
+    """The header line naming the settings taken from the ``--model`` preset (None: none)."""
+    if not taken:
+        return None
+    given = ", ".join(f"{flag} {value:g}" for flag, value in taken.items())
+    return (f"defaults from the {preset} preset (its training recipe): {given}; give a flag "
+            "to plan another")
 
 
 def no_layout_message(skipped: list[str]) -> str:

@@ -150,15 +150,17 @@ def _padded(model: GPTConfig, tp: int, training: Training) -> GPTConfig:
 def _check_tp(m: GPTConfig, tp: int, cluster: Cluster) -> None:
     if tp <= 0:
         raise ValueError(f"tp={tp} must be positive")
-    refusal = tp_split_refusal(m, tp)
+    refusal, why = tp_split_refusal(m, tp), []  # every rule tp breaks, not the first only
     if refusal is not None and refusal.dimension == "num_query_groups":
-        raise ValueError(f"tp={tp} must divide num_query_groups={m.query_groups} (each TP rank "
-                         f"holds whole K/V heads)")
-    if refusal is not None:
-        raise ValueError(f"tp={tp} must divide num_attention_heads={m.num_attention_heads} "
-                         f"and ffn_hidden_size={m.ffn_hidden_size}")
-    if (why := _grid_refusal(tp, cluster)) is not None:
-        raise ValueError(why)
+        why.append(f"tp={tp} must divide num_query_groups={m.query_groups} (each TP rank holds "
+                   "whole K/V heads)")
+    elif refusal is not None:
+        why.append(f"tp={tp} must divide num_attention_heads={m.num_attention_heads} and "
+                   f"ffn_hidden_size={m.ffn_hidden_size}")
+    if (grid := _grid_refusal(tp, cluster)) is not None:
+        why.append(grid)
+    if why:
+        raise ValueError("; ".join(why))
 
 
 def _check_layout(model: GPTConfig, cluster: Cluster, training: Training, tp: int,
@@ -268,9 +270,11 @@ def evaluate(
     temps = temporary_bytes(m, s, b, tp, stage, activation, prec.activation_bytes,
                             model.vocab_size, acts["layers"], training.dropout)
     bucket = min(max(1, training.reduce_bucket_elements // dp), -(-psi_t // dp)) * dp
+    # the bytes that phase allocates; the activations are freed by then, so its peak is above
+    # the other phases' (states + activ + temps) only by what it allocates beyond them
     temps["embedding_backward"] = embedding_backward_bytes(
-        m, tp, stage, prec.activation_bytes, bucket, acts["gpu"], training.overlap_comm)
-    temps["total"] = max(temps["total"], temps["embedding_backward"])
+        m, tp, stage, prec.activation_bytes, bucket, 0, training.overlap_comm)
+    temps["total"] = max(temps["total"], temps["embedding_backward"] - acts["gpu"])
     total = states["total"] + acts["gpu"] + temps["total"] + buffers + int(cluster.reserved_bytes)
     dp_kinds, tp_bytes, cpu_bytes = _traffic(m, tp, dp, stage, prec, micro_batches, persistent,
                                              activation, training, acts)

@@ -10,10 +10,12 @@ def _gb(x: float) -> str:
     return f"{x / GIB:8.2f}"
 
 
-def plan_text(model, cluster, training, cands, skipped, chosen, fitting_only, device) -> str:
+def plan_text(model, cluster, training, cands, skipped, chosen, fitting_only, device,
+              note: str | None = None) -> str:
     """The planner's table: a header naming the model, cluster (``device``: where its memory
-    and peak came from) and every column, one row per candidate layout (only fitting ones
-    with ``fitting_only``), the skipped layouts and the chosen one. Sizes in GiB (2^30 bytes).
+    and peak came from), ``note`` (the settings a ``--model`` preset gave) and every column,
+    one row per candidate layout (only fitting ones with ``fitting_only``), the skipped layouts
+    and the chosen one. Sizes in GiB (2^30 bytes).
     """
     lines = [
         f"model: {model.num_layers} layers, h={model.hidden_size}, "
@@ -23,6 +25,7 @@ def plan_text(model, cluster, training, cands, skipped, chosen, fitting_only, de
         f"{cluster.gpu_memory_bytes / GIB:.2f} GiB, peak {cluster.peak_tflops:g} TFLOP/s x "
         f"{cluster.efficiency:g}; s={training.seq_length}, b={training.micro_batch_size}, "
         f"{training.precision} ({training.accounting} accounting)",
+        *([note] if note else []),
         "per-rank GiB (2^30 B): total = params + grads + master + optim + activ + temps + buffers "
         f"+ reserve (--reserved-gib {gib_text(cluster.reserved_bytes / GIB)}: CUDA context, "
         "fragmentation); "

@@ -133,6 +133,9 @@ class OptimizerConfig:
         3e-4, "peak learning rate (the schedule's; ZeroEngine.step(lr) sets it every step)")
     weight_decay: float = arg(
         0.01, "AdamW decoupled weight decay (not applied to biases and norms)")
+    decoupled_lr: float | None = arg(
+        None, "peak learning rate of the word embedding and the output layer (Megatron-LM's "
+              "decoupled learning rate; default --lr)")
     adam_beta1: float = arg(0.9, "AdamW beta1 (first-moment decay)")
     adam_beta2: float = arg(0.999, "AdamW beta2 (second-moment decay)")
     adam_eps: float = arg(1e-8, "AdamW epsilon")
@@ -150,5 +153,6 @@ class OptimizerConfig:
         """
         for name in ("lr", "weight_decay", "adam_eps", "clip_grad"):
             check_number(self, name, 0.0)
+        check_number(self, "decoupled_lr", 0.0, optional=True)
         for name in ("adam_beta1", "adam_beta2"):
             check_number(self, name, 0.0, high=1.0)

@@ -50,7 +50,7 @@ from hybrid.zero import accounting, refresh, state, storage
 from hybrid.zero.comm import DPComm
 from hybrid.zero.config import OptimizerConfig, ZeroConfig
 from hybrid.zero.grad_norm import clip_coefficient, global_grad_norm_and_stop
-from hybrid.zero.layout import Fragment, PartitionLayout
+from hybrid.zero.layout import Fragment, PartitionLayout, is_embedding_or_output
 from hybrid.zero.loss_scaler import LossScaler
 from hybrid.zero.profile import NULL_TIMER
 from hybrid.zero.reduce import GradReducer
@@ -133,8 +133,7 @@ class ZeroEngine:
             self.gatherer = ParamGatherer(model, L, self.states.unit_bufs, self.states.param_shard,
                                           self.comm, self.ag_chunk, lambda: self._in_backward)
         self.deferred = (refresh.DeferredGathers(model, L) if zero_config.overlap_param_gather
-                         else None)
-        """``--overlap-param-gather``: the parameter all-gathers in flight since the last step."""
+                         else None)  # --overlap-param-gather: gathers in flight since the step
         self._build_optimizer()
         self._build_norm_views()
         self._build_scaler()
@@ -170,7 +169,8 @@ class ZeroEngine:
     def _build_optimizer(self) -> None:
         L, oc, st = self.layout, self.opt_config, self.states
         frags = self.own if self.plan.shards_optimizer_states else L.whole_fragments()
-        groups: dict[bool, list] = {False: [], True: []}
+        keys = [(nd, dec) for dec in (False, True) for nd in (False, True)]
+        groups: dict[tuple[bool, bool], list] = {k: [] for k in keys}
         self.opt_params: list[tuple[nn.Parameter, Fragment]] = []
         """AdamW's parameters (1-D views of ``states.master``) with the layout fragment each
         covers: this rank's partition (stages 1-3) or every whole parameter (stage 0)."""
@@ -178,11 +178,14 @@ class ZeroEngine:
         for f in frags:
             mp = nn.Parameter(st.master[f.part_offset:f.part_offset + f.length])
             mp.grad = self.reducer.grad_view(f) if fp32_grads else None  # bf16: set in step
-            groups[L.slots[f.slot].no_decay].append(mp)
+            slot = L.slots[f.slot]
+            groups[slot.no_decay, is_embedding_or_output(slot.name)].append(mp)
             self.opt_params.append((mp, f))
-        # wd_mult (Megatron-LM's name): the share of the scheduled weight decay a group gets
-        param_groups = [{"params": groups[nd], "weight_decay": 0.0 if nd else oc.weight_decay,
-                         "wd_mult": 0.0 if nd else 1.0} for nd in (False, True) if groups[nd]]
+        # wd_mult (Megatron-LM's name): the share of the scheduled weight decay a group gets;
+        # decoupled: the embedding and output weights, at --decoupled-lr when it is given
+        param_groups = [{"params": groups[nd, dec], "weight_decay": 0.0 if nd else oc.weight_decay,
+                         "wd_mult": 0.0 if nd else 1.0, "decoupled": dec}
+                        for nd, dec in keys if groups[nd, dec]]
         # On CUDA torch's fused AdamW: one kernel, and no partition-sized temporaries (the
         # default foreach path allocates sqrt(v) for the whole partition: 1 GB at 100B / 400
         # ranks). On CPU the single-tensor path, whose temporaries are one fragment each.
@@ -262,9 +265,11 @@ class ZeroEngine:
             self.reducer.end_backward()
         self._grads_ready = is_last_micro_batch
 
-    def step(self, lr: float, weight_decay: float | None = None) -> StepInfo:
-        """Clip, AdamW-update the owned fp32 partition with learning rate ``lr`` (and
-        ``weight_decay`` for the decayed parameters, None: unchanged), refresh the
+    def step(self, lr: float, weight_decay: float | None = None,
+             decoupled_lr: float | None = None) -> StepInfo:
+        """Clip, AdamW-update the owned fp32 partition with learning rate ``lr`` (``decoupled_lr``
+        for the embedding and output weights, Megatron-LM's ``--decoupled-lr``; None: ``lr``) and
+        ``weight_decay`` for the decayed parameters (None: unchanged), refresh the
         model parameters and zero the gradients. On overflow (anywhere in the world) only the
         loss scale changes and ``skipped_steps`` grows; the caller should not advance its LR
         schedule then."""
@@ -290,7 +295,7 @@ class ZeroEngine:
         with self.timer.phase("optimizer"):
             self._optimizer_grads(coef)
             for g in self.optimizer.param_groups:
-                g["lr"] = lr
+                g["lr"] = decoupled_lr if g["decoupled"] and decoupled_lr is not None else lr
                 if weight_decay is not None:
                     g["weight_decay"] = weight_decay * g["wd_mult"]
             self.optimizer.step()
@@ -305,16 +310,11 @@ class ZeroEngine:
         return StepInfo(False, norm, self.loss_scale, self._close_comm())
 
     def _optimizer_grads(self, coef: float) -> None:
-        """The clipped (and unscaled) gradient of the fragments AdamW steps, and only those:
-        this rank's 1/dp at stages 1-3, not the whole buffer (one multi-tensor multiply).
-        bf16 gradients (``grad_reduce_in_bf16``) become fp32 copies for the step, as Megatron-LM's
-        distributed optimizer copies them to its fp32 main parameters' ``.grad``."""
-        if self.reducer.grad_dtype == torch.float32:
-            if coef != 1.0:
-                torch._foreach_mul_([mp.grad for mp, _ in self.opt_params], coef)
-            return
-        for mp, f in self.opt_params:
-            mp.grad = self.reducer.grad_view(f).float()
+        """Clip (and unscale) only the fragments AdamW steps (1/dp at stages 1-3, one multi-tensor
+        multiply); bf16 gradients become fp32 copies for the step (as Megatron-LM's optimizer)."""
+        if self.reducer.grad_dtype != torch.float32:
+            for mp, f in self.opt_params:
+                mp.grad = self.reducer.grad_view(f).float()
         if coef != 1.0:
             torch._foreach_mul_([mp.grad for mp, _ in self.opt_params], coef)
 

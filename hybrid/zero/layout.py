@@ -45,6 +45,17 @@ def no_weight_decay(name: str, param: nn.Parameter) -> bool:
     return param.dim() < 2 or name.endswith("bias")
 
 
+EMBEDDING_OR_OUTPUT = ("wte.weight", "lm_head.weight")
+"""The word embedding and the untied output layer: Megatron-LM's
+``is_embedding_or_output_parameter`` (``--decoupled-lr`` trains them at their own rate); a
+learned position table is not one of them."""
+
+
+def is_embedding_or_output(name: str) -> bool:
+    """Whether parameter ``name`` is in :data:`EMBEDDING_OR_OUTPUT`."""
+    return name in EMBEDDING_OR_OUTPUT
+
+
 @dataclass(frozen=True)
 class ParamSlot:
     """One local parameter in the full flat order."""

@@ -1,0 +1,93 @@
+"""``--profile``: a ``torch.profiler`` trace of the iterations ``--profile-step-start`` to
+``--profile-step-end - 1`` (1-based, as logged), on the ranks of ``--profile-ranks`` (default
+all), as Megatron-LM's ``--use-pytorch-profiler`` schedule records them (``wait = start - 1,
+warmup = 1, active = end - start``: ``end - start`` iterations from ``start`` on).
+
+Each profiled rank writes one Chrome/TensorBoard trace, ``rank-<global rank>.pt.trace.json.gz``,
+in ``<--tensorboard-dir>/../torch_profile`` (Megatron-LM's place) or ``./torch_profile`` without
+a TensorBoard directory; the name ends in ``.pt.trace.json.gz`` so that TensorBoard's PyTorch
+profiler plugin lists it, and ``chrome://tracing`` or Perfetto open it. Every profiled iteration
+is one ``ProfilerStep#<iteration>`` span. The iteration numbers are the run's, so a resumed run
+traces the same iterations an uninterrupted one would.
+
+On CUDA without ``--use-pytorch-profiler`` the same iterations are also bracketed by
+``cudaProfilerStart/Stop``, Megatron-LM's range for ``nsys --capture-range=cudaProfilerApi``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+
+
+def trace_dir(tensorboard_dir: str | None) -> Path:
+    """Where the traces go: ``<tensorboard_dir>/../torch_profile``, else ``./torch_profile``."""
+    return (Path(tensorboard_dir) / ".." / "torch_profile" if tensorboard_dir
+            else Path("torch_profile"))
+
+
+class IterationProfiler:
+    """Profiles iterations ``[start, end)`` of this rank (see the module docstring).
+
+    Args:
+        start, end: the first iteration traced and the one after the last (1-based).
+        rank: this process's global rank (the file name).
+        directory: where the trace is written (:func:`trace_dir`).
+        cuda_range: also open the ``cudaProfilerStart/Stop`` range (CUDA, no
+            ``--use-pytorch-profiler``).
+        print_fn: told where the trace went (None: silent).
+    """
+
+    def __init__(self, start: int, end: int, rank: int, directory: Path,
+                 cuda_range: bool = False, print_fn=None):
+        if not 1 <= start < end:
+            raise ValueError(f"need 1 <= --profile-step-start {start} < --profile-step-end {end}")
+        self.start, self.end, self.rank, self.directory = start, end, rank, Path(directory)
+        self.cuda_range, self.print_fn = cuda_range, print_fn
+        self._prof: torch.profiler.profile | None = None
+        self._span: contextlib.AbstractContextManager | None = None
+        self.path: Path | None = None
+        """The trace written (None before)."""
+
+    def begin(self, iteration: int) -> None:
+        """Before iteration ``iteration`` (1-based) runs."""
+        if iteration == self.start:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self._prof = torch.profiler.profile(activities=activities)
+            self._prof.__enter__()
+            if self.cuda_range:
+                torch.cuda.profiler.start()
+        if self._prof is not None:
+            self._span = torch.profiler.record_function(f"ProfilerStep#{iteration}")
+            self._span.__enter__()
+
+    def end_iteration(self, iteration: int) -> None:
+        """After iteration ``iteration`` (1-based) ran; the trace is written after ``end - 1``."""
+        if self._prof is None:
+            return
+        self._span.__exit__(None, None, None)
+        self._span = None
+        if iteration == self.end - 1:
+            self.close()
+
+    def close(self) -> None:
+        """Stop and write the trace now (also when training stopped before ``end - 1``)."""
+        if self._prof is None:
+            return
+        if self._span is not None:
+            self._span.__exit__(None, None, None)
+            self._span = None
+        if self.cuda_range:
+            torch.cuda.profiler.stop()
+        prof, self._prof = self._prof, None
+        prof.__exit__(None, None, None)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.path = self.directory / f"rank-{self.rank}.pt.trace.json.gz"
+        prof.export_chrome_trace(str(self.path))
+        if self.print_fn is not None:
+            self.print_fn(f" profiler: iterations {self.start}-{self.end - 1} of rank {self.rank} "
+                          f"traced to {self.path} (torch.profiler, Chrome/TensorBoard format)")

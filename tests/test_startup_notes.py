@@ -1,0 +1,20 @@
+"""Start-up notes (issue 36): every Megatron-LM flag accepted without effect is named in one line,
+and ``--sequence-parallel`` at tp 1 says it does nothing, as Megatron-LM warns."""
+
+from __future__ import annotations
+
+from hybrid.job.pretrain import _checked_job
+
+BASE = ["--mock-data", "--vocab-size", "64", "--num-layers", "1", "--hidden-size", "16",
+        "--num-attention-heads", "2", "--seq-length", "8", "--train-iters", "1",
+        "--eval-iters", "0"]
+
+
+def test_sequence_parallel_at_tp1_and_flags_without_effect_are_noted(capsys):
+    _checked_job(BASE + ["--sequence-parallel", "--ckpt-format", "torch_dist", "--manual-gc"])
+    out = capsys.readouterr().out
+    assert "--sequence-parallel has no effect at --tensor-model-parallel-size 1" in out
+    assert "accepted without effect" in out and "--ckpt-format torch_dist" in out
+    assert "--manual-gc" in out
+    _checked_job(BASE + ["--log-throughput"])  # what every log line does: no note at all
+    assert "accepted without effect" not in capsys.readouterr().out
