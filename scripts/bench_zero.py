@@ -23,6 +23,12 @@ launching every configuration once (ours, peer, ours, peer, ...); each ratio is 
 and the table gives its median and min-max spread over the rounds, claiming a target only when
 the whole spread clears it (``scripts/bench_zero_targets.py``).
 
+``--configs 'z1 z3 z2_tp2'`` picks ours by name; ``--fusion 'on off'`` runs each with
+gradient-accumulation fusion and without (``*_nofusion``: the path before issue 33) in the same
+rounds; ``--model llama`` runs ours on the same sizes in the Llama shape (no peer has it);
+``--overlap-param-gather`` turns that on for ours, ``--kernel-fusion on|off`` sets ours' fused
+elementwise kernels (run the two in turn for their ratio).
+
 Writes ``throughput_<size>_w<world>.md`` (the tables and the verdicts) and ``..._ratios.png``
 under ``--out`` (default runs/bench).
 
@@ -49,20 +55,36 @@ from bench_zero_report import merge_repeats, print_table, write_report  # noqa: 
 PEERS = REPO / "scripts" / "peers"
 
 
-def worker(stage: int, tp: int, floor: bool, profile: bool) -> None:
+def _model_config(c, model: str):
+    """The workload's model: the peers' GPT, or (``llama``) the same sizes in the Llama shape
+    (RMSNorm, SwiGLU, RoPE, no biases, grouped K/V heads, untied head), which no peer runs."""
+    from models.gpt import GPTConfig
+
+    kw = dict(num_layers=c.layers, hidden_size=c.hidden, num_attention_heads=c.heads,
+              vocab_size=c.vocab, max_position_embeddings=c.seq, hidden_dropout=0.0,
+              attention_dropout=0.0, untie_embeddings_and_output_weights=True)
+    if model == "llama":
+        kw.update(position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+                  add_bias_linear=False, num_query_groups=max(1, c.heads // 2))
+    return GPTConfig(**kw)
+
+
+def worker(stage: int, tp: int, floor: bool, profile: bool, fusion: bool = True) -> None:
     """One of our configurations, under torchrun (reports like the peers). ``floor``: every
     data-parallel collective skipped (the compute-only floor); ``profile``: per-phase times of
-    rank 0's timed steps in the result (``profile_ms``)."""
+    rank 0's timed steps in the result (``profile_ms``); ``fusion``: gradient-accumulation
+    fusion (``ZeroConfig.gradient_accumulation_fusion``; off is the path before issue 33)."""
     sys.path[:0] = [str(REPO), str(PEERS)]
     import torch
     import workload as C  # the peers' workload and reporting
 
     from hybrid.config import PretrainConfig
     from hybrid.parallel.grid import ProcessGrid
+    from hybrid.parallel.kernels import FusionConfig
     from hybrid.parallelize import parallelize
     from hybrid.zero.config import OptimizerConfig, ZeroConfig
     from hybrid.zero.profile import NULL_TIMER, PhaseTimer
-    from models.gpt import GPT, GPTConfig
+    from models.gpt import GPT
 
     rank, world = C.init_dist()
     size, c = C.cfg_from_env()
@@ -70,14 +92,16 @@ def worker(stage: int, tp: int, floor: bool, profile: bool) -> None:
     warmup = int(os.environ.get("PEER_WARMUP", "3"))
     grid = ProcessGrid(tp=tp)
     torch.manual_seed(1234)
-    model = GPT(GPTConfig(num_layers=c.layers, hidden_size=c.hidden, num_attention_heads=c.heads,
-                          vocab_size=c.vocab, max_position_embeddings=c.seq, hidden_dropout=0.0,
-                          attention_dropout=0.0, untie_embeddings_and_output_weights=True))
+    model = GPT(_model_config(c, os.environ.get("HYBRID_MODEL", "gpt")))
     grad_reduce = os.environ.get("HYBRID_GRAD_REDUCE", "reduce_scatter")
     bucket = int(os.environ.get("HYBRID_REDUCE_BUCKET", "50000000"))
+    kernels = FusionConfig(kernel_fusion=os.environ.get("HYBRID_KERNEL_FUSION", "auto"))
     engine = parallelize(model, grid, PretrainConfig(
+        fusion=kernels,
         zero=ZeroConfig(stage=stage, precision="fp32", grad_reduce=grad_reduce,
-                        reduce_bucket_size=bucket),
+                        reduce_bucket_size=bucket, gradient_accumulation_fusion=fusion,
+                        overlap_param_gather=stage > 0
+                        and os.environ.get("HYBRID_OVERLAP_PARAM_GATHER") == "1"),
         optimizer=OptimizerConfig(lr=1e-3, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95,
                                   adam_eps=1e-8, clip_grad=0.0)))
     engine.comm.skip_collectives = floor
@@ -107,7 +131,8 @@ def worker(stage: int, tp: int, floor: bool, profile: bool) -> None:
     engine.comm.recorder = None
     lt = torch.tensor(losses, dtype=torch.float64)
     torch.distributed.all_reduce(lt)
-    name = f"hybrid_z{stage}" + (f"_tp{tp}" if tp > 1 else "") + ("_floor" if floor else "")
+    name = (f"hybrid_z{stage}" + (f"_tp{tp}" if tp > 1 else "") + ("" if fusion else "_nofusion")
+            + ("_floor" if floor else ""))
     extra = {"memory_bytes_rank0": engine.memory_bytes()}
     if profile:
         extra["profile_ms"] = {k: round(v, 2) for k, v in timer.per_step_ms().items()}
@@ -172,8 +197,22 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--repeats", type=int, default=1,
                     help="rounds, each launching every configuration once (interleaved); the "
                          "tables give each ratio's median and min-max spread over the rounds")
+    ap.add_argument("--configs", default=None,
+                    help="only these of ours, e.g. 'z1 z3 z2_tp2' (default: --stages x --tp)")
+    ap.add_argument("--fusion", default="on",
+                    help="gradient-accumulation fusion of ours: 'on', 'off' (the path before "
+                         "issue 33, named *_nofusion) or 'on off' (both, interleaved)")
+    ap.add_argument("--model", default="gpt", choices=["gpt", "llama"],
+                    help="ours on the peers' GPT or on the same sizes in the Llama shape "
+                         "(no peer runs that: the peers are skipped)")
+    ap.add_argument("--kernel-fusion", default="auto", choices=["auto", "on", "off"],
+                    help="ours with this --kernel-fusion (fused elementwise kernels; auto: "
+                         "CUDA only, so eager here)")
+    ap.add_argument("--overlap-param-gather", action="store_true",
+                    help="ours (stages 1-3) with ZeroConfig.overlap_param_gather")
     ap.add_argument("--worker", nargs=2, type=int, metavar=("STAGE", "TP"), help=argparse.SUPPRESS)
     ap.add_argument("--floor", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--no-fusion", action="store_true", help=argparse.SUPPRESS)
     return ap
 
 
@@ -191,6 +230,11 @@ def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         ap.error(f"--peers: unknown peer {bad[0]!r}; valid: {', '.join(sorted(known))}")
     if args.repeats < 1:
         ap.error(f"--repeats {args.repeats}: give 1 or more rounds")
+    args.fusion = args.fusion.replace(",", " ").split()
+    if not args.fusion or any(f not in ("on", "off") for f in args.fusion):
+        ap.error(f"--fusion {' '.join(args.fusion)!r}: give on, off or 'on off'")
+    if args.model == "llama":
+        args.peers = ""  # the peers' model is the GPT
     args.skipped = {}
     if any(p.startswith("deepspeed") for p in args.peers.split()):
         sys.path.insert(0, str(PEERS))
@@ -215,23 +259,39 @@ def _runs(args: argparse.Namespace) -> list[tuple[str, list[str], Path]]:
             runs.append((p, torchrun + [str(PEERS / "peer_deepspeed.py"), p[-1]], REPO))
         else:
             runs.append((p, torchrun + [str(PEERS / "peer_torch.py"), p], REPO))
-    ours = torchrun
-    for tp in args.tp:
-        for s in args.stages:
-            name = f"hybrid_z{s}" + (f"_tp{tp}" if tp > 1 else "")
-            cmd = ours + [str(Path(__file__).resolve()), "--worker", str(s), str(tp)]
+    for s, tp in _our_configs(args):
+        for fusion in args.fusion:
+            name = (f"hybrid_z{s}" + (f"_tp{tp}" if tp > 1 else "")
+                    + ("_nofusion" if fusion == "off" else ""))
+            cmd = torchrun + [str(Path(__file__).resolve()), "--worker", str(s), str(tp)]
             cmd += ["--no-profile"] if args.no_profile else []
+            cmd += ["--no-fusion"] if fusion == "off" else []
             runs.append((name, cmd, REPO))
             if not args.no_floor:
                 runs.append((name + "_floor", cmd + ["--floor"], REPO))
     return runs
 
 
+def _our_configs(args: argparse.Namespace) -> list[tuple[int, int]]:
+    """``(stage, tp)`` of ours: ``--configs`` ('z1 z2_tp2') or every ``--tp`` x ``--stages``."""
+    if not args.configs:
+        return [(s, tp) for tp in args.tp for s in args.stages]
+    out = []
+    for item in args.configs.replace(",", " ").split():
+        m = re.fullmatch(r"z([0-3])(?:_tp(\d+))?", item)
+        if not m or args.world % int(m.group(2) or 1):
+            sys.exit(f"--configs {item!r}: give z<stage>[_tp<t>], t dividing --world "
+                     f"{args.world}, e.g. 'z1 z3 z2_tp2'")
+        out.append((int(m.group(1)), int(m.group(2) or 1)))
+    return out
+
+
 def main() -> None:
     ap = build_parser()
     args = ap.parse_args()
     if args.worker:
-        return worker(*args.worker, floor=args.floor, profile=not args.no_profile)
+        return worker(*args.worker, floor=args.floor, profile=not args.no_profile,
+                      fusion=not args.no_fusion)
     _check_args(ap, args)
     steps = args.steps or (6 if args.size == "medium" else 15)
     warmup = args.warmup if args.warmup is not None else (1 if args.size == "medium" else 3)
@@ -239,7 +299,9 @@ def main() -> None:
                OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1",
                GLOO_SOCKET_IFNAME="lo", PEER_TP="2", HYBRID_GRAD_REDUCE=args.grad_reduce,
                HYBRID_NATIVE_COLLECTIVES=str(int(args.native_collectives)),
-               HYBRID_REDUCE_BUCKET=str(args.reduce_bucket_size))
+               HYBRID_REDUCE_BUCKET=str(args.reduce_bucket_size), HYBRID_MODEL=args.model,
+               HYBRID_OVERLAP_PARAM_GATHER=str(int(args.overlap_param_gather)),
+               HYBRID_KERNEL_FUSION=args.kernel_fusion)
     logdir = Path(args.logdir) / args.size
     logdir.mkdir(parents=True, exist_ok=True)
     runs = _runs(args)

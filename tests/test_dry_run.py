@@ -35,8 +35,8 @@ print("RESULT " + json.dumps(dry_run(validate(cfg, world_size=64), 37)))
 """
 
 
-def run(stage: int) -> dict:
-    out = subprocess.run([sys.executable, "-c", CODE, *FLAGS, "--zero-stage", str(stage)],
+def run(stage: int, extra: tuple[str, ...] = ()) -> dict:
+    out = subprocess.run([sys.executable, "-c", CODE, *FLAGS, "--zero-stage", str(stage), *extra],
                          capture_output=True, text=True, timeout=560)
     assert out.returncode == 0, out.stderr[-3000:]
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULT "))
@@ -66,6 +66,18 @@ def test_dry_run_world_64(stage):
         assert m["buffers"] == p["buffers"]
     else:
         assert m["gathered_peak"] > 0 and abs(m["buffers"] - p["buffers"]) <= 0.01 * p["buffers"]
+
+
+@pytest.mark.timeout(600)
+def test_dry_run_counts_bf16_gradients():
+    """--grad-reduce-in-bf16 (issue 33): the engine's gradient partition and staging are bf16,
+    and the planner counts them so: gradients within 1%, buffers exactly (stage 2)."""
+    r = run(2, ("--grad-reduce-in-bf16",))
+    m, p = r["measured"], r["planned"]
+    assert r["optimizer_steps"] == 1
+    assert abs(m["grads"] - p["grads"]) <= 0.01 * p["grads"], (m["grads"], p["grads"])
+    assert 2 * m["grads"] == m["master"]  # the same partition: 2 bytes an element against 4
+    assert m["buffers"] == p["buffers"]
 
 
 def test_storage_meter_counts_like_torch_memtracker():

@@ -4,6 +4,7 @@ here, accepted without effect (one start-up note), or refused on one line naming
 from __future__ import annotations
 
 import pytest
+import torch
 
 from hybrid.job.cli import parse_config
 from hybrid.job.config_checks import ConfigError, validate
@@ -53,7 +54,7 @@ def test_each_out_of_scope_flag_is_refused_on_one_line_naming_its_feature():
 def test_megatron_flags_take_their_meaning_here():
     ignored: list[str] = []
     cfg = parse_config(GPT3_175B, ignored)
-    assert cfg.zero.stage == 1 and cfg.zero.overlap_comm
+    assert cfg.zero.stage == 1 and cfg.zero.overlap_comm and cfg.zero.overlap_param_gather
     assert cfg.activation.selective_recompute
     assert parse_config(GPT3_175B + ["--zero-stage", "3"]).zero.stage == 3
     full = ["--recompute-granularity", "full", "--recompute-method", "uniform",
@@ -149,7 +150,8 @@ LLAMA3_8B = [
     "--micro-batch-size", "1", "--global-batch-size", "4", "--train-samples", "12",
     "--lr-decay-samples", "10", "--lr-warmup-samples", "2", "--lr", "0.00015", "--min-lr",
     "0.00001", "--lr-decay-style", "cosine", "--clip-grad", "1.0", "--weight-decay", "0.1",
-    "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--bf16", "--cross-entropy-loss-fusion",
+    "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--bf16", "--grad-reduce-in-bf16",
+    "--cross-entropy-loss-fusion",
     "--manual-gc", "--empty-unused-memory-level", "1", "--exit-duration-in-mins", "235",
     "--tensor-model-parallel-size", "1", "--context-parallel-size", "1", "--sequence-parallel",
     "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
@@ -161,10 +163,42 @@ LLAMA3_8B = [
     "--calculate-per-token-loss",
 ]
 LLAMA3_OUT_OF_SCOPE = [
-    ("--grad-reduce-in-bf16", "bf16 gradient reduction"),
     ("--fp8-format hybrid", "FP8 training"), ("--fp8-amax-history-len 1024", "FP8 training"),
     ("--fp8-amax-compute-algo max", "FP8 training"), ("--fp8-param-gather", "FP8 training"),
 ]
+
+
+def test_zero_engine_flags_have_megatron_names_defaults_and_rules():
+    """Issue 33: --gradient-accumulation-fusion (default on), --overlap-grad-reduce (on here:
+    ZeRO-2/3 memory), --overlap-param-gather (default off, needs stage >= 1 and the reduce
+    overlap) and --grad-reduce-in-bf16 (default off, --bf16 only), refused in one line."""
+    z = parse_config([]).zero
+    assert z.gradient_accumulation_fusion and z.overlap_comm
+    assert not z.overlap_param_gather and not z.grad_reduce_in_bf16
+    z = parse_config(["--no-gradient-accumulation-fusion", "--no-overlap-grad-reduce"]).zero
+    assert not z.gradient_accumulation_fusion and not z.overlap_comm
+    z = parse_config(["--bf16", "--grad-reduce-in-bf16", "--overlap-param-gather"]).zero
+    assert z.grad_reduce_in_bf16 and z.grad_dtype == torch.bfloat16 and z.overlap_param_gather
+    for argv, words in ((["--grad-reduce-in-bf16"], "--grad-reduce-in-bf16 True"),
+                        (["--overlap-param-gather", "--zero-stage", "0"], "stage 0 gathers"),
+                        (["--overlap-param-gather", "--no-overlap-grad-reduce"],
+                         "needs --overlap-grad-reduce")):
+        with pytest.raises(ConfigError, match=words):
+            parse_config(argv)
+
+
+def test_start_up_line_says_what_each_gradient_and_gather_path_is():
+    from hybrid.job.pretrain import engine_modes
+
+    line = engine_modes(parse_config([]).zero)
+    for words in ("gradients fp32", "main-grad buffer (--gradient-accumulation-fusion)",
+                  "during backward (--overlap-grad-reduce)", "(--overlap-param-gather off)"):
+        assert words in line, line
+    line = engine_modes(parse_config(["--bf16", "--grad-reduce-in-bf16", "--overlap-param-gather",
+                                      "--no-gradient-accumulation-fusion"]).zero)
+    for words in ("gradients bf16 (--grad-reduce-in-bf16)", "(--no-gradient-accumulation-fusion)",
+                  "waited unit by unit in the next forward (--overlap-param-gather)"):
+        assert words in line, line
 
 
 @pytest.mark.timeout(200)

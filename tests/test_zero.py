@@ -41,6 +41,8 @@ def _close_state(got, want, tol=1e-5):
 
 
 def _check_parity(run, ref):
+    if run is None:
+        pytest.skip("--overlap-param-gather is refused at stage 0 (it gathers no parameters)")
     assert run["losses"] == pytest.approx(ref["losses"], abs=1e-5)
     _close_state(run["first"], ref["first"])   # first step (stage 2: first accumulation)
     _close_state(run["final"], ref["final"])   # after 5 steps
@@ -52,13 +54,13 @@ def _check_parity(run, ref):
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("tp", [1, 2])
 def test_parity_world4(w4, ref, tp, stage, variant):
-    _check_parity(w4[0][tp]["parity"][(stage, variant)], ref)
+    _check_parity(w4[0][tp]["parity"].get((stage, variant)), ref)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("stage", STAGES)
 def test_parity_tp1_dp2(w2, ref, stage, variant):
-    _check_parity(w2[0]["parity"][(stage, variant)], ref)
+    _check_parity(w2[0]["parity"].get((stage, variant)), ref)
 
 
 @pytest.mark.parametrize("mode", ["non_reentrant", "reentrant"])

@@ -50,6 +50,8 @@ class CheckRun:
     """ZeroConfig reduce / all-gather bucket sizes (elements); traffic does not depend on them."""
     grad_reduce: str = "reduce_scatter"
     """ZeroConfig.grad_reduce; the planner gets the same."""
+    grad_reduce_in_bf16: bool = False
+    """ZeroConfig.grad_reduce_in_bf16 (bf16 gradients); the planner gets the same."""
 
     @property
     def name(self) -> str:
@@ -57,7 +59,8 @@ class CheckRun:
                              self.param_persistence_threshold).persistence_threshold
         return (f"tp{self.tp}xdp{self.dp} z{self.stage} {self.precision} m={self.micro_batches}"
                 + (f" persist<{persist}" if persist else "")
-                + (f" {self.grad_reduce}" if self.grad_reduce != "reduce_scatter" else ""))
+                + (f" {self.grad_reduce}" if self.grad_reduce != "reduce_scatter" else "")
+                + (" bf16-grads" if self.grad_reduce_in_bf16 else ""))
 
 
 def predict(run: CheckRun) -> dict:
@@ -75,6 +78,7 @@ def predict(run: CheckRun) -> dict:
         accounting="engine",
         param_persistence_threshold=run.param_persistence_threshold,
         grad_reduce=run.grad_reduce,
+        grad_reduce_in_bf16=run.grad_reduce_in_bf16,
     )
     c = evaluate(GPTConfig(**run.model), cluster, training, run.tp, run.stage, "none")
     states = {k: c.model_states[k] for k in STATE_KEYS}
@@ -99,7 +103,8 @@ def measure(grid: ProcessGrid, run: CheckRun, seed: int = 1234) -> dict:
     zc = ZeroConfig(stage=run.stage, precision=run.precision,
                     param_persistence_threshold=run.param_persistence_threshold,
                     reduce_bucket_size=run.bucket_elements,
-                    allgather_bucket_size=run.bucket_elements, grad_reduce=run.grad_reduce)
+                    allgather_bucket_size=run.bucket_elements, grad_reduce=run.grad_reduce,
+                    grad_reduce_in_bf16=run.grad_reduce_in_bf16)
     engine = parallelize(GPT(cfg), grid,
                          PretrainConfig(zero=zc, optimizer=OptimizerConfig(lr=1e-3)))
     g = torch.Generator().manual_seed(seed + grid.dp_rank)
@@ -149,7 +154,8 @@ def compare(pred: dict, meas: dict) -> dict:
 def default_runs(model: dict, world: int = 4) -> list[CheckRun]:
     """The grid of checks: stages 0-3 x (tp, dp) in {(1, world), (2, world/2)} x bf16/fp32 x
     1 and 2 micro-batches, plus stage 3 with a persistence threshold that keeps the biases and
-    LayerNorms whole, plus stages 1-3 with ``grad_reduce="all_reduce"``."""
+    LayerNorms whole, plus stages 1-3 with ``grad_reduce="all_reduce"``, plus stages 0-3 with
+    bf16 gradients (``grad_reduce_in_bf16``)."""
     out = []
     for tp in (1, 2):
         for stage in range(4):
@@ -160,4 +166,6 @@ def default_runs(model: dict, world: int = 4) -> list[CheckRun]:
         out += [base, replace(base, precision="fp32", micro_batches=1)]
         out += [CheckRun(model, tp, world // tp, stage, "bf16", 2, grad_reduce="all_reduce")
                 for stage in (1, 2, 3)]
+        out += [CheckRun(model, tp, world // tp, stage, "bf16", 2, grad_reduce_in_bf16=True)
+                for stage in range(4)]
     return out

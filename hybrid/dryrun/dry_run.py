@@ -185,6 +185,8 @@ def planner_figures(job) -> dict:
         allgather_bucket_elements=z.allgather_bucket_size,
         make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
         overlap_comm=z.overlap_comm, grad_reduce=z.grad_reduce,
+        grad_reduce_in_bf16=z.grad_reduce_in_bf16,
+        gradient_accumulation_fusion=z.gradient_accumulation_fusion,
         dropout=job.gpt.hidden_dropout > 0 or job.gpt.attention_dropout > 0)
     cluster = Cluster(num_gpus=job.world_size, gpus_per_node=job.tp, reserved_bytes=0)
     c = evaluate(job.gpt, cluster, training, job.tp, z.stage, activation)
@@ -338,6 +340,7 @@ def _build_and_step(job, grid, t0: float, clock: PhaseClock) -> dict:
                     async_save_snapshot=snapshot)
     return dict(tp=grid.tp_size, dp=grid.dp_size, tp_rank=grid.tp_rank,
                 dp_rank=grid.dp_rank, stage=engine.stage, precision=engine.config.precision,
+                grad_dtype="bf16" if engine.config.grad_reduce_in_bf16 else "fp32",
                 local_params=engine.layout.numel, optimizer_steps=engine.optimizer_steps,
                 largest_param=max(sl.numel for sl in engine.layout.slots), measured=measured,
                 bound=start + 4 * max(u.padded for u in engine.layout.units),

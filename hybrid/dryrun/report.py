@@ -20,7 +20,8 @@ from hybrid.devices import (
 )
 
 _ROWS = [(lambda r: f"compute params ({r['precision']})", "params"),
-         (lambda r: "gradients (fp32)", "grads"), (lambda r: "fp32 master", "master"),
+         (lambda r: f"gradients ({r.get('grad_dtype', 'fp32')})", "grads"),
+         (lambda r: "fp32 master", "master"),
          (lambda r: "Adam moments", "optimizer"), (lambda r: "model states", "states"),
          (lambda r: "buffers (+ stage-3 gathered units)", "buffers"),
          (lambda r: "activations + temporaries (peak)", "activations"),

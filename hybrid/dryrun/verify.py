@@ -37,7 +37,7 @@ _SAME_VALUE = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_s
                "reduce_bucket_size", "allgather_bucket_size", "make_vocab_size_divisible_by",
                "grad_reduce")
 _SAME_SWITCH = ("untie_embeddings_and_output_weights", "swiglu", "group_query_attention",
-                "disable_bias_linear", "add_qkv_bias", "qk_layernorm")
+                "disable_bias_linear", "add_qkv_bias", "qk_layernorm", "grad_reduce_in_bf16")
 
 
 def _flag(name: str) -> str:
@@ -54,7 +54,9 @@ def pretrain_argv(args, model, chosen, global_batch: int) -> list[str]:
         value = getattr(args, name)
         if value is not None:
             out += [_flag(name), str(value)]
-    out += [_flag(n) for n in _SAME_SWITCH if getattr(args, n)]
+    out += [_flag(n) for n in _SAME_SWITCH if getattr(args, n, False)]
+    out += [] if getattr(args, "gradient_accumulation_fusion", True) else [
+        "--no-gradient-accumulation-fusion"]
     out += ["--vocab-size", str(model.vocab_size), "--global-batch-size", str(global_batch),
             "--tensor-model-parallel-size", str(chosen.tp), "--zero-stage", str(chosen.stage),
             *ACTIVATION_FLAGS[chosen.activation]]

@@ -19,8 +19,6 @@ from hybrid.config_fields import ConfigError
 
 MEANING = {
     "--use-distributed-optimizer": ["--zero-stage", "1"],
-    "--overlap-grad-reduce": ["--overlap-comm"],
-    "--overlap-param-gather": ["--overlap-comm"],
     "--recompute-activations": ["--recompute-granularity", "selective"],
     "--distribute-saved-activations": ["--partition-activations"],
     "--exit-signal-handler": [],  # SIGTERM always finishes the iteration, saves and exits
@@ -39,7 +37,7 @@ SIZE_ONE = {"--pipeline-model-parallel-size": "pipeline parallelism",
 NO_OP = {
     "--use-mcore-models", "--use-legacy-models", "--distributed-backend", "--attention-backend",
     "--use-flash-attn", "--transformer-impl", "--ckpt-format", "--no-masked-softmax-fusion",
-    "--masked-softmax-fusion", "--no-gradient-accumulation-fusion",
+    "--masked-softmax-fusion",
     # no persistent LayerNorm kernel here: the fused norm is compiled (or apex's FusedLayerNorm)
     "--no-persist-layer-norm", "--cross-entropy-loss-fusion",
     "--cross-entropy-fusion-impl", "--no-async-tensor-model-parallel-allreduce",
@@ -70,7 +68,6 @@ REFUSED = {
     "--use-torch-fsdp2": "FSDP (--zero-stage 3 partitions the parameters here)",
     "--use-megatron-fsdp": "FSDP (--zero-stage 3 partitions the parameters here)",
     "--step-batch-size-schedule": "a batch-size schedule",
-    "--grad-reduce-in-bf16": "bf16 gradient reduction (gradients are reduced in fp32 here)",
     "--rotary-seq-len-interpolation-factor": "RoPE sequence-length interpolation",
 }
 """Flag -> the feature it asks for, which this trainer does not have."""

@@ -95,8 +95,28 @@ def engine_line(engine) -> str:
             note += ("; so none is partitioned: a smaller --param-persistence-threshold "
                      "partitions the larger ones, 0 partitions all")
         note += ")"
-    return (f"ZeRO stage {engine.stage} {config.precision} over dp {engine.dp} | MiB held on "
-            f"rank 0: {held}{note}")
+    return (f"ZeRO stage {engine.stage} {config.precision} over dp {engine.dp} | "
+            f"{engine_modes(config)} | MiB held on rank 0: {held}{note}")
+
+
+def engine_modes(config) -> str:
+    """What the gradient and parameter paths of ``config`` (a ``ZeroConfig``) do, in words
+    with their Megatron-LM flags (issue 33)."""
+    grads = "bf16 (--grad-reduce-in-bf16)" if config.grad_reduce_in_bf16 else "fp32"
+    fusion = ("accumulated straight into the main-grad buffer (--gradient-accumulation-fusion)"
+              if config.gradient_accumulation_fusion
+              else "added per parameter and staged (--no-gradient-accumulation-fusion)")
+    reduce = ("reduced during backward (--overlap-grad-reduce)" if config.overlap_comm
+              else "reduced after backward (--no-overlap-grad-reduce)")
+    if config.stage == 0:
+        gather = "parameters copied from the master after the step (stage 0)"
+    elif config.overlap_param_gather:
+        gather = ("updated parameters all-gathered in the background, waited unit by unit in "
+                  "the next forward (--overlap-param-gather)")
+    else:
+        gather = ("updated parameters all-gathered before the step returns "
+                  "(--overlap-param-gather off)")
+    return f"gradients {grads}, {fusion}, {reduce}; {gather}"
 
 
 def loop_settings(job: Job, grid: ProcessGrid, splits=("valid", "test")):

@@ -100,6 +100,13 @@ def _add_training_args(g) -> None:
                    default="reduce_scatter",
                    help="the engine's gradient collective for ZeRO 1-3 (all_reduce: 2x the "
                    "gradient bytes)")
+    g.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="bf16 gradients, held and reduced in 2 bytes (Megatron-LM's flag; "
+                   "--precision bf16 only)")
+    g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion",
+                   action="store_false",
+                   help="the engine without gradient-accumulation fusion (ZeRO-1 then stages "
+                   "its reduce-scatter through two bucket buffers)")
     g.add_argument("--param-persistence-threshold", type=int, default=100_000,
                    help="stage 3 keeps local params with fewer elements whole, as the engine "
                    "(0: the paper's count, every parameter partitioned)")
@@ -230,6 +237,7 @@ _FLAG_OF = {
     "allgather_bucket_elements": "--allgather-bucket-size",
     "make_vocab_size_divisible_by": "--make-vocab-size-divisible-by",
     "param_persistence_threshold": "--param-persistence-threshold",
+    "grad_reduce_in_bf16": "--grad-reduce-in-bf16",
 }
 
 
@@ -257,6 +265,8 @@ def _training(args: argparse.Namespace) -> Training:
         allgather_bucket_elements=args.allgather_bucket_size,
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
         grad_reduce=args.grad_reduce,
+        grad_reduce_in_bf16=args.grad_reduce_in_bf16,
+        gradient_accumulation_fusion=args.gradient_accumulation_fusion,
         dropout=args.hidden_dropout > 0 or args.attention_dropout > 0,
     )
 

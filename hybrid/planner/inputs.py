@@ -78,12 +78,20 @@ class Training:
     """ZeroConfig.grad_reduce: 'reduce_scatter' or 'all_reduce' (2x the gradient bytes)."""
     overlap_comm: bool = True
     """Two reduce-scatter staging buffers (reduction overlapped with backward) instead of one."""
+    grad_reduce_in_bf16: bool = False
+    """Megatron-LM's --grad-reduce-in-bf16 (bf16 training only): gradients held, staged and
+    reduced in bf16, 2 bytes instead of the engine's 4 (``grad_bytes``)."""
+    gradient_accumulation_fusion: bool = True
+    """ZeroConfig's default: stage 1 reduce-scatters each unit in place in the gradient buffer,
+    with no staging buffers (``memory.comm_buffer_bytes``)."""
     dropout: bool = True
     """The model trains with dropout (Megatron's default 0.1): masks saved, the attention core
     explicit; False (Llama recipes): no masks, SDPA (``hybrid.planner.activations``)."""
 
     def __post_init__(self) -> None:
         get_precision(self.precision, self.accounting)
+        if self.grad_reduce_in_bf16 and self.precision != "bf16":
+            raise ValueError(f"grad_reduce_in_bf16 needs precision bf16, got {self.precision!r}")
         if self.param_persistence_threshold < 0:
             raise ValueError(
                 f"param_persistence_threshold must be >= 0, got {self.param_persistence_threshold}"

@@ -285,6 +285,7 @@ def comm_buffer_bytes(
     dp: int = 1,
     overlap: bool = True,
     root_params: int = 0,
+    unit_in_place: bool = False,
 ) -> int:
     """Bytes of constant-size communication buffers (C_B, ZeRO §6.2, arXiv:1910.02054) one rank
     holds, as :class:`hybrid.zero.engine.ZeroEngine` allocates them. Stage 0: none (in-place
@@ -293,6 +294,8 @@ def comm_buffer_bytes(
     and one all-gather staging of ``min(allgather_bucket // dp, ...)`` parameter elements.
     Stage 3 also gathers the ``root`` unit (``root_params``: embeddings, final norm, untied
     head) for the whole step and two blocks of ``largest_layer_params`` (current + prefetch).
+    ``unit_in_place`` (gradient-accumulation fusion, reduce-scatter): stage 1 reduce-scatters
+    each unit in place in its gradient buffer, so it holds no reduce staging (on NCCL).
     """
     plan = stage_plan(stage)
     _check_positive(dp=dp)
@@ -302,6 +305,8 @@ def comm_buffer_bytes(
     partition = math.ceil(params_per_rank / dp)
     chunk = min(max(1, reduce_bucket_elements // dp), partition)
     staging = (2 if overlap else 1) * (dp + 1) * chunk * p.grad_bytes
+    if unit_in_place and not plan.shards_gradients:
+        staging = 0
     staging += min(max(1, allgather_bucket_elements // dp), partition) * p.param_bytes
     if not plan.shards_parameters:
         return staging

@@ -201,7 +201,9 @@ def _buffer_bytes(m: GPTConfig, tp: int, dp: int, stage: int, prec, psi_t: int,
     root = psi_t - m.num_layers * block
     return comm_buffer_bytes(psi_t, stage, training.reduce_bucket_elements,
                              training.allgather_bucket_elements, prec, block, dp,
-                             training.overlap_comm, root)
+                             training.overlap_comm, root,
+                             unit_in_place=training.gradient_accumulation_fusion
+                             and training.grad_reduce == "reduce_scatter")
 
 
 def _traffic(m: GPTConfig, tp: int, dp: int, stage: int, prec, micro_batches: int,
@@ -257,6 +259,8 @@ def evaluate(
     s, b = training.seq_length, training.micro_batch_size
     gbs, micro_batches = _batch(training, cluster, dp)
     prec = get_precision(training.precision, training.accounting)
+    if training.grad_reduce_in_bf16:
+        prec = dataclasses.replace(prec, grad_bytes=2)
     psi_t = params_per_tp_rank(m, tp)
     zero = stage_plan(stage, param_persistence_threshold=training.param_persistence_threshold)
     persistent = persistent_parameters(m, tp, zero.persistence_threshold)

@@ -39,13 +39,27 @@ class ZeroConfig:
                           "slices (2 Psi)",
         choices=GRAD_REDUCE_OPS)
     overlap_comm: bool = arg(
-        True, "overlap gradient communication with backward (off: reduce after backward)")
+        True, "overlap gradient communication with backward (off: reduce after backward); "
+              "Megatron-LM's --overlap-grad-reduce, on by default here (off, ZeRO-2/3 would hold "
+              "every gradient until backward ends)", alt_flags=("--overlap-grad-reduce",))
+    overlap_param_gather: bool = arg(
+        False, "ZeRO 1-3: launch the all-gather of the updated parameters after the optimizer "
+               "step and wait for each unit's in the next forward's pre-hook (Megatron-LM's "
+               "meaning and default; off: gathered before step() returns)")
+    gradient_accumulation_fusion: bool = arg(
+        True, "gradients accumulate straight into the flat main-grad buffer (stage 0/1: "
+              "p.grad is a view of it when the dtypes agree; stage 1 reduce-scatters each unit "
+              "in place; stage 2/3 stage once and average after the reduce-scatter); off: one "
+              "add per parameter and staging copies (Megatron-LM's flag and default)")
+    grad_reduce_in_bf16: bool = arg(
+        False, "--bf16 only: gradients are held, accumulated and reduced in bf16 (half the "
+               "bytes); the optimizer still steps fp32 master weights (Megatron-LM's meaning)")
     param_persistence_threshold: int = arg(
         100_000, "ZeRO-3 keeps parameters with fewer local elements than this unpartitioned "
                  "(0: none)")
     precision: str = arg(
-        "fp32", "parameter/compute dtype; master weights, gradient accumulation and reduction "
-                "stay fp32 (--bf16 / --fp16 set it)", choices=tuple(PRECISIONS),
+        "fp32", "parameter/compute dtype; master weights stay fp32, gradients too unless "
+                "--grad-reduce-in-bf16 (--bf16 / --fp16 set it)", choices=tuple(PRECISIONS),
         aliases={"--bf16": "bf16", "--fp16": "fp16"})
     loss_scale: float | None = arg(None, "static loss scale for fp16 (default: dynamic)")
     initial_loss_scale: float = arg(2.0**32, "initial dynamic fp16 loss scale (a power of two)")
@@ -62,6 +76,12 @@ class ZeroConfig:
     def dtype(self) -> torch.dtype:
         """The torch dtype of ``precision``."""
         return PRECISIONS[self.precision]
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        """The dtype gradients are accumulated and reduced in (bf16 with ``grad_reduce_in_bf16``,
+        else fp32)."""
+        return torch.bfloat16 if self.grad_reduce_in_bf16 else torch.float32
 
     @property
     def plan(self) -> StagePlan:
@@ -93,6 +113,16 @@ class ZeroConfig:
             fail(self, "min_loss_scale", "must be <= --initial-loss-scale "
                  f"{self.initial_loss_scale!r}, where the dynamic loss scale starts")
         check_choice(self, "grad_reduce", GRAD_REDUCE_OPS)
+        if self.grad_reduce_in_bf16 and self.precision != "bf16":
+            fail(self, "grad_reduce_in_bf16", "bf16 gradients need bf16 training (--bf16); "
+                 f"precision is {self.precision}, whose gradients stay fp32")
+        if self.overlap_param_gather and self.stage == 0:
+            fail(self, "overlap_param_gather", "stage 0 gathers no parameters (it copies the "
+                 "whole master); use --zero-stage 1, 2 or 3 (Megatron-LM: the distributed "
+                 "optimizer)")
+        if self.overlap_param_gather and not self.overlap_comm:
+            fail(self, "overlap_param_gather", "needs --overlap-grad-reduce (as in Megatron-LM); "
+                 "drop --no-overlap-grad-reduce")
 
 
 @dataclass

@@ -31,9 +31,9 @@ and n the data-parallel size, in bytes for 16-bit training (``memory_bytes``):
     3             2 Psi/n    4 Psi/n     4 Psi/n   8 Psi/n
     ============  =========  ==========  ========  ==========
 
-The paper (§3.1, §5) counts 2 bytes of gradient; we keep gradients in fp32 (4 bytes) because
-micro-batches accumulate in fp32. In fp32 training ``params`` is 4 bytes per element and the
-fp32 master is a separate copy, so the sum is 20 Psi (stage 0) instead of 16 Psi. Stage 3 keeps
+The paper (§3.1, §5) counts 2 bytes of gradient; we keep fp32 gradients (4 bytes: micro-batches
+accumulate in fp32), or bf16 ones with ``grad_reduce_in_bf16``. In fp32 training ``params`` is 4
+bytes per element and the fp32 master a separate copy: 20 Psi at stage 0, not 16. Stage 3 keeps
 persistent (small) parameters whole, and gathers units transiently (``gathered_peak``).
 """
 
@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
-from hybrid.zero import refresh, state, storage
+from hybrid.zero import accounting, refresh, state, storage
 from hybrid.zero.comm import DPComm
 from hybrid.zero.config import OptimizerConfig, ZeroConfig
 from hybrid.zero.grad_norm import clip_coefficient, global_grad_norm_and_stop
@@ -126,11 +126,14 @@ class ZeroEngine:
         self._build_buffers(weights)
         self.reducer = GradReducer(
             self.params, L, self.plan, self.comm, zero_config.reduce_bucket_size,
-            zero_config.overlap_comm, on_unit_ready=self._on_unit_ready)
+            zero_config.overlap_comm, on_unit_ready=self._on_unit_ready,
+            grad_dtype=zero_config.grad_dtype, fusion=zero_config.gradient_accumulation_fusion)
         self.gatherer = None
         if self.plan.shards_parameters:
             self.gatherer = ParamGatherer(model, L, self.states.unit_bufs, self.states.param_shard,
                                           self.comm, self.ag_chunk, lambda: self._in_backward)
+        self.deferred = (refresh.DeferredGathers(model, L) if zero_config.overlap_param_gather
+                         else None)  # --overlap-param-gather: gathers in flight since the step
         self._build_optimizer()
         self._build_norm_views()
         self._build_scaler()
@@ -148,7 +151,7 @@ class ZeroEngine:
                            weights or storage.model_weights(self.params))
         self.params = storage.bind_parameters(self.model, L, self.params, self.states.unit_bufs)
         self.ag_chunk = max(1, self.config.allgather_bucket_size // self.dp)
-        self._ag_staging = (torch.empty(min(self.ag_chunk, L.partition_numel), dtype=self.dtype,
+        self.ag_staging = (torch.empty(min(self.ag_chunk, L.partition_numel), dtype=self.dtype,
                                         device=dev) if self.plan.shards_optimizer_states else None)
 
     def load_weights(self, weights: storage.WeightSource, units=None) -> None:
@@ -159,6 +162,7 @@ class ZeroEngine:
         Raises:
             ValueError: a source tensor's shape differs from the local parameter's.
         """
+        self.wait_param_gather()
         storage.fill_units(self.states, self.layout, self.plan, self.dp_rank, self.params,
                            weights, units)
 
@@ -170,9 +174,10 @@ class ZeroEngine:
         self.opt_params: list[tuple[nn.Parameter, Fragment]] = []
         """AdamW's parameters (1-D views of ``states.master``) with the layout fragment each
         covers: this rank's partition (stages 1-3) or every whole parameter (stage 0)."""
+        fp32_grads = self.reducer.grad_dtype == torch.float32
         for f in frags:
             mp = nn.Parameter(st.master[f.part_offset:f.part_offset + f.length])
-            mp.grad = self.reducer.grad_view(f)
+            mp.grad = self.reducer.grad_view(f) if fp32_grads else None  # bf16: set in step
             slot = L.slots[f.slot]
             groups[slot.no_decay, is_embedding_or_output(slot.name)].append(mp)
             self.opt_params.append((mp, f))
@@ -225,6 +230,8 @@ class ZeroEngine:
         None switches profiling off). The caller times its forward as ``timer.phase("forward")``."""
         timer = NULL_TIMER if timer is None else timer
         self.timer = self.reducer.timer = timer
+        if self.deferred is not None:
+            self.deferred.timer = timer
         if self.gatherer is not None:
             self.gatherer.timer = timer
 
@@ -243,6 +250,7 @@ class ZeroEngine:
         fp16 multiplies it by the loss scale. Stage 0/1 accumulate locally and reduce during the
         last micro-batch's backward; stage 2/3 reduce-scatter during every backward.
         """
+        self.wait_param_gather()  # a unit the forward did not reach
         with self.timer.phase("backward"):
             self.reducer.begin_backward(self.plan.reduce_every_micro_batch or is_last_micro_batch)
             if self._scale_loss:
@@ -267,6 +275,7 @@ class ZeroEngine:
         schedule then."""
         if not self._grads_ready:
             raise RuntimeError("step() needs a backward(..., is_last_micro_batch=True) first")
+        self.wait_param_gather()
         self._grads_ready = False
         scale = self.scaler.scale if self._scale_loss else 1.0
         with self.timer.phase("grad_norm"):
@@ -284,19 +293,30 @@ class ZeroEngine:
         norm /= scale
         coef = clip_coefficient(norm, self.opt_config.clip_grad) / scale
         with self.timer.phase("optimizer"):
-            if coef != 1.0:
-                self.reducer.buffer.mul_(coef)
+            self._optimizer_grads(coef)
             for g in self.optimizer.param_groups:
                 g["lr"] = decoupled_lr if g["decoupled"] and decoupled_lr is not None else lr
                 if weight_decay is not None:
                     g["weight_decay"] = weight_decay * g["wd_mult"]
             self.optimizer.step()
+            if self.reducer.grad_dtype != torch.float32:
+                for mp, _ in self.opt_params:
+                    mp.grad = None  # the fp32 copies live for the step only
         with self.timer.phase("refresh"):
             self.refresh_params()
         with self.timer.phase("zeroing"):
             self.reducer.zero()
         self.optimizer_steps += 1
         return StepInfo(False, norm, self.loss_scale, self._close_comm())
+
+    def _optimizer_grads(self, coef: float) -> None:
+        """Clip (and unscale) only the fragments AdamW steps (1/dp at stages 1-3, one multi-tensor
+        multiply); bf16 gradients become fp32 copies for the step (as Megatron-LM's optimizer)."""
+        if self.reducer.grad_dtype != torch.float32:
+            for mp, f in self.opt_params:
+                mp.grad = self.reducer.grad_view(f).float()
+        if coef != 1.0:
+            torch._foreach_mul_([mp.grad for mp, _ in self.opt_params], coef)
 
     def take_stop_request(self) -> bool | None:
         """Whether any rank asked to stop, as the last :meth:`step`'s grad-norm all-reduce
@@ -313,16 +333,25 @@ class ZeroEngine:
         """Remove the gradient and stage-3 hooks. They close reference cycles through autograd
         (parameter -> hook -> engine -> process groups) that Python's collector cannot see, so
         without this the process groups (and gloo's threads) outlive ``destroy_process_group``."""
+        self.wait_param_gather()
         for h in self.reducer.hooks:
             h.remove()
-        if self.gatherer is not None:
-            self.gatherer.remove()
+        for g in (self.gatherer, self.deferred):
+            if g is not None:
+                g.remove()
 
     def refresh_params(self) -> None:
         """Copy the fp32 master into the compute-dtype parameters (collective over dp at stages
         1-3; :func:`hybrid.zero.refresh.refresh_params`)."""
+        self.wait_param_gather()
         refresh.refresh_params(self.states, self.layout, self.plan, self.comm, self.ag_chunk,
-                               self._ag_staging)
+                               self.ag_staging, self.deferred)
+
+    def wait_param_gather(self) -> None:
+        """Wait for the parameter all-gathers ``--overlap-param-gather`` left in flight (the
+        forward waits unit by unit; anything else reading the parameters calls this first)."""
+        if self.deferred is not None:
+            self.deferred.wait_all()
 
     @property
     def grads_ready(self) -> bool:
@@ -339,47 +368,18 @@ class ZeroEngine:
         self.comm.reset()
         return dict(self.last_comm_bytes)
 
-    # ---- accounting --------------------------------------------------------------------------
+    # ---- accounting (implemented in hybrid.zero.accounting) --------------------------------
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes held by this rank: ``params`` (compute-dtype parameter storage: the full flat
-        buffer, or for stage 3 the shard plus persistent units), ``grads`` (fp32 accumulation
-        buffer), ``master`` (fp32 weights the optimizer updates), ``optimizer`` (Adam moments),
-        ``buffers`` (communication staging, allocated once), ``gathered_peak`` (stage 3: most
-        bytes of gathered units alive at once so far)."""
-        def nb(t):
-            return 0 if t is None else t.numel() * t.element_size()
-
-        st = self.states
-        if not self.plan.shards_parameters:
-            params = nb(st.param_flat)
-        else:
-            params = nb(st.param_shard) + sum(
-                nb(st.unit_bufs[u.index]) for u in self.layout.units if u.persistent)
-        return dict(params=params, grads=nb(self.reducer.buffer), master=nb(st.master),
-                    optimizer=nb(st.exp_avg) + nb(st.exp_avg_sq),
-                    buffers=self.reducer.staging_bytes() + nb(self._ag_staging),
-                    gathered_peak=self.gatherer.peak_bytes if self.gatherer else 0)
+        """See :func:`hybrid.zero.accounting.memory_bytes`."""
+        return accounting.memory_bytes(self)
 
     def held_tensors(self) -> list[torch.Tensor]:
-        """Every long-lived tensor this rank allocated: the model states, the gradient buffer,
-        the compute-dtype parameters (stage 3: shard and persistent units) and the staging
-        buffers (for memory meters such as ``hybrid.dryrun.dry_run``)."""
-        st = self.states
-        out = [st.master, st.exp_avg, st.exp_avg_sq, self.reducer.buffer]
-        out += [st.param_flat] if st.param_flat is not None else [st.param_shard]
-        if self.plan.shards_parameters:
-            out += [st.unit_bufs[u.index] for u in self.layout.units if u.persistent]
-        out += [t for pair in self.reducer.staging for t in pair]
-        if self._ag_staging is not None:
-            out.append(self._ag_staging)
-        return out
+        """See :func:`hybrid.zero.accounting.held_tensors`."""
+        return accounting.held_tensors(self)
 
     def summary(self) -> str:
-        """A printable account: layout, bytes held per kind, last iteration's traffic."""
-        mib = {k: f"{v / 2**20:.2f} MiB" for k, v in self.memory_bytes().items()}
-        traffic = {k: f"{v / 2**20:.2f} MiB" for k, v in self.last_comm_bytes.items()}
-        return (f"ZeRO stage {self.stage} {self.config.precision} dp={self.dp} "
-                f"rank={self.dp_rank}: {self.layout}\n  held: {mib}\n  moved last step: {traffic}")
+        """See :func:`hybrid.zero.accounting.summary`."""
+        return accounting.summary(self)
 
     # ---- state export (implemented in hybrid.zero.state) ------------------------------------
     def optimizer_state_by_name(self) -> dict[str, dict[str, torch.Tensor]]:

@@ -16,7 +16,16 @@ in plan order (last block first) as soon as every unit they touch has all its gr
 every rank issues the same collectives in the same order whatever order hooks fire in. With
 ``overlap`` the reductions are asynchronous and two staging buffers alternate (the older one is
 waited for before reuse); without it everything is reduced synchronously after backward.
-Reductions run in fp32 and are pre-divided by the data-parallel size (a mean over ranks).
+Reductions run in the gradient dtype (fp32, or bf16 with ``grad_reduce_in_bf16``) and average
+over ranks: pre-divided by the data-parallel size, or with fusion divided after the sum (exact
+for a power-of-two dp).
+
+Gradient-accumulation fusion (``fusion``, Megatron-LM's ``--gradient-accumulation-fusion``):
+stage 0/1 parameters whose dtype is the gradient's get ``p.grad`` = their view of the full flat
+buffer (Megatron's ``main_grad``), so autograd accumulates in place and the hook adds nothing;
+stage 1 reduce-scatters each unit in place in that buffer (:func:`unit_reduce_plan`), with no
+staging; stage 2/3 write each bucket's staging input once (copies, plus zeroes only where no
+gradient lands) and average the reduced chunk as they add it into the partition.
 On NCCL an asynchronous collective runs on the process group's own stream, ordered after the
 staging copies on the compute stream; ``wait()`` only makes the compute stream wait for it, so
 overlapped reductions never block the host.
@@ -29,115 +38,21 @@ plan: no staging) and stages 2/3 all-reduce the staged bucket and keep their own
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 
 import torch
 
 from hybrid.zero.comm import DPComm
 from hybrid.zero.layout import PartitionLayout
 from hybrid.zero.profile import NULL_TIMER
+from hybrid.zero.reduce_plan import (  # noqa: F401 (re-exported: the plan's values)
+    FlatCopy,
+    GradCopy,
+    ReduceBucket,
+    ReducePlan,
+    reduce_plan,
+    unit_reduce_plan,
+)
 from hybrid.zero.stage import StagePlan
-
-
-@dataclass(frozen=True)
-class FlatCopy:
-    """Copy ``length`` elements from offset ``src`` of one flat buffer to offset ``dst`` of another
-    (stage 1: full-flat gradient <-> reduce-scatter staging)."""
-
-    src: int
-    dst: int
-    length: int
-
-
-@dataclass(frozen=True)
-class GradCopy:
-    """Copy ``length`` elements of ``params[param].grad`` (flattened, from ``param_start``) to
-    offset ``dst`` of the reduce-scatter input (stage 2/3)."""
-
-    param: int
-    param_start: int
-    dst: int
-    length: int
-
-
-@dataclass(frozen=True)
-class ReduceBucket:
-    """One collective of the static reduction plan.
-
-    Attributes:
-        start, end: the bucket's range, in the full flat buffer (stage 0) or in the partition
-            (stages 1-3: every rank's chunk is ``end - start`` elements).
-        units: layout units the bucket touches (it launches once they are all ready).
-        copy_in: what fills the reduce-scatter input (``FlatCopy`` at stage 1, ``GradCopy`` at 2/3).
-        copy_out: stage 1: where the reduced chunk goes back in the full flat gradient.
-    """
-
-    start: int
-    end: int
-    units: tuple[int, ...]
-    copy_in: tuple[FlatCopy | GradCopy, ...] = ()
-    copy_out: tuple[FlatCopy, ...] = ()
-
-
-@dataclass(frozen=True)
-class ReducePlan:
-    """The static reduction plan of one rank: the same collectives in the same order on every
-    rank (only ``copy_out`` differs, by the rank's own shard)."""
-
-    buckets: tuple[ReduceBucket, ...]
-    """In launch order (last block first)."""
-    chunk: int
-    """Elements of every rank's chunk of a staged bucket (0: reduced in place, no staging)."""
-    unit_buckets: tuple[int, ...]
-    """Per layout unit, how many buckets touch it (its gradients are freed after the last)."""
-
-
-def reduce_plan(layout: PartitionLayout, plan: StagePlan, dp: int, rank: int,
-                bucket_size: int) -> ReducePlan:
-    """The buckets data-parallel rank ``rank`` of ``dp`` reduces, for the stage's ``plan``.
-
-    In place (stage 0; stage 1 by all-reduce): ranges of the full flat buffer of about
-    ``bucket_size`` elements. Otherwise every bucket is a range of the partition of ``chunk =
-    min(bucket_size // dp, partition_numel)`` elements whose reduce-scatter input gathers, for
-    each rank ``r``, rank ``r``'s shard of the same range (from the full flat gradient at stage
-    1, from the parameters' ``.grad`` at stages 2/3). No collective, no tensor.
-    """
-    L = layout
-    if plan.grad_in_place:
-        buckets = tuple(ReduceBucket(a, b, tuple(L.units_of_flat(a, b)))
-                        for a, b in L.flat_buckets(bucket_size))
-        chunk = 0
-    else:
-        chunk = min(max(1, bucket_size // dp), L.partition_numel)
-        buckets = tuple(_staged_bucket(L, a, b, dp, rank, plan.shards_gradients)
-                        for a, b in L.reduce_buckets(chunk))
-    unit_buckets = [0] * len(L.units)
-    for bucket in buckets:
-        for u in bucket.units:
-            unit_buckets[u] += 1
-    return ReducePlan(buckets, chunk, tuple(unit_buckets))
-
-
-def _staged_bucket(L: PartitionLayout, a: int, b: int, dp: int, rank: int,
-                   from_params: bool) -> ReduceBucket:
-    """Partition range ``[a, b)`` as one staged bucket: rank ``r``'s shard of it lands at
-    ``[r * (b - a), (r + 1) * (b - a))`` of the reduce-scatter input."""
-    n, ins, outs, units = b - a, [], [], []
-    q = 0
-    for pc in L.pieces(a, b):
-        u = L.units[pc.unit]
-        units.append(pc.unit)
-        length = pc.hi - pc.lo
-        for r in range(dp):
-            src = u.offset + r * u.shard + pc.lo
-            if not from_params:
-                ins.append(FlatCopy(src, r * n + q, length))
-            else:
-                ins.extend(GradCopy(s, ps, r * n + q + rel, ln)
-                           for s, ps, ln, rel in L.segments(src, length))
-        outs.append(FlatCopy(q, u.offset + rank * u.shard + pc.lo, length))
-        q += length
-    return ReduceBucket(a, b, tuple(units), tuple(ins), tuple(outs))
 
 
 class GradReducer:
@@ -150,33 +65,63 @@ class GradReducer:
         overlap: reduce during backward (True) or after it.
         on_unit_ready: called with a unit index once all its gradients have accumulated in
             this backward (stage 3 releases the unit's gathered parameters there).
+        grad_dtype: the dtype gradients accumulate and travel in (fp32, or bf16).
+        fusion: gradient-accumulation fusion (see the module docstring).
     """
 
     timer = NULL_TIMER
     """A :class:`hybrid.zero.profile.PhaseTimer` while profiling (hooks, copies, grad_comm)."""
 
     def __init__(self, params, layout: PartitionLayout, plan: StagePlan, comm: DPComm,
-                 bucket_size: int, overlap: bool, on_unit_ready=None):
+                 bucket_size: int, overlap: bool, on_unit_ready=None,
+                 grad_dtype: torch.dtype = torch.float32, fusion: bool = False):
         self.params, self.layout, self.plan, self.comm = params, layout, plan, comm
         self.overlap, self.on_unit_ready = overlap, on_unit_ready
+        self.grad_dtype = grad_dtype
         dp, dev = comm.size, params[0].device
+        self.main_grad: list[torch.Tensor | None] = [None] * len(params)
+        """Stage 0/1 with ``fusion``: per parameter, its view of the full flat gradient that
+        autograd accumulates into (``p.grad`` is that view; None: the hook adds it)."""
         if not plan.shards_gradients:
-            self.grad_flat = torch.zeros(layout.total_numel, dtype=torch.float32, device=dev)
+            self.grad_flat = torch.zeros(layout.total_numel, dtype=grad_dtype, device=dev)
+            if fusion:
+                self.main_grad = [self._flat_view(s) if p.dtype == grad_dtype else None
+                                  for s, p in zip(layout.slots, params, strict=True)]
         else:
-            self.grad_part = torch.zeros(layout.partition_numel, dtype=torch.float32, device=dev)
-        rp = reduce_plan(layout, plan, dp, comm.rank, bucket_size)
-        self.buckets, self.unit_buckets, chunk = rp.buckets, rp.unit_buckets, rp.chunk
-        nstage = 2 if overlap else 1
-        scratch = dp * chunk if comm.needs_scratch and not plan.grad_all_reduce else 0
-        self.staging = [] if plan.grad_in_place else [
-            tuple(torch.zeros(k, dtype=torch.float32, device=dev)
-                  for k in (dp * chunk, chunk, scratch))
-            for _ in range(nstage)]
+            self.grad_part = torch.zeros(layout.partition_numel, dtype=grad_dtype, device=dev)
+        self.one_pass = fusion and plan.shards_gradients
+        """Stage 2/3 with ``fusion``: the staging input is written once (gradient copies, zeroes
+        only where no gradient lands) and the 1/dp mean is applied to the reduced chunk."""
+        self.unit_in_place = fusion and plan.shards_optimizer_states and not (
+            plan.shards_gradients or plan.grad_all_reduce)
+        """Stage 1 with ``fusion``: each unit is reduce-scattered in place in the full flat
+        gradient (its shards are rank-major there), no staging copy."""
+        rp = (unit_reduce_plan(layout) if self.unit_in_place
+              else reduce_plan(layout, plan, dp, comm.rank, bucket_size))
+        self.buckets, self.unit_buckets = rp.buckets, rp.unit_buckets
+        self.staging = self._staging(rp.chunk, 2 if overlap else 1, dev)
         self.inflight: deque = deque()
         self.reduce_now = False
         self._reset()
         self.hooks = [p.register_post_accumulate_grad_hook(self._hook(i))
                       for i, p in enumerate(params)]
+
+    def _flat_view(self, slot) -> torch.Tensor:
+        return self.grad_flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+
+    def _staging(self, chunk: int, nstage: int, dev) -> list[tuple[torch.Tensor, ...]]:
+        """Per in-flight collective: (reduce-scatter input, output, gloo scratch) buffers.
+        Stage 1 reduced unit by unit in place needs only the gloo scratch (a unit's size)."""
+        dp, plan = self.comm.size, self.plan
+        if self.unit_in_place:
+            n = max(u.padded for u in self.layout.units) if self.comm.needs_scratch else 0
+            return [tuple(torch.zeros(k, dtype=self.grad_dtype, device=dev) for k in (0, 0, n))
+                    for _ in range(nstage)] if n else []
+        if plan.grad_in_place:
+            return []
+        scratch = dp * chunk if self.comm.needs_scratch and not plan.grad_all_reduce else 0
+        return [tuple(torch.zeros(k, dtype=self.grad_dtype, device=dev)
+                      for k in (dp * chunk, chunk, scratch)) for _ in range(nstage)]
 
     # ---- state of one backward ---------------------------------------------------------------
     def _reset(self) -> None:
@@ -187,11 +132,16 @@ class GradReducer:
         self.launched = 0
 
     def begin_backward(self, reduce_now: bool) -> None:
-        """Call before each micro-batch's backward; ``reduce_now`` reduces in this one."""
+        """Call before each micro-batch's backward; ``reduce_now`` reduces in this one.
+        With fusion, every parameter whose dtype is the gradient's gets ``p.grad`` = its view of
+        the full flat gradient, so autograd accumulates into it in place."""
         if self.inflight:
             raise RuntimeError("a gradient reduction is still in flight from the last backward")
         self.reduce_now = reduce_now
         self._reset()
+        for p, view in zip(self.params, self.main_grad, strict=True):
+            if view is not None and p.grad is not view:
+                p.grad = view
 
     def end_backward(self) -> None:
         """After backward: treat units without gradients as ready, reduce what is left, wait."""
@@ -210,7 +160,12 @@ class GradReducer:
 
         def hook(p: torch.Tensor) -> None:
             with self.timer.phase("hooks"):
-                if not self.plan.shards_gradients:
+                if self.main_grad[i] is not None:
+                    if p.grad is not self.main_grad[i]:  # someone replaced it: add and restore
+                        with self.timer.phase("copies"):
+                            self.main_grad[i].add_(p.grad)
+                        p.grad = self.main_grad[i]
+                elif not self.plan.shards_gradients:
                     with self.timer.phase("copies"):
                         flat = self.grad_flat[slot.offset:slot.offset + slot.numel]
                         flat.add_(p.grad.reshape(-1))
@@ -240,54 +195,79 @@ class GradReducer:
 
     # ---- one bucket --------------------------------------------------------------------------
     def _launch(self, bucket: ReduceBucket) -> None:
-        a, b = bucket.start, bucket.end
         inv = 1.0 / self.comm.size
         if self.plan.grad_in_place:
-            view = self.grad_flat[a:b]
+            view = self.grad_flat[bucket.start:bucket.end]
             if inv != 1.0:
                 with self.timer.phase("copies"):
                     view.mul_(inv)
             with self.timer.phase("grad_comm"):
                 work = self.comm.all_reduce(view, async_op=self.overlap)
             self.inflight.append((work, bucket, None))
+        elif self.unit_in_place:
+            self._launch_unit(bucket)
         else:
-            if len(self.inflight) >= len(self.staging):
-                self._finish()
-            k = self.launched % len(self.staging)
-            n = b - a
-            inp, out = self.staging[k][0][:self.comm.size * n], self.staging[k][1][:n]
-            scratch = self.staging[k][2] if self.staging[k][2].numel() else None
-            with self.timer.phase("copies"):
-                self._stage_in(bucket, inp)
-                if inv != 1.0:
-                    inp.mul_(inv)
-            with self.timer.phase("grad_comm"):
-                if self.plan.grad_all_reduce:
-                    work = self.comm.all_reduce(inp, async_op=self.overlap)
-                    out = inp[self.comm.rank * n:(self.comm.rank + 1) * n]
-                else:
-                    work = self.comm.reduce_scatter(out, inp, async_op=self.overlap,
-                                                    scratch=scratch)
-            self.inflight.append((work, bucket, out))
+            self._launch_staged(bucket, inv)
         self.launched += 1
         if not self.overlap:
             self._finish()
 
+    def _launch_unit(self, bucket: ReduceBucket) -> None:
+        """Stage 1 with fusion: reduce-scatter the unit's full flat gradient in place into this
+        rank's own shard of it (NCCL's in-place form; gloo's composition sums into it)."""
+        if self.staging and len(self.inflight) >= len(self.staging):
+            self._finish()
+        u, rank = self.layout.units[bucket.units[0]], self.comm.rank
+        inp = self.grad_flat[u.offset:u.offset + u.padded]
+        out = inp[rank * u.shard:(rank + 1) * u.shard]
+        scratch = self.staging[self.launched % len(self.staging)][2] if self.staging else None
+        with self.timer.phase("grad_comm"):
+            work = self.comm.reduce_scatter(out, inp, async_op=self.overlap, scratch=scratch)
+        self.inflight.append((work, bucket, out))
+
+    def _launch_staged(self, bucket: ReduceBucket, inv: float) -> None:
+        if len(self.inflight) >= len(self.staging):
+            self._finish()
+        k = self.launched % len(self.staging)
+        n = bucket.end - bucket.start
+        inp, out = self.staging[k][0][:self.comm.size * n], self.staging[k][1][:n]
+        scratch = self.staging[k][2] if self.staging[k][2].numel() else None
+        with self.timer.phase("copies"):
+            self._stage_in(bucket, inp)
+            if inv != 1.0 and not self.one_pass:
+                inp.mul_(inv)
+        with self.timer.phase("grad_comm"):
+            if self.plan.grad_all_reduce:
+                work = self.comm.all_reduce(inp, async_op=self.overlap)
+                out = inp[self.comm.rank * n:(self.comm.rank + 1) * n]
+            else:
+                work = self.comm.reduce_scatter(out, inp, async_op=self.overlap,
+                                                scratch=scratch)
+        self.inflight.append((work, bucket, out))
+
     def _stage_in(self, bucket: ReduceBucket, inp: torch.Tensor) -> None:
         """Copy the bucket's gradients into its staging input ``inp``: one multi-tensor
         ``_foreach_copy_`` (a 1.5B model at dp 8 has ~1,200 pieces per backward; a ``copy_``
-        each was a kernel launch each on CUDA). Values are those of the per-piece copies."""
+        each was a kernel launch each on CUDA). Values are those of the per-piece copies.
+        Stage 2/3 zeroes what no gradient covers: the whole input, or with ``one_pass`` only
+        the padding and the pieces of parameters without a gradient."""
         if not self.plan.shards_gradients:
             dst = [inp[c.dst:c.dst + c.length] for c in bucket.copy_in]
             src = [self.grad_flat[c.src:c.src + c.length] for c in bucket.copy_in]
         else:
-            inp.zero_()
+            if not self.one_pass:
+                inp.zero_()
+            else:
+                for a, b in bucket.gaps:
+                    inp[a:b].zero_()
             dst, src = [], []
             for c in bucket.copy_in:
                 g = self.params[c.param].grad
                 if g is not None:
                     dst.append(inp[c.dst:c.dst + c.length])
                     src.append(g.reshape(-1)[c.param_start:c.param_start + c.length])
+                elif self.one_pass:
+                    inp[c.dst:c.dst + c.length].zero_()
         if dst:
             torch._foreach_copy_(dst, src)
 
@@ -295,9 +275,14 @@ class GradReducer:
         work, bucket, out = self.inflight.popleft()
         with self.timer.phase("grad_comm"):
             work.wait()
+        inv = 1.0 / self.comm.size
         with self.timer.phase("copies"):
             if self.plan.shards_gradients:
-                self.grad_part[bucket.start:bucket.end].add_(out)
+                self.grad_part[bucket.start:bucket.end].add_(
+                    out, alpha=inv if self.one_pass else 1.0)
+            elif self.unit_in_place:
+                if inv != 1.0:
+                    out.mul_(inv)
             elif not self.plan.grad_in_place and bucket.copy_out:
                 torch._foreach_copy_(
                     [self.grad_flat[c.dst:c.dst + c.length] for c in bucket.copy_out],

@@ -54,7 +54,9 @@ def owned_state(engine) -> Iterator[OwnedFragment]:
 
     Stages 1-3: the fragments of the partition it owns. Stage 0: the same fragments, cut out of
     its full copy. Each parameter lies in at most one fragment per rank; views alias the
-    engine's buffers (valid until its next ``step``)."""
+    engine's buffers (valid until its next ``step``). In-flight ``--overlap-param-gather``
+    all-gathers are waited for first (a checkpoint reads a settled state)."""
+    engine.wait_param_gather()
     for f in engine.layout.fragments(engine.dp_rank):
         slot = engine.layout.slots[f.slot]
         yield OwnedFragment(slot, get_tp_spec(engine.params[slot.index]), f.param_start,
@@ -80,6 +82,7 @@ def import_state(engine, fill: Fill, step: int, load_optim: bool = True) -> None
     for stages 1-3, like a ``step``). With ``load_optim=False`` only ``master`` is filled;
     the moments are zeroed.
     """
+    engine.wait_param_gather()
     for mp, f in engine.opt_params:
         slot = engine.layout.slots[f.slot]
         spec = get_tp_spec(engine.params[slot.index])
@@ -97,6 +100,7 @@ def import_state(engine, fill: Fill, step: int, load_optim: bool = True) -> None
 @torch.no_grad()
 def full_flat(engine, domain: torch.Tensor) -> torch.Tensor:
     """All-gather a partition-shaped buffer into full flat order (collective over dp)."""
+    engine.wait_param_gather()
     if not engine.plan.shards_optimizer_states:
         return domain
     L = engine.layout

@@ -1,0 +1,53 @@
+"""What a ZeRO engine holds, in bytes and tensors, and a printable account of it (ZeRO paper §5
+model states, §6.2 constant-size buffers; arXiv 1910.02054). Read by the start-up line, the dry
+run's memory meter and the planner's cross-check."""
+
+from __future__ import annotations
+
+import torch
+
+
+def _nb(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def memory_bytes(engine) -> dict[str, int]:
+    """Bytes held by this rank: ``params`` (compute-dtype parameter storage: the full flat
+    buffer, or for stage 3 the shard plus persistent units), ``grads`` (the gradient
+    accumulation buffer: fp32, or bf16 with ``--grad-reduce-in-bf16``), ``master`` (fp32
+    weights the optimizer updates), ``optimizer`` (Adam moments), ``buffers`` (communication
+    staging, allocated once), ``gathered_peak`` (stage 3: most bytes of gathered units alive at
+    once so far)."""
+    st, plan = engine.states, engine.plan
+    if not plan.shards_parameters:
+        params = _nb(st.param_flat)
+    else:
+        params = _nb(st.param_shard) + sum(
+            _nb(st.unit_bufs[u.index]) for u in engine.layout.units if u.persistent)
+    return dict(params=params, grads=_nb(engine.reducer.buffer), master=_nb(st.master),
+                optimizer=_nb(st.exp_avg) + _nb(st.exp_avg_sq),
+                buffers=engine.reducer.staging_bytes() + _nb(engine.ag_staging),
+                gathered_peak=engine.gatherer.peak_bytes if engine.gatherer else 0)
+
+
+def held_tensors(engine) -> list[torch.Tensor]:
+    """Every long-lived tensor this rank allocated: the model states, the gradient buffer,
+    the compute-dtype parameters (stage 3: shard and persistent units) and the staging
+    buffers (for memory meters such as ``hybrid.dryrun.dry_run``)."""
+    st = engine.states
+    out = [st.master, st.exp_avg, st.exp_avg_sq, engine.reducer.buffer]
+    out += [st.param_flat] if st.param_flat is not None else [st.param_shard]
+    if engine.plan.shards_parameters:
+        out += [st.unit_bufs[u.index] for u in engine.layout.units if u.persistent]
+    out += [t for pair in engine.reducer.staging for t in pair if t.numel()]
+    if engine.ag_staging is not None:
+        out.append(engine.ag_staging)
+    return out
+
+
+def summary(engine) -> str:
+    """A printable account: layout, bytes held per kind, last iteration's traffic."""
+    mib = {k: f"{v / 2**20:.2f} MiB" for k, v in memory_bytes(engine).items()}
+    traffic = {k: f"{v / 2**20:.2f} MiB" for k, v in engine.last_comm_bytes.items()}
+    return (f"ZeRO stage {engine.stage} {engine.config.precision} dp={engine.dp} "
+            f"rank={engine.dp_rank}: {engine.layout}\n  held: {mib}\n  moved last step: {traffic}")
