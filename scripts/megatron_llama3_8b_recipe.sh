@@ -6,8 +6,7 @@
 #   - batch and iterations: global batch 8, 320 training samples (40 iterations), warmup and
 #     decay samples scaled, --eval-iters 2, --eval-interval 20;
 #   - paths: under $OUT (default runs/llama3_recipe); processes: $NPROC (default 2, on CPU);
-#   - the FP8 flags (DTYPE_ARGS) are left out: no FP8 here; --grad-reduce-in-bf16 too, which
-#     another change brings (gradients are reduced in fp32 until then).
+#   - the FP8 flags (DTYPE_ARGS) are left out: no FP8 here.
 # Usage: NPROC=2 bash scripts/megatron_llama3_8b_recipe.sh [more hybrid.pretrain flags]
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -85,6 +84,7 @@ TRAINING_ARGS=(
     --adam-beta1 0.9
     --adam-beta2 0.95
     --bf16
+    --grad-reduce-in-bf16
     --cross-entropy-loss-fusion
     --calculate-per-token-loss 
     --manual-gc 
