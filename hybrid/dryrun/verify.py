@@ -33,7 +33,7 @@ ACTIVATION_FLAGS = {
 _SAME_VALUE = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                "max_position_embeddings", "position_embedding_type", "normalization",
                "num_query_groups", "kv_channels", "hidden_dropout", "attention_dropout",
-               "seq_length", "micro_batch_size", "param_persistence_threshold",
+               "seq_length", "param_persistence_threshold",
                "reduce_bucket_size", "allgather_bucket_size", "make_vocab_size_divisible_by",
                "grad_reduce")
 _SAME_SWITCH = ("untie_embeddings_and_output_weights", "swiglu", "group_query_attention",
@@ -55,6 +55,9 @@ def pretrain_argv(args, model, chosen, global_batch: int) -> list[str]:
         if value is not None:
             out += [_flag(name), str(value)]
     out += [_flag(n) for n in _SAME_SWITCH if getattr(args, n)]
+    out += ["--micro-batch-size", str(chosen.micro_batch_size)]
+    out += [_flag(n) for n in ("overlap_param_gather", "grad_reduce_in_bf16")
+            if getattr(args, n, False)]
     out += ["--vocab-size", str(model.vocab_size), "--global-batch-size", str(global_batch),
             "--tensor-model-parallel-size", str(chosen.tp), "--zero-stage", str(chosen.stage),
             *ACTIVATION_FLAGS[chosen.activation]]

@@ -35,6 +35,8 @@ class Cluster:
     """Achieved per-GPU collective bandwidth across nodes, GB/s."""
     cpu_gbs: float = 20.0
     """Per-GPU host link bandwidth for P_a+cpu, GB/s."""
+    hbm_gbs: float = 2039.0
+    """GPU memory bandwidth, GB/s (the optimizer step is bound by it; A100-80GB SXM datasheet)."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -78,12 +80,22 @@ class Training:
     """ZeroConfig.grad_reduce: 'reduce_scatter' or 'all_reduce' (2x the gradient bytes)."""
     overlap_comm: bool = True
     """Two reduce-scatter staging buffers (reduction overlapped with backward) instead of one."""
+    overlap_param_gather: bool = False
+    """Megatron-LM's ``--overlap-param-gather`` (its default, off): ZeRO 1-2's all-gather of the
+    updated parameters is launched after the step and waited block by block in the next
+    forward instead of before the step returns (``hybrid.planner.step_time``)."""
+    grad_reduce_in_bf16: bool = False
+    """Megatron-LM's ``--grad-reduce-in-bf16`` (its default, off): with bf16 training the engine
+    holds, accumulates and reduces gradients in bf16 (2 bytes instead of fp32's 4)."""
     dropout: bool = True
     """The model trains with dropout (Megatron's default 0.1): masks saved, the attention core
     explicit; False (Llama recipes): no masks, SDPA (``hybrid.planner.activations``)."""
 
     def __post_init__(self) -> None:
         get_precision(self.precision, self.accounting)
+        if self.grad_reduce_in_bf16 and self.precision != "bf16":
+            raise ValueError(f"grad_reduce_in_bf16 needs bf16 training; precision is "
+                             f"{self.precision}, whose gradients stay fp32")
         if self.param_persistence_threshold < 0:
             raise ValueError(
                 f"param_persistence_threshold must be >= 0, got {self.param_persistence_threshold}"
