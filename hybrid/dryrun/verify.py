@@ -48,14 +48,17 @@ def pretrain_argv(args, model, chosen, global_batch: int) -> list[str]:
     """The ``hybrid.pretrain`` flags of the dry run of ``chosen`` (a
     :class:`hybrid.planner.plan.Candidate`) for the planner's parsed ``args`` and its model
     (a :class:`models.config.GPTConfig`, for the vocabulary), rank 0 of
-    ``args.num_gpus``; ``global_batch`` in samples."""
+    ``args.num_gpus``; ``global_batch`` in samples; the micro-batch is ``chosen``'s (the
+    planner's search) and ``--overlap-param-gather`` / ``--grad-reduce-in-bf16`` pass through
+    when set."""
     out = ["--preset", args.model] if args.model else []
     for name in _SAME_VALUE:
         value = getattr(args, name)
         if value is not None:
             out += [_flag(name), str(value)]
     out += [_flag(n) for n in _SAME_SWITCH if getattr(args, n)]
-    out += ["--micro-batch-size", str(chosen.micro_batch_size)]
+    b = getattr(chosen, "micro_batch_size", None) or (args.micro_batch_size or [None])[0]
+    out += ["--micro-batch-size", str(b)] if b else []  # the planner's pick (searched or given)
     out += [_flag(n) for n in ("overlap_param_gather", "grad_reduce_in_bf16")
             if getattr(args, n, False)]
     out += ["--vocab-size", str(model.vocab_size), "--global-batch-size", str(global_batch),

@@ -19,7 +19,9 @@ What it overlaps (SP backward only, as Megatron-LM): each column-parallel layer'
 re-gather runs during its input-gradient GEMM and the input gradient's reduce-scatter during
 its weight-gradient GEMM, so only ``max(0, collective - GEMM)`` of each is exposed.
 
-Data parallelism (ZeRO 1910.02054 §5.3 and §7; the engine's schedule, ``traffic``):
+Data parallelism (ZeRO 1910.02054 §5.3 and §7; the engine's schedule, ``traffic``); its
+collectives cross nodes on the NICs while the exposed TP collectives use NVLink, so a unit's
+critical path (GEMMs + exposed TP) hides them:
 
 - stage 3, every micro-batch: forward gathers the root (waited) and prefetches block 0, then
   block ``i``'s forward runs while block ``i+1`` is gathered; backward re-gathers the root,
