@@ -27,19 +27,22 @@ U = UnitSeconds(block_fwd=1.0, block_bwd=2.0, root_fwd=0.3, root_bwd=0.4, gather
 
 
 def test_communication_shorter_than_compute_is_hidden():
-    assert overlapped([(2.0, 1.0), (2.0, 1.0)]) == (4.0, 0.0)
+    assert overlapped([(2.0, 1.0), (2.0, 1.0)]) == (4.0, 0.0, 0.0)
     # forward, 3 blocks: g_r + g exposed, then block i hides block i+1's gather
     f = forward_pass(U, 3, gathers=True)
     assert f == pytest.approx({"time": 0.2 + 0.5 + 2 * 1.0 + 1.0 + 0.3, "first_gather": 0.7,
-                               "unhidden": 0.0})
+                               "unhidden": 0.0, "unhidden_cpu": 0.0})
 
 
 def test_communication_longer_than_compute_is_exposed_beyond_it():
-    assert overlapped([(1.0, 3.0)]) == (3.0, 2.0)
+    assert overlapped([(1.0, 3.0)]) == (3.0, 2.0, 0.0)
+    # three lanes: host copies beyond both the compute and the collectives
+    assert overlapped([(1.0, 0.5, 2.0), (1.0, 0.5, 0.5)]) == (3.0, 0.0, 1.0)
     slow = dataclasses.replace(U, gather_block=1.5)
     f = forward_pass(slow, 3, gathers=True)
     # g_r + g + (N-1) max(F, g) + F + R_f = 0.2 + 1.5 + 2 * 1.5 + 1 + 0.3
-    assert f == pytest.approx({"time": 6.0, "first_gather": 1.7, "unhidden": 2 * 0.5})
+    assert f == pytest.approx({"time": 6.0, "first_gather": 1.7, "unhidden": 2 * 0.5,
+                               "unhidden_cpu": 0.0})
 
 
 def test_backward_first_gather_and_last_reduce_are_exposed():
@@ -48,15 +51,29 @@ def test_backward_first_gather_and_last_reduce_are_exposed():
     # gather 0.5 + block 2's reduce 1.0), block 0 (2 vs block 1's reduce 1.0); then the root's
     # re-gather 0.2 before and block 0's reduce 1.0 + the tail 0.3 after
     assert b == pytest.approx({"time": 0.5 + 2 + 2 + 2 + 0.2 + 1.3, "first_gather": 0.2,
-                               "last_reduce": 1.3, "unhidden": 0.1})
+                               "last_reduce": 1.3, "first_load": 0.0, "unhidden": 0.1,
+                               "unhidden_cpu": 0.0})
     # without overlap_comm every block's reduction waits for the end of backward
     b = backward_pass(U, 3, gathers=False, reduces=True, overlap_comm=False)
     assert b["last_reduce"] == pytest.approx(3 * 1.0 + 0.3)
     assert b["time"] == pytest.approx(0.4 + 3 * 2 + 3.3)
 
 
+def test_offloaded_checkpoints_hide_but_the_first_load():
+    """P_a+cpu: block i's checkpoint goes to the host during its forward, block i-1's comes
+    back during block i's backward; the last block's load starts each backward, exposed."""
+    off = dataclasses.replace(U, offload_block=0.6)
+    f = forward_pass(off, 3, gathers=False)
+    assert f["time"] == pytest.approx(3 * 1.0 + 0.3) and f["unhidden_cpu"] == 0
+    b = backward_pass(off, 3, gathers=False, reduces=False, overlap_comm=True)
+    assert b["first_load"] == 0.6 and b["time"] == pytest.approx(0.4 + 3 * 2.0 + 0.6)
+    slow = dataclasses.replace(U, offload_block=2.5)
+    b = backward_pass(slow, 3, gathers=False, reduces=False, overlap_comm=True)
+    assert b["unhidden_cpu"] == pytest.approx(2 * 0.5)  # blocks 2 and 1 prefetch 1 and 0
+
+
 def test_stage1_reduces_in_the_last_micro_batch_and_refresh_can_be_deferred():
-    kw = dict(n=3, micro_batches=2, stage=1, refresh=0.9, optimizer=0.05, cpu=0.0)
+    kw = dict(n=3, micro_batches=2, stage=1, refresh=0.9, optimizer=0.05)
     plain = step_seconds(U, **kw)
     compute_path = 2 * (3 * 1.0 + 0.3 + 3 * 2.0 + 0.4)
     assert plain["last_reduce_s"] == pytest.approx(1.3) and plain["first_gather_s"] == 0

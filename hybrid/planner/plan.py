@@ -8,8 +8,11 @@ micro-batch of activations, constant-size communication buffers), whether that f
 TP traffic per step and an estimated step time. ``python -m hybrid.planner.plan --help`` for the
 CLI.
 
-Cost model (deliberately simple; every term is printed so it can be argued with):
-    step_s = compute_s + tp_s + dp_s + cpu_s, with no overlap between them (pessimistic).
+Cost model (every term is printed so it can be argued with):
+    step_s = compute_s + the exposed seconds of :mod:`hybrid.planner.step_time`: per block
+        the longer of its compute and the collectives the engine overlaps with it, plus the
+        tensor-parallel collectives on the critical path, the first gather, the last reduce,
+        the parameter refresh, the optimizer and P_a+cpu's unhidden copies.
     compute_s = hardware FLOPs per step / (GPUs * peak * efficiency); hardware FLOPs are
         2205.05198 Eq. 7 without checkpointing and 2104.04473 Eq. 3 (one extra forward) with it,
         so the recompute penalty is the 4/3 factor on the layers.
@@ -18,6 +21,8 @@ Cost model (deliberately simple; every term is printed so it can be argued with)
         else / intra-node bandwidth.
     cpu_s = 2 * partitioned checkpoint bytes per micro-batch * micro-batches / host-link bandwidth
         (P_a+cpu: out in forward, back in backward, ZeRO §8).
+    tp_s, dp_s and cpu_s are totals, hidden or not; the step counts only what is exposed.
+The micro-batch size is the training's, or searched (``plan(..., search_micro_batch=True)``).
 Bandwidths are achieved per-GPU bus bandwidths in GB/s (1e9 B/s). Defaults describe a DGX A100:
 NVLink ~200 GB/s achievable all-reduce bus bandwidth, one 200 Gb/s HDR NIC per GPU = 25 GB/s,
 PCIe 4 x16 ~20 GB/s, 45% of peak on the GEMMs (2104.04473 Table 1 reaches 44-52%).
@@ -116,7 +121,8 @@ class Candidate:
     """Seconds per step: ``compute_s`` (GEMMs), ``tp_s`` / ``dp_s`` / ``cpu_s`` (each kind's
     bytes / bandwidth, hidden or not), ``step_s`` (the overlapped step) = ``compute_s`` +
     ``exposed_s``, whose parts are ``tp_exposed_s``, ``first_gather_s``, ``last_reduce_s``,
-    ``unhidden_dp_s``, ``refresh_s``, ``optimizer_s``, ``cpu_s`` (``step_time.step_seconds``);
+    ``unhidden_dp_s``, ``refresh_s``, ``optimizer_s``, ``cpu_exposed_s``
+    (``step_time.step_seconds``);
     ``dp_exposed_s`` sums the data-parallel ones, ``tp_hidden_s`` is what SP's backward hides."""
     tokens_per_s: float = 0.0
     mfu: float = 0.0
@@ -245,7 +251,8 @@ def _step_times(m: GPTConfig, cluster: Cluster, training: Training, gbs: int, tp
              else cluster.intra_node_gbs)
     times = step_breakdown(m, cluster, training, tp, dp, stage, activation, prec, threshold,
                            micro_batches, cpu_bytes)
-    times.update(tp_s=tp_bytes / (cluster.intra_node_gbs * GB), dp_s=dp_bytes / (dp_bw * GB))
+    times.update(tp_s=tp_bytes / (cluster.intra_node_gbs * GB), dp_s=dp_bytes / (dp_bw * GB),
+                 cpu_s=cpu_bytes / (cluster.cpu_gbs * GB))
     times["dp_exposed_s"] = sum(times[k] for k in EXPOSED_DP)
     times["exposed_s"] = times["step_s"] - times["compute_s"]
     return times, model_flops / (times["step_s"] * peak)

@@ -41,6 +41,10 @@ refresh gathers of stages 1-2 are launched after the step and waited block by bl
 forward, so the first micro-batch's forward pays them like stage 3's prefetch (the root and
 block 0 exposed, the rest hidden behind the blocks' forward).
 
+P_a+cpu (ZeRO §6.1): on CUDA the engine copies a block's checkpoint to the host on a side
+stream during the block's forward and prefetches the next one back during a block's backward
+(``hybrid.activation.offload``); the first load of each backward is exposed.
+
 Optimizer (exposed, HBM-bound): AdamW (1711.05101) reads and writes the fp32 master and its
 two moments (``2k`` bytes, ZeRO §3.1's K = 12), reads the gradient and writes the compute-dtype
 parameter per owned element (``Psi_t`` at stage 0, ``Psi_t / dp`` at 1-3, ZeRO §5.1); the
@@ -78,6 +82,8 @@ class UnitSeconds:
     """GEMM seconds of one micro-batch (all units, no communication)."""
     tp_exposed: float
     tp_hidden: float
+    offload_block: float = 0.0
+    """P_a+cpu: one block's checkpoint copied one way between GPU and host."""
 
 
 def compute_seconds(model, b: int, s: int, tp: int, recompute: str, flops_per_s: float
@@ -133,55 +139,72 @@ def dp_unit_elements(model, tp: int, psi_t: int, threshold: int) -> dict[str, in
             "block_persistent": per_layer, "root_persistent": total - model.num_layers * per_layer}
 
 
-def overlapped(units: list[tuple[float, float]]) -> tuple[float, float]:
-    """``(sum max(c, w), sum max(0, w - c))`` over ``(compute, comm)`` pairs: a unit lasts as long
-    as the longer of its compute and the communication launched alongside it; the second term is
-    the communication it did not hide."""
-    return sum(max(c, w) for c, w in units), sum(max(0.0, w - c) for c, w in units)
+def overlapped(units: list[tuple[float, ...]]) -> tuple[float, float, float]:
+    """``(sum max(c, w, o), sum max(0, w - c), sum max(0, o - max(c, w)))`` over ``(compute,
+    collectives, host copies)`` units (a missing ``o`` is 0): a unit lasts as long as the
+    longest of its compute, the data-parallel collectives and the host copies launched beside
+    it (three links: NVLink under the compute stream, the NIC, PCIe); the other two terms are
+    the collectives and the copies it did not hide."""
+    time = dp = cpu = 0.0
+    for c, w, *rest in units:
+        o = rest[0] if rest else 0.0
+        time += max(c, w, o)
+        dp += max(0.0, w - c)
+        cpu += max(0.0, o - max(c, w))
+    return time, dp, cpu
 
 
 def forward_pass(u: UnitSeconds, n: int, gathers: bool) -> dict[str, float]:
-    """One forward: ``{'time', 'first_gather', 'unhidden'}``. With ``gathers`` (stage 3, or the
-    first forward after a deferred refresh) the root and block 0 are waited for (exposed) and
-    block ``i+1``'s gather runs during block ``i``: ``g_r + g + (N-1) max(F, g) + F + R_f``."""
-    g = u.gather_block if gathers else 0.0
-    units = [(u.block_fwd, g)] * (n - 1) + [(u.block_fwd, 0.0), (u.root_fwd, 0.0)]
-    time, unhidden = overlapped(units)
+    """One forward: ``{'time', 'first_gather', 'unhidden', 'unhidden_cpu'}``. With ``gathers``
+    (stage 3, or the first forward after a deferred refresh) the root and block 0 are waited
+    for (exposed) and block ``i+1``'s gather runs during block ``i``: ``g_r + g + (N-1) max(F,
+    g) + F + R_f``; P_a+cpu's copy of block ``i``'s checkpoint to the host runs during block
+    ``i`` (a side stream, ``hybrid.activation.offload``)."""
+    g, o = (u.gather_block if gathers else 0.0), u.offload_block
+    units = [(u.block_fwd, g, o)] * (n - 1) + [(u.block_fwd, 0.0, o), (u.root_fwd, 0.0)]
+    time, unhidden, unhidden_cpu = overlapped(units)
     first = u.gather_root + u.gather_block if gathers else 0.0
-    return {"time": time + first, "first_gather": first, "unhidden": unhidden}
+    return {"time": time + first, "first_gather": first, "unhidden": unhidden,
+            "unhidden_cpu": unhidden_cpu}
 
 
 def backward_pass(u: UnitSeconds, n: int, gathers: bool, reduces: bool, overlap_comm: bool
                   ) -> dict[str, float]:
-    """One backward: ``{'time', 'first_gather', 'last_reduce', 'unhidden'}``. Units run head
-    first, then blocks ``N-1 .. 0``; the head hides the last block's gather; block ``i`` hides
-    block ``i-1``'s gather (``gathers``) and block ``i+1``'s reduction (``reduces`` and
-    ``overlap_comm``); the root's re-gather comes first, block 0's, the root's and the persistent
-    parameters' reductions last (exposed); without ``overlap_comm`` every reduction is."""
+    """One backward: ``{'time', 'first_gather', 'last_reduce', 'first_load', 'unhidden',
+    'unhidden_cpu'}``. Units run head first, then blocks ``N-1 .. 0``; the head hides the last
+    block's gather; block ``i`` hides block ``i-1``'s gather (``gathers``), block ``i+1``'s
+    reduction (``reduces`` and ``overlap_comm``) and block ``i-1``'s checkpoint coming back from
+    the host (P_a+cpu's prefetch); the root's re-gather and the last block's checkpoint load
+    come first, block 0's, the root's and the persistent parameters' reductions last (exposed);
+    without ``overlap_comm`` every reduction is."""
     g = u.gather_block if gathers else 0.0
     r = u.reduce_block if reduces and overlap_comm else 0.0
+    o = u.offload_block
     units = [(u.root_bwd, g)]
     for i in range(n - 1, -1, -1):
-        units.append((u.block_bwd, (g if i >= 1 else 0.0) + (r if i <= n - 2 else 0.0)))
-    time, unhidden = overlapped(units)
+        units.append((u.block_bwd, (g if i >= 1 else 0.0) + (r if i <= n - 2 else 0.0),
+                      o if i >= 1 else 0.0))
+    time, unhidden, unhidden_cpu = overlapped(units)
     first = u.gather_root if gathers else 0.0
     last = 0.0
     if reduces:
         last = u.reduce_tail + (u.reduce_block if overlap_comm else n * u.reduce_block)
-    return {"time": time + first + last, "first_gather": first, "last_reduce": last,
-            "unhidden": unhidden}
+    return {"time": time + first + o + last, "first_gather": first, "last_reduce": last,
+            "first_load": o, "unhidden": unhidden, "unhidden_cpu": unhidden_cpu}
 
 
 def step_seconds(u: UnitSeconds, n: int, micro_batches: int, stage: int, refresh: float,
-                 optimizer: float, cpu: float, overlap_param_gather: bool = False,
+                 optimizer: float, overlap_param_gather: bool = False,
                  overlap_comm: bool = True) -> dict[str, float]:
     """The step's seconds, named: ``compute_s`` (GEMMs), ``tp_exposed_s``, ``first_gather_s``,
     ``last_reduce_s``, ``unhidden_dp_s`` (collectives beyond the compute they overlap),
-    ``refresh_s``, ``optimizer_s``, ``cpu_s`` (all exposed), their sum ``step_s``, and what is
+    ``refresh_s``, ``optimizer_s``, ``cpu_exposed_s`` (the first checkpoint load of each
+    backward and copies beyond the compute), all exposed, their sum ``step_s``, and what is
     hidden (``tp_hidden_s``). ``refresh`` is the parameter all-gather after the step (deferred
     into the first forward at stages 1-2 with ``overlap_param_gather``)."""
     deferred = overlap_param_gather and stage in (1, 2)
-    out = dict.fromkeys(("first_gather_s", "last_reduce_s", "unhidden_dp_s"), 0.0)
+    out = dict.fromkeys(("first_gather_s", "last_reduce_s", "unhidden_dp_s", "cpu_exposed_s"),
+                        0.0)
     path = 0.0
     for j in range(micro_batches):
         fwd = forward_pass(u, n, gathers=stage == 3 or (deferred and j == 0))
@@ -192,10 +215,11 @@ def step_seconds(u: UnitSeconds, n: int, micro_batches: int, stage: int, refresh
         out["first_gather_s"] += fwd["first_gather"] + bwd["first_gather"]
         out["last_reduce_s"] += bwd["last_reduce"]
         out["unhidden_dp_s"] += fwd["unhidden"] + bwd["unhidden"]
+        out["cpu_exposed_s"] += bwd["first_load"] + fwd["unhidden_cpu"] + bwd["unhidden_cpu"]
     out.update(compute_s=micro_batches * u.compute, tp_exposed_s=micro_batches * u.tp_exposed,
                tp_hidden_s=micro_batches * u.tp_hidden, refresh_s=0.0 if deferred else refresh,
-               optimizer_s=optimizer, cpu_s=cpu)
-    out["step_s"] = path + out["refresh_s"] + optimizer + cpu
+               optimizer_s=optimizer)
+    out["step_s"] = path + out["refresh_s"] + optimizer
     return out
 
 
@@ -213,7 +237,8 @@ def step_breakdown(model, cluster, training, tp: int, dp: int, stage: int, activ
                    ) -> dict[str, float]:
     """:func:`step_seconds` of one layout: ``model`` with its TP-padded vocabulary, a
     ``planner.inputs.Cluster`` and ``Training``, the stage's persistence ``threshold``
-    (elements), ``cpu_bytes`` to and from the host per step (P_a+cpu, exposed)."""
+    (elements), ``cpu_bytes`` to and from the host per step (P_a+cpu: every block's
+    checkpoint out in forward and back in backward)."""
     parts = set(activation.split("+"))
     b, s, n = training.micro_batch_size, training.seq_length, model.num_layers
     flops_per_s = cluster.peak_tflops * 1e12 * cluster.efficiency
@@ -239,11 +264,11 @@ def step_breakdown(model, cluster, training, tp: int, dp: int, stage: int, activ
         reduce_tail=(el["root"] + n * el["block_persistent"]) * reduce,
         compute=n * (comp["block_fwd"] + comp["block_bwd"]) + comp["root_fwd"] + comp["root_bwd"],
         tp_exposed=n * (tps["block_fwd"] + tps["block_bwd"]) + tps["root_fwd"] + tps["root_bwd"],
-        tp_hidden=n * tps["block_hidden"])
+        tp_hidden=n * tps["block_hidden"],
+        offload_block=cpu_bytes / (2 * micro_batches * n) / (cluster.cpu_gbs * GB))
     psi_t = el["block"] * n + el["root"]
     persistent = el["root_persistent"] + n * el["block_persistent"]
     refresh = {0: 0.0, 1: psi_t, 2: psi_t, 3: persistent}[stage] * gather
     optimizer = optimizer_seconds(psi_t, dp, stage, prec, cluster.hbm_gbs)
     return step_seconds(u, n, micro_batches, stage, refresh, optimizer,
-                        cpu_bytes / (cluster.cpu_gbs * GB), training.overlap_param_gather,
-                        training.overlap_comm)
+                        training.overlap_param_gather, training.overlap_comm)

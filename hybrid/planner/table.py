@@ -85,7 +85,9 @@ def best_lines(chosen) -> list[str]:
         f"{t['dp_exposed_s']:.3f} of {t['dp_s']:.3f} (first gather {t['first_gather_s']:.3f}, "
         f"last reduce {t['last_reduce_s']:.3f}: nothing to overlap; beyond the compute they "
         f"overlap {t['unhidden_dp_s']:.3f}; refresh after the step {t['refresh_s']:.3f}) + "
-        f"optimizer {t['optimizer_s']:.3f} (HBM-bound AdamW) + cpu {t['cpu_s']:.3f} (P_a+cpu)",
+        f"optimizer {t['optimizer_s']:.3f} (HBM-bound AdamW) + cpu {t['cpu_exposed_s']:.3f} of "
+        f"{t['cpu_s']:.3f} (P_a+cpu: the first checkpoint load of each backward, copies beyond "
+        "the compute)",
     ]
 
 
