@@ -206,11 +206,11 @@ def step_seconds(u: UnitSeconds, n: int, micro_batches: int, stage: int, refresh
     out = dict.fromkeys(("first_gather_s", "last_reduce_s", "unhidden_dp_s", "cpu_exposed_s"),
                         0.0)
     path = 0.0
+    fwds = {g: forward_pass(u, n, g) for g in (False, True)}  # micro-batches differ only by
+    bwds = {r: backward_pass(u, n, stage == 3, r, overlap_comm) for r in (False, True)}  # these
     for j in range(micro_batches):
-        fwd = forward_pass(u, n, gathers=stage == 3 or (deferred and j == 0))
-        bwd = backward_pass(u, n, gathers=stage == 3,
-                            reduces=stage >= 2 or j == micro_batches - 1,
-                            overlap_comm=overlap_comm)
+        fwd = fwds[stage == 3 or (deferred and j == 0)]
+        bwd = bwds[stage >= 2 or j == micro_batches - 1]
         path += fwd["time"] + bwd["time"]
         out["first_gather_s"] += fwd["first_gather"] + bwd["first_gather"]
         out["last_reduce_s"] += bwd["last_reduce"]
