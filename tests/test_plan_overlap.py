@@ -181,6 +181,7 @@ def test_cli_searches_b_within_the_global_batch_and_verify_dry_runs_it(monkeypat
     assert plan_cli.main([*DIMS, "--global-batch-size", "256", "--json", "--verify"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert {c["micro_batch_size"] for c in doc["candidates"]} == {1, 2, 4, 8, 16}
+    assert doc["cluster"]["hbm_gbs"] == 3350.0  # the H100 preset's, for the optimizer step
     b = doc["best"]["micro_batch_size"]
     assert b == 16
     (argv,) = seen

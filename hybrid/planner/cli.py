@@ -204,7 +204,8 @@ def _cluster(args: argparse.Namespace, planning: bool) -> Cluster:
         intra_node_gbs=args.intra_node_gbs,
         inter_node_gbs=args.inter_node_gbs,
         cpu_gbs=args.cpu_gbs,
-        hbm_gbs=args.hbm_gbs or (preset.hbm_gbs if preset else Cluster.hbm_gbs),
+        hbm_gbs=(args.hbm_gbs if args.hbm_gbs is not None
+                 else preset.hbm_gbs if preset else Cluster.hbm_gbs),
     )
 
 
