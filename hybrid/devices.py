@@ -29,21 +29,22 @@ DEFAULT_RESERVED_GIB = 1.0
 @dataclass(frozen=True)
 class DevicePreset:
     """One GPU model: ``memory_gib`` in GiB as CUDA reports it, ``peak_tflops`` dense
-    bf16/fp16."""
+    bf16/fp16, ``hbm_gbs`` memory bandwidth in GB/s (datasheets; the planner's optimizer time)."""
 
     name: str
     memory_gib: float
     peak_tflops: float
+    hbm_gbs: float = 2039.0
 
 
 DEVICE_PRESETS: dict[str, DevicePreset] = {
     p.name.lower(): p
     for p in (
-        DevicePreset("V100-32GB", 32_510 / 1024, 125.0),
-        DevicePreset("A100-40GB", 40_536 / 1024, 312.0),
-        DevicePreset("A100-80GB", 81_920 / 1024, 312.0),
-        DevicePreset("H100", 81_559 / 1024, 989.0),
-        DevicePreset("H200", 143_771 / 1024, 989.0),
+        DevicePreset("V100-32GB", 32_510 / 1024, 125.0, 900.0),
+        DevicePreset("A100-40GB", 40_536 / 1024, 312.0, 1555.0),
+        DevicePreset("A100-80GB", 81_920 / 1024, 312.0, 2039.0),
+        DevicePreset("H100", 81_559 / 1024, 989.0, 3350.0),
+        DevicePreset("H200", 143_771 / 1024, 989.0, 4800.0),
     )
 }
 DEFAULT_DEVICE = "A100-80GB"

@@ -33,11 +33,12 @@ ACTIVATION_FLAGS = {
 _SAME_VALUE = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                "max_position_embeddings", "position_embedding_type", "normalization",
                "num_query_groups", "kv_channels", "hidden_dropout", "attention_dropout",
-               "seq_length", "micro_batch_size", "param_persistence_threshold",
+               "seq_length", "param_persistence_threshold",
                "reduce_bucket_size", "allgather_bucket_size", "make_vocab_size_divisible_by",
                "grad_reduce")
 _SAME_SWITCH = ("untie_embeddings_and_output_weights", "swiglu", "group_query_attention",
-                "disable_bias_linear", "add_qkv_bias", "qk_layernorm", "grad_reduce_in_bf16")
+                "disable_bias_linear", "add_qkv_bias", "qk_layernorm", "grad_reduce_in_bf16",
+                "overlap_param_gather")
 
 
 def _flag(name: str) -> str:
@@ -48,7 +49,9 @@ def pretrain_argv(args, model, chosen, global_batch: int) -> list[str]:
     """The ``hybrid.pretrain`` flags of the dry run of ``chosen`` (a
     :class:`hybrid.planner.plan.Candidate`) for the planner's parsed ``args`` and its model
     (a :class:`models.config.GPTConfig`, for the vocabulary), rank 0 of
-    ``args.num_gpus``; ``global_batch`` in samples."""
+    ``args.num_gpus``; ``global_batch`` in samples; the micro-batch is ``chosen``'s (the
+    planner's search) and ``--overlap-param-gather`` / ``--grad-reduce-in-bf16`` pass through
+    when set."""
     out = ["--preset", args.model] if args.model else []
     for name in _SAME_VALUE:
         value = getattr(args, name)
@@ -57,6 +60,8 @@ def pretrain_argv(args, model, chosen, global_batch: int) -> list[str]:
     out += [_flag(n) for n in _SAME_SWITCH if getattr(args, n, False)]
     out += [] if getattr(args, "gradient_accumulation_fusion", True) else [
         "--no-gradient-accumulation-fusion"]
+    b = getattr(chosen, "micro_batch_size", None) or (args.micro_batch_size or [None])[0]
+    out += ["--micro-batch-size", str(b)] if b else []  # the planner's pick (searched or given)
     out += ["--vocab-size", str(model.vocab_size), "--global-batch-size", str(global_batch),
             "--tensor-model-parallel-size", str(chosen.tp), "--zero-stage", str(chosen.stage),
             *ACTIVATION_FLAGS[chosen.activation]]

@@ -87,9 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_training_args(g) -> None:
-    g.add_argument("--micro-batch-size", type=int, default=1,
-                   help="samples per rank per micro-batch b")
-    g.add_argument("--global-batch-size", type=int, help="default micro-batch * num-gpus")
+    g.add_argument("--micro-batch-size", type=int, action="append",
+                   help="restrict to this micro-batch b, samples per rank (repeatable; default: "
+                   "every b dividing --global-batch-size / dp when that is given, else 1)")
+    g.add_argument("--global-batch-size", type=int,
+                   help="default (the first --micro-batch-size or 1) * num-gpus")
     g.add_argument("--precision", choices=sorted(PRECISIONS), default="bf16",
                    help="training precision")
     g.add_argument("--accounting", choices=ACCOUNTINGS, default="engine",
@@ -107,6 +109,9 @@ def _add_training_args(g) -> None:
                    action="store_false",
                    help="the engine without gradient-accumulation fusion (ZeRO-1 then stages "
                    "its reduce-scatter through two bucket buffers)")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="ZeRO 1-2: the updated parameters' all-gather runs during the next "
+                   "forward instead of after the step (Megatron-LM's flag and default, off)")
     g.add_argument("--param-persistence-threshold", type=int, default=100_000,
                    help="stage 3 keeps local params with fewer elements whole, as the engine "
                    "(0: the paper's count, every parameter partitioned)")
@@ -160,6 +165,8 @@ def _add_cluster_args(g) -> None:
     g.add_argument("--intra-node-gbs", type=_finite, default=200.0, help="NVLink, GB/s per GPU")
     g.add_argument("--inter-node-gbs", type=_finite, default=25.0, help="network, GB/s per GPU")
     g.add_argument("--cpu-gbs", type=_finite, default=20.0, help="host link, GB/s per GPU")
+    g.add_argument("--hbm-gbs", type=_finite, help="GPU memory bandwidth, GB/s, for the "
+                   "optimizer step (default: the --device preset's, else 2039)")
 
 
 def _add_search_args(g) -> None:
@@ -209,6 +216,8 @@ def _cluster(args: argparse.Namespace, planning: bool) -> Cluster:
         intra_node_gbs=args.intra_node_gbs,
         inter_node_gbs=args.inter_node_gbs,
         cpu_gbs=args.cpu_gbs,
+        hbm_gbs=(args.hbm_gbs if args.hbm_gbs is not None
+                 else preset.hbm_gbs if preset else Cluster.hbm_gbs),
     )
 
 
@@ -232,7 +241,8 @@ _FLAG_OF = {
     "reserved_bytes": "--reserved-gib",
     "peak_tflops": "--peak-tflops", "efficiency": "--efficiency",
     "intra_node_gbs": "--intra-node-gbs", "inter_node_gbs": "--inter-node-gbs",
-    "cpu_gbs": "--cpu-gbs", "seq_length": "--seq-length", "micro_batch_size": "--micro-batch-size",
+    "cpu_gbs": "--cpu-gbs", "hbm_gbs": "--hbm-gbs", "seq_length": "--seq-length",
+    "micro_batch_size": "--micro-batch-size",
     "global_batch_size": "--global-batch-size", "reduce_bucket_elements": "--reduce-bucket-size",
     "allgather_bucket_elements": "--allgather-bucket-size",
     "make_vocab_size_divisible_by": "--make-vocab-size-divisible-by",
@@ -253,10 +263,13 @@ def _with_flag_names(kind, **kwargs):
 
 
 def _training(args: argparse.Namespace) -> Training:
+    for b in args.micro_batch_size or ():
+        if b <= 0:
+            raise ValueError(f"--micro-batch-size must be positive, got {b}")
     return _with_flag_names(
         Training,
         seq_length=args.seq_length,
-        micro_batch_size=args.micro_batch_size,
+        micro_batch_size=(args.micro_batch_size or [1])[0],
         global_batch_size=args.global_batch_size,
         precision=args.precision,
         accounting=args.accounting,
@@ -267,6 +280,7 @@ def _training(args: argparse.Namespace) -> Training:
         grad_reduce=args.grad_reduce,
         grad_reduce_in_bf16=args.grad_reduce_in_bf16,
         gradient_accumulation_fusion=args.gradient_accumulation_fusion,
+        overlap_param_gather=args.overlap_param_gather,
         dropout=args.hidden_dropout > 0 or args.attention_dropout > 0,
     )
 
@@ -339,6 +353,9 @@ def _main(argv: list[str] | None = None) -> int:
             args.tp,
             tuple(args.zero_stage or ZERO_STAGES),
             tuple(args.activation or ACTIVATION_OPTIONS),
+            micro_batch_sizes=tuple(args.micro_batch_size or ()),
+            # searched within a given global batch (without one, it is b * GPUs: b is given)
+            search_micro_batch=not args.micro_batch_size and args.global_batch_size is not None,
         )
         if not cands:
             raise ValueError(no_layout_message(skipped))
@@ -395,7 +412,7 @@ def _verify(args, model, training: Training, cluster: Cluster, chosen) -> dict |
     if chosen is None:
         return None
     gbs = training.global_batch_size or training.micro_batch_size * cluster.num_gpus
-    argv = pretrain_argv(args, model, chosen, gbs)
+    argv = pretrain_argv(args, model, chosen, gbs)  # chosen.micro_batch_size: the searched b
     out = sys.stderr if args.json else sys.stdout
     print("verify: the dry run of the best layout, rank 0", file=out, flush=True)
     return verify(argv, lambda line: print("  " + line, file=out, flush=True),

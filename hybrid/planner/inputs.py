@@ -35,6 +35,8 @@ class Cluster:
     """Achieved per-GPU collective bandwidth across nodes, GB/s."""
     cpu_gbs: float = 20.0
     """Per-GPU host link bandwidth for P_a+cpu, GB/s."""
+    hbm_gbs: float = 2039.0
+    """GPU memory bandwidth, GB/s (the optimizer step is bound by it; A100-80GB SXM datasheet)."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -84,6 +86,10 @@ class Training:
     gradient_accumulation_fusion: bool = True
     """ZeroConfig's default: stage 1 reduce-scatters each unit in place in the gradient buffer,
     with no staging buffers (``memory.comm_buffer_bytes``)."""
+    overlap_param_gather: bool = False
+    """Megatron-LM's ``--overlap-param-gather`` (its default, off): ZeRO 1-2's all-gather of the
+    updated parameters is launched after the step and waited block by block in the next
+    forward instead of before the step returns (``hybrid.planner.step_time``)."""
     dropout: bool = True
     """The model trains with dropout (Megatron's default 0.1): masks saved, the attention core
     explicit; False (Llama recipes): no masks, SDPA (``hybrid.planner.activations``)."""

@@ -8,8 +8,11 @@ micro-batch of activations, constant-size communication buffers), whether that f
 TP traffic per step and an estimated step time. ``python -m hybrid.planner.plan --help`` for the
 CLI.
 
-Cost model (deliberately simple; every term is printed so it can be argued with):
-    step_s = compute_s + tp_s + dp_s + cpu_s, with no overlap between them (pessimistic).
+Cost model (every term is printed so it can be argued with):
+    step_s = compute_s + the exposed seconds of :mod:`hybrid.planner.step_time`: per block
+        the longer of its compute and the collectives the engine overlaps with it, plus the
+        tensor-parallel collectives on the critical path, the first gather, the last reduce,
+        the parameter refresh, the optimizer and P_a+cpu's unhidden copies.
     compute_s = hardware FLOPs per step / (GPUs * peak * efficiency); hardware FLOPs are
         2205.05198 Eq. 7 without checkpointing and 2104.04473 Eq. 3 (one extra forward) with it,
         so the recompute penalty is the 4/3 factor on the layers.
@@ -18,6 +21,8 @@ Cost model (deliberately simple; every term is printed so it can be argued with)
         else / intra-node bandwidth.
     cpu_s = 2 * partitioned checkpoint bytes per micro-batch * micro-batches / host-link bandwidth
         (P_a+cpu: out in forward, back in backward, ZeRO §8).
+    tp_s, dp_s and cpu_s are totals, hidden or not; the step counts only what is exposed.
+The micro-batch size is the training's, or searched (``plan(..., search_micro_batch=True)``).
 Bandwidths are achieved per-GPU bus bandwidths in GB/s (1e9 B/s). Defaults describe a DGX A100:
 NVLink ~200 GB/s achievable all-reduce bus bandwidth, one 200 Gb/s HDR NIC per GPU = 25 GB/s,
 PCIe 4 x16 ~20 GB/s, 45% of peak on the GEMMs (2104.04473 Table 1 reaches 44-52%).
@@ -57,6 +62,7 @@ from hybrid.planner.memory import (
     persistent_parameters,
 )
 from hybrid.planner.precision import ACCOUNTINGS, get_precision
+from hybrid.planner.step_time import step_breakdown
 from hybrid.planner.temporaries import embedding_backward_bytes, temporary_bytes
 from hybrid.planner.traffic import dp_traffic_bytes, tp_traffic_elements
 from hybrid.zero.stage import stage_plan
@@ -70,11 +76,16 @@ __all__ = [
     "tp_candidates",
     "evaluate",
     "plan",
+    "micro_batch_choices",
     "best",
     "model_state_bytes",
     "dp_traffic_bytes",
     "activation_bytes",
 ]
+
+EXPOSED_DP = ("first_gather_s", "last_reduce_s", "unhidden_dp_s", "refresh_s")
+"""The data-parallel parts of a step's exposed seconds (``Candidate.times``)."""
+
 
 @dataclass(frozen=True)
 class Candidate:
@@ -86,6 +97,8 @@ class Candidate:
     activation: str
     micro_batches: int
     """Gradient-accumulation steps: global batch / (micro batch * dp)."""
+    micro_batch_size: int
+    """Sequences per rank per micro-batch b (searched by ``plan(..., micro_batch_sizes=...)``)."""
     params_per_rank: int
     """Parameters of this rank's TP shard (elements), before ZeRO."""
     model_states: dict
@@ -105,7 +118,12 @@ class Candidate:
     cpu_bytes: float
     """Bytes moved to and from the host per step (P_a+cpu)."""
     times: dict = field(default_factory=dict)
-    """{'compute_s', 'tp_s', 'dp_s', 'cpu_s', 'step_s'}."""
+    """Seconds per step: ``compute_s`` (GEMMs), ``tp_s`` / ``dp_s`` / ``cpu_s`` (each kind's
+    bytes / bandwidth, hidden or not), ``step_s`` (the overlapped step) = ``compute_s`` +
+    ``exposed_s``, whose parts are ``tp_exposed_s``, ``first_gather_s``, ``last_reduce_s``,
+    ``unhidden_dp_s``, ``refresh_s``, ``optimizer_s``, ``cpu_exposed_s``
+    (``step_time.step_seconds``);
+    ``dp_exposed_s`` sums the data-parallel ones, ``tp_hidden_s`` is what SP's backward hides."""
     tokens_per_s: float = 0.0
     mfu: float = 0.0
     dp_bytes_by_kind: dict = field(default_factory=dict)
@@ -223,25 +241,24 @@ def _traffic(m: GPTConfig, tp: int, dp: int, stage: int, prec, micro_batches: in
     return dp_kinds, tp_bytes, cpu_bytes
 
 
-def _step_times(m: GPTConfig, cluster: Cluster, gbs: int, s: int, activation: str,
-                dp_bytes: float, tp_bytes: float, cpu_bytes: float) -> tuple[dict, float]:
-    """``(times, mfu)``: the cost model's terms and their sum ``step_s`` (seconds), and the
-    model-FLOPs utilisation that step time gives (see the module docstring)."""
-    parts = set(activation.split("+"))
-    recompute = "full" in parts
-    hw_flops = flops_per_iteration(
-        m, gbs, s, "full" if recompute else "selective" if "selective" in parts else "none")
-    model_flops = flops_per_iteration(m, gbs, s, "none")
+def _step_times(m: GPTConfig, cluster: Cluster, training: Training, gbs: int, tp: int, dp: int,
+                stage: int, activation: str, prec, threshold: int, micro_batches: int,
+                traffic: tuple[float, float, float]) -> tuple[dict, float]:
+    """``(times, mfu)``: the totals of each kind of work (``compute_s``; ``tp_s``, ``dp_s``,
+    ``cpu_s``: bytes / bandwidth), the overlapped step time ``step_s`` and its exposed parts
+    (:func:`hybrid.planner.step_time.step_breakdown`), and the model-FLOPs utilisation that
+    step time gives (2205.05198 Eq. 7 FLOPs / (step_s * GPUs * peak))."""
+    dp_bytes, tp_bytes, cpu_bytes = traffic
+    model_flops = flops_per_iteration(m, gbs, training.seq_length, "none")
     peak = cluster.num_gpus * cluster.peak_tflops * 1e12
     dp_bw = (cluster.inter_node_gbs if cluster.num_gpus > cluster.gpus_per_node
              else cluster.intra_node_gbs)
-    times = {
-        "compute_s": hw_flops / (peak * cluster.efficiency),
-        "tp_s": tp_bytes / (cluster.intra_node_gbs * GB),
-        "dp_s": dp_bytes / (dp_bw * GB),
-        "cpu_s": cpu_bytes / (cluster.cpu_gbs * GB),
-    }
-    times["step_s"] = sum(times.values())
+    times = step_breakdown(m, cluster, training, tp, dp, stage, activation, prec, threshold,
+                           micro_batches, cpu_bytes)
+    times.update(tp_s=tp_bytes / (cluster.intra_node_gbs * GB), dp_s=dp_bytes / (dp_bw * GB),
+                 cpu_s=cpu_bytes / (cluster.cpu_gbs * GB))
+    times["dp_exposed_s"] = sum(times[k] for k in EXPOSED_DP)
+    times["exposed_s"] = times["step_s"] - times["compute_s"]
     return times, model_flops / (times["step_s"] * peak)
 
 
@@ -259,7 +276,7 @@ def evaluate(
     s, b = training.seq_length, training.micro_batch_size
     gbs, micro_batches = _batch(training, cluster, dp)
     prec = get_precision(training.precision, training.accounting)
-    if training.grad_reduce_in_bf16:
+    if training.grad_reduce_in_bf16:  # held, accumulated and reduced in bf16
         prec = dataclasses.replace(prec, grad_bytes=2)
     psi_t = params_per_tp_rank(m, tp)
     zero = stage_plan(stage, param_persistence_threshold=training.param_persistence_threshold)
@@ -279,15 +296,28 @@ def evaluate(
     dp_kinds, tp_bytes, cpu_bytes = _traffic(m, tp, dp, stage, prec, micro_batches, persistent,
                                              activation, training, acts)
     dp_bytes = sum(dp_kinds.values())
-    times, mfu = _step_times(m, cluster, gbs, s, activation, dp_bytes, tp_bytes, cpu_bytes)
+    times, mfu = _step_times(m, cluster, training, gbs, tp, dp, stage, activation, prec,
+                             zero.persistence_threshold, micro_batches,
+                             (dp_bytes, tp_bytes, cpu_bytes))
     return Candidate(
         tp=tp, dp=dp, stage=stage, activation=activation, micro_batches=micro_batches,
+        micro_batch_size=b,
         params_per_rank=psi_t, model_states=states, activations=acts, buffers=buffers,
         total_bytes=total, fits=total <= cluster.gpu_memory_bytes, dp_bytes=dp_bytes,
         tp_bytes=tp_bytes, cpu_bytes=cpu_bytes, times=times,
         tokens_per_s=gbs * s / times["step_s"], mfu=mfu, dp_bytes_by_kind=dp_kinds,
         persistent_params=persistent, temporaries=temps,
     )
+
+
+def micro_batch_choices(global_batch: int, dp: int) -> list[int]:
+    """Micro-batch sizes b with ``global_batch % (b * dp) == 0``, ascending (the divisors of
+    global_batch / dp; Megatron-LM's rule: global batch = b * accumulation steps * dp); [] when
+    dp does not divide the global batch."""
+    if global_batch % dp:
+        return []
+    per_rank = global_batch // dp
+    return [b for b in range(1, per_rank + 1) if per_rank % b == 0]
 
 
 def plan(
@@ -297,32 +327,47 @@ def plan(
     tps: list[int] | None = None,
     stages: tuple[int, ...] = ZERO_STAGES,
     activations: tuple[str, ...] = ACTIVATION_OPTIONS,
+    micro_batch_sizes: tuple[int, ...] | None = None,
+    search_micro_batch: bool = False,
 ) -> tuple[list[Candidate], list[str]]:
     """Evaluate every layout; returns (candidates, reasons for the layouts that were skipped).
 
     ``tps`` None means ``tp_candidates``. "full+pa" and the sequence-parallel options are
     skipped at tp = 1, where partitioning over one rank is plain checkpointing and sequence
-    parallelism is off.
+    parallelism is off. Micro-batch sizes: ``micro_batch_sizes`` when given, else every one
+    that divides the global batch over dp (:func:`micro_batch_choices`) with
+    ``search_micro_batch``, else ``training.micro_batch_size``; the global batch stays
+    ``training``'s (default: its micro-batch size * GPUs).
     """
     m = model
     if tps is None:
         tps = tp_candidates(m, cluster)
     for tp in tps:
         _check_tp(m, tp, cluster)
+    gbs = training.global_batch_size or training.micro_batch_size * cluster.num_gpus
     out, skipped = [], []
     for tp in tps:
-        for stage in stages:
-            for act in activations:
-                sp = "sp" in act.split("+")
-                if tp == 1 and act == "full+pa" or sp and not sequence_parallel_active(sp, tp):
-                    continue
-                try:
-                    out.append(evaluate(m, cluster, training, tp, stage, act))
-                except ValueError as err:
-                    reason = f"tp={tp}: {err}"
-                    if reason not in skipped:
-                        skipped.append(reason)
+        sizes = micro_batch_sizes or (
+            micro_batch_choices(gbs, cluster.num_gpus // tp) if search_micro_batch else ())
+        for b in sizes or (training.micro_batch_size,):
+            t = dataclasses.replace(training, micro_batch_size=b, global_batch_size=gbs)
+            _plan_tp(m, cluster, t, tp, stages, activations, out, skipped)
     return out, skipped
+
+
+def _plan_tp(m, cluster, training, tp, stages, activations, out, skipped) -> None:
+    """Evaluate every stage and activation option at ``tp`` into ``out`` (or ``skipped``)."""
+    for stage in stages:
+        for act in activations:
+            sp = "sp" in act.split("+")
+            if tp == 1 and act == "full+pa" or sp and not sequence_parallel_active(sp, tp):
+                continue
+            try:
+                out.append(evaluate(m, cluster, training, tp, stage, act))
+            except ValueError as err:
+                reason = f"tp={tp}: {err}"
+                if reason not in skipped:
+                    skipped.append(reason)
 
 
 def best(candidates: list[Candidate]) -> Candidate | None:

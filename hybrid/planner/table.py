@@ -23,7 +23,7 @@ def plan_text(model, cluster, training, cands, skipped, chosen, fitting_only, de
         f"{num_parameters(model) / 1e9:.3f}B params (unpadded)",
         f"cluster: {cluster.num_gpus} GPUs ({cluster.gpus_per_node}/node) x {device}: "
         f"{cluster.gpu_memory_bytes / GIB:.2f} GiB, peak {cluster.peak_tflops:g} TFLOP/s x "
-        f"{cluster.efficiency:g}; s={training.seq_length}, b={training.micro_batch_size}, "
+        f"{cluster.efficiency:g}; s={training.seq_length}, b={_sizes(cands, training)}, "
         f"{training.precision} ({training.accounting} accounting)",
         *([note] if note else []),
         "per-rank GiB (2^30 B): total = params + grads + master + optim + activ + temps + buffers "
@@ -33,11 +33,12 @@ def plan_text(model, cluster, training, cands, skipped, chosen, fitting_only, de
         "(loss logits, a unit's 16-bit gradients, SP's gathered inputs: hybrid.planner."
         "temporaries)",
         "z = ZeRO stage; m = micro-batches per step (gradient accumulation: global batch / "
-        "(b * dp)); dpGiB, tpGiB = GiB each rank sends per step; step_s in s",
+        "(b * dp)); dpGiB, tpGiB = GiB each rank sends per step; step_s in s (compute + "
+        "exposed: hybrid.planner.step_time); b = micro-batch size; exp_s = exposed s",
         f"{'tp':>3} {'dp':>4} {'z':>1} {'activation':<11} {'m':>3} {'params':>8} {'grads':>8} "
         f"{'master':>8} {'optim':>8} {'activ':>8} {'temps':>8} {'buffers':>8} {'reserve':>8} "
         f"{'total':>8} fit "
-        f"{'dpGiB':>8} {'tpGiB':>8} {'step_s':>9} {'MFU':>5}",
+        f"{'dpGiB':>8} {'tpGiB':>8} {'step_s':>9} {'MFU':>5} {'b':>3} {'exp_s':>8}",
     ]
     for c in cands:
         if fitting_only and not c.fits:
@@ -50,26 +51,47 @@ def plan_text(model, cluster, training, cands, skipped, chosen, fitting_only, de
             f"{_gb(cluster.reserved_bytes)} "
             f"{_gb(c.total_bytes)} "
             f"{'yes' if c.fits else ' no'} {_gb(c.dp_bytes)} {_gb(c.tp_bytes)} "
-            f"{c.times['step_s']:9.3f} {c.mfu:5.1%}"
+            f"{c.times['step_s']:9.3f} {c.mfu:5.1%} {c.micro_batch_size:>3} "
+            f"{c.times['exposed_s']:8.3f}"
         )
     lines += [f"skipped {r}" for r in skipped]
     if chosen is None:
         lines.append("best: nothing fits in memory")
     else:
-        t = chosen.times
-        lines.append(
-            f"best: tp={chosen.tp} dp={chosen.dp} zero={chosen.stage} "
-            f"activation={chosen.activation} total {chosen.total_bytes / GIB:.2f} GiB/rank, step "
-            f"{t['step_s']:.3f} s (compute {t['compute_s']:.3f} + tp {t['tp_s']:.3f} + dp "
-            f"{t['dp_s']:.3f} + cpu {t['cpu_s']:.3f}), {chosen.tokens_per_s:,.0f} tokens/s, MFU "
-            f"{chosen.mfu:.1%}"
-        )
+        lines += best_lines(chosen)
     if training.dropout:
         lines.append("note: with dropout, activ counts the explicit attention core's s^2 terms "
                      "(CPU's path); a GPU runs attention dropout in the fused kernel, which keeps "
                      "none: there activ is an upper bound and selective recompute has nothing to "
                      "recompute")
     return "\n".join(lines)
+
+
+def _sizes(cands, training) -> str:
+    """The micro-batch sizes the table holds: ``1`` or ``1,2,4 (searched)``."""
+    sizes = sorted({c.micro_batch_size for c in cands}) or [training.micro_batch_size]
+    return ",".join(map(str, sizes)) + (" (searched)" if len(sizes) > 1 else "")
+
+
+def best_lines(chosen) -> list[str]:
+    """The chosen layout and its step: compute + each exposed term and why it is exposed
+    (``Candidate.times``, :mod:`hybrid.planner.step_time`), seconds per step."""
+    t = chosen.times
+    return [
+        f"best: tp={chosen.tp} dp={chosen.dp} zero={chosen.stage} "
+        f"activation={chosen.activation} micro-batch={chosen.micro_batch_size} "
+        f"(m={chosen.micro_batches}) total {chosen.total_bytes / GIB:.2f} GiB/rank, step "
+        f"{t['step_s']:.3f} s = compute {t['compute_s']:.3f} + exposed {t['exposed_s']:.3f}, "
+        f"{chosen.tokens_per_s:,.0f} tokens/s, MFU {chosen.mfu:.1%}",
+        f"  exposed s: tp {t['tp_exposed_s']:.3f} (collectives on the compute stream; SP's "
+        f"backward hides {t['tp_hidden_s']:.3f} of {t['tp_s']:.3f}) + dp "
+        f"{t['dp_exposed_s']:.3f} of {t['dp_s']:.3f} (first gather {t['first_gather_s']:.3f}, "
+        f"last reduce {t['last_reduce_s']:.3f}: nothing to overlap; beyond the compute they "
+        f"overlap {t['unhidden_dp_s']:.3f}; refresh after the step {t['refresh_s']:.3f}) + "
+        f"optimizer {t['optimizer_s']:.3f} (HBM-bound AdamW) + cpu {t['cpu_exposed_s']:.3f} of "
+        f"{t['cpu_s']:.3f} (P_a+cpu: the first checkpoint load of each backward, copies beyond "
+        "the compute)",
+    ]
 
 
 def max_model_text(rows: list[dict], budget_bytes: float | None = None) -> str:
