@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hybrid.job.cli import parse_config
-from hybrid.model_flags import model_from_args, resolve_model
+from hybrid.model_flags import apply_preset_defaults, model_from_args, resolve_model
 from hybrid.planner.cli import build_parser
 from models.gpt import GPT
 from models.presets import get_preset, list_presets
@@ -43,9 +43,19 @@ def _resolved(resolve, argv: list[str]):
 
 
 def _both(argv: list[str]):
-    planned = _resolved(lambda a: model_from_args(build_parser().parse_args(a), required=True),
-                        argv)
-    trained = _resolved(lambda a: resolve_model(parse_config(a).model, 50304), argv)
+    """The planner's model (its preset defaults applied, as its CLI does) and pretrain's, given
+    the flags the planner's header names for those defaults (``hybrid.plan`` takes a preset's
+    own sequence length and dropout where ``hybrid.pretrain`` keeps Megatron-LM's; issue 37)."""
+    taken: dict = {}
+
+    def plan_model(a):
+        args = build_parser().parse_args(a)
+        taken.update(apply_preset_defaults(args))
+        return model_from_args(args, required=True)
+
+    planned = _resolved(plan_model, argv)
+    extra = [x for flag, value in taken.items() for x in (flag, str(value))]
+    trained = _resolved(lambda a: resolve_model(parse_config(a).model, 50304), [*argv, *extra])
     return planned, trained
 
 
@@ -73,8 +83,12 @@ def test_plan_and_pretrain_resolve_the_same_model_from_flags(flags):
 def test_gqa_resolution_and_refusal_are_shared():
     planned, _ = _both(["--preset", "llama3-8b", "--group-query-attention"])
     assert planned.query_groups == get_preset("llama3-8b").query_groups == 8
-    for resolve in (lambda a: model_from_args(build_parser().parse_args(a), required=True),
-                    lambda a: resolve_model(parse_config(a).model, 50304)):
+    def plan_model(a):
+        args = build_parser().parse_args(a)
+        apply_preset_defaults(args)
+        return model_from_args(args, required=True)
+
+    for resolve in (plan_model, lambda a: resolve_model(parse_config(a).model, 50304)):
         with pytest.raises(ValueError, match="--num-attention-heads 8 is not divisible by "
                                              "--num-query-groups 3"):
             resolve([*SHAPE, "--group-query-attention", "--num-query-groups", "3"])

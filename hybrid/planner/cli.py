@@ -25,7 +25,6 @@ import sys
 from hybrid.config_fields import flag_hints
 from hybrid.devices import (
     DEFAULT_DEVICE,
-    DEFAULT_RESERVED_GIB,
     GIB,
     device_memory_gib,
     device_preset,
@@ -33,12 +32,12 @@ from hybrid.devices import (
 )
 from hybrid.dryrun.verify import comparison_lines, pretrain_argv, verify
 from hybrid.flops import device_peak_tflops, num_parameters
-from hybrid.model_flags import _finite, add_model_args, apply_preset_defaults, model_from_args
-from hybrid.planner.inputs import DEFAULT_BUCKET_ELEMENTS, Cluster, Training
+from hybrid.model_flags import add_model_args, apply_preset_defaults, model_from_args
+from hybrid.planner.cli_args import add_cluster_args, add_search_args, add_training_args
+from hybrid.planner.inputs import Cluster, Training
 from hybrid.planner.max_model import max_layers, max_params
 from hybrid.planner.memory import ACTIVATION_OPTIONS, ZERO_STAGES
 from hybrid.planner.plan import best, plan, tp_candidates
-from hybrid.planner.precision import ACCOUNTINGS, PRECISIONS
 from hybrid.planner.table import max_model_text, plan_text
 
 
@@ -76,111 +75,14 @@ def build_parser() -> argparse.ArgumentParser:
         "activation-checkpointing layout; picks the fastest one that fits.",
     )
     add_model_args(p.add_argument_group("model"))
-    _add_training_args(p.add_argument_group("training"))
-    _add_cluster_args(p.add_argument_group("cluster"))
-    _add_search_args(p.add_argument_group("search"))
+    add_training_args(p.add_argument_group("training"))
+    add_cluster_args(p.add_argument_group("cluster"))
+    add_search_args(p.add_argument_group("search"))
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.add_argument("--verify", action="store_true",
                    help="then run the dry run of the best layout for rank 0 (hybrid.pretrain "
                    "--dry-run-world-size, minutes on a CPU) and print both totals and verdicts")
     return p
-
-
-def _add_training_args(g) -> None:
-    g.add_argument("--micro-batch-size", type=int, action="append",
-                   help="restrict to this micro-batch b, samples per rank (repeatable; default: "
-                   "every b dividing --global-batch-size / dp when that is given, else 1)")
-    g.add_argument("--global-batch-size", type=int,
-                   help="default (the first --micro-batch-size or 1) * num-gpus")
-    g.add_argument("--precision", choices=sorted(PRECISIONS), default="bf16",
-                   help="training precision")
-    g.add_argument("--accounting", choices=ACCOUNTINGS, default="engine",
-                   help="model-state bytes per param: what this trainer's engine holds (18 "
-                   "bf16, 20 fp32: fp32 gradient accumulation), or the ZeRO paper's (16 mixed, "
-                   "its tables)")
-    g.add_argument("--grad-reduce", choices=("reduce_scatter", "all_reduce"),
-                   default="reduce_scatter",
-                   help="the engine's gradient collective for ZeRO 1-3 (all_reduce: 2x the "
-                   "gradient bytes)")
-    g.add_argument("--grad-reduce-in-bf16", action="store_true",
-                   help="bf16 gradients, held and reduced in 2 bytes (Megatron-LM's flag; "
-                   "--precision bf16 only)")
-    g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion",
-                   action="store_false",
-                   help="the engine without gradient-accumulation fusion (ZeRO-1 then stages "
-                   "its reduce-scatter through two bucket buffers)")
-    g.add_argument("--overlap-param-gather", action="store_true",
-                   help="ZeRO 1-2: the updated parameters' all-gather runs during the next "
-                   "forward instead of after the step (Megatron-LM's flag and default, off)")
-    g.add_argument("--param-persistence-threshold", type=int, default=100_000,
-                   help="stage 3 keeps local params with fewer elements whole, as the engine "
-                   "(0: the paper's count, every parameter partitioned)")
-    g.add_argument("--reduce-bucket-size", type=int, default=DEFAULT_BUCKET_ELEMENTS,
-                   help="elements")
-    g.add_argument("--allgather-bucket-size", type=int, default=DEFAULT_BUCKET_ELEMENTS,
-                   help="elements")
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
-                   help="vocabulary padded to a multiple of this times tp (Megatron-LM)")
-
-
-def _decimal_gb_as_gib(text: str) -> float:
-    """argparse type: a finite size in GB (10^9 bytes) returned in GiB (2^30 bytes)."""
-    return _finite(text) * 1e9 / GIB
-
-
-def _positive_gb_as_gib(text: str) -> float:
-    """argparse type of ``--gpu-memory-gb``: :func:`_decimal_gb_as_gib` of a positive size, so
-    that 0 is refused under the flag given (the shared check names ``--gpu-memory-gib``)."""
-    if _finite(text) <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive (GB = 10^9 bytes per GPU), got {text}")
-    return _decimal_gb_as_gib(text)
-
-
-def _add_cluster_args(g) -> None:
-    g.add_argument("--num-gpus", type=int, default=8, help="GPUs in the job (tp * dp)")
-    g.add_argument("--gpus-per-node", type=int, default=8, help="tp never crosses a node")
-    g.add_argument("--device", help=f"GPU preset, memory as CUDA reports it (GiB) and dense "
-                   f"bf16/fp16 peak from the datasheet: {preset_names()} (default: "
-                   f"{DEFAULT_DEVICE}); another name (V100S, H100 PCIe...) gives only the peak")
-    # each size in one unit: the GiB flag or the GB one, never both (argparse names the pair)
-    memory = g.add_mutually_exclusive_group()
-    memory.add_argument("--gpu-memory-gib", dest="gpu_memory_gb", type=_finite, metavar="GIB",
-                        help="memory per GPU in GiB = 2^30 bytes, as nvidia-smi and torch.cuda "
-                        "report it (default: the --device preset's)")
-    memory.add_argument("--gpu-memory-gb", dest="gpu_memory_gb", type=_positive_gb_as_gib,
-                        metavar="GB", help="the same in GB = 10^9 bytes, converted to GiB "
-                        "(80 GB = 74.51 GiB); not with --gpu-memory-gib")
-    reserved = g.add_mutually_exclusive_group()
-    reserved.add_argument("--reserved-gib", dest="reserved_gb", type=_finite, metavar="GIB",
-                          default=DEFAULT_RESERVED_GIB,
-                          help="GiB held back per GPU for the CUDA context and fragmentation, "
-                          "shown in the reserve column and counted in total (0 reproduces the "
-                          "ZeRO tables)")
-    reserved.add_argument("--reserved-gb", dest="reserved_gb", type=_decimal_gb_as_gib,
-                          metavar="GB", help="the same in GB = 10^9 bytes, converted to GiB; "
-                          "not with --reserved-gib")
-    g.add_argument("--peak-tflops", type=_finite,
-                   help="dense peak per GPU, TFLOP/s (default: the --device preset's)")
-    g.add_argument("--efficiency", type=_finite, default=0.45, help="fraction of peak on GEMMs")
-    g.add_argument("--intra-node-gbs", type=_finite, default=200.0, help="NVLink, GB/s per GPU")
-    g.add_argument("--inter-node-gbs", type=_finite, default=25.0, help="network, GB/s per GPU")
-    g.add_argument("--cpu-gbs", type=_finite, default=20.0, help="host link, GB/s per GPU")
-    g.add_argument("--hbm-gbs", type=_finite, help="GPU memory bandwidth, GB/s, for the "
-                   "optimizer step (default: the --device preset's, else 2039)")
-
-
-def _add_search_args(g) -> None:
-    g.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=int,
-                   action="append", help="restrict to this TP degree (repeatable; default: "
-                   "every divisor that fits a node)")
-    g.add_argument("--zero-stage", type=int, action="append", choices=ZERO_STAGES,
-                   help="restrict to this ZeRO stage (repeatable; default: all)")
-    g.add_argument("--activation", action="append", choices=ACTIVATION_OPTIONS,
-                   help="restrict to this activation checkpointing (repeatable; default: all)")
-    g.add_argument("--fitting-only", action="store_true", help="print only layouts that fit")
-    g.add_argument("--max-model", action="store_true",
-                   help="largest model per TP x stage (ZeRO Table 2: model states only; with "
-                   "model dims also the largest layer count counting activations)")
 
 
 def _cluster(args: argparse.Namespace, planning: bool) -> Cluster:
