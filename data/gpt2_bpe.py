@@ -59,8 +59,13 @@ class GPT2BPETokenizer:
         vocab_file, merge_file = model_path
         self.vocab_size = gpt2_bpe_vocab_size(vocab_file, merge_file)
         self.model_path = (str(vocab_file), str(merge_file))
-        self._tok = GPT2TokenizerFast(vocab_file=str(vocab_file), merges_file=str(merge_file))
+        # positional: transformers 5 ignores the vocab_file=/merges_file= keywords and builds
+        # an empty tokenizer that encodes every text to [] (a dataset of end-of-document ids)
+        self._tok = GPT2TokenizerFast(str(vocab_file), str(merge_file))
         vocab = self._tok.get_vocab()
+        if len(vocab) != self.vocab_size:
+            raise ValueError(f"--vocab-file {vocab_file}: transformers' GPT2TokenizerFast read "
+                             f"{len(vocab)} of its {self.vocab_size} tokens")
         if "<|endoftext|>" not in vocab:
             raise ValueError(f"--vocab-file {vocab_file} has no <|endoftext|>, the "
                              "end-of-document token of GPT2BPETokenizer")

@@ -52,11 +52,14 @@ def test_gpt2_bpe_preprocessing_writes_megatrons_bytes(tmp_path, bpe_pair):
     main(["--input", str(src), "--json-keys", "text", "--tokenizer-type", "GPT2BPETokenizer",
           "--vocab-file", str(vocab), "--merge-file", str(merges), "--append-eod",
           "--output-prefix", str(tmp_path / "ours"), "--no-progress"])
-    slow = GPT2Tokenizer(vocab_file=str(vocab), merges_file=str(merges))
-    eod = json.loads(vocab.read_text())["<|endoftext|>"]
+    slow = GPT2Tokenizer(str(vocab), str(merges))  # positional: transformers 5 ignores the
+    eod = json.loads(vocab.read_text())["<|endoftext|>"]  # keywords (an empty tokenizer)
     docs = [slow(t)["input_ids"] + [eod] for t in TEXTS]
+    assert all(len(d) > 3 for d in docs), docs  # the texts are encoded, not only the eod
     assert max(len(d) for d in docs) < max(len(t) for t in TEXTS)  # the merges are used
     megatron_files(tmp_path / "theirs", docs)
+    bin_ids = np.fromfile(tmp_path / "ours_text_document.bin", dtype=np.uint16)
+    assert len(bin_ids) == sum(map(len, docs)) and (bin_ids != eod).sum() > len(TEXTS) * 3
     for ext in (".bin", ".idx"):
         ours = (tmp_path / f"ours_text_document{ext}").read_bytes()
         assert ours == (tmp_path / f"theirs{ext}").read_bytes(), ext
