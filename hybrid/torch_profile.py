@@ -17,6 +17,7 @@ On CUDA without ``--use-pytorch-profiler`` the same iterations are also brackete
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 
 import torch
@@ -24,8 +25,8 @@ import torch
 
 def trace_dir(tensorboard_dir: str | None) -> Path:
     """Where the traces go: ``<tensorboard_dir>/../torch_profile``, else ``./torch_profile``."""
-    return (Path(tensorboard_dir) / ".." / "torch_profile" if tensorboard_dir
-            else Path("torch_profile"))
+    return (Path(os.path.normpath(Path(tensorboard_dir) / ".." / "torch_profile"))
+            if tensorboard_dir else Path("torch_profile"))
 
 
 class IterationProfiler:

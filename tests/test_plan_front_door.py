@@ -69,6 +69,16 @@ def test_refusals_name_every_rule_and_the_flag_given(capsys):
         assert e.value.code == 2 and message in err and len(err.splitlines()) == 1, err
 
 
+def test_fewer_gpus_than_a_node_are_one_node(capsys):
+    """--num-gpus 4 was refused as 'not divisible by --gpus-per-node 8' (a fresh user's one
+    4-GPU node); more GPUs than a node still need whole nodes."""
+    doc = plan_json(capsys, "--model", "gpt2-124m", "--num-gpus", "4", "--device", "H200")
+    assert doc["cluster"]["gpus_per_node"] == 4
+    with pytest.raises(SystemExit):
+        plan_cli.main(["--model", "gpt2-124m", "--num-gpus", "12"])
+    assert "--num-gpus 12 is not divisible by --gpus-per-node 8" in capsys.readouterr().err
+
+
 def test_no_temporary_is_negative(capsys):
     """The embedding's backward was reported less the activations it outlives: 67 negative
     values in this --json."""

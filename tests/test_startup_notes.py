@@ -18,3 +18,11 @@ def test_sequence_parallel_at_tp1_and_flags_without_effect_are_noted(capsys):
     assert "--manual-gc" in out
     _checked_job(BASE + ["--log-throughput"])  # what every log line does: no note at all
     assert "accepted without effect" not in capsys.readouterr().out
+
+
+def test_a_profiler_flag_that_traces_nothing_says_so(capsys):
+    """A fresh user's --profile-step-start 10 on a 2-iteration run wrote no trace, silently."""
+    _checked_job(BASE + ["--profile", "--profile-step-start", "10", "--profile-step-end", "12"])
+    assert "--profile-step-start 10 is after the last iteration (1)" in capsys.readouterr().out
+    _checked_job(BASE + ["--use-pytorch-profiler"])
+    assert "--use-pytorch-profiler has no effect without --profile" in capsys.readouterr().out

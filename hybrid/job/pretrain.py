@@ -287,6 +287,7 @@ def _checked_job(argv: list[str] | None):
         print("hybrid-pretrain: note: --sequence-parallel has no effect at "
               "--tensor-model-parallel-size 1 (no group to split the sequence over); disabled, as "
               "Megatron-LM disables it", flush=True)
+    _profile_notes(cfg)
     if hf_flags:
         print(f"hybrid-pretrain: --init-from-hf {cfg.checkpoint.init_from_hf}: the model flags of "
               f"its config.json: {' '.join(hf_flags)}", flush=True)
@@ -297,6 +298,18 @@ def _checked_job(argv: list[str] | None):
         if note:
             print(note, flush=True)
     return cfg, job
+
+
+def _profile_notes(cfg) -> None:
+    """A profiler flag that will trace nothing says so (Megatron-LM is silent): a window that
+    starts after the last iteration, or --use-pytorch-profiler without --profile."""
+    lg, iters = cfg.logging, cfg.training.train_iters
+    if lg.profile and iters is not None and lg.profile_step_start > iters:
+        print(f"hybrid-pretrain: note: --profile-step-start {lg.profile_step_start} is after the "
+              f"last iteration ({iters}): no trace will be written", flush=True)
+    if lg.use_pytorch_profiler and not lg.profile:
+        print("hybrid-pretrain: note: --use-pytorch-profiler has no effect without --profile",
+              flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

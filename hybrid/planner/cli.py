@@ -110,7 +110,7 @@ def _cluster(args: argparse.Namespace, planning: bool) -> Cluster:
     return _with_flag_names(
         Cluster,
         num_gpus=args.num_gpus,
-        gpus_per_node=args.gpus_per_node,
+        gpus_per_node=args.gpus_per_node or (min(8, args.num_gpus) if args.num_gpus > 0 else 8),
         gpu_memory_bytes=memory * GIB,
         reserved_bytes=args.reserved_gb * GIB,
         peak_tflops=peak,

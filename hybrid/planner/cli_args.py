@@ -67,7 +67,8 @@ def _positive_gb_as_gib(text: str) -> float:
 
 def add_cluster_args(g) -> None:
     g.add_argument("--num-gpus", type=int, default=8, help="GPUs in the job (tp * dp)")
-    g.add_argument("--gpus-per-node", type=int, default=8, help="tp never crosses a node")
+    g.add_argument("--gpus-per-node", type=int, default=None,
+                   help="tp never crosses a node (default: 8, or --num-gpus when fewer: one node)")
     g.add_argument("--device", help=f"GPU preset, memory as CUDA reports it (GiB) and dense "
                    f"bf16/fp16 peak from the datasheet: {preset_names()} (default: "
                    f"{DEFAULT_DEVICE}); another name (V100S, H100 PCIe...) gives only the peak")
