@@ -61,8 +61,8 @@ def test_a_rank_steps_on_fake_cuda_tensors(name):
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     # the step's only host reads: the mean loss and the grad norm; the batch is the only copy in
     assert f"one step on cuda:{rank % 8}:" in out.stdout and "2 host reads" in out.stdout
-    assert "read 1 x host_values at hybrid/training.py" in out.stdout
-    assert "cpu->cuda [2, 65] torch.int64 at hybrid/training.py" in out.stdout
+    assert "read 1 x host_values at hybrid/train_step.py" in out.stdout
+    assert "cpu->cuda [2, 65] torch.int64 at hybrid/train_step.py" in out.stdout
 
 
 @needs_compiler
