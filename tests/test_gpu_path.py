@@ -151,7 +151,10 @@ def test_loader_batches_are_pinned_on_cuda_only(monkeypatch, device):
 
     monkeypatch.setattr(data.loader, "build_data_loader", loader)
     job = SimpleNamespace(cfg=SimpleNamespace(training=SimpleNamespace(micro_batch_size=2),
-                                              data=SimpleNamespace(data_path=None)),
+                                              data=SimpleNamespace(
+                                                  data_path=None, reset_position_ids=False,
+                                                  reset_attention_mask=False,
+                                                  eod_mask_loss=False)),
                           gpt=SimpleNamespace(vocab_size=10))
     grid = SimpleNamespace(device=torch.device(device), dp_rank=0, dp_size=1)
     assert len(list(pretrain._batches(range(4), 0, job, grid))) == 1
