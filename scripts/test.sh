@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Lint (ruff) and run the whole test suite (CPU, gloo, about 11 minutes on 2 idle cores); skip
+# Lint (ruff) and run the whole test suite (CPU, gloo; see README, Tests, for its time); skip
 # reasons are shown. Sets up .venv first if needed.
 #   --fast  (first argument) only the FAST subset below, the loop developers run: every subsystem
 #           (CLI and config, docs and code shape, models, TP, ZeRO 0-3, activation checkpointing,

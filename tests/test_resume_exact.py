@@ -54,9 +54,10 @@ def test_building_a_loader_iterator_leaves_the_global_generator_alone():
     import torch
 
     from data.loader import build_data_loader
-    from data.mock_dataset import MockGPTDataset
+    from data.mock_dataset import MockGPTDataset, MockLowLevelDataset
 
+    dataset = MockGPTDataset(MockLowLevelDataset(10, 9), "100,0,0", 0, 16, 4, seed=0)
     before = torch.get_rng_state()
     for consumed in (0, 8):
-        next(iter(build_data_loader(MockGPTDataset(16, 4, 10, 0), consumed, 2, 1, 2)))
+        next(iter(build_data_loader(dataset, consumed, 2, 1, 2)))
     assert torch.equal(torch.get_rng_state(), before)
