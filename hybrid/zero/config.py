@@ -54,6 +54,18 @@ class ZeroConfig:
     grad_reduce_in_bf16: bool = arg(
         False, "--bf16 only: gradients are held, accumulated and reduced in bf16 (half the "
                "bytes); the optimizer still steps fp32 master weights (Megatron-LM's meaning)")
+    optimizer_cpu_offload: bool = arg(
+        False, "ZeRO 1-3: the fp32 master weights and Adam moments of this rank's partition live "
+               "in host memory (pinned on CUDA) and AdamW steps on the host; reduced gradients "
+               "go device->host per unit as their reduction ends, updated parameters come back "
+               "(Megatron-LM's flag; ZeRO-Offload, arXiv 2101.06840)")
+    optimizer_offload_fraction: float = arg(
+        1.0, "with --optimizer-cpu-offload: the share of the partition's optimizer states "
+             "offloaded (0-1; units taken in flat order until the share is reached, the rest "
+             "stays on the device; Megatron-LM's flag and default)")
+    optimizer_cpu_threads: int = arg(
+        0, "with --optimizer-cpu-offload: torch threads of the host AdamW step (0: the "
+           "process's torch.get_num_threads(), i.e. OMP_NUM_THREADS)")
     param_persistence_threshold: int = arg(
         100_000, "ZeRO-3 keeps parameters with fewer local elements than this unpartitioned "
                  "(0: none)")
@@ -82,6 +94,11 @@ class ZeroConfig:
         """The dtype gradients are accumulated and reduced in (bf16 with ``grad_reduce_in_bf16``,
         else fp32)."""
         return torch.bfloat16 if self.grad_reduce_in_bf16 else torch.float32
+
+    @property
+    def offload_fraction(self) -> float:
+        """The share of the optimizer partition kept in host memory (0 without offload)."""
+        return self.optimizer_offload_fraction if self.optimizer_cpu_offload else 0.0
 
     @property
     def plan(self) -> StagePlan:
@@ -116,6 +133,15 @@ class ZeroConfig:
         if self.grad_reduce_in_bf16 and self.precision != "bf16":
             fail(self, "grad_reduce_in_bf16", "bf16 gradients need bf16 training (--bf16); "
                  f"precision is {self.precision}, whose gradients stay fp32")
+        f = self.optimizer_offload_fraction
+        if not (isinstance(f, int | float) and not isinstance(f, bool) and 0.0 <= f <= 1.0):
+            fail(self, "optimizer_offload_fraction", "must be a number in [0, 1] (the share "
+                 "of the optimizer states in host memory)")
+        check_int(self, "optimizer_cpu_threads", 0)
+        if self.optimizer_cpu_offload and self.stage == 0:
+            fail(self, "optimizer_cpu_offload", "offloads the partition of ZeRO 1-3; stage 0 "
+                 "keeps every optimizer state on every rank (dp copies of the host memory): "
+                 "use --zero-stage 1, 2 or 3")
         if self.overlap_param_gather and self.stage == 0:
             fail(self, "overlap_param_gather", "stage 0 gathers no parameters (it copies the "
                  "whole master); use --zero-stage 1, 2 or 3 (Megatron-LM: the distributed "
