@@ -148,15 +148,16 @@ def _host_checkpoint_bytes(engine) -> int:
     return 0
 
 
-def _save_staging_peak(engine, grid) -> int:
+def _save_staging_peak(engine, grid, device_only: bool = False) -> int:
     """Bytes alive at the peak of staging this rank's checkpoint shard: the same entries and
     the same staging (:func:`hybrid.checkpoint.stream.staged`) as ``save_checkpoint``, with the
-    file write left out (a fake tensor has no bytes). Counted on top of the engine's tensors."""
+    file write left out (a fake tensor has no bytes). Counted on top of the engine's tensors
+    (``device_only``: device storages only, as the step's meter)."""
     from hybrid.checkpoint.shards import shard_entries
     from hybrid.checkpoint.stream import staged
     from hybrid.zero import state
 
-    meter = StorageMeter()
+    meter = StorageMeter(device_only)
     meter.track(*_engine_tensors(engine))
     with meter:
         entries, _ = shard_entries(state.owned_state(engine), grid.tp_rank)
@@ -353,7 +354,7 @@ def _build_and_step(job, grid, t0: float, clock: PhaseClock) -> dict:
             step, log, mock.patch.object(train_step, "host_values", read),
             mock.patch.object(grad_norm, "host_values", read)])
         t = time.perf_counter()
-        save_peak = _save_staging_peak(engine, grid)
+        save_peak = _save_staging_peak(engine, grid, device_only)
         clock.done("save (staging this rank's checkpoint shard, no file written)",
                    time.perf_counter() - t, last=True)
     snapshot = host_snapshot_bytes(engine, grid) if cfg.checkpoint.async_save else 0
