@@ -9,7 +9,8 @@ acceptance asks 1e-6, we assert exact and would still pass at 1e-12) at (tp, dp,
 offload equal to the straight run; a tp1 x dp4 stage-1 checkpoint resharded onto tp2 x dp2
 stage 2 giving the same losses whether the saving or the loading run offloads (half of the
 partition with ``--optimizer-offload-fraction 0.5`` and ``--overlap-param-gather``).
-One spawned 4-rank world runs the 10 trainings (tiny model, 2-4 iterations each).
+One spawned 4-rank world runs the 12 trainings (tiny model, 2-4 iterations each); a 2-rank
+world checks bf16 gradients, fp16 overflow skipping and a 0.3 fraction at the engine, bitwise.
 """
 
 from __future__ import annotations
@@ -93,3 +94,17 @@ def test_host_split_takes_units_in_flat_order_until_the_fraction():
     assert s[shards[0]:shards[0] + 2].data_ptr() == s.device_part.data_ptr()
     with pytest.raises(ValueError, match="crosses the host/device split"):
         s[0:shards[0] + 1]
+
+
+@pytest.mark.timeout(600)
+def test_bf16_gradients_fp16_skips_and_a_fraction_are_bitwise_too():
+    from tests.zero_worlds import offload_world
+
+    got = spawn_world(2, offload_world, timeout_s=120)[0]
+    for name, r in got.items():
+        assert r["losses_equal"] and r["diff"] == 0.0, (name, r)
+        assert r["skipped"][0] == r["skipped"][1], name
+        assert r["host"] > 0, name
+    assert got["z1_fp16_skips"]["skipped"][0] == [True] * 3  # 2^32 overflows: the skip path
+    host, whole = got["z3_fraction_0.3"]["split"]
+    assert 0.3 * whole <= host < whole  # units offloaded in flat order until 30% is reached
