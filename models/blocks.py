@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from models import fusion
 from models.config import GPTConfig
 from models.fused import LayerNorm, LayerNorm1P, RMSNorm, RMSNorm1P, swiglu
-from models.fusion import OFF, linear_skip_bias
+from models.fusion import OFF, linear_pair, linear_skip_bias
 from models.rope import RotaryEmbedding
 
 if TYPE_CHECKING:
@@ -250,10 +250,9 @@ class MLP(nn.Module):
     def activation(self, x: torch.Tensor) -> torch.Tensor:
         """``[b, s, h]`` -> the activation ``[b, s, f]`` that ``fc2`` consumes."""
         if self.gate is not None and self.fusion.bias_swiglu:
-            return fusion.bias_swiglu(*linear_skip_bias(self.gate, x),
-                                      *linear_skip_bias(self.fc1, x))
+            return fusion.bias_swiglu(*linear_pair(self.gate, self.fc1, x, skip_bias=True))
         if self.gate is not None:
-            return swiglu(self.gate(x), self.fc1(x))
+            return swiglu(*linear_pair(self.gate, self.fc1, x))
         if self.fusion.bias_gelu:
             return fusion.bias_gelu(*linear_skip_bias(self.fc1, x))
         return F.gelu(self.fc1(x))

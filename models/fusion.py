@@ -167,3 +167,20 @@ def linear_skip_bias(linear: nn.Module, x: torch.Tensor):
     if type(linear) is nn.Linear:
         return F.linear(x, linear.weight), linear.bias
     return linear(x), None
+
+
+def linear_pair(first: nn.Module, second: nn.Module, x: torch.Tensor, skip_bias: bool = False):
+    """``(first(x), second(x))``, or with ``skip_bias`` ``(y_first, bias_first, y_second,
+    bias_second)`` as :func:`linear_skip_bias` gives them: SwiGLU's gate and up on one input.
+
+    A ``first`` with ``forward_pair`` (the column-parallel linear) may answer for both, running
+    the tensor-parallel collectives of the shared input once (Megatron-LM's single ``fc1`` of
+    ``2 f`` rows does the same); when it declines (None), or for plain modules, each is called.
+    """
+    pair = getattr(first, "forward_pair", None)
+    if pair is not None and (out := pair(second, x, skip_bias)) is not None:
+        return out
+    if skip_bias:
+        return (*linear_skip_bias(first, x), *linear_skip_bias(second, x))
+    return first(x), second(x)
+

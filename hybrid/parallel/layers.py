@@ -34,6 +34,7 @@ from hybrid.parallel.ops import (
     sequence_parallel_linear,
 )
 from hybrid.parallel.rng import RNGTracker
+from hybrid.parallel.shared_input import column_pair
 from models import fusion
 from models.fused import RMSNorm, rms_norm
 from models.fusion import OFF
@@ -166,6 +167,11 @@ class ColumnParallelLinear(nn.Module):
             return sequence_parallel_linear(x, self.weight, None, self.group, self.ledger,
                                             self.token_wise), self.bias
         return column_parallel_linear(x, self.weight, None, self.group, self.ledger), self.bias
+
+    def forward_pair(self, other: nn.Module, x: torch.Tensor, skip_bias: bool = False):
+        """``(self(x), other(x))`` (with ``skip_bias`` four values) on one input collective, or
+        None (:func:`hybrid.parallel.shared_input.column_pair`)."""
+        return column_pair(self, other, x, skip_bias)
 
 
 class RowParallelLinear(nn.Module):
