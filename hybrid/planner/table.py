@@ -47,20 +47,7 @@ def plan_text(model, cluster, training, cands, skipped, chosen, fitting_only, de
         f"{'dpGiB':>8} {'tpGiB':>8} {'step_s':>9} {'MFU':>5} {'b':>3} {'exp_s':>8} "
         f"{'off':>4} {'hostGiB':>8}",
     ]
-    for c in cands:
-        if fitting_only and not c.fits:
-            continue
-        s = c.model_states
-        lines.append(
-            f"{c.tp:>3} {c.dp:>4} {c.stage:>1} {c.activation:<11} {c.micro_batches:>3} "
-            f"{_gb(s['params'])} {_gb(s['grads'])} {_gb(s['master'])} {_gb(s['optimizer'])} "
-            f"{_gb(c.activations['gpu'])} {_gb(c.temporaries['total'])} {_gb(c.buffers)} "
-            f"{_gb(cluster.reserved_bytes)} "
-            f"{_gb(c.total_bytes)} "
-            f"{_fit(c)} {_gb(c.dp_bytes)} {_gb(c.tp_bytes)} "
-            f"{c.times['step_s']:9.3f} {c.mfu:5.1%} {c.micro_batch_size:>3} "
-            f"{c.times['exposed_s']:8.3f} {c.offload_fraction:4.2g} {_gb(c.host_bytes['node'])}"
-        )
+    lines += [_row(c, cluster) for c in cands if c.fits or not fitting_only]
     lines += [f"skipped {r}" for r in skipped]
     lines += host_refusal_lines(cands, cluster)
     if chosen is None:
@@ -73,6 +60,21 @@ def plan_text(model, cluster, training, cands, skipped, chosen, fitting_only, de
                      "none: there activ is an upper bound and selective recompute has nothing to "
                      "recompute")
     return "\n".join(lines)
+
+
+def _row(c, cluster) -> str:
+    """One candidate's row of the table (the columns of :func:`plan_text`'s header)."""
+    s = c.model_states
+    return (
+        f"{c.tp:>3} {c.dp:>4} {c.stage:>1} {c.activation:<11} {c.micro_batches:>3} "
+        f"{_gb(s['params'])} {_gb(s['grads'])} {_gb(s['master'])} {_gb(s['optimizer'])} "
+        f"{_gb(c.activations['gpu'])} {_gb(c.temporaries['total'])} {_gb(c.buffers)} "
+        f"{_gb(cluster.reserved_bytes)} "
+        f"{_gb(c.total_bytes)} "
+        f"{_fit(c)} {_gb(c.dp_bytes)} {_gb(c.tp_bytes)} "
+        f"{c.times['step_s']:9.3f} {c.mfu:5.1%} {c.micro_batch_size:>3} "
+        f"{c.times['exposed_s']:8.3f} {c.offload_fraction:4.2g} {_gb(c.host_bytes['node'])}"
+    )
 
 
 def _fit(c) -> str:
