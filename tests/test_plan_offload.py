@@ -96,7 +96,7 @@ def test_the_search_picks_offload_only_when_it_is_the_only_way_to_fit():
     assert chosen.fits and chosen.offload_fraction == 1.0
     roomy = plan.Cluster(num_gpus=8, gpus_per_node=8, gpu_memory_bytes=80 * GIB)
     cands = plan.plan(m, roomy, training)[0]
-    assert {c.offload_fraction for c in cands} == {0.0, 1.0}
+    assert {c.offload_fraction for c in cands} == {0.0, 0.5, 1.0}
     assert plan.best(cands).offload_fraction == 0.0  # offload only costs time when it fits
 
 
@@ -122,14 +122,15 @@ def test_the_cli_flags_and_json(capsys):
     assert best["times"]["host_step_s"] > 0 and best["offload_bytes"] > 0
     doc = cli_json(capsys, *DIMS, "--no-optimizer-cpu-offload")
     assert {c["offload_fraction"] for c in doc["candidates"]} == {0.0}
-    doc = cli_json(capsys, *DIMS, "--host-memory-gib", "0.001", "--host-dram-gbs", "50")
+    doc = cli_json(capsys, *DIMS, "--host-memory-gib", "0.0005", "--host-dram-gbs", "50")
     assert doc["cluster"]["host_memory_gbs"] == 50
     refused = [c for c in doc["candidates"] if c["device_fits"] and not c["host_fits"]]
-    assert refused and all(c["offload_fraction"] == 1.0 for c in refused)
-    assert plan_cli.main([*DIMS, "--host-memory-gib", "0.001"]) == 0
+    assert {(c["stage"], c["offload_fraction"]) for c in refused} == {
+        (z, f) for z in (1, 2, 3) for f in (0.5, 1.0)}
+    assert plan_cli.main([*DIMS, "--host-memory-gib", "0.0005"]) == 0
     out = capsys.readouterr().out
-    assert " hst " in out and "refused 3 layouts that fit the GPU: their host bytes per node " \
-        "exceed --host-memory-gib 0.001" in out
+    assert " hst " in out and "refused 6 layouts that fit the GPU: their host bytes per node " \
+        "exceed --host-memory-gib 0.0005" in out
 
 
 @pytest.mark.parametrize("argv, message", [

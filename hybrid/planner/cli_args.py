@@ -12,7 +12,7 @@ from hybrid.devices import DEFAULT_DEVICE, DEFAULT_RESERVED_GIB, GIB, preset_nam
 from hybrid.model_flags import _finite
 from hybrid.planner.inputs import DEFAULT_BUCKET_ELEMENTS
 from hybrid.planner.memory import ACTIVATION_OPTIONS, ZERO_STAGES
-from hybrid.planner.offload import check_fraction
+from hybrid.planner.offload import OFFLOAD_SEARCH, check_fraction
 from hybrid.planner.precision import ACCOUNTINGS, PRECISIONS
 
 
@@ -122,13 +122,13 @@ def add_search_args(g) -> None:
     offload = g.add_mutually_exclusive_group()
     offload.add_argument("--optimizer-cpu-offload", action="store_true", default=None,
                          help="plan only layouts whose optimizer runs on the host (ZeRO-Offload;"
-                         " Megatron-LM's flag; default: searched, with and without)")
+                         " Megatron-LM's flag; default: searched, none, half or all of it)")
     offload.add_argument("--no-optimizer-cpu-offload", dest="optimizer_cpu_offload",
                          action="store_false",
                          help="plan only layouts whose optimizer stays on the GPU")
     g.add_argument("--optimizer-offload-fraction", type=_finite, metavar="F",
                    help="share of each rank's optimizer on the host when offloaded, in [0, 1] "
-                   "(Megatron-LM's flag; default 1.0, its default)")
+                   "(Megatron-LM's flag; default 1.0 as there, and the search tries 0, 0.5, 1)")
     g.add_argument("--fitting-only", action="store_true", help="print only layouts that fit")
     g.add_argument("--max-model", action="store_true",
                    help="largest model per TP x stage (ZeRO Table 2: model states only; with "
@@ -136,13 +136,14 @@ def add_search_args(g) -> None:
 
 
 def offload_fractions(args: argparse.Namespace) -> tuple[float, ...]:
-    """The offload fractions to plan: ``--optimizer-offload-fraction`` (default 1.0) alone with
-    ``--optimizer-cpu-offload``, 0 alone with ``--no-optimizer-cpu-offload``, else both (the
-    search). ValueError for a fraction outside [0, 1]."""
-    f = check_fraction(1.0 if args.optimizer_offload_fraction is None
-                       else args.optimizer_offload_fraction)
+    """The offload fractions to plan: ``--optimizer-offload-fraction`` (default 1.0, Megatron-
+    LM's) alone with ``--optimizer-cpu-offload``, 0 alone with ``--no-optimizer-cpu-offload``;
+    else the search: 0 and the fraction given, or ``offload.OFFLOAD_SEARCH``. ValueError for a
+    fraction outside [0, 1]."""
+    given = args.optimizer_offload_fraction
+    f = check_fraction(1.0 if given is None else given)
     if args.optimizer_cpu_offload is False:
         return (0.0,)
     if args.optimizer_cpu_offload:
         return (f,)
-    return tuple(sorted({0.0, f}))
+    return OFFLOAD_SEARCH if given is None else tuple(sorted({0.0, f}))

@@ -50,8 +50,9 @@ import math
 
 from hybrid.planner.inputs import GB
 
-OFFLOAD_SEARCH = (0.0, 1.0)
-"""Fractions the planner tries by default: the optimizer on the device, or all on the host."""
+OFFLOAD_SEARCH = (0.0, 0.5, 1.0)
+"""Fractions the planner tries by default: the optimizer on the device, half or all of it on
+the host (half halves the host step where it is what is exposed, e.g. a 40B GPT on 8 H100)."""
 
 
 def check_fraction(fraction: float) -> float:

@@ -105,6 +105,8 @@ def best_lines(chosen) -> list[str]:
     """The chosen layout and its step: compute + each exposed term and why it is exposed
     (``Candidate.times``, :mod:`hybrid.planner.step_time`), seconds per step."""
     t = chosen.times
+    optimizer = ("the longer of the GPU's AdamW and the host step, below" if
+                 chosen.offload_fraction else "HBM-bound AdamW")
     return [
         f"best: tp={chosen.tp} dp={chosen.dp} zero={chosen.stage} "
         f"activation={chosen.activation} micro-batch={chosen.micro_batch_size} "
@@ -116,7 +118,7 @@ def best_lines(chosen) -> list[str]:
         f"{t['dp_exposed_s']:.3f} of {t['dp_s']:.3f} (first gather {t['first_gather_s']:.3f}, "
         f"last reduce {t['last_reduce_s']:.3f}: nothing to overlap; beyond the compute they "
         f"overlap {t['unhidden_dp_s']:.3f}; refresh after the step {t['refresh_s']:.3f}) + "
-        f"optimizer {t['optimizer_s']:.3f} (HBM-bound AdamW) + cpu {t['cpu_exposed_s']:.3f} of "
+        f"optimizer {t['optimizer_s']:.3f} ({optimizer}) + cpu {t['cpu_exposed_s']:.3f} of "
         f"{t['cpu_s']:.3f} (P_a+cpu: the first checkpoint load of each backward, copies beyond "
         "the compute)",
         *offload_lines(chosen),
