@@ -120,8 +120,11 @@ def test_the_cli_flags_and_json(capsys):
     assert best["offload_fraction"] == 0.5 and best["host_fits"] and best["device_fits"]
     assert best["host_bytes"]["node"] == 4 * best["host_bytes"]["rank"] > 0
     assert best["times"]["host_step_s"] > 0 and best["offload_bytes"] > 0
+    assert doc["offload_fractions"] == [0.5]
     doc = cli_json(capsys, *DIMS, "--no-optimizer-cpu-offload")
     assert {c["offload_fraction"] for c in doc["candidates"]} == {0.0}
+    assert doc["offload_fractions"] == [0.0]
+    assert cli_json(capsys, *DIMS)["offload_fractions"] == [0.0, 0.5, 1.0]  # the search
     doc = cli_json(capsys, *DIMS, "--host-memory-gib", "0.0005", "--host-dram-gbs", "50")
     assert doc["cluster"]["host_memory_gbs"] == 50
     refused = [c for c in doc["candidates"] if c["device_fits"] and not c["host_fits"]]

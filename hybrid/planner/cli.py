@@ -272,6 +272,7 @@ def _main(argv: list[str] | None = None) -> int:
             print(json.dumps({"max_model": rows}, indent=1) if args.json
                   else max_model_text(rows, budget))
             return 0
+        fractions = offload_fractions(args)
         cands, skipped = plan(
             model,
             cluster,
@@ -282,7 +283,7 @@ def _main(argv: list[str] | None = None) -> int:
             micro_batch_sizes=tuple(args.micro_batch_size or ()),
             # searched within a given global batch (without one, it is b * GPUs: b is given)
             search_micro_batch=not args.micro_batch_size and args.global_batch_size is not None,
-            offload_fractions=offload_fractions(args),
+            offload_fractions=fractions,
         )
         if not cands:
             raise ValueError(no_layout_message(skipped))
@@ -300,6 +301,7 @@ def _main(argv: list[str] | None = None) -> int:
             "training": dataclasses.asdict(training),
             "candidates": [c.as_dict() for c in cands],
             "skipped": skipped,
+            "offload_fractions": list(fractions),
             "best": chosen.as_dict() if chosen else None,
             "verify": _verify(args, model, training, cluster, chosen) if args.verify else None,
         }
