@@ -157,3 +157,22 @@ def test_one_node_that_only_trains_with_offload(capsys):
     best = cli_json(capsys, *argv)["best"]
     assert best["offload_fraction"] == 1.0 and best["fits"]
     assert best["host_bytes"]["node"] < 2048 * GIB
+
+
+def test_max_model_with_the_optimizer_on_the_host(capsys):
+    from hybrid.planner.max_model import max_params, max_params_offloaded
+
+    # one GPU, engine bf16: 2 + 4 + 12 = 18 B/param on the GPU, 2 + 4 = 6 with the 12 offloaded
+    gpu, host = 60 * GIB, 2048 * GIB
+    assert max_params(gpu, 1, 1, 1, "bf16", "engine") == gpu // 18
+    assert max_params_offloaded(gpu, host, 1, 1, 1, 1, "bf16", "engine") == gpu // 6
+    assert max_params_offloaded(gpu, host, 1, 1, 1, 1, "bf16", "paper") == gpu // 4  # 16 -> 4
+    # the host bounds it too: 8 ranks x 16 B per parameter of the node's model
+    assert max_params_offloaded(gpu, 64 * GIB, 8, 1, 1, 1, "bf16", "engine") == 64 * GIB // 128
+    # stage 2, dp 4, half offloaded: 2 + (4 + 12 - 6) / 4 = 4.5 B on the GPU
+    assert max_params_offloaded(gpu, host, 4, 1, 4, 2, "bf16", "engine", 0.5) == int(gpu / 4.5)
+    assert max_params_offloaded(gpu, host, 1, 1, 1, 0) == 0
+    rows = cli_json(capsys, "--max-model", "--device", "H100", "--num-gpus", "1")["max_model"]
+    assert [r["max_params_offloaded"] is None for r in rows] == [True, False, False, False]
+    on_host, on_gpu = rows[1]["max_params_offloaded"], rows[1]["max_params_model_states"]
+    assert abs(on_host - 3 * on_gpu) <= 3  # 18 / 6 B per parameter, each floored

@@ -40,7 +40,7 @@ from hybrid.planner.cli_args import (
     offload_fractions,
 )
 from hybrid.planner.inputs import Cluster, Training
-from hybrid.planner.max_model import max_layers, max_params
+from hybrid.planner.max_model import max_layers, max_params, max_params_offloaded
 from hybrid.planner.memory import ACTIVATION_OPTIONS, ZERO_STAGES
 from hybrid.planner.plan import best, plan, tp_candidates
 from hybrid.planner.table import max_model_text, plan_text
@@ -231,6 +231,11 @@ def _max_model(args, model, cluster, training) -> list[dict]:
                 "max_params_model_states": max_params(
                     budget, tp, dp, stage, training.precision, training.accounting
                 ),
+                "max_params_offloaded": None if stage == 0 or args.optimizer_cpu_offload is False
+                else max_params_offloaded(budget, cluster.host_memory_bytes,
+                                          cluster.gpus_per_node, tp, dp, stage,
+                                          training.precision, training.accounting,
+                                          max(offload_fractions(args))),
             }
             if model is not None:
                 layers = {

@@ -155,6 +155,8 @@ def max_model_text(rows: list[dict], budget_bytes: float | None = None) -> str:
     for r in rows:
         line = (f"tp={r['tp']:>2} dp={r['dp']:>5} zero={r['stage']}: "
                 f"{r['max_params_model_states'] / 1e9:9.2f}B")
+        if r.get("max_params_offloaded") is not None:
+            line += f" (optimizer on the host: {r['max_params_offloaded'] / 1e9:.2f}B)"
         if "max_layers" in r:
             line += "  | " + ", ".join(
                 f"{a}: {n} layers ({r['max_params_with_activations'][a] / 1e9:.1f}B)"
