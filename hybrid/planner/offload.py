@@ -35,9 +35,9 @@ partition; without the one-step delayed parameter update of §5.2, so the step s
   every gradient first. ``host_memory_gbs`` is the DDR peak (``hybrid.devices``);
   ``host_efficiency`` (0.5) is an assumption, below what STREAM-class kernels sustain on
   two-socket servers, to be replaced by a measurement: ``scripts/bench_host_adam.py`` finds
-  torch's fused CPU AdamW (``fused=True``) at 87-100% of a triad's bandwidth on the same threads,
-  i.e. bandwidth bound as modelled, and its foreach and for-loop forms 5-50x slower (two runs
-  on a busy 2-core machine; not bandwidth bound: the model holds for the fused one only).
+  torch's fused CPU AdamW (``fused=True``) at 87-134% of a triad's bandwidth on the same
+  threads, i.e. bandwidth bound as modelled, and its foreach and for-loop forms 4-50x slower
+  (three runs on a busy 2-core machine): the model holds for the fused one only.
 - parameter copy, host -> device: ``P_off * param_bytes / cpu_gbs``, per unit as the host
   finishes it, so the host step and this copy pipeline over the ``N + 1`` units:
   ``max(adam, h2d) + min(adam, h2d) / (N + 1)``.
