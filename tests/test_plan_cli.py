@@ -44,8 +44,10 @@ def test_cli_json(capsys):
     assert plan_cli.main([*DIMS, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["num_parameters"] == flops.num_parameters(gpt(48, 1600, 16, v=50257, s=1024))
-    # 4 tps x 4 stages x 9 options; at tp=1 no full+pa and no sequence-parallel option (4)
-    assert len(doc["candidates"]) == 4 * 4 * 9 - 4 * 5
+    # 4 tps x 4 stages x 9 options; at tp=1 no full+pa and no sequence-parallel option (4);
+    # stages 1-3 twice more with half and all the optimizer on the host (the offload search)
+    assert len(doc["candidates"]) == 4 * 4 * 9 - 4 * 5 + 2 * (4 * 3 * 9 - 3 * 5)
+    assert {c["offload_fraction"] for c in doc["candidates"] if c["stage"] == 0} == {0.0}
     assert doc["best"]["fits"] is True
     assert set(doc["best"]["model_states"]) == {"params", "grads", "master", "optimizer", "total"}
 
@@ -204,7 +206,7 @@ def test_cli_table_shows_the_reserve_and_explains_m(reserved, capsys):
     assert header[5:14] == ["params", "grads", "master", "optim", "activ", "temps", "buffers",
                             "reserve", "total"]
     rows = [x.split() for x in lines[5:] if x.split() and x.split()[0].isdigit()]
-    assert len(rows) == 4 * 4 * 9 - 4 * 5  # as test_cli_json
+    assert len(rows) == 4 * 4 * 9 - 4 * 5 + 2 * (4 * 3 * 9 - 3 * 5)  # as test_cli_json
     for r in rows:
         dp, m = int(r[1]), int(r[4])
         assert m == 64 // (4 * dp), r  # global batch / (micro-batch * dp)

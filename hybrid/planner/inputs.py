@@ -34,9 +34,18 @@ class Cluster:
     inter_node_gbs: float = 25.0
     """Achieved per-GPU collective bandwidth across nodes, GB/s."""
     cpu_gbs: float = 20.0
-    """Per-GPU host link bandwidth for P_a+cpu, GB/s."""
+    """Per-GPU host link bandwidth, GB/s one way (PCIe: P_a+cpu's checkpoints, ZeRO-Offload's
+    gradients and parameters; ``hybrid.devices`` presets give the GPU's link)."""
     hbm_gbs: float = 2039.0
     """GPU memory bandwidth, GB/s (the optimizer step is bound by it; A100-80GB SXM datasheet)."""
+    host_memory_bytes: float = 2048 * GIB
+    """Host DRAM per node, bytes: the limit on what the node's ranks keep on the host
+    (ZeRO-Offload's optimizer states, P_a+cpu's checkpoints); a DGX A100 640GB's 2 TB."""
+    host_memory_gbs: float = 409.6
+    """Host DRAM peak bandwidth per node, GB/s (the host AdamW step is bound by it; DGX A100: 2
+    sockets x 8 channels x DDR4-3200 x 8 B)."""
+    host_efficiency: float = 0.5
+    """Fraction of ``host_memory_gbs`` the host AdamW sustains (``hybrid.planner.offload``)."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -47,8 +56,10 @@ class Cluster:
             raise ValueError(
                 f"num_gpus={self.num_gpus} is not divisible by gpus_per_node={self.gpus_per_node}"
             )
-        if self.efficiency > 1:
-            raise ValueError(f"efficiency is a fraction of peak in (0, 1], got {self.efficiency:g}")
+        for name in ("efficiency", "host_efficiency"):
+            if getattr(self, name) > 1:
+                raise ValueError(f"{name} is a fraction of peak in (0, 1], got "
+                                 f"{getattr(self, name):g}")
 
 
 @dataclass(frozen=True)

@@ -44,13 +44,14 @@ bus bandwidth (>= 100 MB messages) at a twentieth of the memory.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+import itertools
 
 from hybrid.flops import flops_per_iteration, layer_parameter_split
 from hybrid.parallel.grid import validate_grid
 from hybrid.parallel.sequence import sequence_parallel_active
 from hybrid.parallel.tp_split import tp_split_refusal
 from hybrid.parallel.vocab import pad_vocab_size
+from hybrid.planner.candidate import Candidate
 from hybrid.planner.inputs import GB, Cluster, Training
 from hybrid.planner.memory import (
     ACTIVATION_OPTIONS,
@@ -60,6 +61,13 @@ from hybrid.planner.memory import (
     model_state_bytes,
     params_per_tp_rank,
     persistent_parameters,
+)
+from hybrid.planner.offload import (
+    OFFLOAD_SEARCH,
+    check_fraction,
+    host_bytes,
+    offloaded_elements,
+    split_states,
 )
 from hybrid.planner.precision import ACCOUNTINGS, get_precision
 from hybrid.planner.step_time import step_breakdown
@@ -85,57 +93,6 @@ __all__ = [
 
 EXPOSED_DP = ("first_gather_s", "last_reduce_s", "unhidden_dp_s", "refresh_s")
 """The data-parallel parts of a step's exposed seconds (``Candidate.times``)."""
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One evaluated layout; all byte counts are per rank, times per optimizer step."""
-
-    tp: int
-    dp: int
-    stage: int
-    activation: str
-    micro_batches: int
-    """Gradient-accumulation steps: global batch / (micro batch * dp)."""
-    micro_batch_size: int
-    """Sequences per rank per micro-batch b (searched by ``plan(..., micro_batch_sizes=...)``)."""
-    params_per_rank: int
-    """Parameters of this rank's TP shard (elements), before ZeRO."""
-    model_states: dict
-    """{'params', 'grads', 'master', 'optimizer', 'total'} bytes."""
-    activations: dict
-    """``memory_estimate.activation_bytes`` of one micro-batch."""
-    buffers: int
-    """Constant-size communication buffers (and stage 3's gathered units at their peak), bytes:
-    ``memory.comm_buffer_bytes``, the engine's ``buffers`` (+ ``gathered_peak``)."""
-    total_bytes: int
-    """model states + GPU activations + temporaries + buffers + reserved, bytes."""
-    fits: bool
-    dp_bytes: float
-    """Data-parallel bytes sent per step by this rank."""
-    tp_bytes: float
-    """Tensor-parallel bytes sent per step by this rank."""
-    cpu_bytes: float
-    """Bytes moved to and from the host per step (P_a+cpu)."""
-    times: dict = field(default_factory=dict)
-    """Seconds per step: ``compute_s`` (GEMMs), ``tp_s`` / ``dp_s`` / ``cpu_s`` (each kind's
-    bytes / bandwidth, hidden or not), ``step_s`` (the overlapped step) = ``compute_s`` +
-    ``exposed_s``, whose parts are ``tp_exposed_s``, ``first_gather_s``, ``last_reduce_s``,
-    ``unhidden_dp_s``, ``refresh_s``, ``optimizer_s``, ``cpu_exposed_s``
-    (``step_time.step_seconds``);
-    ``dp_exposed_s`` sums the data-parallel ones, ``tp_hidden_s`` is what SP's backward hides."""
-    tokens_per_s: float = 0.0
-    mfu: float = 0.0
-    dp_bytes_by_kind: dict = field(default_factory=dict)
-    """``dp_bytes`` split into {'all_reduce', 'reduce_scatter', 'all_gather'} (``zero_comm``
-    names)."""
-    persistent_params: int = 0
-    """Stage 3: elements of the TP shard kept whole (``Training.param_persistence_threshold``)."""
-    temporaries: dict = field(default_factory=dict)
-    """``temporaries.temporary_bytes``: the step's short-lived bytes beyond the activations."""
-
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 def tp_candidates(model: GPTConfig, cluster: Cluster) -> list[int]:
@@ -243,7 +200,7 @@ def _traffic(m: GPTConfig, tp: int, dp: int, stage: int, prec, micro_batches: in
 
 def _step_times(m: GPTConfig, cluster: Cluster, training: Training, gbs: int, tp: int, dp: int,
                 stage: int, activation: str, prec, threshold: int, micro_batches: int,
-                traffic: tuple[float, float, float]) -> tuple[dict, float]:
+                traffic: tuple[float, float, float], offloaded: int = 0) -> tuple[dict, float]:
     """``(times, mfu)``: the totals of each kind of work (``compute_s``; ``tp_s``, ``dp_s``,
     ``cpu_s``: bytes / bandwidth), the overlapped step time ``step_s`` and its exposed parts
     (:func:`hybrid.planner.step_time.step_breakdown`), and the model-FLOPs utilisation that
@@ -254,7 +211,7 @@ def _step_times(m: GPTConfig, cluster: Cluster, training: Training, gbs: int, tp
     dp_bw = (cluster.inter_node_gbs if cluster.num_gpus > cluster.gpus_per_node
              else cluster.intra_node_gbs)
     times = step_breakdown(m, cluster, training, tp, dp, stage, activation, prec, threshold,
-                           micro_batches, cpu_bytes)
+                           micro_batches, cpu_bytes, offloaded)
     times.update(tp_s=tp_bytes / (cluster.intra_node_gbs * GB), dp_s=dp_bytes / (dp_bw * GB),
                  cpu_s=cpu_bytes / (cluster.cpu_gbs * GB))
     times["dp_exposed_s"] = sum(times[k] for k in EXPOSED_DP)
@@ -263,15 +220,19 @@ def _step_times(m: GPTConfig, cluster: Cluster, training: Training, gbs: int, tp
 
 
 def evaluate(
-    model: GPTConfig, cluster: Cluster, training: Training, tp: int, stage: int, activation: str
+    model: GPTConfig, cluster: Cluster, training: Training, tp: int, stage: int, activation: str,
+    offload_fraction: float = 0.0,
 ) -> Candidate:
-    """Memory, traffic and estimated step time of one layout (see the module docstring).
+    """Memory, traffic and estimated step time of one layout (see the module docstring);
+    ``offload_fraction`` of the rank's optimizer partition on the host (ZeRO-Offload,
+    :mod:`hybrid.planner.offload`).
 
     Raises ValueError for an impossible layout (tp not dividing heads or GPUs, a global batch
     that is not a multiple of micro batch * dp, sequence parallelism with tp not dividing the
-    sequence length).
+    sequence length, offload at ZeRO stage 0 or a fraction outside [0, 1]).
     """
     m = _check_layout(model, cluster, training, tp, activation)
+    _check_offload(stage, offload_fraction)
     dp = cluster.num_gpus // tp
     s, b = training.seq_length, training.micro_batch_size
     gbs, micro_batches = _batch(training, cluster, dp)
@@ -281,8 +242,12 @@ def evaluate(
     psi_t = params_per_tp_rank(m, tp)
     zero = stage_plan(stage, param_persistence_threshold=training.param_persistence_threshold)
     persistent = persistent_parameters(m, tp, zero.persistence_threshold)
-    states = model_state_bytes(m, tp, dp, stage, prec, persistent)
+    partition = psi_t if stage == 0 else -(-psi_t // dp)
+    states, host_states = split_states(model_state_bytes(m, tp, dp, stage, prec, persistent),
+                                       partition, offload_fraction, prec)
+    offloaded = offloaded_elements(partition, offload_fraction)
     acts = activation_bytes(m, s, b, tp, activation, prec, dropout=training.dropout)
+    host = host_bytes(host_states, acts["cpu"], cluster.gpus_per_node)
     buffers = _buffer_bytes(m, tp, dp, stage, prec, psi_t, training)
     temps = temporary_bytes(m, s, b, tp, stage, activation, prec.activation_bytes,
                             model.vocab_size, acts["layers"], training.dropout)
@@ -298,16 +263,28 @@ def evaluate(
     dp_bytes = sum(dp_kinds.values())
     times, mfu = _step_times(m, cluster, training, gbs, tp, dp, stage, activation, prec,
                              zero.persistence_threshold, micro_batches,
-                             (dp_bytes, tp_bytes, cpu_bytes))
+                             (dp_bytes, tp_bytes, cpu_bytes), offloaded)
+    device_fits = total <= cluster.gpu_memory_bytes
+    host_fits = host["node"] <= cluster.host_memory_bytes
     return Candidate(
         tp=tp, dp=dp, stage=stage, activation=activation, micro_batches=micro_batches,
         micro_batch_size=b,
         params_per_rank=psi_t, model_states=states, activations=acts, buffers=buffers,
-        total_bytes=total, fits=total <= cluster.gpu_memory_bytes, dp_bytes=dp_bytes,
+        total_bytes=total, fits=device_fits and host_fits, dp_bytes=dp_bytes,
         tp_bytes=tp_bytes, cpu_bytes=cpu_bytes, times=times,
         tokens_per_s=gbs * s / times["step_s"], mfu=mfu, dp_bytes_by_kind=dp_kinds,
-        persistent_params=persistent, temporaries=temps,
+        persistent_params=persistent, temporaries=temps, offload_fraction=offload_fraction,
+        host_bytes=host, offload_bytes=offloaded * (prec.grad_bytes + prec.param_bytes),
+        device_fits=device_fits, host_fits=host_fits,
     )
+
+
+def _check_offload(stage: int, fraction: float) -> None:
+    """ValueError for ZeRO-Offload at stage 0 (no optimizer partition: Megatron-LM's offload
+    is its distributed optimizer's) or a fraction outside [0, 1]."""
+    if check_fraction(fraction) and stage == 0:
+        raise ValueError("--optimizer-cpu-offload needs ZeRO stage 1-3 (stage 0 keeps no "
+                         "optimizer partition to move to the host), got --zero-stage 0")
 
 
 def micro_batch_choices(global_batch: int, dp: int) -> list[int]:
@@ -329,6 +306,7 @@ def plan(
     activations: tuple[str, ...] = ACTIVATION_OPTIONS,
     micro_batch_sizes: tuple[int, ...] | None = None,
     search_micro_batch: bool = False,
+    offload_fractions: tuple[float, ...] = OFFLOAD_SEARCH,
 ) -> tuple[list[Candidate], list[str]]:
     """Evaluate every layout; returns (candidates, reasons for the layouts that were skipped).
 
@@ -337,7 +315,9 @@ def plan(
     parallelism is off. Micro-batch sizes: ``micro_batch_sizes`` when given, else every one
     that divides the global batch over dp (:func:`micro_batch_choices`) with
     ``search_micro_batch``, else ``training.micro_batch_size``; the global batch stays
-    ``training``'s (default: its micro-batch size * GPUs).
+    ``training``'s (default: its micro-batch size * GPUs). ``offload_fractions``: the
+    ZeRO-Offload shares tried at stages 1-3 (:mod:`hybrid.planner.offload`; default off and all
+    on; stage 0 takes 0 only, and is skipped with the reason when 0 is not among them).
     """
     m = model
     if tps is None:
@@ -351,28 +331,33 @@ def plan(
             micro_batch_choices(gbs, cluster.num_gpus // tp) if search_micro_batch else ())
         for b in sizes or (training.micro_batch_size,):
             t = dataclasses.replace(training, micro_batch_size=b, global_batch_size=gbs)
-            _plan_tp(m, cluster, t, tp, stages, activations, out, skipped)
+            _plan_tp(m, cluster, t, tp, (stages, activations, offload_fractions), out, skipped)
     return out, skipped
 
 
-def _plan_tp(m, cluster, training, tp, stages, activations, out, skipped) -> None:
-    """Evaluate every stage and activation option at ``tp`` into ``out`` (or ``skipped``)."""
-    for stage in stages:
-        for act in activations:
-            sp = "sp" in act.split("+")
-            if tp == 1 and act == "full+pa" or sp and not sequence_parallel_active(sp, tp):
-                continue
-            try:
-                out.append(evaluate(m, cluster, training, tp, stage, act))
-            except ValueError as err:
-                reason = f"tp={tp}: {err}"
-                if reason not in skipped:
-                    skipped.append(reason)
+def _plan_tp(m, cluster, training, tp, search, out, skipped) -> None:
+    """Evaluate every stage, activation option and offload fraction of ``search`` at ``tp``
+    into ``out`` (or ``skipped``)."""
+    stages, activations, fractions = search
+    for stage, act, frac in itertools.product(stages, activations, fractions):
+        sp = "sp" in act.split("+")
+        if tp == 1 and act == "full+pa" or sp and not sequence_parallel_active(sp, tp):
+            continue
+        if stage == 0 and frac > 0 and 0.0 in fractions:
+            continue  # stage 0 is planned without offload: it has no partition to move
+        try:
+            out.append(evaluate(m, cluster, training, tp, stage, act, frac))
+        except ValueError as err:
+            reason = f"tp={tp}: {err}"
+            if reason not in skipped:
+                skipped.append(reason)
 
 
 def best(candidates: list[Candidate]) -> Candidate | None:
-    """The fitting candidate with the smallest step time (ties: lower stage, smaller total)."""
+    """The fitting candidate (GPU and host memory) with the smallest step time (ties: less
+    offloaded, lower stage, smaller total)."""
     fitting = [c for c in candidates if c.fits]
     if not fitting:
         return None
-    return min(fitting, key=lambda c: (round(c.times["step_s"], 9), c.stage, c.total_bytes))
+    return min(fitting, key=lambda c: (round(c.times["step_s"], 9), c.offload_fraction, c.stage,
+                                       c.total_bytes))

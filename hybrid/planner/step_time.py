@@ -49,6 +49,9 @@ Optimizer (exposed, HBM-bound): AdamW (1711.05101) reads and writes the fp32 mas
 two moments (``2k`` bytes, ZeRO §3.1's K = 12), reads the gradient and writes the compute-dtype
 parameter per owned element (``Psi_t`` at stage 0, ``Psi_t / dp`` at 1-3, ZeRO §5.1); the
 gradient norm reads the owned gradients and zeroing writes the held ones.
+ZeRO-Offload (``offloaded`` elements, :mod:`hybrid.planner.offload`): the device AdamW covers
+the kept share, the host's step and copies are that module's; the optimizer's exposed time is
+the longer of the device and the host step, plus the gradient copy backward did not hide.
 Not modelled: the gradient-norm all-reduce (one scalar per rank), kernel launch gaps.
 """
 
@@ -60,6 +63,7 @@ from dataclasses import dataclass
 from hybrid.flops import flops_per_iteration, layer_parameter_split
 from hybrid.planner.inputs import GB
 from hybrid.planner.memory import params_per_tp_rank, persistent_parameters
+from hybrid.planner.offload import offload_seconds
 
 
 @dataclass(frozen=True)
@@ -223,22 +227,28 @@ def step_seconds(u: UnitSeconds, n: int, micro_batches: int, stage: int, refresh
     return out
 
 
-def optimizer_seconds(psi_t: int, dp: int, stage: int, prec, hbm_gbs: float) -> float:
+def optimizer_seconds(psi_t: int, dp: int, stage: int, prec, hbm_gbs: float,
+                      offloaded: int = 0) -> float:
     """AdamW's HBM seconds per step (module docstring): owned elements x (2k + 2 grad_bytes +
-    param_bytes) + held gradient elements x grad_bytes, over ``hbm_gbs`` GB/s."""
+    param_bytes) + held gradient elements x grad_bytes, over ``hbm_gbs`` GB/s; ``offloaded``
+    owned elements step on the host (:mod:`hybrid.planner.offload`): the device still reads
+    their gradients for the norm, nothing more."""
     owned = psi_t if stage == 0 else psi_t / dp
     held = psi_t / dp if stage >= 2 else psi_t
-    nbytes = owned * (2 * prec.k + 2 * prec.grad_bytes + prec.param_bytes) + held * prec.grad_bytes
+    kept = owned - offloaded
+    nbytes = (kept * (2 * prec.k + prec.grad_bytes + prec.param_bytes) + owned * prec.grad_bytes
+              + held * prec.grad_bytes)
     return nbytes / (hbm_gbs * GB)
 
 
 def step_breakdown(model, cluster, training, tp: int, dp: int, stage: int, activation: str,
-                   prec, threshold: int, micro_batches: int, cpu_bytes: float
-                   ) -> dict[str, float]:
+                   prec, threshold: int, micro_batches: int, cpu_bytes: float,
+                   offloaded: int = 0) -> dict[str, float]:
     """:func:`step_seconds` of one layout: ``model`` with its TP-padded vocabulary, a
     ``planner.inputs.Cluster`` and ``Training``, the stage's persistence ``threshold``
     (elements), ``cpu_bytes`` to and from the host per step (P_a+cpu: every block's
-    checkpoint out in forward and back in backward)."""
+    checkpoint out in forward and back in backward), ``offloaded`` owned elements whose
+    optimizer runs on the host (:func:`with_offload`)."""
     parts = set(activation.split("+"))
     b, s, n = training.micro_batch_size, training.seq_length, model.num_layers
     flops_per_s = cluster.peak_tflops * 1e12 * cluster.efficiency
@@ -269,6 +279,24 @@ def step_breakdown(model, cluster, training, tp: int, dp: int, stage: int, activ
     psi_t = el["block"] * n + el["root"]
     persistent = el["root_persistent"] + n * el["block_persistent"]
     refresh = {0: 0.0, 1: psi_t, 2: psi_t, 3: persistent}[stage] * gather
-    optimizer = optimizer_seconds(psi_t, dp, stage, prec, cluster.hbm_gbs)
-    return step_seconds(u, n, micro_batches, stage, refresh, optimizer,
-                        training.overlap_param_gather, training.overlap_comm)
+    optimizer = optimizer_seconds(psi_t, dp, stage, prec, cluster.hbm_gbs, offloaded)
+    tail = (el["root"] + el["block"] + n * el["block_persistent"]) / psi_t
+    host = offload_seconds(offloaded, prec, cluster, n * comp["block_bwd"] + comp["root_bwd"],
+                           min(1.0, tail), n + 1)
+    out = step_seconds(u, n, micro_batches, stage, refresh,
+                       max(optimizer, host["host_step_s"]), training.overlap_param_gather,
+                       training.overlap_comm)
+    return with_offload(out, optimizer, host)
+
+
+def with_offload(out: dict, device_optimizer: float, host: dict) -> dict:
+    """``out`` (:func:`step_seconds`, whose ``optimizer_s`` is already the longer of the device
+    AdamW and the host step) with the offloaded optimizer's seconds
+    (:func:`hybrid.planner.offload.offload_seconds`): ``device_optimizer_s``, ``host_step_s``,
+    ``host_adam_s``, ``offload_d2h_s``, ``offload_h2d_s`` (totals) and the exposed gradient
+    copy ``offload_exposed_s``, added to ``step_s``."""
+    out = dict(out, device_optimizer_s=device_optimizer, host_step_s=host["host_step_s"],
+               host_adam_s=host["host_adam_s"], offload_d2h_s=host["d2h_s"],
+               offload_h2d_s=host["h2d_s"], offload_exposed_s=host["d2h_exposed_s"])
+    out["step_s"] += host["d2h_exposed_s"]
+    return out
