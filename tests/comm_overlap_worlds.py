@@ -34,11 +34,13 @@ OPT = dict(lr=1e-3, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.95, adam_eps
            clip_grad=1.0)
 
 
-def _train(grid: ProcessGrid, kw: dict, dropout: float, overlap: bool, full: bool) -> dict:
-    """``STEPS`` AdamW steps of ZeRO-1 (dp = world / tp), one micro-batch of ``[B, S]`` per
-    data-parallel rank; the dp-mean losses and the full parameters at the end."""
+def _train(grid: ProcessGrid, kw: dict, dropout: float, overlap: bool, full: bool,
+           stage: int = 1) -> dict:
+    """``STEPS`` AdamW steps of ZeRO-``stage`` (dp = world / tp), one micro-batch of ``[B, S]``
+    per data-parallel rank; the dp-mean losses and the full parameters at the end."""
     kw = dict(kw, hidden_dropout=dropout, attention_dropout=dropout)
-    engine = build_parallel(grid, kw, zero=ZeroConfig(stage=1), optimizer=OptimizerConfig(**OPT),
+    zero = ZeroConfig(stage=stage, param_persistence_threshold=0)
+    engine = build_parallel(grid, kw, zero=zero, optimizer=OptimizerConfig(**OPT),
                             activation=ActivationConfig(checkpoint_activations=True) if full
                             else None, sequence_parallel=True, tp_comm_overlap=overlap)
     torch.manual_seed(99)
