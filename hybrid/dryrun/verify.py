@@ -65,6 +65,8 @@ def pretrain_argv(args, model, chosen, global_batch: int) -> list[str]:
     out += ["--vocab-size", str(model.vocab_size), "--global-batch-size", str(global_batch),
             "--tensor-model-parallel-size", str(chosen.tp), "--zero-stage", str(chosen.stage),
             *ACTIVATION_FLAGS[chosen.activation]]
+    if getattr(args, "tp_comm_overlap", False) and "sp" in chosen.activation and chosen.tp > 1:
+        out.append("--tp-comm-overlap")  # where it takes effect (pretrain refuses it elsewhere)
     out += [] if args.precision == "fp32" else ["--" + args.precision]
     out += ["--device", args.device] if args.device else []
     out += ["--gpu-memory-gib", str(args.gpu_memory_gb)] if args.gpu_memory_gb else []

@@ -255,7 +255,8 @@ def header(job: Job) -> str:
     activation-memory options (sequence parallelism, recompute, ZeRO-R P_a / cpu / MD)."""
     cfg = job.cfg
     a = cfg.activation
-    act = ["sequence parallel"] if cfg.grid.sequence_parallel_active else []
+    act = ["sequence parallel" + (" (TP comm overlapped)" if cfg.grid.tp_comm_overlap else "")
+           ] if cfg.grid.sequence_parallel_active else []
     if a.selective_recompute:
         act.append("selective recompute")
     elif a.checkpoint_activations:

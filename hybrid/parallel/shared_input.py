@@ -134,10 +134,12 @@ def column_pair(first, second, x: torch.Tensor, skip_bias: bool = False):
     """``(first(x), second(x))`` for two column-parallel linears of one form (the same class,
     group, sequence parallelism and token order) on one input collective, or with ``skip_bias``
     ``(y_first, bias_first, y_second, bias_second)`` (the biases left to the caller); None when
-    ``second`` is not of ``first``'s form (the caller then runs each on its own)."""
-    form = ("group", "sequence_parallel", "token_wise")
-    if type(second) is not type(first) or any(getattr(second, k) is not getattr(first, k)
-                                              for k in form):
+    ``second`` is not of ``first``'s form, or under ``--tp-comm-overlap`` (each linear's gather
+    is then a ring pipelined with its own GEMM, :mod:`hybrid.parallel.collective_matmul`): the
+    caller runs each on its own."""
+    form = ("group", "sequence_parallel", "token_wise", "tp_comm_overlap")
+    if (type(second) is not type(first) or getattr(first, "tp_comm_overlap", False)
+            or any(getattr(second, k) is not getattr(first, k) for k in form)):
         return None
     y0, y1 = shared_input_linears(x, (first.weight, first.bias), (second.weight, second.bias),
                                   first.group, first.ledger, first.sequence_parallel,

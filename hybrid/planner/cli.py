@@ -207,6 +207,7 @@ def _training(args: argparse.Namespace) -> Training:
         grad_reduce_in_bf16=args.grad_reduce_in_bf16,
         gradient_accumulation_fusion=args.gradient_accumulation_fusion,
         overlap_param_gather=args.overlap_param_gather,
+        tp_comm_overlap=args.tp_comm_overlap,
         dropout=args.hidden_dropout > 0 or args.attention_dropout > 0,
     )
 

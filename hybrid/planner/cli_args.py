@@ -42,6 +42,9 @@ def add_training_args(g) -> None:
     g.add_argument("--overlap-param-gather", action="store_true",
                    help="ZeRO 1-2: the updated parameters' all-gather runs during the next "
                    "forward instead of after the step (Megatron-LM's flag and default, off)")
+    g.add_argument("--tp-comm-overlap", action="store_true",
+                   help="sequence-parallel layouts pipeline the blocks' TP all-gathers and "
+                   "reduce-scatters with their GEMMs (Megatron-LM's flag, off by default)")
     g.add_argument("--param-persistence-threshold", type=int, default=100_000,
                    help="stage 3 keeps local params with fewer elements whole, as the engine "
                    "(0: the paper's count, every parameter partitioned)")

@@ -101,6 +101,10 @@ class Training:
     """Megatron-LM's ``--overlap-param-gather`` (its default, off): ZeRO 1-2's all-gather of the
     updated parameters is launched after the step and waited block by block in the next
     forward instead of before the step returns (``hybrid.planner.step_time``)."""
+    tp_comm_overlap: bool = False
+    """Megatron-LM's ``--tp-comm-overlap``: under sequence parallelism the block linears'
+    all-gathers and reduce-scatters are rings pipelined with their GEMMs
+    (``hybrid.planner.step_time.ring_exposed``); no effect on layouts without SP."""
     dropout: bool = True
     """The model trains with dropout (Megatron's default 0.1): masks saved, the attention core
     explicit; False (Llama recipes): no masks, SDPA (``hybrid.planner.activations``)."""

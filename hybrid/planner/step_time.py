@@ -17,7 +17,9 @@ of a block's forward and the 2 of its backward (without SP), or the forward's 2 
 collectives and P_a's all-gather; the model's ends (embedding, output layer, cross-entropy).
 What it overlaps (SP backward only, as Megatron-LM): each column-parallel layer's input
 re-gather runs during its input-gradient GEMM and the input gradient's reduce-scatter during
-its weight-gradient GEMM, so only ``max(0, collective - GEMM)`` of each is exposed.
+its weight-gradient GEMM, so only ``max(0, collective - GEMM)`` of each is exposed. With
+``--tp-comm-overlap`` (SP) the forward's all-gathers and reduce-scatters and the row-parallel
+gradient all-gathers run as rings pipelined with their GEMMs (:func:`ring_exposed`).
 
 Data parallelism (ZeRO 1910.02054 §5.3 and §7; the engine's schedule, ``traffic``); its
 collectives cross nodes on the NICs while the exposed TP collectives use NVLink, so a unit's
@@ -86,6 +88,8 @@ class UnitSeconds:
     """GEMM seconds of one micro-batch (all units, no communication)."""
     tp_exposed: float
     tp_hidden: float
+    tp_ring_hidden: float = 0.0
+    """Of ``tp_hidden``: what ``--tp-comm-overlap``'s rings hide (:func:`ring_exposed`)."""
     offload_block: float = 0.0
     """P_a+cpu: one block's checkpoint copied one way between GPU and host."""
 
@@ -105,26 +109,52 @@ def compute_seconds(model, b: int, s: int, tp: int, recompute: str, flops_per_s:
             "root_bwd": 2 * logits * k}
 
 
+def ring_exposed(unit: float, gemm: float, tp: int) -> float:
+    """Seconds a collective of ``unit`` seconds leaves exposed when it is decomposed into the
+    ``tp`` chunks of a ring pipelined with its GEMM of ``gemm`` seconds (collective matmul,
+    ``hybrid.parallel.collective_matmul``; Wang et al. 2023, doi:10.1145/3567955.3567959, §3):
+    ``tp - 1`` transfers of ``unit / (tp - 1)`` each run beside one of ``tp`` GEMM chunks of
+    ``gemm / tp``, one chunk (the first all-gather chunk is local, the last reduce-scatter chunk
+    is the rank's own) has nothing to hide: ``(tp-1) max(0, unit/(tp-1) - gemm/tp)`` = ``max(0,
+    unit - gemm (tp-1)/tp)``."""
+    return max(0.0, unit - gemm * (tp - 1) / tp)
+
+
 def tp_seconds(model, b: int, s: int, tp: int, parts: set, act_bytes: int, intra_gbs: float,
-               flops_per_s: float) -> dict[str, float]:
+               flops_per_s: float, comm_overlap: bool = False) -> dict[str, float]:
     """Tensor-parallel seconds of one micro-batch on one rank (see the module docstring):
     ``{'block_fwd', 'block_bwd', 'root_fwd', 'root_bwd'}`` exposed, ``'block_hidden'`` hidden
-    behind the SP backward's GEMMs. Their bytes are ``traffic.tp_traffic_elements``'s."""
+    behind the block's GEMMs (``'block_ring_hidden'`` of it by ``comm_overlap``'s rings). Their
+    bytes are ``traffic.tp_traffic_elements``'s.
+
+    ``comm_overlap`` (``--tp-comm-overlap``, SP only): the forward's two all-gathers (qkv, fc1)
+    and two reduce-scatters (proj, fc2), the recomputed forward's under full recompute, and the
+    row-parallel layers' gradient all-gathers in backward (proj, fc2; pipelined with their
+    input-gradient GEMMs) each leave :func:`ring_exposed` of their GEMM (the planner's FLOP
+    split: qkv ``3h^2``, proj ``h^2``, fc1 and fc2 ``hf`` per token, 2 FLOPs per MAC)."""
     if tp == 1:
-        return dict.fromkeys(("block_fwd", "block_bwd", "root_fwd", "root_bwd", "block_hidden"),
-                             0.0)
+        return dict.fromkeys(("block_fwd", "block_bwd", "root_fwd", "root_bwd", "block_hidden",
+                              "block_ring_hidden"), 0.0)
     h, f = model.hidden_size, model.ffn_hidden_size
     ring = (tp - 1) / tp
     unit = b * s * h * ring * act_bytes / (intra_gbs * GB)  # one [s, b, h] collective
     sp, full, pa = "sp" in parts, "full" in parts, "pa" in parts
-    bwd = (2 if sp else 4) * unit + (4 * unit if full else 0) + (unit if pa else 0)
+    gemm = {k: 2 * b * s * h * n / tp / flops_per_s
+            for k, n in (("qkv", 3 * h), ("proj", h), ("fc1", f), ("fc2", f))}
+    rings = comm_overlap and sp
+    fwd = sum(ring_exposed(unit, gemm[k], tp) for k in gemm) if rings else 4 * unit
+    grad_gathers = (sum(ring_exposed(unit, gemm[k], tp) for k in ("proj", "fc2")) if rings
+                    else 2 * unit)
+    bwd = (grad_gathers if sp else 4 * unit) + (fwd if full else 0) + (unit if pa else 0)
     remainder = hidden = 0.0
     if sp:  # qkv (3h^2 of 4h^2) and fc1 (hf of 2hf): dgrad and wgrad GEMM each
-        for flops in (2 * b * s * 3 * h * h, 2 * b * s * h * f):
-            remainder += 2 * max(0.0, unit - flops / tp / flops_per_s)
+        for k in ("qkv", "fc1"):
+            remainder += 2 * max(0.0, unit - gemm[k])
         hidden = 4 * unit - remainder
+    ring_hidden = (4 * unit - fwd) * (2 if full else 1) + 2 * unit - grad_gathers if rings else 0
     cross_entropy = 3 * 2 * b * s * ring * act_bytes / (intra_gbs * GB)
-    return {"block_fwd": 4 * unit, "block_bwd": bwd + remainder, "block_hidden": hidden,
+    return {"block_fwd": fwd, "block_bwd": bwd + remainder, "block_hidden": hidden + ring_hidden,
+            "block_ring_hidden": ring_hidden,
             "root_fwd": 2 * unit + cross_entropy, "root_bwd": 2 * unit + (unit if sp else 0)}
 
 
@@ -221,7 +251,9 @@ def step_seconds(u: UnitSeconds, n: int, micro_batches: int, stage: int, refresh
         out["unhidden_dp_s"] += fwd["unhidden"] + bwd["unhidden"]
         out["cpu_exposed_s"] += bwd["first_load"] + fwd["unhidden_cpu"] + bwd["unhidden_cpu"]
     out.update(compute_s=micro_batches * u.compute, tp_exposed_s=micro_batches * u.tp_exposed,
-               tp_hidden_s=micro_batches * u.tp_hidden, refresh_s=0.0 if deferred else refresh,
+               tp_hidden_s=micro_batches * u.tp_hidden,
+               tp_ring_hidden_s=micro_batches * u.tp_ring_hidden,
+               refresh_s=0.0 if deferred else refresh,
                optimizer_s=optimizer)
     out["step_s"] = path + out["refresh_s"] + optimizer
     return out
@@ -255,7 +287,7 @@ def step_breakdown(model, cluster, training, tp: int, dp: int, stage: int, activ
     recompute = "full" if "full" in parts else "selective" if "selective" in parts else "none"
     comp = compute_seconds(model, b, s, tp, recompute, flops_per_s)
     tps = tp_seconds(model, b, s, tp, parts, prec.activation_bytes, cluster.intra_node_gbs,
-                     flops_per_s)
+                     flops_per_s, training.tp_comm_overlap)
     el = dp_unit_elements(model, tp, params_per_tp_rank(model, tp), threshold if stage == 3 else 0)
     bw = (cluster.inter_node_gbs if cluster.num_gpus > cluster.gpus_per_node
           else cluster.intra_node_gbs) * GB
@@ -274,7 +306,7 @@ def step_breakdown(model, cluster, training, tp: int, dp: int, stage: int, activ
         reduce_tail=(el["root"] + n * el["block_persistent"]) * reduce,
         compute=n * (comp["block_fwd"] + comp["block_bwd"]) + comp["root_fwd"] + comp["root_bwd"],
         tp_exposed=n * (tps["block_fwd"] + tps["block_bwd"]) + tps["root_fwd"] + tps["root_bwd"],
-        tp_hidden=n * tps["block_hidden"],
+        tp_hidden=n * tps["block_hidden"], tp_ring_hidden=n * tps["block_ring_hidden"],
         offload_block=cpu_bytes / (2 * micro_batches * n) / (cluster.cpu_gbs * GB))
     psi_t = el["block"] * n + el["root"]
     persistent = el["root_persistent"] + n * el["block_persistent"]

@@ -114,7 +114,7 @@ def best_lines(chosen) -> list[str]:
         f"{t['step_s']:.3f} s = compute {t['compute_s']:.3f} + exposed {t['exposed_s']:.3f}, "
         f"{chosen.tokens_per_s:,.0f} tokens/s, MFU {chosen.mfu:.1%}",
         f"  exposed s: tp {t['tp_exposed_s']:.3f} (collectives on the compute stream; SP's "
-        f"backward hides {t['tp_hidden_s']:.3f} of {t['tp_s']:.3f}) + dp "
+        f"backward{_rings(t)} hides {t['tp_hidden_s']:.3f} of {t['tp_s']:.3f}) + dp "
         f"{t['dp_exposed_s']:.3f} of {t['dp_s']:.3f} (first gather {t['first_gather_s']:.3f}, "
         f"last reduce {t['last_reduce_s']:.3f}: nothing to overlap; beyond the compute they "
         f"overlap {t['unhidden_dp_s']:.3f}; refresh after the step {t['refresh_s']:.3f}) + "
@@ -142,6 +142,13 @@ def offload_lines(c) -> list[str]:
             f"{t['offload_d2h_s']:.3f}, exposed {t['offload_exposed_s']:.3f} (beyond the last "
             "backward)")
     return lines
+
+
+def _rings(t: dict) -> str:
+    """`` and --tp-comm-overlap's rings (R s of it)`` when they hide anything, else nothing."""
+    r = t.get("tp_ring_hidden_s", 0.0)
+    return (f" and --tp-comm-overlap's rings (forward, gradient gathers: {r:.3f} s of it)"
+            if r else "")
 
 
 def max_model_text(rows: list[dict], budget_bytes: float | None = None) -> str:
