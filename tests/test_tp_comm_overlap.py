@@ -5,7 +5,10 @@ reduce-scatters of the block linears pipelined with their GEMMs on a ring
 One 4-rank world (gloo) runs every check at tp 2 (dp 2) and tp 4 (dp 1). Against the plain SP
 run, trained 2 AdamW steps through ``parallelize`` and ZeRO-1, GPT and Llama blocks, dropout 0
 and 0.1 (same TP streams: the rings draw nothing), full recompute once: losses within 1e-6
-(the issue's bound; tp 2 is bitwise, a sum of two is the same in any order; tp 4 changes only
+(the issue's bound; tp 2 is bitwise for the GPT, a sum of two is the same in any order, but
+not for Llama, whose plain SP path runs gate and up on one gather and one reduce-scatter of
+their summed input gradients (``hybrid.parallel.shared_input``) while the rings run each linear
+on its own: the same sum in another order, measured 8e-7 on parameters; tp 4 changes only
 the order of the reduce-scatter's four-term fp32 sums, measured 0 to 5e-7), parameters within
 2e-5 after the steps (Adam normalises each gradient element, so a 1e-7 change of a near-zero
 gradient moves its update by up to ~1e-5 x lr-scale; measured 2e-6 to 5e-6).
@@ -32,7 +35,7 @@ def test_losses_equal_the_plain_sequence_parallel_run(world, tp):
     for r in world:
         for case, (loss, param) in r[tp]["parity"].items():
             assert loss <= 1e-6 and param <= 2e-5, (tp, case, loss, param)
-            if tp == 2:
+            if tp == 2 and case[0] == "gpt":
                 assert loss == 0 and param == 0, (case, loss, param)
 
 
@@ -40,9 +43,9 @@ def test_losses_equal_the_plain_sequence_parallel_run(world, tp):
 def test_no_block_forward_collective_waits_with_nothing_computed(world, tp):
     for r in world:
         got = r[tp]["blocking"]
-        # plain SP: every all-gather (qkv, fc1; Llama also gate) and reduce-scatter (proj, fc2)
-        # of a block's forward is waited before any GEMM runs
-        assert got[("gpt", False)][0] == (4, 4) and got[("llama", False)][0] == (5, 5)
+        # plain SP: every all-gather (qkv, fc1; Llama's gate shares fc1's) and reduce-scatter
+        # (proj, fc2) of a block's forward is waited before any GEMM runs
+        assert got[("gpt", False)][0] == (4, 4) and got[("llama", False)][0] == (4, 4)
         # overlapped: one send and one receive per ring step, each waited after a GEMM
         assert got[("gpt", True)][0] == (4 * 2 * (tp - 1), 0)
         assert got[("llama", True)][0] == (5 * 2 * (tp - 1), 0)
