@@ -79,6 +79,10 @@ class DPComm:
     3.7 vs 4.3 ms at 262,144)."""
     recorder: list | None = None
     """When a list: ``(op, input elements, dtype)`` of every collective (see :func:`replay`)."""
+    quantized = None
+    """ZeRO++ qgZ (``--zero-quantized-gradients``): a
+    :class:`hybrid.zero.qgz.QuantizedReduceScatter` that every :meth:`reduce_scatter` runs
+    instead, its intra- and inter-node bytes counted separately; None: exact collectives."""
     list_gather_by_broadcast: bool
     """All-gathers into a list of slots run as one broadcast per rank into its slot (NCCL: no
     temporary flat buffer and no copies; see the module docstring)."""
@@ -88,6 +92,7 @@ class DPComm:
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.bytes: dict[str, float] = defaultdict(float)
+        self.node_bytes = {"intra_node": defaultdict(float), "inter_node": defaultdict(float)}
         self.composed = self.compose_on_gloo and self.size > 1 and dist.get_backend(group) == "gloo"
         """Compose reduce-scatter and large all-gathers from faster gloo collectives."""
         self.global_ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
@@ -103,6 +108,11 @@ class DPComm:
             self.bytes[kind or op] += (factor * (self.size - 1) / self.size * t.numel()
                                        * t.element_size())
 
+    def add(self, kind: str, nbytes: float, inter_node: bool) -> None:
+        """Record ``nbytes`` under ``kind``, and as intra- or inter-node bytes."""
+        self.bytes[kind] += nbytes
+        self.node_bytes["inter_node" if inter_node else "intra_node"][kind] += nbytes
+
     def all_reduce(self, t: torch.Tensor, async_op: bool = False):
         """Sum ``t`` in place over the group."""
         self._count("all_reduce", t, 2.0)
@@ -115,6 +125,8 @@ class DPComm:
         """``out`` (n times smaller) = this rank's chunk of the sum of ``inp`` over the group.
         ``scratch``: at least ``inp``'s elements, receives the all-to-all of a composed
         reduce-scatter (see :attr:`needs_scratch`; allocated per call when not given)."""
+        if self.quantized is not None and self.size > 1:
+            return self._quantized_reduce_scatter(out, inp, async_op)
         self._count("reduce_scatter", inp)
         if self.size == 1 or self.skip_collectives:
             n = out.numel()
@@ -122,12 +134,27 @@ class DPComm:
             return _Work()
         return self._reduce_scatter(out, inp, async_op, scratch)
 
+    def _quantized_reduce_scatter(self, out, inp, async_op):
+        """qgZ, counted as what its two all-to-alls send (``quantized.wire_bytes``)."""
+        if self.recorder is not None:
+            self.recorder.append(("reduce_scatter", inp.numel(), inp.dtype))
+        intra, inter = self.quantized.wire_bytes(inp.numel())
+        self.add("reduce_scatter", intra, False)
+        self.add("reduce_scatter", inter, True)
+        if self.skip_collectives:
+            n = out.numel()
+            out.copy_(inp[self.rank * n:(self.rank + 1) * n])
+            return _Work()
+        return self.quantized(out, inp, async_op)
+
     @property
     def needs_scratch(self) -> bool:
         """Whether :meth:`reduce_scatter` receives into a scratch buffer as large as its input."""
-        return self.composed and not self.skip_collectives
+        return self.composed and not self.skip_collectives and self.quantized is None
 
     def _reduce_scatter(self, out, inp, async_op, scratch=None):
+        if self.quantized is not None:
+            return self.quantized(out, inp, async_op)
         if not self.composed:
             return reduce_scatter_flat(out, inp, self.group, async_op=async_op) or _Work()
         recv = torch.empty_like(inp) if scratch is None else scratch[:inp.numel()]

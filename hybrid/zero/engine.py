@@ -53,6 +53,7 @@ from hybrid.zero.grad_norm import clip_coefficient, global_grad_norm_and_stop
 from hybrid.zero.layout import Fragment, PartitionLayout, is_embedding_or_output
 from hybrid.zero.loss_scaler import LossScaler
 from hybrid.zero.profile import NULL_TIMER
+from hybrid.zero.qgz import quantized_reduce_scatter
 from hybrid.zero.reduce import GradReducer
 from hybrid.zero.stage3 import ParamGatherer
 
@@ -108,6 +109,7 @@ class ZeroEngine:
         """What the stage partitions and how it reduces (:mod:`hybrid.zero.stage`)."""
         self.stage, self.dtype = self.plan.stage, zero_config.dtype
         self.comm = DPComm(grid.dp_group)
+        self.comm.quantized = quantized_reduce_scatter(grid, zero_config)  # qgZ, or None
         self.dp, self.dp_rank = self.comm.size, self.comm.rank
         self.params = [p for _, p in model.named_parameters()]
         self.layout = L = PartitionLayout.from_model(
@@ -230,10 +232,8 @@ class ZeroEngine:
         None switches profiling off). The caller times its forward as ``timer.phase("forward")``."""
         timer = NULL_TIMER if timer is None else timer
         self.timer = self.reducer.timer = timer
-        if self.deferred is not None:
-            self.deferred.timer = timer
-        if self.gatherer is not None:
-            self.gatherer.timer = timer
+        for g in (g for g in (self.deferred, self.gatherer) if g is not None):
+            g.timer = timer
 
     # ---- training ----------------------------------------------------------------------------
     def train(self) -> ZeroEngine:
