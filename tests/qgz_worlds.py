@@ -149,8 +149,8 @@ def engine_world(rank: int, world: int, stage: int) -> dict:
                         param_persistence_threshold=0)
         e = build(grid, zc)
         e.backward(e.model(x, y).mean(), is_last_micro_batch=True)
-        e.step(1e-3)
-        ledger[qgz] = ({k: dict(v) for k, v in e.comm.node_bytes.items()}, dict(e.last_comm_bytes))
+        info = e.step(1e-3)
+        ledger[qgz] = (info.node_bytes, info.comm_bytes)
         e.close()
     return dict(off=got[False], on=got[True], bound=bound, ledger=ledger)
 

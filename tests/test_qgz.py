@@ -125,10 +125,13 @@ def test_engine_partition_within_the_bound(world, stage):
 @pytest.mark.parametrize("stage", [2, 3])
 def test_inter_node_gradient_bytes_below_three_tenths_of_16_bit(world, stage):
     for r in world:
-        (_, off), (nodes, on) = r[f"engine{stage}"]["ledger"][False], r[f"engine{stage}"][
-            "ledger"][True]
+        (nodes_off, off), (nodes, on) = (r[f"engine{stage}"]["ledger"][q] for q in (False, True))
+        # the 16-bit reduce-scatter's ring spans both nodes: all of it is inter-node
+        assert nodes_off["inter_node"]["reduce_scatter"] == off["reduce_scatter"]
         ratio = nodes["inter_node"]["reduce_scatter"] / off["reduce_scatter"]
         assert ratio <= 0.3, ratio
+        assert nodes["intra_node"]["reduce_scatter"] + ratio * off["reduce_scatter"] == (
+            on["reduce_scatter"])
         assert on["all_gather"] == off["all_gather"]  # only the gradients are quantized
 
 

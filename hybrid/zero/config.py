@@ -67,6 +67,16 @@ class ZeroConfig:
     param_persistence_threshold: int = arg(
         100_000, "ZeRO-3 keeps parameters with fewer local elements than this unpartitioned "
                  "(0: none)")
+    hpz_partition_size: int = arg(
+        1, "ZeRO++ hpZ (arXiv 2306.10209 §3.2): keep a secondary ZeRO-3 parameter shard over this "
+           "many data-parallel ranks of one node, so backward gathers stay inside the node; 1: "
+           "off (DeepSpeed's zero_hpz_partition_size; --zero-stage 3, exact)",
+        flag="--zero-hpz-partition-size")
+    quantized_weights: bool = arg(
+        False, "ZeRO++ qwZ (arXiv 2306.10209 §3.1): ZeRO-3 parameter all-gathers in blockwise "
+               "int8 with an fp32 scale per 2048 elements (error <= scale/2 per element); the "
+               "master weights stay exact (DeepSpeed's zero_quantized_weights; --zero-stage 3, "
+               "--bf16 / --fp16)", flag="--zero-quantized-weights")
     precision: str = arg(
         "fp32", "parameter/compute dtype; master weights stay fp32, gradients too unless "
                 "--grad-reduce-in-bf16 (--bf16 / --fp16 set it)", choices=tuple(PRECISIONS),
@@ -145,10 +155,25 @@ class ZeroConfig:
             fail(self, "overlap_param_gather", "stage 0 gathers no parameters (it copies the "
                  "whole master); use --zero-stage 1, 2 or 3 (Megatron-LM: the distributed "
                  "optimizer)")
+        self._check_zeropp()
         if self.overlap_param_gather and not self.overlap_comm:
             fail(self, "overlap_param_gather", "needs --overlap-grad-reduce (as in Megatron-LM); "
                  "drop --no-overlap-grad-reduce")
         self._check_qgz()
+
+    def _check_zeropp(self) -> None:
+        """ZeRO++ settings against the stage and precision (the node fit is checked against the
+        world by :func:`hybrid.zero.topology.NodeTopology.check_intra_size`)."""
+        check_int(self, "hpz_partition_size", 1)
+        if self.hpz_partition_size > 1 and self.stage != 3:
+            fail(self, "hpz_partition_size", "hpZ partitions the ZeRO-3 parameters a second "
+                 f"time; --zero-stage is {self.stage} (use --zero-stage 3, or size 1 for off)")
+        if self.quantized_weights and self.stage != 3:
+            fail(self, "quantized_weights", "qwZ quantizes the ZeRO-3 parameter gathers; "
+                 f"--zero-stage is {self.stage} (use --zero-stage 3)")
+        if self.quantized_weights and self.precision == "fp32":
+            fail(self, "quantized_weights", "qwZ replaces 16-bit parameter gathers; an fp32 run "
+                 "would lose its exactness for nothing (use --bf16 or --fp16)")
 
 
 @dataclass

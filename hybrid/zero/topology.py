@@ -98,7 +98,9 @@ class NodeTopology:
             valid = [d for d in range(1, self.dp_per_node + 1) if self.dp_per_node % d == 0]
             raise ValueError(
                 f"{flag} {size}: a node holds {self.dp_per_node} data-parallel ranks "
-                f"({self.local} processes per node / tp {self.tp}); valid sizes: {valid}")
+                f"({self.local} processes per node / tp {self.tp}); valid sizes: {valid}"
+                + (" (tp must be smaller than the processes per node)"
+                   if self.dp_per_node == 1 else ""))
 
     def intra_node_groups(self, size: int) -> list[list[int]]:
         """Every intra-node data-parallel group of ``size`` ranks (global ranks, dp order), for
