@@ -148,3 +148,18 @@ def test_training_close_to_exact_and_resume_bitwise(world):
     for i in (2, 3, 4):
         assert abs(on[i] - off[i]) <= 0.01 * off[i], (i, on[i], off[i])
     assert on != off
+
+
+def test_nodes_must_fit_the_world_before_any_process_group(monkeypatch):
+    from hybrid.job.cli import parse_config
+    from hybrid.job.config_checks import validate
+
+    monkeypatch.setenv("HYBRID_LOCAL_WORLD_SIZE", "3")
+    cfg = parse_config(["--mock-data", "--num-layers", "2", "--hidden-size", "64",
+                        "--num-attention-heads", "4", "--seq-length", "32", "--vocab-size", "1000",
+                        "--micro-batch-size", "2", "--global-batch-size", "16", "--bf16",
+                        "--zero-stage", "3", "--zero-quantized-gradients", "--train-iters", "2"])
+    with pytest.raises(ConfigError, match="3 processes per node do not divide the world size 4"):
+        validate(cfg, world_size=4, local_world_size=4)
+    monkeypatch.setenv("HYBRID_LOCAL_WORLD_SIZE", "2")
+    validate(cfg, world_size=4, local_world_size=4)

@@ -230,13 +230,15 @@ def _check_world(cfg: PretrainConfig, world_size: int | None,
 
 def _check_hpz(cfg: PretrainConfig, world: int, local: int | None) -> None:
     """``--zero-hpz-partition-size`` divides the data-parallel ranks of a node (tp < the
-    processes per node; nodes from ``HYBRID_LOCAL_WORLD_SIZE`` or ``LOCAL_WORLD_SIZE``)."""
-    if cfg.zero.hpz_partition_size <= 1:
+    processes per node; nodes from ``HYBRID_LOCAL_WORLD_SIZE`` or ``LOCAL_WORLD_SIZE``), and
+    ``--zero-quantized-gradients`` has nodes that fit the world (its hierarchical all-to-all)."""
+    if cfg.zero.hpz_partition_size <= 1 and not cfg.zero.quantized_gradients:
         return
     try:
         node = local_world_size(world) if os.environ.get(NODE_SIZE_ENV) or local is None else local
-        NodeTopology(world, cfg.grid.tensor_model_parallel_size, min(node, world)
-                     ).check_intra_size(cfg.zero.hpz_partition_size)
+        topo = NodeTopology(world, cfg.grid.tensor_model_parallel_size, min(node, world))
+        if cfg.zero.hpz_partition_size > 1:
+            topo.check_intra_size(cfg.zero.hpz_partition_size)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
