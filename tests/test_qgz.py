@@ -163,3 +163,44 @@ def test_nodes_must_fit_the_world_before_any_process_group(monkeypatch):
         validate(cfg, world_size=4, local_world_size=4)
     monkeypatch.setenv("HYBRID_LOCAL_WORLD_SIZE", "2")
     validate(cfg, world_size=4, local_world_size=4)
+
+
+# ---- the planner ---------------------------------------------------------------------------------
+def test_planner_bytes_per_element_are_the_collectives():
+    from hybrid.planner.traffic import qgz_bytes_per_element
+    from hybrid.zero.qgz import HierarchicalGroups, QuantizedReduceScatter
+
+    for bits in (4, 8):
+        for dp, local in ((4, 2), (16, 8), (8, 1), (8, 8)):
+            c = 256 * 3  # whole blocks: no padding
+            q = QuantizedReduceScatter(HierarchicalGroups(None, None, local, dp // local), bits)
+            wire = q.wire_bytes(dp * c)
+            assert qgz_bytes_per_element(bits, dp, local) == pytest.approx(
+                (wire[0] / (dp * c), wire[1] / (dp * c)), rel=1e-12)
+    assert qgz_bytes_per_element(4, 4, 2) == (0.5 * 0.515625, 0.25 * 0.515625)
+
+
+def test_planner_counts_qgz_at_stages_2_and_3_only():
+    import dataclasses
+
+    from hybrid.planner import plan
+    from models.config import GPTConfig
+
+    gpt = GPTConfig(num_layers=4, hidden_size=1024, num_attention_heads=16, vocab_size=32000,
+                    max_position_embeddings=1024)
+    cluster = plan.Cluster(num_gpus=32, gpus_per_node=8, peak_tflops=989.0)
+    base = plan.Training(seq_length=1024, micro_batch_size=2, global_batch_size=64)
+    qgz = dataclasses.replace(base, quantized_gradients=True)
+    for stage in (0, 1, 2, 3):
+        exact, quant = (plan.evaluate(gpt, cluster, t, 2, stage, "none") for t in (base, qgz))
+        if stage < 2:
+            assert quant.dp_bytes == exact.dp_bytes and quant.times == exact.times
+            continue
+        psi, dp, m = exact.params_per_rank, 16, exact.micro_batches
+        # paper accounting: 16-bit gradients, a ring of (dp-1)/dp x 2 bytes per element, against
+        # int4 payloads over 4 ranks per node (8 GPUs / tp 2): 3/4 q intra + 3/16 q inter
+        saved = m * psi * (2 * (dp - 1) / dp - 0.515625 * (3 / 4 + 3 / 16))
+        assert exact.dp_bytes - quant.dp_bytes == pytest.approx(saved, rel=1e-9)
+        assert quant.times["step_s"] < exact.times["step_s"]
+    with pytest.raises(ValueError, match="quantized_gradients needs 16-bit training"):
+        dataclasses.replace(base, precision="fp32", quantized_gradients=True)

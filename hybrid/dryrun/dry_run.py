@@ -187,6 +187,8 @@ def planner_figures(job) -> dict:
         overlap_comm=z.overlap_comm, grad_reduce=z.grad_reduce,
         grad_reduce_in_bf16=z.grad_reduce_in_bf16,
         gradient_accumulation_fusion=z.gradient_accumulation_fusion,
+        quantized_gradients=z.quantized_gradients,
+        quantized_gradients_bits=z.quantized_gradients_bits,
         dropout=job.gpt.hidden_dropout > 0 or job.gpt.attention_dropout > 0)
     cluster = Cluster(num_gpus=job.world_size, gpus_per_node=job.tp, reserved_bytes=0)
     c = evaluate(job.gpt, cluster, training, job.tp, z.stage, activation)

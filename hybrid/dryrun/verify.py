@@ -60,6 +60,9 @@ def pretrain_argv(args, model, chosen, global_batch: int) -> list[str]:
     out += [_flag(n) for n in _SAME_SWITCH if getattr(args, n, False)]
     out += [] if getattr(args, "gradient_accumulation_fusion", True) else [
         "--no-gradient-accumulation-fusion"]
+    if getattr(args, "zero_quantized_gradients", False) and chosen.stage >= 2:  # qgZ: 2-3
+        out += ["--zero-quantized-gradients", "--zero-quantized-gradients-bits",
+                str(args.zero_quantized_gradients_bits)]
     b = getattr(chosen, "micro_batch_size", None) or (args.micro_batch_size or [None])[0]
     out += ["--micro-batch-size", str(b)] if b else []  # the planner's pick (searched or given)
     out += ["--vocab-size", str(model.vocab_size), "--global-batch-size", str(global_batch),

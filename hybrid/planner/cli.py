@@ -150,6 +150,8 @@ _FLAG_OF = {
     "make_vocab_size_divisible_by": "--make-vocab-size-divisible-by",
     "param_persistence_threshold": "--param-persistence-threshold",
     "grad_reduce_in_bf16": "--grad-reduce-in-bf16",
+    "quantized_gradients_bits": "--zero-quantized-gradients-bits",
+    "quantized_gradients": "--zero-quantized-gradients",
 }
 
 
@@ -183,6 +185,8 @@ def _training(args: argparse.Namespace) -> Training:
         grad_reduce_in_bf16=args.grad_reduce_in_bf16,
         gradient_accumulation_fusion=args.gradient_accumulation_fusion,
         overlap_param_gather=args.overlap_param_gather,
+        quantized_gradients=args.zero_quantized_gradients,
+        quantized_gradients_bits=args.zero_quantized_gradients_bits,
         dropout=args.hidden_dropout > 0 or args.attention_dropout > 0,
     )
 

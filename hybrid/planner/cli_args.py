@@ -34,6 +34,12 @@ def add_training_args(g) -> None:
     g.add_argument("--grad-reduce-in-bf16", action="store_true",
                    help="bf16 gradients, held and reduced in 2 bytes (Megatron-LM's flag; "
                    "--precision bf16 only)")
+    g.add_argument("--zero-quantized-gradients", action="store_true",
+                   help="ZeRO++ qgZ: stages 2-3 reduce-scatter gradients as blockwise int4/int8 "
+                   "through an intra- then an inter-node all-to-all (DeepSpeed's "
+                   "zero_quantized_gradients; 16-bit precision only)")
+    g.add_argument("--zero-quantized-gradients-bits", type=int, choices=(4, 8), default=4,
+                   help="qgZ code width (4: DeepSpeed's int4)")
     g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion",
                    action="store_false",
                    help="the engine without gradient-accumulation fusion (ZeRO-1 then stages "

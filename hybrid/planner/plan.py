@@ -62,7 +62,7 @@ from hybrid.planner.memory import (
     persistent_parameters,
 )
 from hybrid.planner.precision import ACCOUNTINGS, get_precision
-from hybrid.planner.step_time import step_breakdown
+from hybrid.planner.step_time import qgz_setting, step_breakdown
 from hybrid.planner.temporaries import embedding_backward_bytes, temporary_bytes
 from hybrid.planner.traffic import dp_traffic_bytes, tp_traffic_elements
 from hybrid.zero.stage import stage_plan
@@ -225,14 +225,15 @@ def _buffer_bytes(m: GPTConfig, tp: int, dp: int, stage: int, prec, psi_t: int,
 
 
 def _traffic(m: GPTConfig, tp: int, dp: int, stage: int, prec, micro_batches: int,
-             persistent: int, activation: str, training: Training, acts: dict
-             ) -> tuple[dict, float, float]:
-    """``(dp bytes by kind, tp bytes, host bytes)`` one rank moves per optimizer step."""
+             persistent: int, activation: str, training: Training, acts: dict,
+             gpus_per_node: int) -> tuple[dict, float, float]:
+    """``(dp bytes by kind, tp bytes, host bytes)`` one rank moves per optimizer step (qgZ's
+    reduce-scatter bytes depend on the ranks per node)."""
     parts = set(activation.split("+"))
     s, b = training.seq_length, training.micro_batch_size
     dp_kinds = dp_traffic_bytes(
         m, dp, stage, tp, prec, micro_batches, persistent_params=persistent, by_kind=True,
-        grad_reduce=training.grad_reduce,
+        grad_reduce=training.grad_reduce, qgz=qgz_setting(training, gpus_per_node, tp, dp),
     )
     tp_elems = tp_traffic_elements(b, s, m.hidden_size, tp, m.num_layers, "full" in parts,
                                    "pa" in parts, m.vocab_size, sequence_parallel="sp" in parts)
@@ -294,7 +295,7 @@ def evaluate(
     temps["total"] = max(temps["total"], temps["embedding_backward"] - acts["gpu"])
     total = states["total"] + acts["gpu"] + temps["total"] + buffers + int(cluster.reserved_bytes)
     dp_kinds, tp_bytes, cpu_bytes = _traffic(m, tp, dp, stage, prec, micro_batches, persistent,
-                                             activation, training, acts)
+                                             activation, training, acts, cluster.gpus_per_node)
     dp_bytes = sum(dp_kinds.values())
     times, mfu = _step_times(m, cluster, training, gbs, tp, dp, stage, activation, prec,
                              zero.persistence_threshold, micro_batches,

@@ -41,6 +41,10 @@ refresh gathers of stages 1-2 are launched after the step and waited block by bl
 forward, so the first micro-batch's forward pays them like stage 3's prefetch (the root and
 block 0 exposed, the rest hidden behind the blocks' forward).
 
+ZeRO++ qgZ (``quantized_gradients``, arXiv 2306.10209 §3.3): a stage 2-3 gradient reduce-scatter
+moves ``intra`` bytes per element over NVLink and then ``inter`` over the network
+(:func:`hybrid.planner.traffic.qgz_bytes_per_element`, the two all-to-alls in sequence).
+
 P_a+cpu (ZeRO §6.1): on CUDA the engine copies a block's checkpoint to the host on a side
 stream during the block's forward and prefetches the next one back during a block's backward
 (``hybrid.activation.offload``); the first load of each backward is exposed.
@@ -55,11 +59,13 @@ Not modelled: the gradient-norm all-reduce (one scalar per rank), kernel launch 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from hybrid.flops import flops_per_iteration, layer_parameter_split
 from hybrid.planner.inputs import GB
 from hybrid.planner.memory import params_per_tp_rank, persistent_parameters
+from hybrid.planner.traffic import qgz_bytes_per_element
 
 
 @dataclass(frozen=True)
@@ -232,6 +238,15 @@ def optimizer_seconds(psi_t: int, dp: int, stage: int, prec, hbm_gbs: float) -> 
     return nbytes / (hbm_gbs * GB)
 
 
+def qgz_setting(training, gpus_per_node: int, tp: int, dp: int) -> tuple[int, int] | None:
+    """``(bits, data-parallel ranks per node)`` of ZeRO++ qgZ for ``Training`` ``training``, or
+    None when it is off. A node holds ``gpus_per_node / tp`` ranks of a data-parallel group
+    (tp inside the node), at most ``dp``; a partial last node counts by the gcd."""
+    if not training.quantized_gradients:
+        return None
+    return training.quantized_gradients_bits, math.gcd(dp, max(1, gpus_per_node // tp))
+
+
 def step_breakdown(model, cluster, training, tp: int, dp: int, stage: int, activation: str,
                    prec, threshold: int, micro_batches: int, cpu_bytes: float
                    ) -> dict[str, float]:
@@ -253,6 +268,10 @@ def step_breakdown(model, cluster, training, tp: int, dp: int, stage: int, activ
     all_reduce = stage == 0 or training.grad_reduce == "all_reduce"
     gather = prec.param_bytes * ring / bw
     reduce = prec.grad_bytes * ring * (2 if all_reduce else 1) / bw
+    qgz = qgz_setting(training, cluster.gpus_per_node, tp, dp)
+    if qgz is not None and stage >= 2:  # intra-node all-to-all, then the inter-node one
+        intra, inter = qgz_bytes_per_element(qgz[0], dp, qgz[1])
+        reduce = intra / (cluster.intra_node_gbs * GB) + inter / bw
     blk_np = el["block"] - el["block_persistent"]
     u = UnitSeconds(
         block_fwd=comp["block_fwd"] + tps["block_fwd"],
