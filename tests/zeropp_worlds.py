@@ -20,7 +20,7 @@ from tests.pretrain_worlds import run_configs
 from tests.tiny import build_parallel, make_batch, tiny_config
 
 CFG = tiny_config(hidden_dropout=0.1, attention_dropout=0.1)
-STEPS, MICRO = 3, 2
+STEPS, MICRO = 2, 2
 
 
 def train(grid: ProcessGrid, zero: ZeroConfig, steps: int = STEPS) -> dict:

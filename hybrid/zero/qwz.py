@@ -6,8 +6,9 @@ block of a chunk may be shorter), symmetric, one fp32 scale per block::
     scale = max|x_block| / 127          q = round(x / scale) in [-127, 127]   (int8)
     x'    = q * scale                   |x' - x| <= scale / 2 per element
 
-(computed in fp32, so the bound holds up to fp32 rounding: a relative 1e-6 of it; an all-zero
-block has scale 0 and decodes to zeros). The decoded value is then
+(computed in fp32, so the bound holds up to fp32 rounding of ``x / scale`` and ``q * scale``:
+at most a relative ``2**-16`` of it, as ``|x| <= 127 scale``; an all-zero block has scale 0 and
+decodes to zeros). The decoded value is then
 rounded once more to the compute dtype (bf16 / fp16), adding at most half an ulp of it. The
 payload of one rank is the bytes of its fp32 scales followed by its int8 values (padded to a
 multiple of 4 bytes, so that every rank's scales stay 4-byte aligned), all-gathered as one
@@ -52,6 +53,7 @@ def quantize(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     q = torch.round(blocks / torch.where(scale > 0, scale, 1.0)[:, None]).clamp_(-QMAX, QMAX)
     out[:4 * nb].view(torch.float32).copy_(scale)
     out[4 * nb:4 * nb + n].view(torch.int8).copy_(q.view(-1)[:n])
+    out[4 * nb + n:].zero_()  # the alignment padding
     return out
 
 
