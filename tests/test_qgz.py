@@ -204,3 +204,13 @@ def test_planner_counts_qgz_at_stages_2_and_3_only():
         assert quant.times["step_s"] < exact.times["step_s"]
     with pytest.raises(ValueError, match="quantized_gradients needs 16-bit training"):
         dataclasses.replace(base, precision="fp32", quantized_gradients=True)
+
+
+def test_start_up_line_names_qgz():
+    from hybrid.job.pretrain import engine_modes
+
+    line = engine_modes(ZeroConfig(stage=3, precision="bf16", quantized_gradients=True,
+                                   quantized_gradients_bits=8))
+    assert "reduced during backward (--overlap-grad-reduce) as int8 over an intra- then " \
+           "inter-node all-to-all (--zero-quantized-gradients)" in line
+    assert "all-to-all" not in engine_modes(ZeroConfig(stage=3, precision="bf16"))

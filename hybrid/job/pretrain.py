@@ -108,6 +108,9 @@ def engine_modes(config) -> str:
               else "added per parameter and staged (--no-gradient-accumulation-fusion)")
     reduce = ("reduced during backward (--overlap-grad-reduce)" if config.overlap_comm
               else "reduced after backward (--no-overlap-grad-reduce)")
+    if getattr(config, "quantized_gradients", False):
+        reduce += (f" as int{config.quantized_gradients_bits} over an intra- then inter-node "
+                   "all-to-all (--zero-quantized-gradients)")
     if config.stage == 0:
         gather = "parameters copied from the master after the step (stage 0)"
     elif config.overlap_param_gather:
