@@ -36,6 +36,11 @@ intra-node ``(L - 1) P(N c)``, inter-node ``(N - 1) P(c)``. Against a 16-bit red
 inter-node share is ``(n - L) c`` elements of 2 bytes, int4 (block 256) sends
 ``(N - 1) 0.516 c / ((N - 1) L 2 c) = 0.26 / L`` of the inter-node bytes.
 
+Transient memory per bucket (not counted by the planner; the dry run measures it): the
+regrouped input (a copy in the gradient dtype), fp32 work tensors of about two copies of the
+input while quantizing, and the sent and received payloads (``bits / 8 + 4 / 256`` bytes per
+element each).
+
 On gloo (torch 2.13) ``all_to_all_single`` exists for CPU tensors of every dtype used here
 (``uint8`` payloads), on sub-groups and asynchronously, so both stages are one native
 all-to-all on gloo and on NCCL.
