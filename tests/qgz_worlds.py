@@ -165,11 +165,14 @@ QGZ = ["--zero-quantized-gradients"]
 
 
 def training_argvs(directory: str) -> list[list[str]]:
-    """qgZ off and on for 4 iterations, then on for 2 (saved) and resumed to 4 (dropout 0.1)."""
-    ck = os.path.join(directory, "ck_qgz")
+    """qgZ off and on for 4 iterations, then on for 2 (saved at tp 1 x dp 4) and resumed to 4
+    (dropout 0.1), and the checkpoint loaded at tp 2 x dp 2 and saved again at once."""
+    ck, ck2 = os.path.join(directory, "ck_qgz"), os.path.join(directory, "ck_qgz_tp2")
     return [MOCK + ["--train-iters", "4"], MOCK + QGZ + ["--train-iters", "4"],
             MOCK + QGZ + ["--train-iters", "2", "--save", ck],
-            MOCK + QGZ + ["--train-iters", "4", "--load", ck]]
+            MOCK + QGZ + ["--train-iters", "4", "--load", ck],
+            MOCK + QGZ + ["--tensor-model-parallel-size", "2", "--train-iters", "2", "--load", ck,
+                          "--save", ck2]]
 
 
 def qgz_world(rank: int, world: int, directory: str) -> dict:
@@ -182,4 +185,5 @@ def qgz_world(rank: int, world: int, directory: str) -> dict:
         out[f"engine{stage}"] = engine_world(rank, world, stage)
     os.environ[NODE_SIZE_ENV] = "2"
     out["training"] = run_configs(rank, world, training_argvs(directory))
+    out["directory"] = directory
     return out

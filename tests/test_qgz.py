@@ -7,13 +7,15 @@ via ``HYBRID_LOCAL_WORLD_SIZE``; also 1 x 4 and 4 x 1) checks the collective aga
 reduce-scatter (float64 sums of the gathered inputs) within the docstring's bound
 ``sum_r max|x_r| / qmax`` (halved for one stage), the engine's gradient partition at ZeRO-2 and
 ZeRO-3 against the exact engine's within the same bound per bucket, the byte ledger, and short
-bf16 pretraining runs: qgZ on vs off, and a resume with it on, which must repeat the continuous
-run bit for bit (quantization is deterministic).
+bf16 pretraining runs: qgZ on vs off, a resume with it on, which must repeat the continuous run
+bit for bit (quantization is deterministic), and its checkpoint resharded from tp 1 x dp 4 to
+tp 2 x dp 2, whose saved state must be bitwise the original (qgZ holds no state).
 """
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -140,7 +142,7 @@ def _losses(history):
 
 
 def test_training_close_to_exact_and_resume_bitwise(world):
-    off, on, first, resumed = (_losses(h) for h in world[0]["training"])
+    off, on, first, resumed, _ = (_losses(h) for h in world[0]["training"])
     assert sorted(on) == [1, 2, 3, 4] and sorted(resumed) == [3, 4]
     assert {i: on[i] for i in (1, 2)} == first
     assert {i: on[i] for i in (3, 4)} == resumed  # bitwise
@@ -204,6 +206,19 @@ def test_planner_counts_qgz_at_stages_2_and_3_only():
         assert quant.times["step_s"] < exact.times["step_s"]
     with pytest.raises(ValueError, match="quantized_gradients needs 16-bit training"):
         dataclasses.replace(base, precision="fp32", quantized_gradients=True)
+
+
+def test_reshard_of_a_qgz_checkpoint_is_bitwise(world):
+    from hybrid.checkpoint.shards import KINDS, CheckpointReader
+
+    root = Path(world[0]["directory"])
+    saved, loaded = CheckpointReader(str(root / "ck_qgz")), CheckpointReader(
+        str(root / "ck_qgz_tp2"))
+    assert (saved.tp, saved.dp, loaded.tp, loaded.dp) == (1, 4, 2, 2)
+    assert saved.param_names() == loaded.param_names()
+    for name in saved.param_names():
+        for kind in KINDS:
+            assert torch.equal(saved.full_tensor(name, kind), loaded.full_tensor(name, kind))
 
 
 def test_start_up_line_names_qgz():
