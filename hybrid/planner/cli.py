@@ -150,6 +150,8 @@ _FLAG_OF = {
     "make_vocab_size_divisible_by": "--make-vocab-size-divisible-by",
     "param_persistence_threshold": "--param-persistence-threshold",
     "grad_reduce_in_bf16": "--grad-reduce-in-bf16",
+    "hpz_partition_size": "--zero-hpz-partition-size",
+    "quantized_weights": "--zero-quantized-weights",
 }
 
 
@@ -183,6 +185,8 @@ def _training(args: argparse.Namespace) -> Training:
         grad_reduce_in_bf16=args.grad_reduce_in_bf16,
         gradient_accumulation_fusion=args.gradient_accumulation_fusion,
         overlap_param_gather=args.overlap_param_gather,
+        hpz_partition_size=args.zero_hpz_partition_size,
+        quantized_weights=args.zero_quantized_weights,
         dropout=args.hidden_dropout > 0 or args.attention_dropout > 0,
     )
 

@@ -90,6 +90,11 @@ class Training:
     """Megatron-LM's ``--overlap-param-gather`` (its default, off): ZeRO 1-2's all-gather of the
     updated parameters is launched after the step and waited block by block in the next
     forward instead of before the step returns (``hybrid.planner.step_time``)."""
+    hpz_partition_size: int = 1
+    """ZeRO++ hpZ (stage 3): secondary parameter shard over this many data-parallel ranks of a
+    node; 1 off (``hybrid.planner.zeropp``)."""
+    quantized_weights: bool = False
+    """ZeRO++ qwZ (stage 3): int8 parameter gathers (``hybrid.planner.zeropp``)."""
     dropout: bool = True
     """The model trains with dropout (Megatron's default 0.1): masks saved, the attention core
     explicit; False (Llama recipes): no masks, SDPA (``hybrid.planner.activations``)."""
@@ -98,6 +103,10 @@ class Training:
         get_precision(self.precision, self.accounting)
         if self.grad_reduce_in_bf16 and self.precision != "bf16":
             raise ValueError(f"grad_reduce_in_bf16 needs precision bf16, got {self.precision!r}")
+        if self.hpz_partition_size < 1:
+            raise ValueError(f"hpz_partition_size must be >= 1, got {self.hpz_partition_size}")
+        if self.quantized_weights and self.precision == "fp32":
+            raise ValueError("quantized_weights needs 16-bit parameters (precision bf16 or fp16)")
         if self.param_persistence_threshold < 0:
             raise ValueError(
                 f"param_persistence_threshold must be >= 0, got {self.param_persistence_threshold}"

@@ -49,6 +49,8 @@ Optimizer (exposed, HBM-bound): AdamW (1711.05101) reads and writes the fp32 mas
 two moments (``2k`` bytes, ZeRO §3.1's K = 12), reads the gradient and writes the compute-dtype
 parameter per owned element (``Psi_t`` at stage 0, ``Psi_t / dp`` at 1-3, ZeRO §5.1); the
 gradient norm reads the owned gradients and zeroing writes the held ones.
+ZeRO++ (``hybrid.planner.zeropp``): qwZ's gathers move ``1 + 4/2048`` bytes per element; hpZ's
+backward gathers run over the node's ``N`` ranks at the intra-node bandwidth.
 Not modelled: the gradient-norm all-reduce (one scalar per rank), kernel launch gaps.
 """
 
@@ -60,6 +62,7 @@ from dataclasses import dataclass
 from hybrid.flops import flops_per_iteration, layer_parameter_split
 from hybrid.planner.inputs import GB
 from hybrid.planner.memory import params_per_tp_rank, persistent_parameters
+from hybrid.planner.zeropp import gather_terms
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,9 @@ class UnitSeconds:
     tp_hidden: float
     offload_block: float = 0.0
     """P_a+cpu: one block's checkpoint copied one way between GPU and host."""
+    gather_block_bwd: float | None = None
+    """A backward gather of a block when it differs from the forward's (ZeRO++ hpZ / qwZ)."""
+    gather_root_bwd: float | None = None
 
 
 def compute_seconds(model, b: int, s: int, tp: int, recompute: str, flops_per_s: float
@@ -177,7 +183,9 @@ def backward_pass(u: UnitSeconds, n: int, gathers: bool, reduces: bool, overlap_
     the host (P_a+cpu's prefetch); the root's re-gather and the last block's checkpoint load
     come first, block 0's, the root's and the persistent parameters' reductions last (exposed);
     without ``overlap_comm`` every reduction is."""
-    g = u.gather_block if gathers else 0.0
+    g_bwd = u.gather_block if u.gather_block_bwd is None else u.gather_block_bwd
+    g_root = u.gather_root if u.gather_root_bwd is None else u.gather_root_bwd
+    g = g_bwd if gathers else 0.0
     r = u.reduce_block if reduces and overlap_comm else 0.0
     o = u.offload_block
     units = [(u.root_bwd, g)]
@@ -185,7 +193,7 @@ def backward_pass(u: UnitSeconds, n: int, gathers: bool, reduces: bool, overlap_
         units.append((u.block_bwd, (g if i >= 1 else 0.0) + (r if i <= n - 2 else 0.0),
                       o if i >= 1 else 0.0))
     time, unhidden, unhidden_cpu = overlapped(units)
-    first = u.gather_root if gathers else 0.0
+    first = g_root if gathers else 0.0
     last = 0.0
     if reduces:
         last = u.reduce_tail + (u.reduce_block if overlap_comm else n * u.reduce_block)
@@ -251,7 +259,10 @@ def step_breakdown(model, cluster, training, tp: int, dp: int, stage: int, activ
           else cluster.intra_node_gbs) * GB
     ring = (dp - 1) / dp
     all_reduce = stage == 0 or training.grad_reduce == "all_reduce"
-    gather = prec.param_bytes * ring / bw
+    (fwd_q, _), (bwd_q, bwd_n) = gather_terms(training, prec, stage, dp)
+    gather = fwd_q * ring / bw  # ZeRO++: qwZ's int8 bytes; hpZ's backward inside the node
+    gather_bwd = (bwd_q * (bwd_n - 1) / bwd_n / (cluster.intra_node_gbs * GB) if bwd_n != dp
+                  else bwd_q * ring / bw)
     reduce = prec.grad_bytes * ring * (2 if all_reduce else 1) / bw
     blk_np = el["block"] - el["block_persistent"]
     u = UnitSeconds(
@@ -260,6 +271,8 @@ def step_breakdown(model, cluster, training, tp: int, dp: int, stage: int, activ
         root_fwd=comp["root_fwd"] + tps["root_fwd"], root_bwd=comp["root_bwd"] + tps["root_bwd"],
         gather_block=blk_np * gather,
         gather_root=(el["root"] - el["root_persistent"]) * gather,
+        gather_block_bwd=blk_np * gather_bwd,
+        gather_root_bwd=(el["root"] - el["root_persistent"]) * gather_bwd,
         reduce_block=blk_np * reduce,
         reduce_tail=(el["root"] + n * el["block_persistent"]) * reduce,
         compute=n * (comp["block_fwd"] + comp["block_bwd"]) + comp["root_fwd"] + comp["root_bwd"],
