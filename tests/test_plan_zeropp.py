@@ -66,3 +66,19 @@ def test_backward_gathers_priced_separately():
     b = backward_pass(u, 2, gathers=True, reduces=False, overlap_comm=True)
     # head 0.4 vs block 1's gather 3.0, block 1 (2) vs block 0's gather 3.0, block 0 (2); root 0.1
     assert b["time"] == pytest.approx(3.0 + 3.0 + 2.0 + 0.1) and b["first_gather"] == 0.1
+
+
+def test_verify_passes_the_flags_to_the_dry_run_at_stage_3_only():
+    from types import SimpleNamespace
+
+    from hybrid.dryrun.verify import pretrain_argv
+    from hybrid.job.cli import parse_config
+    from hybrid.planner import cli as plan_cli
+
+    args = plan_cli.build_parser().parse_args(
+        ["--model", "gpt2-124m", "--num-gpus", "16", "--zero-hpz-partition-size", "2",
+         "--zero-quantized-weights"])
+    for stage, want in ((3, (2, True)), (2, (1, False))):
+        chosen = SimpleNamespace(tp=2, stage=stage, activation="full")
+        cfg = parse_config(pretrain_argv(args, SimpleNamespace(vocab_size=50257), chosen, 32))
+        assert (cfg.zero.hpz_partition_size, cfg.zero.quantized_weights) == want
