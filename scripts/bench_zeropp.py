@@ -6,7 +6,9 @@ training loss of a small Llama under qwZ against the exact run (arXiv 2306.10209
     python scripts/bench_zeropp.py --world 8 --node 4 --tp 2 --iters 0   # bytes only, 8 ranks
 
 Bytes: one optimizer step of ``--micro-batches`` micro-batches, bf16 parameters, fp32 gradients,
-every parameter gathered (``param_persistence_threshold`` 0); figures are rank 0's, in MiB.
+figures are rank 0's, in MiB. ``--param-persistence-threshold`` (default 1000) keeps the RMSNorm
+weights whole, as the engine's default threshold does at scale: a quantization block that mixed
+a norm's 1.0s with a matrix's 0.02s would quantize the matrix with the norm's scale.
 Loss: ``--iters`` steps of a 4-block Llama (h 128, GQA 4/2 heads, SwiGLU, RoPE, RMSNorm, vocab
 1024, s 64) on learnable synthetic tokens (an 8-token motif per sequence, 10% noise), bf16
 ZeRO-3 with and without qwZ (and with hpZ on top, which must equal qwZ bit for bit); the loss is
@@ -44,7 +46,7 @@ def _batch(step: int, rank: int, vocab: int):
     return t[:, :-1], t[:, 1:]
 
 
-def _engine(grid, kw: dict):
+def _engine(grid, kw: dict, threshold: int):
     import torch
 
     from hybrid.config import GridConfig, PretrainConfig
@@ -53,14 +55,14 @@ def _engine(grid, kw: dict):
     from models.gpt import GPT, GPTConfig
 
     torch.manual_seed(0)
-    zc = ZeroConfig(stage=3, precision="bf16", param_persistence_threshold=0, **kw)
+    zc = ZeroConfig(stage=3, precision="bf16", param_persistence_threshold=threshold, **kw)
     return parallelize(GPT(GPTConfig(**LLAMA)), grid, PretrainConfig(
         grid=GridConfig(tensor_model_parallel_size=grid.tp_size), zero=zc,
         optimizer=OptimizerConfig(lr=LR)))
 
 
 def run(rank: int, world: int, tp: int, node: int, runs: list[str], iters: int,
-        micro: int) -> dict:
+        micro: int, threshold: int) -> dict:
     """Spawned world: per run, rank 0's ``node_bytes`` of the first step and the world-mean
     loss of every iteration (``iters`` steps; at least one)."""
     import torch
@@ -73,7 +75,7 @@ def run(rank: int, world: int, tp: int, node: int, runs: list[str], iters: int,
     grid = ProcessGrid(tp=tp)
     out = {}
     for name in runs:
-        e = _engine(grid, RUNS[name])
+        e = _engine(grid, RUNS[name], threshold)
         losses, nodes = [], None
         for it in range(max(1, iters)):
             total = torch.zeros(())
@@ -98,11 +100,14 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1, help="tensor-model-parallel size")
     ap.add_argument("--iters", type=int, default=100, help="training iterations (0: bytes only)")
     ap.add_argument("--micro-batches", type=int, default=1, help="micro-batches per step")
+    ap.add_argument("--param-persistence-threshold", type=int, default=1000,
+                    help="ZeRO-3 keeps smaller local parameters whole (elements)")
     args = ap.parse_args()
     from hybrid.parallel.spawn import spawn_world
 
     res = spawn_world(args.world, run, args.tp, args.node, list(RUNS), args.iters,
-                      args.micro_batches, timeout_s=300, join_timeout_s=7200)[0]
+                      args.micro_batches, args.param_persistence_threshold, timeout_s=300,
+                      join_timeout_s=7200)[0]
     mib = 2.0**20
     print(f"world {args.world} = tp {args.tp} x dp {args.world // args.tp}, nodes of "
           f"{args.node} ranks; MiB per rank per step (rank 0), {args.micro_batches} micro-batch")
@@ -119,6 +124,9 @@ def main() -> None:
         tail = {k: sum(r["losses"][-10:]) / len(r["losses"][-10:]) for k, r in res.items()}
         print(f"loss, mean of the last 10 of {args.iters} iterations: "
               + ", ".join(f"{k} {v:.5f}" for k, v in tail.items()))
+        for i in sorted({0, 9, 49, args.iters - 1} & set(range(args.iters))):
+            print(f"  iteration {i + 1}: " + ", ".join(f"{k} {r['losses'][i]:.5f}"
+                                                      for k, r in res.items()))
         print(f"qwz vs zero3: {100 * (tail['qwz'] / tail['zero3'] - 1):+.3f}%; hpz == zero3 "
               f"bitwise: {res['hpz']['losses'] == res['zero3']['losses']}; qwz+hpz == qwz "
               f"bitwise: {res['qwz+hpz']['losses'] == res['qwz']['losses']}")

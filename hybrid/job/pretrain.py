@@ -119,7 +119,10 @@ def engine_modes(config) -> str:
     else:
         gather = ("updated parameters all-gathered before the step returns "
                   "(--overlap-param-gather off)")
-    return f"gradients {grads}, {fusion}, {reduce}; {gather}"
+    zpp = "".join((f"; ZeRO++ hpZ: backward gathers inside the node over "
+                   f"{config.hpz_partition_size} ranks" if config.hpz_partition_size > 1 else "",
+                   "; ZeRO++ qwZ: int8 parameter gathers" if config.quantized_weights else ""))
+    return f"gradients {grads}, {fusion}, {reduce}; {gather}{zpp}"
 
 
 def loop_settings(job: Job, grid: ProcessGrid, splits=("valid", "test")):

@@ -152,6 +152,8 @@ _FLAG_OF = {
     "grad_reduce_in_bf16": "--grad-reduce-in-bf16",
     "quantized_gradients_bits": "--zero-quantized-gradients-bits",
     "quantized_gradients": "--zero-quantized-gradients",
+    "hpz_partition_size": "--zero-hpz-partition-size",
+    "quantized_weights": "--zero-quantized-weights",
 }
 
 
@@ -187,6 +189,8 @@ def _training(args: argparse.Namespace) -> Training:
         overlap_param_gather=args.overlap_param_gather,
         quantized_gradients=args.zero_quantized_gradients,
         quantized_gradients_bits=args.zero_quantized_gradients_bits,
+        hpz_partition_size=args.zero_hpz_partition_size,
+        quantized_weights=args.zero_quantized_weights,
         dropout=args.hidden_dropout > 0 or args.attention_dropout > 0,
     )
 

@@ -47,6 +47,12 @@ def add_training_args(g) -> None:
     g.add_argument("--overlap-param-gather", action="store_true",
                    help="ZeRO 1-2: the updated parameters' all-gather runs during the next "
                    "forward instead of after the step (Megatron-LM's flag and default, off)")
+    g.add_argument("--zero-hpz-partition-size", type=int, default=1,
+                   help="ZeRO++ hpZ at stage 3: secondary parameter shard over this many "
+                   "data-parallel ranks of a node, backward gathers inside it (1: off)")
+    g.add_argument("--zero-quantized-weights", action="store_true",
+                   help="ZeRO++ qwZ at stage 3: int8 parameter gathers (1 + 4/2048 bytes per "
+                   "element; 16-bit precision only)")
     g.add_argument("--param-persistence-threshold", type=int, default=100_000,
                    help="stage 3 keeps local params with fewer elements whole, as the engine "
                    "(0: the paper's count, every parameter partitioned)")

@@ -96,6 +96,11 @@ class Training:
     (``hybrid.planner.traffic.qgz_bytes_per_element``); stages 0-1 keep the exact collective."""
     quantized_gradients_bits: int = 4
     """qgZ's code width, 4 or 8 (``--zero-quantized-gradients-bits``)."""
+    hpz_partition_size: int = 1
+    """ZeRO++ hpZ (stage 3): secondary parameter shard over this many data-parallel ranks of a
+    node; 1 off (``hybrid.planner.zeropp``)."""
+    quantized_weights: bool = False
+    """ZeRO++ qwZ (stage 3): int8 parameter gathers (``hybrid.planner.zeropp``)."""
     dropout: bool = True
     """The model trains with dropout (Megatron's default 0.1): masks saved, the attention core
     explicit; False (Llama recipes): no masks, SDPA (``hybrid.planner.activations``)."""
@@ -110,6 +115,10 @@ class Training:
         if self.quantized_gradients_bits not in (4, 8):
             raise ValueError(f"quantized_gradients_bits must be 4 or 8, got "
                              f"{self.quantized_gradients_bits}")
+        if self.hpz_partition_size < 1:
+            raise ValueError(f"hpz_partition_size must be >= 1, got {self.hpz_partition_size}")
+        if self.quantized_weights and self.precision == "fp32":
+            raise ValueError("quantized_weights needs 16-bit parameters (precision bf16 or fp16)")
         if self.param_persistence_threshold < 0:
             raise ValueError(
                 f"param_persistence_threshold must be >= 0, got {self.param_persistence_threshold}"

@@ -51,6 +51,7 @@ from hybrid.parallel.grid import validate_grid
 from hybrid.parallel.sequence import sequence_parallel_active
 from hybrid.parallel.tp_split import tp_split_refusal
 from hybrid.parallel.vocab import pad_vocab_size
+from hybrid.planner import zeropp
 from hybrid.planner.inputs import GB, Cluster, Training
 from hybrid.planner.memory import (
     ACTIVATION_OPTIONS,
@@ -62,7 +63,7 @@ from hybrid.planner.memory import (
     persistent_parameters,
 )
 from hybrid.planner.precision import ACCOUNTINGS, get_precision
-from hybrid.planner.step_time import qgz_setting, step_breakdown
+from hybrid.planner.step_time import qgz_intra_bytes, qgz_setting, step_breakdown
 from hybrid.planner.temporaries import embedding_backward_bytes, temporary_bytes
 from hybrid.planner.traffic import dp_traffic_bytes, tp_traffic_elements
 from hybrid.zero.stage import stage_plan
@@ -133,6 +134,8 @@ class Candidate:
     """Stage 3: elements of the TP shard kept whole (``Training.param_persistence_threshold``)."""
     temporaries: dict = field(default_factory=dict)
     """``temporaries.temporary_bytes``: the step's short-lived bytes beyond the activations."""
+    inter_node_dp_bytes: float = 0.0
+    """Of ``dp_bytes``, those that cross nodes (``zeropp.inter_node_bytes``)."""
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -244,19 +247,21 @@ def _traffic(m: GPTConfig, tp: int, dp: int, stage: int, prec, micro_batches: in
 
 def _step_times(m: GPTConfig, cluster: Cluster, training: Training, gbs: int, tp: int, dp: int,
                 stage: int, activation: str, prec, threshold: int, micro_batches: int,
-                traffic: tuple[float, float, float]) -> tuple[dict, float]:
+                traffic: tuple[float, float, float, float]) -> tuple[dict, float]:
     """``(times, mfu)``: the totals of each kind of work (``compute_s``; ``tp_s``, ``dp_s``,
     ``cpu_s``: bytes / bandwidth), the overlapped step time ``step_s`` and its exposed parts
     (:func:`hybrid.planner.step_time.step_breakdown`), and the model-FLOPs utilisation that
-    step time gives (2205.05198 Eq. 7 FLOPs / (step_s * GPUs * peak))."""
-    dp_bytes, tp_bytes, cpu_bytes = traffic
+    step time gives (2205.05198 Eq. 7 FLOPs / (step_s * GPUs * peak)). ``traffic``: dp, tp, host
+    and inter-node dp bytes (the rest of the dp bytes move at the intra-node bandwidth)."""
+    dp_bytes, tp_bytes, cpu_bytes, inter = traffic
     model_flops = flops_per_iteration(m, gbs, training.seq_length, "none")
     peak = cluster.num_gpus * cluster.peak_tflops * 1e12
     dp_bw = (cluster.inter_node_gbs if cluster.num_gpus > cluster.gpus_per_node
              else cluster.intra_node_gbs)
     times = step_breakdown(m, cluster, training, tp, dp, stage, activation, prec, threshold,
                            micro_batches, cpu_bytes)
-    times.update(tp_s=tp_bytes / (cluster.intra_node_gbs * GB), dp_s=dp_bytes / (dp_bw * GB),
+    times.update(tp_s=tp_bytes / (cluster.intra_node_gbs * GB),
+                 dp_s=inter / (dp_bw * GB) + (dp_bytes - inter) / (cluster.intra_node_gbs * GB),
                  cpu_s=cpu_bytes / (cluster.cpu_gbs * GB))
     times["dp_exposed_s"] = sum(times[k] for k in EXPOSED_DP)
     times["exposed_s"] = times["step_s"] - times["compute_s"]
@@ -283,6 +288,10 @@ def evaluate(
     zero = stage_plan(stage, param_persistence_threshold=training.param_persistence_threshold)
     persistent = persistent_parameters(m, tp, zero.persistence_threshold)
     states = model_state_bytes(m, tp, dp, stage, prec, persistent)
+    if stage == 3:
+        zeropp.check(training, cluster, tp)
+    extra = zeropp.secondary_bytes(psi_t, persistent, training, prec, stage)  # hpZ
+    states = {**states, "params": states["params"] + extra, "total": states["total"] + extra}
     acts = activation_bytes(m, s, b, tp, activation, prec, dropout=training.dropout)
     buffers = _buffer_bytes(m, tp, dp, stage, prec, psi_t, training)
     temps = temporary_bytes(m, s, b, tp, stage, activation, prec.activation_bytes,
@@ -296,10 +305,17 @@ def evaluate(
     total = states["total"] + acts["gpu"] + temps["total"] + buffers + int(cluster.reserved_bytes)
     dp_kinds, tp_bytes, cpu_bytes = _traffic(m, tp, dp, stage, prec, micro_batches, persistent,
                                              activation, training, acts, cluster.gpus_per_node)
+    if stage == 3:  # ZeRO++ changes the gathers' bytes (the same without it)
+        dp_kinds["all_gather"] = sum(zeropp.gather_bytes(psi_t, persistent, dp, micro_batches,
+                                                         training, prec, stage).values())
     dp_bytes = sum(dp_kinds.values())
+    inter = zeropp.inter_node_bytes(dp_bytes, psi_t, persistent, dp, micro_batches, training,
+                                    prec, stage, cluster, tp)
+    if inter:  # qgZ's intra-node all-to-all stays in the node
+        inter -= qgz_intra_bytes(dp_kinds, training, cluster.gpus_per_node, tp, dp, stage)
     times, mfu = _step_times(m, cluster, training, gbs, tp, dp, stage, activation, prec,
                              zero.persistence_threshold, micro_batches,
-                             (dp_bytes, tp_bytes, cpu_bytes))
+                             (dp_bytes, tp_bytes, cpu_bytes, inter))
     return Candidate(
         tp=tp, dp=dp, stage=stage, activation=activation, micro_batches=micro_batches,
         micro_batch_size=b,
@@ -307,7 +323,7 @@ def evaluate(
         total_bytes=total, fits=total <= cluster.gpu_memory_bytes, dp_bytes=dp_bytes,
         tp_bytes=tp_bytes, cpu_bytes=cpu_bytes, times=times,
         tokens_per_s=gbs * s / times["step_s"], mfu=mfu, dp_bytes_by_kind=dp_kinds,
-        persistent_params=persistent, temporaries=temps,
+        persistent_params=persistent, temporaries=temps, inter_node_dp_bytes=inter,
     )
 
 

@@ -53,6 +53,8 @@ Optimizer (exposed, HBM-bound): AdamW (1711.05101) reads and writes the fp32 mas
 two moments (``2k`` bytes, ZeRO §3.1's K = 12), reads the gradient and writes the compute-dtype
 parameter per owned element (``Psi_t`` at stage 0, ``Psi_t / dp`` at 1-3, ZeRO §5.1); the
 gradient norm reads the owned gradients and zeroing writes the held ones.
+ZeRO++ (``hybrid.planner.zeropp``): qwZ's gathers move ``1 + 4/2048`` bytes per element; hpZ's
+backward gathers run over the node's ``N`` ranks at the intra-node bandwidth.
 Not modelled: the gradient-norm all-reduce (one scalar per rank), kernel launch gaps.
 """
 
@@ -66,6 +68,7 @@ from hybrid.flops import flops_per_iteration, layer_parameter_split
 from hybrid.planner.inputs import GB
 from hybrid.planner.memory import params_per_tp_rank, persistent_parameters
 from hybrid.planner.traffic import qgz_bytes_per_element
+from hybrid.planner.zeropp import gather_terms
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,9 @@ class UnitSeconds:
     tp_hidden: float
     offload_block: float = 0.0
     """P_a+cpu: one block's checkpoint copied one way between GPU and host."""
+    gather_block_bwd: float | None = None
+    """A backward gather of a block when it differs from the forward's (ZeRO++ hpZ / qwZ)."""
+    gather_root_bwd: float | None = None
 
 
 def compute_seconds(model, b: int, s: int, tp: int, recompute: str, flops_per_s: float
@@ -183,7 +189,9 @@ def backward_pass(u: UnitSeconds, n: int, gathers: bool, reduces: bool, overlap_
     the host (P_a+cpu's prefetch); the root's re-gather and the last block's checkpoint load
     come first, block 0's, the root's and the persistent parameters' reductions last (exposed);
     without ``overlap_comm`` every reduction is."""
-    g = u.gather_block if gathers else 0.0
+    g_bwd = u.gather_block if u.gather_block_bwd is None else u.gather_block_bwd
+    g_root = u.gather_root if u.gather_root_bwd is None else u.gather_root_bwd
+    g = g_bwd if gathers else 0.0
     r = u.reduce_block if reduces and overlap_comm else 0.0
     o = u.offload_block
     units = [(u.root_bwd, g)]
@@ -191,7 +199,7 @@ def backward_pass(u: UnitSeconds, n: int, gathers: bool, reduces: bool, overlap_
         units.append((u.block_bwd, (g if i >= 1 else 0.0) + (r if i <= n - 2 else 0.0),
                       o if i >= 1 else 0.0))
     time, unhidden, unhidden_cpu = overlapped(units)
-    first = u.gather_root if gathers else 0.0
+    first = g_root if gathers else 0.0
     last = 0.0
     if reduces:
         last = u.reduce_tail + (u.reduce_block if overlap_comm else n * u.reduce_block)
@@ -247,6 +255,17 @@ def qgz_setting(training, gpus_per_node: int, tp: int, dp: int) -> tuple[int, in
     return training.quantized_gradients_bits, math.gcd(dp, max(1, gpus_per_node // tp))
 
 
+def qgz_intra_bytes(dp_kinds: dict, training, gpus_per_node: int, tp: int, dp: int,
+                    stage: int) -> float:
+    """Of ``dp_kinds["reduce_scatter"]`` (bytes), those qgZ's intra-node all-to-all sends (0
+    without qgZ): the rest crosses nodes."""
+    qgz = qgz_setting(training, gpus_per_node, tp, dp)
+    if qgz is None or stage < 2 or dp == 1:
+        return 0.0
+    intra, inter = qgz_bytes_per_element(qgz[0], dp, qgz[1])
+    return dp_kinds["reduce_scatter"] * intra / (intra + inter)
+
+
 def step_breakdown(model, cluster, training, tp: int, dp: int, stage: int, activation: str,
                    prec, threshold: int, micro_batches: int, cpu_bytes: float
                    ) -> dict[str, float]:
@@ -266,7 +285,10 @@ def step_breakdown(model, cluster, training, tp: int, dp: int, stage: int, activ
           else cluster.intra_node_gbs) * GB
     ring = (dp - 1) / dp
     all_reduce = stage == 0 or training.grad_reduce == "all_reduce"
-    gather = prec.param_bytes * ring / bw
+    (fwd_q, _), (bwd_q, bwd_n) = gather_terms(training, prec, stage, dp)
+    gather = fwd_q * ring / bw  # ZeRO++: qwZ's int8 bytes; hpZ's backward inside the node
+    gather_bwd = (bwd_q * (bwd_n - 1) / bwd_n / (cluster.intra_node_gbs * GB) if bwd_n != dp
+                  else bwd_q * ring / bw)
     reduce = prec.grad_bytes * ring * (2 if all_reduce else 1) / bw
     qgz = qgz_setting(training, cluster.gpus_per_node, tp, dp)
     if qgz is not None and stage >= 2:  # intra-node all-to-all, then the inter-node one
@@ -279,6 +301,8 @@ def step_breakdown(model, cluster, training, tp: int, dp: int, stage: int, activ
         root_fwd=comp["root_fwd"] + tps["root_fwd"], root_bwd=comp["root_bwd"] + tps["root_bwd"],
         gather_block=blk_np * gather,
         gather_root=(el["root"] - el["root_persistent"]) * gather,
+        gather_block_bwd=blk_np * gather_bwd,
+        gather_root_bwd=(el["root"] - el["root_persistent"]) * gather_bwd,
         reduce_block=blk_np * reduce,
         reduce_tail=(el["root"] + n * el["block_persistent"]) * reduce,
         compute=n * (comp["block_fwd"] + comp["block_bwd"]) + comp["root_fwd"] + comp["root_bwd"],
