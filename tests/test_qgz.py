@@ -203,6 +203,10 @@ def test_planner_counts_qgz_at_stages_2_and_3_only():
         # int4 payloads over 4 ranks per node (8 GPUs / tp 2): 3/4 q intra + 3/16 q inter
         saved = m * psi * (2 * (dp - 1) / dp - 0.515625 * (3 / 4 + 3 / 16))
         assert exact.dp_bytes - quant.dp_bytes == pytest.approx(saved, rel=1e-9)
+        # what crosses nodes: all of the exact ring (its group spans nodes), qgZ's inter-node part
+        assert exact.inter_node_dp_bytes == exact.dp_bytes
+        assert quant.inter_node_dp_bytes == pytest.approx(
+            quant.dp_bytes - m * psi * 0.515625 * 3 / 4, rel=1e-9)
         assert quant.times["step_s"] < exact.times["step_s"]
     with pytest.raises(ValueError, match="quantized_gradients needs 16-bit training"):
         dataclasses.replace(base, precision="fp32", quantized_gradients=True)
