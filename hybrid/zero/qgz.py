@@ -81,8 +81,8 @@ class QuantizedReduceScatter:
         groups: this rank's intra- and inter-node groups.
         bits: 4 or 8 (:data:`hybrid.zero.quantize.QUANT_BITS`).
 
-    Attributes:
-        bytes: ``{"intra_node": b, "inter_node": b}`` sent by this rank so far (bytes).
+    Raises:
+        ValueError: ``bits`` is not a supported width.
     """
 
     def __init__(self, groups: HierarchicalGroups, bits: int = DEFAULT_BITS):
