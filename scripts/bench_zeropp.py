@@ -32,7 +32,7 @@ LLAMA = dict(num_layers=4, hidden_size=128, num_attention_heads=4, num_query_gro
              hidden_dropout=0.0, attention_dropout=0.0)
 RUNS = {"zero3": {}, "hpz": dict(hpz_partition_size=2), "qwz": dict(quantized_weights=True),
         "qwz+hpz": dict(quantized_weights=True, hpz_partition_size=2)}
-SEQ, MICRO_BATCH, LR = 64, 4, 3e-3
+SEQ, MICRO_BATCH = 64, 4
 
 
 def _batch(step: int, rank: int, vocab: int):
@@ -46,7 +46,7 @@ def _batch(step: int, rank: int, vocab: int):
     return t[:, :-1], t[:, 1:]
 
 
-def _engine(grid, kw: dict, threshold: int):
+def _engine(grid, kw: dict, threshold: int, lr: float):
     import torch
 
     from hybrid.config import GridConfig, PretrainConfig
@@ -58,11 +58,11 @@ def _engine(grid, kw: dict, threshold: int):
     zc = ZeroConfig(stage=3, precision="bf16", param_persistence_threshold=threshold, **kw)
     return parallelize(GPT(GPTConfig(**LLAMA)), grid, PretrainConfig(
         grid=GridConfig(tensor_model_parallel_size=grid.tp_size), zero=zc,
-        optimizer=OptimizerConfig(lr=LR)))
+        optimizer=OptimizerConfig(lr=lr)))
 
 
 def run(rank: int, world: int, tp: int, node: int, runs: list[str], iters: int,
-        micro: int, threshold: int) -> dict:
+        micro: int, threshold: int, lr: float) -> dict:
     """Spawned world: per run, rank 0's ``node_bytes`` of the first step and the world-mean
     loss of every iteration (``iters`` steps; at least one)."""
     import torch
@@ -75,7 +75,7 @@ def run(rank: int, world: int, tp: int, node: int, runs: list[str], iters: int,
     grid = ProcessGrid(tp=tp)
     out = {}
     for name in runs:
-        e = _engine(grid, RUNS[name], threshold)
+        e = _engine(grid, RUNS[name], threshold, lr)
         losses, nodes = [], None
         for it in range(max(1, iters)):
             total = torch.zeros(())
@@ -84,7 +84,7 @@ def run(rank: int, world: int, tp: int, node: int, runs: list[str], iters: int,
                 loss = e.model(x, y).float().mean() / micro
                 e.backward(loss, is_last_micro_batch=m == micro - 1)
                 total += loss.detach()
-            info = e.step(LR)
+            info = e.step(lr)
             nodes = nodes or info.node_bytes
             dist.all_reduce(total)
             losses.append(total.item() / world)
@@ -102,11 +102,13 @@ def main() -> None:
     ap.add_argument("--micro-batches", type=int, default=1, help="micro-batches per step")
     ap.add_argument("--param-persistence-threshold", type=int, default=1000,
                     help="ZeRO-3 keeps smaller local parameters whole (elements)")
+    ap.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (constant)")
     args = ap.parse_args()
     from hybrid.parallel.spawn import spawn_world
 
     res = spawn_world(args.world, run, args.tp, args.node, list(RUNS), args.iters,
-                      args.micro_batches, args.param_persistence_threshold, timeout_s=300,
+                      args.micro_batches, args.param_persistence_threshold, args.lr,
+                      timeout_s=300,
                       join_timeout_s=7200)[0]
     mib = 2.0**20
     print(f"world {args.world} = tp {args.tp} x dp {args.world // args.tp}, nodes of "
