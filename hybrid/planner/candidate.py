@@ -72,6 +72,8 @@ class Candidate:
     """``total_bytes`` <= GPU memory."""
     host_fits: bool = True
     """``host_bytes['node']`` <= the cluster's host memory per node."""
+    inter_node_dp_bytes: float = 0.0
+    """Of ``dp_bytes``, those that cross nodes (``zeropp.inter_node_bytes``)."""
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)

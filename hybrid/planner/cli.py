@@ -174,6 +174,10 @@ _FLAG_OF = {
     "param_persistence_threshold": "--param-persistence-threshold",
     "grad_reduce_in_bf16": "--grad-reduce-in-bf16",
     "host_memory_gbs": "--host-dram-gbs", "host_efficiency": "--host-efficiency",
+    "quantized_gradients_bits": "--zero-quantized-gradients-bits",
+    "quantized_gradients": "--zero-quantized-gradients",
+    "hpz_partition_size": "--zero-hpz-partition-size",
+    "quantized_weights": "--zero-quantized-weights",
 }
 
 
@@ -208,6 +212,10 @@ def _training(args: argparse.Namespace) -> Training:
         gradient_accumulation_fusion=args.gradient_accumulation_fusion,
         overlap_param_gather=args.overlap_param_gather,
         tp_comm_overlap=args.tp_comm_overlap,
+        quantized_gradients=args.zero_quantized_gradients,
+        quantized_gradients_bits=args.zero_quantized_gradients_bits,
+        hpz_partition_size=args.zero_hpz_partition_size,
+        quantized_weights=args.zero_quantized_weights,
         dropout=args.hidden_dropout > 0 or args.attention_dropout > 0,
     )
 

@@ -35,6 +35,12 @@ def add_training_args(g) -> None:
     g.add_argument("--grad-reduce-in-bf16", action="store_true",
                    help="bf16 gradients, held and reduced in 2 bytes (Megatron-LM's flag; "
                    "--precision bf16 only)")
+    g.add_argument("--zero-quantized-gradients", action="store_true",
+                   help="ZeRO++ qgZ: stages 2-3 reduce-scatter gradients as blockwise int4/int8 "
+                   "through an intra- then an inter-node all-to-all (DeepSpeed's "
+                   "zero_quantized_gradients; 16-bit precision only)")
+    g.add_argument("--zero-quantized-gradients-bits", type=int, choices=(4, 8), default=4,
+                   help="qgZ code width (4: DeepSpeed's int4)")
     g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion",
                    action="store_false",
                    help="the engine without gradient-accumulation fusion (ZeRO-1 then stages "
@@ -45,6 +51,12 @@ def add_training_args(g) -> None:
     g.add_argument("--tp-comm-overlap", action="store_true",
                    help="sequence-parallel layouts pipeline the blocks' TP all-gathers and "
                    "reduce-scatters with their GEMMs (Megatron-LM's flag, off by default)")
+    g.add_argument("--zero-hpz-partition-size", type=int, default=1,
+                   help="ZeRO++ hpZ at stage 3: secondary parameter shard over this many "
+                   "data-parallel ranks of a node, backward gathers inside it (1: off)")
+    g.add_argument("--zero-quantized-weights", action="store_true",
+                   help="ZeRO++ qwZ at stage 3: int8 parameter gathers (1 + 4/2048 bytes per "
+                   "element; 16-bit precision only)")
     g.add_argument("--param-persistence-threshold", type=int, default=100_000,
                    help="stage 3 keeps local params with fewer elements whole, as the engine "
                    "(0: the paper's count, every parameter partitioned)")

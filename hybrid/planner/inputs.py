@@ -105,6 +105,17 @@ class Training:
     """Megatron-LM's ``--tp-comm-overlap``: under sequence parallelism the block linears'
     all-gathers and reduce-scatters are rings pipelined with their GEMMs
     (``hybrid.planner.step_time.ring_exposed``); no effect on layouts without SP."""
+    quantized_gradients: bool = False
+    """ZeRO++ qgZ (``--zero-quantized-gradients``): stages 2-3 reduce-scatter the gradients as
+    blockwise int4/int8 payloads through an intra-node then an inter-node all-to-all
+    (``hybrid.planner.traffic.qgz_bytes_per_element``); stages 0-1 keep the exact collective."""
+    quantized_gradients_bits: int = 4
+    """qgZ's code width, 4 or 8 (``--zero-quantized-gradients-bits``)."""
+    hpz_partition_size: int = 1
+    """ZeRO++ hpZ (stage 3): secondary parameter shard over this many data-parallel ranks of a
+    node; 1 off (``hybrid.planner.zeropp``)."""
+    quantized_weights: bool = False
+    """ZeRO++ qwZ (stage 3): int8 parameter gathers (``hybrid.planner.zeropp``)."""
     dropout: bool = True
     """The model trains with dropout (Megatron's default 0.1): masks saved, the attention core
     explicit; False (Llama recipes): no masks, SDPA (``hybrid.planner.activations``)."""
@@ -113,6 +124,16 @@ class Training:
         get_precision(self.precision, self.accounting)
         if self.grad_reduce_in_bf16 and self.precision != "bf16":
             raise ValueError(f"grad_reduce_in_bf16 needs precision bf16, got {self.precision!r}")
+        if self.quantized_gradients and self.precision == "fp32":
+            raise ValueError("quantized_gradients needs 16-bit training (qgZ replaces 16-bit "
+                             "gradient reduce-scatters), got precision 'fp32'")
+        if self.quantized_gradients_bits not in (4, 8):
+            raise ValueError(f"quantized_gradients_bits must be 4 or 8, got "
+                             f"{self.quantized_gradients_bits}")
+        if self.hpz_partition_size < 1:
+            raise ValueError(f"hpz_partition_size must be >= 1, got {self.hpz_partition_size}")
+        if self.quantized_weights and self.precision == "fp32":
+            raise ValueError("quantized_weights needs 16-bit parameters (precision bf16 or fp16)")
         if self.param_persistence_threshold < 0:
             raise ValueError(
                 f"param_persistence_threshold must be >= 0, got {self.param_persistence_threshold}"

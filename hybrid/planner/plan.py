@@ -51,6 +51,7 @@ from hybrid.parallel.grid import validate_grid
 from hybrid.parallel.sequence import sequence_parallel_active
 from hybrid.parallel.tp_split import tp_split_refusal
 from hybrid.parallel.vocab import pad_vocab_size
+from hybrid.planner import zeropp
 from hybrid.planner.candidate import Candidate
 from hybrid.planner.inputs import GB, Cluster, Training
 from hybrid.planner.memory import (
@@ -70,7 +71,7 @@ from hybrid.planner.offload import (
     split_states,
 )
 from hybrid.planner.precision import ACCOUNTINGS, get_precision
-from hybrid.planner.step_time import step_breakdown
+from hybrid.planner.step_time import qgz_intra_bytes, qgz_setting, step_breakdown
 from hybrid.planner.temporaries import embedding_backward_bytes, temporary_bytes
 from hybrid.planner.traffic import dp_traffic_bytes, tp_traffic_elements
 from hybrid.zero.stage import stage_plan
@@ -182,14 +183,15 @@ def _buffer_bytes(m: GPTConfig, tp: int, dp: int, stage: int, prec, psi_t: int,
 
 
 def _traffic(m: GPTConfig, tp: int, dp: int, stage: int, prec, micro_batches: int,
-             persistent: int, activation: str, training: Training, acts: dict
-             ) -> tuple[dict, float, float]:
-    """``(dp bytes by kind, tp bytes, host bytes)`` one rank moves per optimizer step."""
+             persistent: int, activation: str, training: Training, acts: dict,
+             gpus_per_node: int) -> tuple[dict, float, float]:
+    """``(dp bytes by kind, tp bytes, host bytes)`` one rank moves per optimizer step (qgZ's
+    reduce-scatter bytes depend on the ranks per node)."""
     parts = set(activation.split("+"))
     s, b = training.seq_length, training.micro_batch_size
     dp_kinds = dp_traffic_bytes(
         m, dp, stage, tp, prec, micro_batches, persistent_params=persistent, by_kind=True,
-        grad_reduce=training.grad_reduce,
+        grad_reduce=training.grad_reduce, qgz=qgz_setting(training, gpus_per_node, tp, dp),
     )
     tp_elems = tp_traffic_elements(b, s, m.hidden_size, tp, m.num_layers, "full" in parts,
                                    "pa" in parts, m.vocab_size, sequence_parallel="sp" in parts)
@@ -200,19 +202,22 @@ def _traffic(m: GPTConfig, tp: int, dp: int, stage: int, prec, micro_batches: in
 
 def _step_times(m: GPTConfig, cluster: Cluster, training: Training, gbs: int, tp: int, dp: int,
                 stage: int, activation: str, prec, threshold: int, micro_batches: int,
-                traffic: tuple[float, float, float], offloaded: int = 0) -> tuple[dict, float]:
+                traffic: tuple[float, float, float, float],
+                offloaded: int = 0) -> tuple[dict, float]:
     """``(times, mfu)``: the totals of each kind of work (``compute_s``; ``tp_s``, ``dp_s``,
     ``cpu_s``: bytes / bandwidth), the overlapped step time ``step_s`` and its exposed parts
     (:func:`hybrid.planner.step_time.step_breakdown`), and the model-FLOPs utilisation that
-    step time gives (2205.05198 Eq. 7 FLOPs / (step_s * GPUs * peak))."""
-    dp_bytes, tp_bytes, cpu_bytes = traffic
+    step time gives (2205.05198 Eq. 7 FLOPs / (step_s * GPUs * peak)). ``traffic``: dp, tp, host
+    and inter-node dp bytes (the rest of the dp bytes move at the intra-node bandwidth)."""
+    dp_bytes, tp_bytes, cpu_bytes, inter = traffic
     model_flops = flops_per_iteration(m, gbs, training.seq_length, "none")
     peak = cluster.num_gpus * cluster.peak_tflops * 1e12
     dp_bw = (cluster.inter_node_gbs if cluster.num_gpus > cluster.gpus_per_node
              else cluster.intra_node_gbs)
     times = step_breakdown(m, cluster, training, tp, dp, stage, activation, prec, threshold,
                            micro_batches, cpu_bytes, offloaded)
-    times.update(tp_s=tp_bytes / (cluster.intra_node_gbs * GB), dp_s=dp_bytes / (dp_bw * GB),
+    times.update(tp_s=tp_bytes / (cluster.intra_node_gbs * GB),
+                 dp_s=inter / (dp_bw * GB) + (dp_bytes - inter) / (cluster.intra_node_gbs * GB),
                  cpu_s=cpu_bytes / (cluster.cpu_gbs * GB))
     times["dp_exposed_s"] = sum(times[k] for k in EXPOSED_DP)
     times["exposed_s"] = times["step_s"] - times["compute_s"]
@@ -243,8 +248,12 @@ def evaluate(
     zero = stage_plan(stage, param_persistence_threshold=training.param_persistence_threshold)
     persistent = persistent_parameters(m, tp, zero.persistence_threshold)
     partition = psi_t if stage == 0 else -(-psi_t // dp)
-    states, host_states = split_states(model_state_bytes(m, tp, dp, stage, prec, persistent),
-                                       partition, offload_fraction, prec)
+    states = model_state_bytes(m, tp, dp, stage, prec, persistent)
+    if stage == 3:
+        zeropp.check(training, cluster, tp)
+    extra = zeropp.secondary_bytes(psi_t, persistent, training, prec, stage)  # hpZ
+    states = {**states, "params": states["params"] + extra, "total": states["total"] + extra}
+    states, host_states = split_states(states, partition, offload_fraction, prec)
     offloaded = offloaded_elements(partition, offload_fraction)
     acts = activation_bytes(m, s, b, tp, activation, prec, dropout=training.dropout)
     host = host_bytes(host_states, acts["cpu"], cluster.gpus_per_node)
@@ -259,11 +268,18 @@ def evaluate(
     temps["total"] = max(temps["total"], temps["embedding_backward"] - acts["gpu"])
     total = states["total"] + acts["gpu"] + temps["total"] + buffers + int(cluster.reserved_bytes)
     dp_kinds, tp_bytes, cpu_bytes = _traffic(m, tp, dp, stage, prec, micro_batches, persistent,
-                                             activation, training, acts)
+                                             activation, training, acts, cluster.gpus_per_node)
+    if stage == 3:  # ZeRO++ changes the gathers' bytes (the same without it)
+        dp_kinds["all_gather"] = sum(zeropp.gather_bytes(psi_t, persistent, dp, micro_batches,
+                                                         training, prec, stage).values())
     dp_bytes = sum(dp_kinds.values())
+    inter = zeropp.inter_node_bytes(dp_bytes, psi_t, persistent, dp, micro_batches, training,
+                                    prec, stage, cluster, tp)
+    if inter:  # qgZ's intra-node all-to-all stays in the node
+        inter -= qgz_intra_bytes(dp_kinds, training, cluster.gpus_per_node, tp, dp, stage)
     times, mfu = _step_times(m, cluster, training, gbs, tp, dp, stage, activation, prec,
                              zero.persistence_threshold, micro_batches,
-                             (dp_bytes, tp_bytes, cpu_bytes), offloaded)
+                             (dp_bytes, tp_bytes, cpu_bytes, inter), offloaded)
     device_fits = total <= cluster.gpu_memory_bytes
     host_fits = host["node"] <= cluster.host_memory_bytes
     return Candidate(
@@ -275,7 +291,7 @@ def evaluate(
         tokens_per_s=gbs * s / times["step_s"], mfu=mfu, dp_bytes_by_kind=dp_kinds,
         persistent_params=persistent, temporaries=temps, offload_fraction=offload_fraction,
         host_bytes=host, offload_bytes=offloaded * (prec.grad_bytes + prec.param_bytes),
-        device_fits=device_fits, host_fits=host_fits,
+        device_fits=device_fits, host_fits=host_fits, inter_node_dp_bytes=inter,
     )
 
 

@@ -43,6 +43,10 @@ refresh gathers of stages 1-2 are launched after the step and waited block by bl
 forward, so the first micro-batch's forward pays them like stage 3's prefetch (the root and
 block 0 exposed, the rest hidden behind the blocks' forward).
 
+ZeRO++ qgZ (``quantized_gradients``, arXiv 2306.10209 §3.3): a stage 2-3 gradient reduce-scatter
+moves ``intra`` bytes per element over NVLink and then ``inter`` over the network
+(:func:`hybrid.planner.traffic.qgz_bytes_per_element`, the two all-to-alls in sequence).
+
 P_a+cpu (ZeRO §6.1): on CUDA the engine copies a block's checkpoint to the host on a side
 stream during the block's forward and prefetches the next one back during a block's backward
 (``hybrid.activation.offload``); the first load of each backward is exposed.
@@ -54,18 +58,23 @@ gradient norm reads the owned gradients and zeroing writes the held ones.
 ZeRO-Offload (``offloaded`` elements, :mod:`hybrid.planner.offload`): the device AdamW covers
 the kept share, the host's step and copies are that module's; the optimizer's exposed time is
 the longer of the device and the host step, plus the gradient copy backward did not hide.
+ZeRO++ (``hybrid.planner.zeropp``): qwZ's gathers move ``1 + 4/2048`` bytes per element; hpZ's
+backward gathers run over the node's ``N`` ranks at the intra-node bandwidth.
 Not modelled: the gradient-norm all-reduce (one scalar per rank), kernel launch gaps.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from hybrid.flops import flops_per_iteration, layer_parameter_split
 from hybrid.planner.inputs import GB
 from hybrid.planner.memory import params_per_tp_rank, persistent_parameters
 from hybrid.planner.offload import offload_seconds
+from hybrid.planner.traffic import qgz_bytes_per_element
+from hybrid.planner.zeropp import gather_terms
 
 
 @dataclass(frozen=True)
@@ -92,6 +101,9 @@ class UnitSeconds:
     """Of ``tp_hidden``: what ``--tp-comm-overlap``'s rings hide (:func:`ring_exposed`)."""
     offload_block: float = 0.0
     """P_a+cpu: one block's checkpoint copied one way between GPU and host."""
+    gather_block_bwd: float | None = None
+    """A backward gather of a block when it differs from the forward's (ZeRO++ hpZ / qwZ)."""
+    gather_root_bwd: float | None = None
 
 
 def compute_seconds(model, b: int, s: int, tp: int, recompute: str, flops_per_s: float
@@ -211,7 +223,9 @@ def backward_pass(u: UnitSeconds, n: int, gathers: bool, reduces: bool, overlap_
     the host (P_a+cpu's prefetch); the root's re-gather and the last block's checkpoint load
     come first, block 0's, the root's and the persistent parameters' reductions last (exposed);
     without ``overlap_comm`` every reduction is."""
-    g = u.gather_block if gathers else 0.0
+    g_bwd = u.gather_block if u.gather_block_bwd is None else u.gather_block_bwd
+    g_root = u.gather_root if u.gather_root_bwd is None else u.gather_root_bwd
+    g = g_bwd if gathers else 0.0
     r = u.reduce_block if reduces and overlap_comm else 0.0
     o = u.offload_block
     units = [(u.root_bwd, g)]
@@ -219,7 +233,7 @@ def backward_pass(u: UnitSeconds, n: int, gathers: bool, reduces: bool, overlap_
         units.append((u.block_bwd, (g if i >= 1 else 0.0) + (r if i <= n - 2 else 0.0),
                       o if i >= 1 else 0.0))
     time, unhidden, unhidden_cpu = overlapped(units)
-    first = u.gather_root if gathers else 0.0
+    first = g_root if gathers else 0.0
     last = 0.0
     if reduces:
         last = u.reduce_tail + (u.reduce_block if overlap_comm else n * u.reduce_block)
@@ -273,6 +287,26 @@ def optimizer_seconds(psi_t: int, dp: int, stage: int, prec, hbm_gbs: float,
     return nbytes / (hbm_gbs * GB)
 
 
+def qgz_setting(training, gpus_per_node: int, tp: int, dp: int) -> tuple[int, int] | None:
+    """``(bits, data-parallel ranks per node)`` of ZeRO++ qgZ for ``Training`` ``training``, or
+    None when it is off. A node holds ``gpus_per_node / tp`` ranks of a data-parallel group
+    (tp inside the node), at most ``dp``; a partial last node counts by the gcd."""
+    if not training.quantized_gradients:
+        return None
+    return training.quantized_gradients_bits, math.gcd(dp, max(1, gpus_per_node // tp))
+
+
+def qgz_intra_bytes(dp_kinds: dict, training, gpus_per_node: int, tp: int, dp: int,
+                    stage: int) -> float:
+    """Of ``dp_kinds["reduce_scatter"]`` (bytes), those qgZ's intra-node all-to-all sends (0
+    without qgZ): the rest crosses nodes."""
+    qgz = qgz_setting(training, gpus_per_node, tp, dp)
+    if qgz is None or stage < 2 or dp == 1:
+        return 0.0
+    intra, inter = qgz_bytes_per_element(qgz[0], dp, qgz[1])
+    return dp_kinds["reduce_scatter"] * intra / (intra + inter)
+
+
 def step_breakdown(model, cluster, training, tp: int, dp: int, stage: int, activation: str,
                    prec, threshold: int, micro_batches: int, cpu_bytes: float,
                    offloaded: int = 0) -> dict[str, float]:
@@ -293,8 +327,15 @@ def step_breakdown(model, cluster, training, tp: int, dp: int, stage: int, activ
           else cluster.intra_node_gbs) * GB
     ring = (dp - 1) / dp
     all_reduce = stage == 0 or training.grad_reduce == "all_reduce"
-    gather = prec.param_bytes * ring / bw
+    (fwd_q, _), (bwd_q, bwd_n) = gather_terms(training, prec, stage, dp)
+    gather = fwd_q * ring / bw  # ZeRO++: qwZ's int8 bytes; hpZ's backward inside the node
+    gather_bwd = (bwd_q * (bwd_n - 1) / bwd_n / (cluster.intra_node_gbs * GB) if bwd_n != dp
+                  else bwd_q * ring / bw)
     reduce = prec.grad_bytes * ring * (2 if all_reduce else 1) / bw
+    qgz = qgz_setting(training, cluster.gpus_per_node, tp, dp)
+    if qgz is not None and stage >= 2:  # intra-node all-to-all, then the inter-node one
+        intra, inter = qgz_bytes_per_element(qgz[0], dp, qgz[1])
+        reduce = intra / (cluster.intra_node_gbs * GB) + inter / bw
     blk_np = el["block"] - el["block_persistent"]
     u = UnitSeconds(
         block_fwd=comp["block_fwd"] + tps["block_fwd"],
@@ -302,6 +343,8 @@ def step_breakdown(model, cluster, training, tp: int, dp: int, stage: int, activ
         root_fwd=comp["root_fwd"] + tps["root_fwd"], root_bwd=comp["root_bwd"] + tps["root_bwd"],
         gather_block=blk_np * gather,
         gather_root=(el["root"] - el["root_persistent"]) * gather,
+        gather_block_bwd=blk_np * gather_bwd,
+        gather_root_bwd=(el["root"] - el["root_persistent"]) * gather_bwd,
         reduce_block=blk_np * reduce,
         reduce_tail=(el["root"] + n * el["block_persistent"]) * reduce,
         compute=n * (comp["block_fwd"] + comp["block_bwd"]) + comp["root_fwd"] + comp["root_bwd"],
