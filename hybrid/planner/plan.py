@@ -248,12 +248,8 @@ def evaluate(
     zero = stage_plan(stage, param_persistence_threshold=training.param_persistence_threshold)
     persistent = persistent_parameters(m, tp, zero.persistence_threshold)
     partition = psi_t if stage == 0 else -(-psi_t // dp)
-    states = model_state_bytes(m, tp, dp, stage, prec, persistent)
-    if stage == 3:
-        zeropp.check(training, cluster, tp)
-    extra = zeropp.secondary_bytes(psi_t, persistent, training, prec, stage)  # hpZ
-    states = {**states, "params": states["params"] + extra, "total": states["total"] + extra}
-    states, host_states = split_states(states, partition, offload_fraction, prec)
+    states, host_states = _states(m, cluster, training, tp, dp, stage, prec, persistent,
+                                  offload_fraction)
     offloaded = offloaded_elements(partition, offload_fraction)
     acts = activation_bytes(m, s, b, tp, activation, prec, dropout=training.dropout)
     host = host_bytes(host_states, acts["cpu"], cluster.gpus_per_node)
@@ -269,14 +265,8 @@ def evaluate(
     total = states["total"] + acts["gpu"] + temps["total"] + buffers + int(cluster.reserved_bytes)
     dp_kinds, tp_bytes, cpu_bytes = _traffic(m, tp, dp, stage, prec, micro_batches, persistent,
                                              activation, training, acts, cluster.gpus_per_node)
-    if stage == 3:  # ZeRO++ changes the gathers' bytes (the same without it)
-        dp_kinds["all_gather"] = sum(zeropp.gather_bytes(psi_t, persistent, dp, micro_batches,
-                                                         training, prec, stage).values())
-    dp_bytes = sum(dp_kinds.values())
-    inter = zeropp.inter_node_bytes(dp_bytes, psi_t, persistent, dp, micro_batches, training,
-                                    prec, stage, cluster, tp)
-    if inter:  # qgZ's intra-node all-to-all stays in the node
-        inter -= qgz_intra_bytes(dp_kinds, training, cluster.gpus_per_node, tp, dp, stage)
+    dp_bytes, inter = _zeropp_bytes(dp_kinds, cluster, training, tp, dp, stage, prec, psi_t,
+                                    persistent, micro_batches)
     times, mfu = _step_times(m, cluster, training, gbs, tp, dp, stage, activation, prec,
                              zero.persistence_threshold, micro_batches,
                              (dp_bytes, tp_bytes, cpu_bytes, inter), offloaded)
@@ -293,6 +283,36 @@ def evaluate(
         host_bytes=host, offload_bytes=offloaded * (prec.grad_bytes + prec.param_bytes),
         device_fits=device_fits, host_fits=host_fits, inter_node_dp_bytes=inter,
     )
+
+
+def _states(m: GPTConfig, cluster: Cluster, training: Training, tp: int, dp: int, stage: int,
+            prec, persistent: int, offload_fraction: float) -> tuple[dict, dict]:
+    """``(device, host)`` model-state bytes per rank: ZeRO's Table 2 + hpZ's secondary shard,
+    less the host's ``offload_fraction`` of the optimizer partition; ValueError from ZeRO++."""
+    psi_t = params_per_tp_rank(m, tp)
+    states = model_state_bytes(m, tp, dp, stage, prec, persistent)
+    if stage == 3:
+        zeropp.check(training, cluster, tp)
+    extra = zeropp.secondary_bytes(psi_t, persistent, training, prec, stage)  # hpZ
+    states = {**states, "params": states["params"] + extra, "total": states["total"] + extra}
+    partition = psi_t if stage == 0 else -(-psi_t // dp)
+    return split_states(states, partition, offload_fraction, prec)
+
+
+def _zeropp_bytes(dp_kinds: dict, cluster: Cluster, training: Training, tp: int, dp: int,
+                  stage: int, prec, psi_t: int, persistent: int,
+                  micro_batches: int) -> tuple[float, float]:
+    """``(dp bytes, of which inter-node)`` per rank per step; ZeRO++ sets stage 3's gather bytes
+    in ``dp_kinds`` (in place); qgZ's intra-node all-to-all stays in the node."""
+    if stage == 3:
+        dp_kinds["all_gather"] = sum(zeropp.gather_bytes(psi_t, persistent, dp, micro_batches,
+                                                         training, prec, stage).values())
+    dp_bytes = sum(dp_kinds.values())
+    inter = zeropp.inter_node_bytes(dp_bytes, psi_t, persistent, dp, micro_batches, training,
+                                    prec, stage, cluster, tp)
+    if inter:
+        inter -= qgz_intra_bytes(dp_kinds, training, cluster.gpus_per_node, tp, dp, stage)
+    return dp_bytes, inter
 
 
 def _check_offload(stage: int, fraction: float) -> None:
