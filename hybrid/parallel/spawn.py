@@ -30,7 +30,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, timeout_s, queue, backend="gloo"):
+START_METHODS = ("spawn", "forkserver")
+START_METHOD_ENV = "HYBRID_SPAWN_START_METHOD"
+"""Environment variable naming :func:`spawn_world`'s default start method (``spawn`` when
+unset); the test suite sets ``forkserver``."""
+
+
+def _context(start_method: str | None):
+    """The multiprocessing context of ``start_method`` (default: :data:`START_METHOD_ENV`).
+
+    ``forkserver``: a server process imports torch once (the first call) and each rank is
+    forked from it, so a rank starts in milliseconds instead of paying the ~2 CPU-s torch
+    import; the server runs nothing else, so every rank still starts from a clean interpreter.
+
+    Raises:
+        ValueError: an unknown start method.
+    """
+    method = start_method or os.environ.get(START_METHOD_ENV) or "spawn"
+    if method not in START_METHODS:
+        raise ValueError(f"spawn_world: start method {method!r} (from {START_METHOD_ENV} or "
+                         f"start_method); valid: {', '.join(START_METHODS)}")
+    if method == "forkserver":
+        mp.set_forkserver_preload(["torch", "torch.distributed"])  # before the server starts
+    return mp.get_context(method)
+
+
+def _worker(rank, world_size, port, fn, args, timeout_s, queue, backend="gloo", env=None):
+    if env is not None:  # a forked rank has the server's environment: take the caller's
+        os.environ.clear()
+        os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -68,6 +96,7 @@ def spawn_world(
     timeout_s: float = 90.0,
     join_timeout_s: float | None = None,
     backend: str = "gloo",
+    start_method: str | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes; their results.
 
@@ -79,11 +108,19 @@ def spawn_world(
     the host never moves a CPU world to CUDA, and
     :func:`hybrid.parallel.grid.default_device` follows the backend (gloo: CPU).
 
+    ``start_method`` (default: the :data:`START_METHOD_ENV` environment variable, else
+    ``spawn``): ``spawn`` starts each rank as a new interpreter; ``forkserver`` forks it from a
+    server that has imported torch and nothing else (see :func:`_context`). Either way a rank
+    sees the caller's current environment variables, working directory and ``sys.path``. One
+    difference: forked ranks share the server's string-hash seed, where spawned ones (and
+    torchrun's workers) each draw their own.
+
     Returns:
         ``[result of rank 0, result of rank 1, ...]``.
 
     Raises:
-        ValueError: ``backend`` is not gloo or nccl, or nccl without one GPU per rank.
+        ValueError: ``backend`` is not gloo or nccl, or nccl without one GPU per rank, or an
+            unknown ``start_method``.
         RuntimeError: if any rank raised (its traceback is included), or if the world did not
             finish within ``join_timeout_s`` seconds (default ``3 * timeout_s + 60``); every
             process is killed before raising.
@@ -94,12 +131,13 @@ def spawn_world(
                               or torch.cuda.device_count() < world_size):
         raise ValueError(f"spawn_world: nccl needs one GPU per rank: {world_size} ranks, "
                          f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} GPUs")
-    ctx = mp.get_context("spawn")
+    ctx = _context(start_method)
     queue = ctx.Queue()
     port = free_port()
+    env = dict(os.environ)
     procs = [
         ctx.Process(target=_worker, args=(r, world_size, port, fn, args, timeout_s, queue,
-                                          backend),
+                                          backend, env),
                     daemon=False)
         for r in range(world_size)
     ]
