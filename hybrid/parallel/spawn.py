@@ -89,6 +89,16 @@ def _worker(rank, world_size, port, fn, args, timeout_s, queue, backend="gloo", 
             dist.destroy_process_group()
 
 
+def _check_backend(world_size: int, backend: str) -> None:
+    """Raises ValueError: ``backend`` is not gloo or nccl, or nccl without one GPU per rank."""
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"spawn_world: backend {backend!r}; valid: 'gloo', 'nccl'")
+    if backend == "nccl" and (not torch.cuda.is_available()
+                              or torch.cuda.device_count() < world_size):
+        raise ValueError(f"spawn_world: nccl needs one GPU per rank: {world_size} ranks, "
+                         f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} GPUs")
+
+
 def spawn_world(
     world_size: int,
     fn: Callable[..., Any],
@@ -125,12 +135,7 @@ def spawn_world(
             finish within ``join_timeout_s`` seconds (default ``3 * timeout_s + 60``); every
             process is killed before raising.
     """
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"spawn_world: backend {backend!r}; valid: 'gloo', 'nccl'")
-    if backend == "nccl" and (not torch.cuda.is_available()
-                              or torch.cuda.device_count() < world_size):
-        raise ValueError(f"spawn_world: nccl needs one GPU per rank: {world_size} ranks, "
-                         f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} GPUs")
+    _check_backend(world_size, backend)
     ctx = _context(start_method)
     queue = ctx.Queue()
     port = free_port()
