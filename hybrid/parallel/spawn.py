@@ -42,6 +42,8 @@ def _context(start_method: str | None):
     ``forkserver``: a server process imports torch once (the first call) and each rank is
     forked from it, so a rank starts in milliseconds instead of paying the ~2 CPU-s torch
     import; the server runs nothing else, so every rank still starts from a clean interpreter.
+    One difference: forked ranks share the server's string-hash seed, where spawned ones (and
+    torchrun's workers) each draw their own.
 
     Raises:
         ValueError: an unknown start method.
@@ -118,12 +120,8 @@ def spawn_world(
     the host never moves a CPU world to CUDA, and
     :func:`hybrid.parallel.grid.default_device` follows the backend (gloo: CPU).
 
-    ``start_method`` (default: the :data:`START_METHOD_ENV` environment variable, else
-    ``spawn``): ``spawn`` starts each rank as a new interpreter; ``forkserver`` forks it from a
-    server that has imported torch and nothing else (see :func:`_context`). Either way a rank
-    sees the caller's current environment variables, working directory and ``sys.path``. One
-    difference: forked ranks share the server's string-hash seed, where spawned ones (and
-    torchrun's workers) each draw their own.
+    ``start_method`` (default :data:`START_METHOD_ENV`, else ``spawn``): see :func:`_context`.
+    Either way a rank sees the caller's current environment, working directory and sys.path.
 
     Returns:
         ``[result of rank 0, result of rank 1, ...]``.
