@@ -1,7 +1,8 @@
 """Run a function on a local multi-process world (gloo on CPU by default; NCCL, one GPU per rank,
 when asked for).
 
-Used by the tests (one spawn serves many checks, since a 4-rank spawn costs ~20 s on 2 cores)
+Used by the tests (one spawn serves many checks: a 4-rank spawn of new interpreters costs ~8
+CPU-s of torch imports; the tests fork their ranks from a server instead, see :func:`_context`)
 and by anyone who wants a quick parallel experiment without torchrun. Production jobs launch
 with ``torchrun`` instead and build the grid from its environment (``hybrid.parallel.grid``).
 """
