@@ -14,9 +14,11 @@ import os
 import pickle
 import queue as queue_module
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
+from multiprocessing import reduction
 from typing import Any
 
 import torch
@@ -58,10 +60,39 @@ def _context(start_method: str | None):
     return mp.get_context(method)
 
 
-def _worker(rank, world_size, port, fn, args, timeout_s, queue, backend="gloo", env=None):
+class _CallerFd:
+    """The caller's file descriptor ``fd``, sent to a forked rank (the rank's own stdout and
+    stderr are the fork server's, not the caller's, e.g. pytest's capture)."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        return _adopt, (reduction.DupFd(self.fd),)  # pickled by Process.start: sent with it
+
+
+def _adopt(dup) -> int:
+    return dup.detach()
+
+
+def _caller_io(ctx) -> tuple[dict[str, str], tuple[_CallerFd, _CallerFd] | None]:
+    """``(environment, stdout and stderr to send)`` for the ranks of ``ctx`` (no descriptors
+    for spawned ranks, which inherit them); Python's buffers flushed first."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    forked = ctx.get_start_method() == "forkserver"
+    return dict(os.environ), (_CallerFd(1), _CallerFd(2)) if forked else None
+
+
+def _worker(rank, world_size, port, fn, args, timeout_s, queue, backend="gloo", env=None,
+            stdio=None):
     if env is not None:  # a forked rank has the server's environment: take the caller's
         os.environ.clear()
         os.environ.update(env)
+    if stdio is not None:  # and its stdout and stderr
+        for target, fd in zip((1, 2), stdio, strict=True):
+            os.dup2(fd, target)
+            os.close(fd)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -121,8 +152,8 @@ def spawn_world(
     the host never moves a CPU world to CUDA, and
     :func:`hybrid.parallel.grid.default_device` follows the backend (gloo: CPU).
 
-    ``start_method`` (default :data:`START_METHOD_ENV`, else ``spawn``): see :func:`_context`.
-    Either way a rank sees the caller's current environment, working directory and sys.path.
+    ``start_method`` (default :data:`START_METHOD_ENV`, else ``spawn``; :func:`_context`):
+    either way a rank has the caller's environment, cwd, sys.path, stdout and stderr.
 
     Returns:
         ``[result of rank 0, result of rank 1, ...]``.
@@ -138,10 +169,10 @@ def spawn_world(
     ctx = _context(start_method)
     queue = ctx.Queue()
     port = free_port()
-    env = dict(os.environ)
+    env, stdio = _caller_io(ctx)
     procs = [
         ctx.Process(target=_worker, args=(r, world_size, port, fn, args, timeout_s, queue,
-                                          backend, env),
+                                          backend, env, stdio),
                     daemon=False)
         for r in range(world_size)
     ]
