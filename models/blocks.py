@@ -129,6 +129,10 @@ class Attention(nn.Module):
         """Attention kernel with dropout: ``"auto"``, ``"fused"`` or ``"explicit"`` (see
         :meth:`core`; :func:`set_attention_kernel` sets every layer's)."""
 
+    def fused_chains(self) -> tuple[str, ...]:
+        """The :class:`models.fusion.KernelFusion` fields this module reads."""
+        return ("rope",) if self.rotary is not None else ()
+
     def _explicit(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   allowed: torch.Tensor | None = None) -> torch.Tensor:
         # Probabilities as a tensor, for a dropout module that must see them (see core());
@@ -247,6 +251,10 @@ class MLP(nn.Module):
         self.fusion = OFF
         """:class:`models.fusion.KernelFusion`: ``bias_swiglu`` / ``bias_gelu`` compiled."""
 
+    def fused_chains(self) -> tuple[str, ...]:
+        """The :class:`models.fusion.KernelFusion` fields this module reads."""
+        return ("bias_swiglu",) if self.gate is not None else ("bias_gelu",)
+
     def activation(self, x: torch.Tensor) -> torch.Tensor:
         """``[b, s, h]`` -> the activation ``[b, s, f]`` that ``fc2`` consumes."""
         if self.gate is not None and self.fusion.bias_swiglu:
@@ -280,6 +288,10 @@ class Block(nn.Module):
         self.fusion = OFF
         """:class:`models.fusion.KernelFusion`; ``bias_dropout`` fuses each branch's output
         bias, dropout and residual add (:func:`bias_dropout_add`)."""
+
+    def fused_chains(self) -> tuple[str, ...]:
+        """The :class:`models.fusion.KernelFusion` fields this module reads."""
+        return ("bias_dropout",)
 
     # door: replaced per instance by activation checkpointing (hybrid.activation.apply), and
     # hooked before/after by ZeRO-3, which gathers and frees the block's parameters (zero.stage3)

@@ -139,6 +139,28 @@ def test_cli_takes_a_preset_and_names_an_unknown_one(capsys):
     with pytest.raises(SystemExit):
         main(["--model", "gpt-5", "--seq-length", "1024", "--num-gpus", "8"])
     assert "gpt2-124m" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # a near miss: the closest name is suggested
+        main(["--model", "gpt-124m", "--num-gpus", "8", "--device", "H100"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.splitlines()) == 1, err
+    assert "unknown GPT preset 'gpt-124m' (did you mean 'gpt2-124m'?); valid presets: " in err
+
+
+@pytest.mark.parametrize(("tp", "rule"), [
+    ("8", "tp=8 must divide num_attention_heads=12 and ffn_hidden_size=3072"),
+    ("3", "tensor-model-parallel size 3 does not divide the world size 8"),
+    ("16", "tp=16 must divide num_attention_heads=12 and ffn_hidden_size=3072; "
+           "tensor-model-parallel size 16 does not divide the world size 8"),
+    ("0", "tp=0 must be positive")])
+def test_a_bad_tp_lists_the_valid_values(tp, rule, capsys):
+    """gpt2-124m (12 heads) on 8 GPUs: 8 divides the GPUs but not the heads, so 1, 2, 4."""
+    from hybrid.planner.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--model", "gpt2-124m", "--num-gpus", "8", "--device", "H100", "--tp", tp])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.splitlines()) == 1, err
+    assert f"{rule}; valid --tp for this model on 8 GPUs: 1, 2, 4\n" in err
 
 
 @pytest.mark.parametrize(

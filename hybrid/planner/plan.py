@@ -123,20 +123,30 @@ def _padded(model: GPTConfig, tp: int, training: Training) -> GPTConfig:
     return dataclasses.replace(m, vocab_size=vocab)
 
 
+def _valid_tps(m: GPTConfig, cluster: Cluster) -> list[int]:
+    """Every tp that splits ``m`` and makes a grid of ``cluster``."""
+    return [t for t in range(1, cluster.num_gpus + 1)
+            if tp_split_refusal(m, t) is None and _grid_refusal(t, cluster) is None]
+
+
 def _check_tp(m: GPTConfig, tp: int, cluster: Cluster) -> None:
+    """Raises ValueError naming every rule ``tp`` breaks and the valid values of ``--tp``."""
+    why = []  # every rule tp breaks, not the first only
+    refusal = tp_split_refusal(m, tp) if tp > 0 else None
     if tp <= 0:
-        raise ValueError(f"tp={tp} must be positive")
-    refusal, why = tp_split_refusal(m, tp), []  # every rule tp breaks, not the first only
-    if refusal is not None and refusal.dimension == "num_query_groups":
+        why.append(f"tp={tp} must be positive")
+    elif refusal is not None and refusal.dimension == "num_query_groups":
         why.append(f"tp={tp} must divide num_query_groups={m.query_groups} (each TP rank holds "
                    "whole K/V heads)")
     elif refusal is not None:
         why.append(f"tp={tp} must divide num_attention_heads={m.num_attention_heads} and "
                    f"ffn_hidden_size={m.ffn_hidden_size}")
-    if (grid := _grid_refusal(tp, cluster)) is not None:
-        why.append(grid)
+    if tp > 0 and (grid := _grid_refusal(tp, cluster)) is not None:
+        why.append(grid.split("; valid tensor-model-parallel sizes")[0])  # the full list below
     if why:
-        raise ValueError("; ".join(why))
+        valid = ", ".join(map(str, _valid_tps(m, cluster))) or "none"
+        raise ValueError("; ".join(why) + f"; valid --tp for this model on {cluster.num_gpus} "
+                         f"GPUs: {valid}")
 
 
 def _check_layout(model: GPTConfig, cluster: Cluster, training: Training, tp: int,
