@@ -64,14 +64,16 @@ def idx_path(prefix: str | os.PathLike) -> Path:
 
 
 def dtype_for_vocab(vocab_size: int) -> np.dtype:
-    """Smallest token dtype that holds every id of a ``vocab_size`` vocabulary.
+    """The token dtype of a ``vocab_size`` vocabulary, Megatron-LM's rule exactly
+    (``DType.optimal_dtype`` of megatron-core's indexed dataset): uint16 below 65,500 ids,
+    int32 from 65,500 on, so that the same corpus and tokenizer give the same ``.bin`` bytes
+    here and in Megatron-LM's preprocessing (uint16 would hold up to 65,536).
 
-    uint16 up to 65,536 ids (Megatron-LM switches at 65,500 and wastes 2x on 65,500-65,536),
-    int32 above. Raises ValueError for a non-positive size.
+    Raises ValueError for a non-positive size.
     """
     if vocab_size <= 0:
         raise ValueError(f"vocab_size must be positive, got {vocab_size}")
-    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.int32)
+    return np.dtype(np.uint16) if vocab_size < 65_500 else np.dtype(np.int32)
 
 
 class IndexedDataset:

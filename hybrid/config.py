@@ -116,9 +116,16 @@ class GridConfig:
     sequence_parallel: bool = arg(False, "shard LayerNorm/dropout activations along the sequence "
                                          "over the TP group (arXiv 2205.05198 §4.2.2; needs the "
                                          "seq length divisible by tp)")
+    tp_comm_overlap: bool = arg(False, "pipeline SP's all-gather / reduce-scatter with the "
+                                       "block GEMMs, chunk by chunk (collective matmul; needs "
+                                       "--sequence-parallel and tp > 1)")
     distributed_timeout_minutes: float = arg(10.0, "collective timeout, in minutes")
     def __post_init__(self) -> None:
         check_int(self, "tensor_model_parallel_size", 1)
+        if self.tp_comm_overlap and not self.sequence_parallel_active:
+            fail(self, "tp_comm_overlap", sequence.TP_COMM_OVERLAP_NEEDS_SP + " (got "
+                 f"--sequence-parallel {self.sequence_parallel}, --tensor-model-parallel-size "
+                 f"{self.tensor_model_parallel_size})")
         check_number(self, "distributed_timeout_minutes", 0.0, strict=True)
 
     @property

@@ -14,6 +14,19 @@ rounded "GB":
 Peaks are the vendors' datasheets (dense: their headline tensor figures for A100, H100 and H200
 are "with sparsity") and agree with :data:`hybrid.flops.DEVICE_PEAK_TFLOPS`. What the CUDA
 context and the allocator take is the separate reserve (``--reserved-gib``, default 1 GiB).
+
+The host side (ZeRO-Offload, arXiv 2101.06840, and P_a+cpu), per GPU model the server NVIDIA
+builds around it (DGX-1 V100, DGX A100 320GB / 640GB, DGX H100, DGX H200 datasheets):
+
+* ``host_link_gbs``, GB/s one way per GPU: the GPU's PCIe x16 link (Gen3 8, Gen4 16, Gen5 32
+  GT/s per lane, 128b/130b coding: 15.75, 31.5, 63 GB/s each way; the datasheets' 32, 64 and
+  128 GB/s are both ways together) at 80%, what a pinned-memory copy achieves once the packet
+  headers are paid: V100 12.6, A100 25.2, H100 and H200 50.4.
+* ``host_memory_gib``, GiB of DRAM per node (DIMMs come in binary sizes): DGX-1 512, DGX A100
+  320GB 1,024, DGX A100 640GB / DGX H100 / DGX H200 2,048 ("2 TB").
+* ``host_memory_gbs``, GB/s DRAM peak per node: two sockets x channels x transfer rate x 8 B:
+  DGX-1 2 x Xeon E5-2698 v4, 4 x DDR4-2400 = 153.6; DGX A100 2 x EPYC 7742, 8 x DDR4-3200 =
+  409.6; DGX H100 / H200 2 x Xeon Platinum 8480C, 8 x DDR5-4800 = 614.4.
 """
 
 from __future__ import annotations
@@ -29,22 +42,27 @@ DEFAULT_RESERVED_GIB = 1.0
 @dataclass(frozen=True)
 class DevicePreset:
     """One GPU model: ``memory_gib`` in GiB as CUDA reports it, ``peak_tflops`` dense
-    bf16/fp16, ``hbm_gbs`` memory bandwidth in GB/s (datasheets; the planner's optimizer time)."""
+    bf16/fp16, ``hbm_gbs`` memory bandwidth in GB/s (datasheets; the planner's optimizer time);
+    its server's host side (module docstring): ``host_link_gbs`` GB/s each way per GPU,
+    ``host_memory_gib`` GiB and ``host_memory_gbs`` GB/s peak DRAM per node."""
 
     name: str
     memory_gib: float
     peak_tflops: float
     hbm_gbs: float = 2039.0
+    host_link_gbs: float = 25.2
+    host_memory_gib: float = 2048.0
+    host_memory_gbs: float = 409.6
 
 
 DEVICE_PRESETS: dict[str, DevicePreset] = {
     p.name.lower(): p
     for p in (
-        DevicePreset("V100-32GB", 32_510 / 1024, 125.0, 900.0),
-        DevicePreset("A100-40GB", 40_536 / 1024, 312.0, 1555.0),
-        DevicePreset("A100-80GB", 81_920 / 1024, 312.0, 2039.0),
-        DevicePreset("H100", 81_559 / 1024, 989.0, 3350.0),
-        DevicePreset("H200", 143_771 / 1024, 989.0, 4800.0),
+        DevicePreset("V100-32GB", 32_510 / 1024, 125.0, 900.0, 12.6, 512.0, 153.6),
+        DevicePreset("A100-40GB", 40_536 / 1024, 312.0, 1555.0, 25.2, 1024.0, 409.6),
+        DevicePreset("A100-80GB", 81_920 / 1024, 312.0, 2039.0, 25.2, 2048.0, 409.6),
+        DevicePreset("H100", 81_559 / 1024, 989.0, 3350.0, 50.4, 2048.0, 614.4),
+        DevicePreset("H200", 143_771 / 1024, 989.0, 4800.0, 50.4, 2048.0, 614.4),
     )
 }
 DEFAULT_DEVICE = "A100-80GB"

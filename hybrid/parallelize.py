@@ -87,7 +87,7 @@ def parallelize(model: GPT, grid: ProcessGrid, config: PretrainConfig,
     gpt_config = model.config
     parallelize_gpt(model, grid.tp_group, tracker=tracker,
                     make_vocab_size_divisible_by=config.model.make_vocab_size_divisible_by,
-                    sequence_parallel=sp)
+                    sequence_parallel=sp, tp_comm_overlap=config.grid.tp_comm_overlap)
     if not on_meta:
         model.to(grid.device)
     engine_note = _fuse_kernels(model, grid, config)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from models import fusion
 from models.config import GPTConfig
 from models.fused import LayerNorm, LayerNorm1P, RMSNorm, RMSNorm1P, swiglu
-from models.fusion import OFF, linear_skip_bias
+from models.fusion import OFF, linear_pair, linear_skip_bias
 from models.rope import RotaryEmbedding
 
 if TYPE_CHECKING:
@@ -128,6 +128,10 @@ class Attention(nn.Module):
         self.kernel = "auto"
         """Attention kernel with dropout: ``"auto"``, ``"fused"`` or ``"explicit"`` (see
         :meth:`core`; :func:`set_attention_kernel` sets every layer's)."""
+
+    def fused_chains(self) -> tuple[str, ...]:
+        """The :class:`models.fusion.KernelFusion` fields this module reads."""
+        return ("rope",) if self.rotary is not None else ()
 
     def _explicit(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   allowed: torch.Tensor | None = None) -> torch.Tensor:
@@ -247,13 +251,16 @@ class MLP(nn.Module):
         self.fusion = OFF
         """:class:`models.fusion.KernelFusion`: ``bias_swiglu`` / ``bias_gelu`` compiled."""
 
+    def fused_chains(self) -> tuple[str, ...]:
+        """The :class:`models.fusion.KernelFusion` fields this module reads."""
+        return ("bias_swiglu",) if self.gate is not None else ("bias_gelu",)
+
     def activation(self, x: torch.Tensor) -> torch.Tensor:
         """``[b, s, h]`` -> the activation ``[b, s, f]`` that ``fc2`` consumes."""
         if self.gate is not None and self.fusion.bias_swiglu:
-            return fusion.bias_swiglu(*linear_skip_bias(self.gate, x),
-                                      *linear_skip_bias(self.fc1, x))
+            return fusion.bias_swiglu(*linear_pair(self.gate, self.fc1, x, skip_bias=True))
         if self.gate is not None:
-            return swiglu(self.gate(x), self.fc1(x))
+            return swiglu(*linear_pair(self.gate, self.fc1, x))
         if self.fusion.bias_gelu:
             return fusion.bias_gelu(*linear_skip_bias(self.fc1, x))
         return F.gelu(self.fc1(x))
@@ -281,6 +288,10 @@ class Block(nn.Module):
         self.fusion = OFF
         """:class:`models.fusion.KernelFusion`; ``bias_dropout`` fuses each branch's output
         bias, dropout and residual add (:func:`bias_dropout_add`)."""
+
+    def fused_chains(self) -> tuple[str, ...]:
+        """The :class:`models.fusion.KernelFusion` fields this module reads."""
+        return ("bias_dropout",)
 
     # door: replaced per instance by activation checkpointing (hybrid.activation.apply), and
     # hooked before/after by ZeRO-3, which gathers and frees the block's parameters (zero.stage3)

@@ -70,6 +70,10 @@ class RMSNorm(nn.Module):
         self.fusion = OFF
         """:class:`models.fusion.KernelFusion`; ``norm`` runs the compiled kernel."""
 
+    def fused_chains(self) -> tuple[str, ...]:
+        """The :class:`models.fusion.KernelFusion` fields this module reads."""
+        return ("norm",)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fusion.norm:
             return fusion.rms_norm(x, self.weight, self.eps)
@@ -84,6 +88,10 @@ class LayerNorm(nn.LayerNorm):
         super().__init__(size, eps=eps)
         self.fusion = OFF
         """:class:`models.fusion.KernelFusion`; ``norm`` runs the compiled kernel."""
+
+    def fused_chains(self) -> tuple[str, ...]:
+        """The :class:`models.fusion.KernelFusion` fields this module reads."""
+        return ("norm",)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fusion.norm:

@@ -53,13 +53,23 @@ class KernelFusion:
         """Every chain fused (``on``) or none."""
         return cls(**{f.name: on for f in fields(cls)})
 
-    def names(self) -> list[str]:
-        """The fused chains' names, in declaration order."""
-        return [f.name for f in fields(self) if getattr(self, f.name)]
+    def names(self, model: nn.Module | None = None) -> list[str]:
+        """The fused chains' names, in declaration order; with ``model``, only the chains that
+        some module of ``model`` runs (:func:`chains_in`: a GPT has no SwiGLU or RoPE)."""
+        used = None if model is None else chains_in(model)
+        return [f.name for f in fields(self) if getattr(self, f.name)
+                and (used is None or f.name in used)]
 
 
 OFF = KernelFusion()
 """No fusion: the eager path (immutable, shared as every module's default)."""
+
+
+def chains_in(model: nn.Module) -> set[str]:
+    """The :class:`KernelFusion` fields that some module of ``model`` reads: each fusable
+    module's ``fused_chains()`` (a norm: ``norm``; an MLP: ``bias_swiglu`` or ``bias_gelu``;
+    attention: ``rope`` when rotary; a block: ``bias_dropout``)."""
+    return {c for m in model.modules() if hasattr(m, "fused_chains") for c in m.fused_chains()}
 
 
 def set_kernel_fusion(model: nn.Module, fusion: KernelFusion) -> int:
@@ -167,3 +177,20 @@ def linear_skip_bias(linear: nn.Module, x: torch.Tensor):
     if type(linear) is nn.Linear:
         return F.linear(x, linear.weight), linear.bias
     return linear(x), None
+
+
+def linear_pair(first: nn.Module, second: nn.Module, x: torch.Tensor, skip_bias: bool = False):
+    """``(first(x), second(x))``, or with ``skip_bias`` ``(y_first, bias_first, y_second,
+    bias_second)`` as :func:`linear_skip_bias` gives them: SwiGLU's gate and up on one input.
+
+    A ``first`` with ``forward_pair`` (the column-parallel linear) may answer for both, running
+    the tensor-parallel collectives of the shared input once (Megatron-LM's single ``fc1`` of
+    ``2 f`` rows does the same); when it declines (None), or for plain modules, each is called.
+    """
+    pair = getattr(first, "forward_pair", None)
+    if pair is not None and (out := pair(second, x, skip_bias)) is not None:
+        return out
+    if skip_bias:
+        return (*linear_skip_bias(first, x), *linear_skip_bias(second, x))
+    return first(x), second(x)
+

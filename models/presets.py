@@ -26,6 +26,7 @@ Notes on the sources:
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import replace
 
 from models.gpt import GPTConfig
@@ -132,14 +133,18 @@ def get_preset(name: str, **overrides) -> GPTConfig:
     """Return the :class:`GPTConfig` of preset ``name`` with ``overrides`` applied.
 
     Raises:
-        KeyError: ``name`` is not a preset; the message lists the valid names.
+        KeyError: ``name`` is not a preset; the message suggests the closest name (difflib)
+            and lists the valid names.
     """
     key = name.lower()
     if key in _LLAMA:
         config = GPTConfig(**dict(_LLAMA_COMMON, **_LLAMA[key]))
         return replace(config, **overrides) if overrides else config
     if key not in _SIZES:
-        raise KeyError(f"unknown GPT preset {name!r}; valid presets: {', '.join(list_presets())}")
+        close = difflib.get_close_matches(key, list_presets(), n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise KeyError(f"unknown GPT preset {name!r}{hint}; valid presets: "
+                       f"{', '.join(list_presets())}")
     layers, hidden, heads, positions = _SIZES[key]
     config = GPTConfig(
         num_layers=layers,

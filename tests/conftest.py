@@ -5,6 +5,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# spawn_world's ranks fork from one server that imported torch once (hybrid.parallel.spawn):
+# ~2 CPU-s of torch import saved per rank, some 160 ranks in the suite.
+os.environ.setdefault("HYBRID_SPAWN_START_METHOD", "forkserver")
 
 
 import pytest  # noqa: E402

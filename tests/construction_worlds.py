@@ -9,13 +9,17 @@ tests and scripts still may use) for comparison.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-from torch.distributed._tools.mem_tracker import MemTracker
 
 from hybrid.parallel.grid import ProcessGrid
 from hybrid.parallel.tp_plan import parallelize_gpt, seeded_weights
 from hybrid.zero.engine import OptimizerConfig, ZeroConfig, ZeroEngine
 from models.gpt import GPT, GPTConfig
+
+if TYPE_CHECKING:  # imported where used: it loads torch's FSDP tools (~1.3 CPU-s per rank)
+    from torch.distributed._tools.mem_tracker import MemTracker
 
 SEED = 1234
 
@@ -44,6 +48,8 @@ def construction_peaks(rank: int, world: int, model_kw: dict, builds, tp: int = 
     peak), ``steady`` (tracked once
     built: model states + buffers), ``unit_fp32`` (the largest unit's fp32 bytes),
     ``states`` (``engine.memory_bytes()`` params + grads + master + optimizer)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
     grid = ProcessGrid(tp=tp)
     cfg = GPTConfig(**model_kw, hidden_dropout=0.0, attention_dropout=0.0)
     out = {}

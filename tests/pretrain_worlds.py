@@ -4,15 +4,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from data.preprocess import preprocess
-from tests.data_helpers import tiny_corpus, tiny_tokenizer
-
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length",
          "32", "--hidden-dropout", "0", "--attention-dropout", "0"]
 
 
 def prepare_data(directory: Path) -> tuple[str, str]:
     """The embedded corpus (first ~150 kB), a 600-id tokenizer and its indexed dataset."""
+    # imported here, not at the top: every rank of a run_configs world imports this module,
+    # and preprocessing's imports (Hugging Face datasets, sentencepiece) cost ~0.7 CPU-s there
+    from data.preprocess import preprocess
+    from tests.data_helpers import tiny_corpus, tiny_tokenizer
+
     tok = tiny_tokenizer(directory)
     corpus = tiny_corpus(directory)
     prefix = directory / "stdlib"

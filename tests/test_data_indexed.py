@@ -42,8 +42,10 @@ def test_index_layout_is_megatrons(tmp_path):
 
 
 def test_dtype_from_vocab_size():
-    assert dtype_for_vocab(65_536) == np.uint16  # Megatron would pick int32 from 65,500 on
-    assert dtype_for_vocab(65_537) == np.int32
+    # Megatron-LM's DType.optimal_dtype: uint16 below 65,500, int32 from there on
+    assert dtype_for_vocab(1) == dtype_for_vocab(50_257) == dtype_for_vocab(65_499) == np.uint16
+    assert dtype_for_vocab(65_500) == dtype_for_vocab(65_536) == np.int32
+    assert dtype_for_vocab(128_256) == np.int32
     with pytest.raises(ValueError):
         dtype_for_vocab(0)
 

@@ -27,6 +27,19 @@ def _megatron_reader():
     return MegatronIndexedDataset
 
 
+def test_our_token_dtype_is_megatron_cores_choice_at_every_boundary():
+    """Preprocessing here and in Megatron-LM picks the same dtype for a vocabulary, so the
+    .bin files of one corpus are the same bytes (its preprocess_data.py calls optimal_dtype
+    with the tokenizer's vocab_size)."""
+    _megatron_reader()
+    from megatron.core.datasets.indexed_dataset import DType
+
+    from data.indexed_dataset import dtype_for_vocab
+
+    for vocab in (1, 32_000, 50_257, 65_499, 65_500, 65_535, 65_536, 65_537, 128_256):
+        assert dtype_for_vocab(vocab) == np.dtype(DType.optimal_dtype(vocab)), vocab
+
+
 @pytest.mark.parametrize("dtype", [np.uint16, np.int32])
 def test_megatron_core_reads_our_files(tmp_path, dtype):
     Megatron = _megatron_reader()

@@ -1,8 +1,8 @@
 """``scripts/gpu_check.sh`` and ``scripts/gpu_multi_check.sh`` stay runnable: bash parses them,
-shellcheck finds nothing, and the one-GPU check's CPU rehearsal (``GPU_CHECK_CPU=1``) runs its
-dry steps to a clean summary here, and the whole rehearsal (every step at tiny shapes, each
-step's limit x5 on CPU: a few minutes on an idle 2-core machine, up to the 1500 s budget on a
-loaded one) runs to a clean summary in the slow test below, profiles and all."""
+shellcheck finds nothing, ``GPU_CHECK_STEPS`` and the budget select and stop steps, and the
+one-GPU check's whole CPU rehearsal (``GPU_CHECK_CPU=1``: every step at tiny shapes, each step's
+limit x5 on CPU; about 60 CPU-seconds, mostly interpreter start-ups, up to the 1500 s budget on
+a loaded machine) runs to a clean summary in the slow test below, profiles and all."""
 
 from __future__ import annotations
 
@@ -34,27 +34,16 @@ def test_shellcheck_is_clean(script):
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-@pytest.mark.timeout(180)
-def test_cpu_rehearsal_of_the_dry_steps(tmp_path):
-    env = dict(os.environ, GPU_CHECK_CPU="1", GPU_CHECK_STEPS="env tests attention",
-               LOG_DIR=str(tmp_path), PYTHON=sys.executable)
-    out = subprocess.run(["bash", str(SCRIPTS[0])], env=env, capture_output=True, text=True,
-                         timeout=170, cwd=ROOT)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
-    log = (tmp_path / "gpu_check.log").read_text()
-    for step in ("env", "tests", "attention"):
-        assert f"  {step}: OK" in log, log[-3000:]
-    assert "parity" not in log.split("=== summary")[1]  # only the steps asked for
-    assert "explicit/fused time" in log and "missing packages: none" in log
-
-
 def test_the_budget_stops_steps_that_would_overrun(tmp_path):
     env = dict(os.environ, GPU_CHECK_CPU="1", GPU_CHECK_STEPS="env attention",
                GPU_CHECK_BUDGET_S="5", LOG_DIR=str(tmp_path), PYTHON=sys.executable)
     out = subprocess.run(["bash", str(SCRIPTS[0])], env=env, capture_output=True, text=True,
                          timeout=60, cwd=ROOT)
     assert out.returncode == 1
-    assert "not run (the 5 s budget is spent)" in (tmp_path / "gpu_check.log").read_text()
+    log = (tmp_path / "gpu_check.log").read_text()
+    assert "not run (the 5 s budget is spent)" in log
+    summary = log.split("=== summary")[1].splitlines()[1:]
+    assert [line.split(":")[0].strip() for line in summary] == ["env", "attention"]  # only those
 
 
 STEPS = ("env", "tests", "parity", "recompute", "syncs", "pretrain", "llama", "bench", "attention")
@@ -71,6 +60,7 @@ def test_cpu_rehearsal_of_every_step(tmp_path):
     assert out.returncode == 0, log[-4000:] + out.stderr[-2000:]
     for step in STEPS:
         assert f"  {step}: OK" in log, log[-3000:]
+    assert "explicit/fused time" in log and "missing packages: none" in log
     assert "pretrain (last log interval" in log and "predicted: dry run" in log
     assert "llama (last log interval" in log and "ours / torch tokens/s:" in log
     for name in ("pretrain", "llama"):  # one profiled iteration each, split by class

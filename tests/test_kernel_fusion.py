@@ -149,6 +149,23 @@ def test_set_kernel_fusion_reaches_every_fusable_module():
     assert n == 5 * LLAMA_KW["num_layers"] + 1
 
 
+def test_the_start_up_line_names_only_the_fusions_the_model_has():
+    """Every chain asked for; a GPT runs no SwiGLU and no RoPE, a Llama no bias-GeLU."""
+    from hybrid.parallel.kernels import apply_kernel_fusion
+
+    every = KernelFusion.every()
+    gpt = apply_kernel_fusion(GPT(GPTConfig(**GPT_KW)), every, torch.device("cpu"))
+    assert gpt == "kernel fusion: norm, bias_gelu, bias_dropout (torch.compile; norms compiled)"
+    llama = apply_kernel_fusion(GPT(GPTConfig(**LLAMA_KW)), every, torch.device("cpu"))
+    assert llama == ("kernel fusion: norm, bias_swiglu, bias_dropout, rope (torch.compile; "
+                     "norms compiled)")
+    no_rope = apply_kernel_fusion(GPT(GPTConfig(**LLAMA_KW)), KernelFusion(
+        norm=True, bias_swiglu=True), torch.device("cpu"))
+    assert no_rope == "kernel fusion: norm, bias_swiglu (torch.compile; norms compiled)"
+    assert apply_kernel_fusion(GPT(GPTConfig(**GPT_KW)), OFF, torch.device("cpu")) == (
+        "kernel fusion: off (eager elementwise ops)")
+
+
 @pytest.fixture(scope="module")
 def world():
     return spawn_world(2, fusion_world, timeout_s=120)

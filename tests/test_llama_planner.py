@@ -74,7 +74,7 @@ def test_plan_cli_takes_llama_presets_and_flags(capsys):
     from models.presets import get_preset
 
     argv = ["--num-gpus", "8", "--device", "H100", "--tp", "2", "--zero-stage", "3",
-            "--activation", "sp", "--seq-length", "2048", "--json"]
+            "--activation", "sp", "--seq-length", "2048", "--no-optimizer-cpu-offload", "--json"]
     assert main(["--model", "llama-125m", "--hidden-dropout", "0", "--attention-dropout", "0",
                  *argv]) == 0
     got = json.loads(capsys.readouterr().out)

@@ -44,8 +44,10 @@ def test_cli_json(capsys):
     assert plan_cli.main([*DIMS, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["num_parameters"] == flops.num_parameters(gpt(48, 1600, 16, v=50257, s=1024))
-    # 4 tps x 4 stages x 9 options; at tp=1 no full+pa and no sequence-parallel option (4)
-    assert len(doc["candidates"]) == 4 * 4 * 9 - 4 * 5
+    # 4 tps x 4 stages x 9 options; at tp=1 no full+pa and no sequence-parallel option (4);
+    # stages 1-3 twice more with half and all the optimizer on the host (the offload search)
+    assert len(doc["candidates"]) == 4 * 4 * 9 - 4 * 5 + 2 * (4 * 3 * 9 - 3 * 5)
+    assert {c["offload_fraction"] for c in doc["candidates"] if c["stage"] == 0} == {0.0}
     assert doc["best"]["fits"] is True
     assert set(doc["best"]["model_states"]) == {"params", "grads", "master", "optimizer", "total"}
 
@@ -137,6 +139,28 @@ def test_cli_takes_a_preset_and_names_an_unknown_one(capsys):
     with pytest.raises(SystemExit):
         main(["--model", "gpt-5", "--seq-length", "1024", "--num-gpus", "8"])
     assert "gpt2-124m" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # a near miss: the closest name is suggested
+        main(["--model", "gpt-124m", "--num-gpus", "8", "--device", "H100"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.splitlines()) == 1, err
+    assert "unknown GPT preset 'gpt-124m' (did you mean 'gpt2-124m'?); valid presets: " in err
+
+
+@pytest.mark.parametrize(("tp", "rule"), [
+    ("8", "tp=8 must divide num_attention_heads=12 and ffn_hidden_size=3072"),
+    ("3", "tensor-model-parallel size 3 does not divide the world size 8"),
+    ("16", "tp=16 must divide num_attention_heads=12 and ffn_hidden_size=3072; "
+           "tensor-model-parallel size 16 does not divide the world size 8"),
+    ("0", "tp=0 must be positive")])
+def test_a_bad_tp_lists_the_valid_values(tp, rule, capsys):
+    """gpt2-124m (12 heads) on 8 GPUs: 8 divides the GPUs but not the heads, so 1, 2, 4."""
+    from hybrid.planner.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--model", "gpt2-124m", "--num-gpus", "8", "--device", "H100", "--tp", tp])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.splitlines()) == 1, err
+    assert f"{rule}; valid --tp for this model on 8 GPUs: 1, 2, 4\n" in err
 
 
 @pytest.mark.parametrize(
@@ -204,7 +228,7 @@ def test_cli_table_shows_the_reserve_and_explains_m(reserved, capsys):
     assert header[5:14] == ["params", "grads", "master", "optim", "activ", "temps", "buffers",
                             "reserve", "total"]
     rows = [x.split() for x in lines[5:] if x.split() and x.split()[0].isdigit()]
-    assert len(rows) == 4 * 4 * 9 - 4 * 5  # as test_cli_json
+    assert len(rows) == 4 * 4 * 9 - 4 * 5 + 2 * (4 * 3 * 9 - 3 * 5)  # as test_cli_json
     for r in rows:
         dp, m = int(r[1]), int(r[4])
         assert m == 64 // (4 * dp), r  # global batch / (micro-batch * dp)

@@ -19,7 +19,7 @@ L = GPT_CFG["num_layers"]
 @pytest.fixture(scope="module")
 def world():
     return spawn_world(2, tp_overlap_world, ["order", "bitwise", "parity", "coalesce",
-                                             "no_input_grad"],
+                                             "no_input_grad", "shared_input"],
                        timeout_s=90)
 
 
@@ -56,3 +56,20 @@ def test_one_gradient_all_reduce_per_block(world):
             assert got[("llama_qk", True, dropout)] == (L + 1, 4 * L + 1, True, True)
             # without SP only the q/k norms are summed (each rank normalises other heads)
             assert got[("llama_qk", False, dropout)] == (L, 2 * L, True, True)
+
+
+def test_swiglu_gate_and_up_share_one_input_collective(world):
+    """Megatron-LM's single fc1 of 2f rows: per block one all-gather forward and one re-gather
+    and one reduce-scatter backward fewer under SP; one input-gradient all-reduce fewer without
+    SP. The forward is bit for bit the two-linear path; gradients agree to fp32 rounding (the two
+    input-gradient products are summed before the collective instead of after)."""
+    for r in world:
+        for (sp, dropout), (same_loss, calls, calls0, diff) in r["shared_input"].items():
+            assert same_loss and diff <= 1e-6, (sp, dropout, diff)
+            fewer = {k: calls0.get(k, 0) - calls.get(k, 0) for k in set(calls) | set(calls0)}
+            if sp:
+                assert fewer == {"all_gather": L, "regather": L, "reduce_scatter": L,
+                                 "grad_all_reduce": 0}, fewer
+            else:
+                assert fewer == {"all_reduce": L}, fewer
+

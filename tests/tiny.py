@@ -107,7 +107,7 @@ def reference(config_kw: dict, batches, optimizer: dict | None = None, seed: int
 def build_parallel(grid: ProcessGrid, config_kw: dict, zero: ZeroConfig | None = None,
                    optimizer: OptimizerConfig | None = None, activation: ActivationConfig
                    | None = None, tracker: RNGTracker | None = None, seed: int = SEED,
-                   sequence_parallel: bool = False) -> ZeroEngine:
+                   sequence_parallel: bool = False, tp_comm_overlap: bool = False) -> ZeroEngine:
     """The same weights as :func:`reference`, made parallel by
     :func:`hybrid.parallelize.parallelize` (TP plan -> activation checkpointing -> ZeRO) on
     ``grid``; the sections left None keep their defaults."""
@@ -119,5 +119,6 @@ def build_parallel(grid: ProcessGrid, config_kw: dict, zero: ZeroConfig | None =
     sections = {k: v for k, v in dict(zero=zero, optimizer=optimizer, activation=activation).items()
                 if v is not None}
     sections["grid"] = GridConfig(tensor_model_parallel_size=grid.tp_size,
-                                  sequence_parallel=sequence_parallel)
+                                  sequence_parallel=sequence_parallel,
+                                  tp_comm_overlap=tp_comm_overlap)
     return parallelize(model, grid, PretrainConfig(**sections), tracker)

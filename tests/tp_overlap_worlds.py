@@ -197,9 +197,39 @@ def coalesce(grid: ProcessGrid) -> dict:
     return out
 
 
+def _swiglu_run(grid, sp: bool, shared: bool, dropout: float):
+    torch.manual_seed(1234)
+    model = GPT(GPTConfig(**dict(LLAMA_CFG, hidden_dropout=dropout, attention_dropout=dropout)))
+    parallelize_gpt(model, grid.tp_group, tracker=RNGTracker(seed=77, tp_rank=grid.tp_rank),
+                    sequence_parallel=sp)
+    ledger = tp_ledger(model)
+    x, y = _batch(LLAMA_CFG["vocab_size"])
+    torch.manual_seed(99)
+    with contextlib.ExitStack() as stack:
+        if not shared:  # the two-linear path this replaces
+            stack.enter_context(mock.patch.object(ColumnParallelLinear, "forward_pair",
+                                                  lambda self, other, x, skip_bias=False: None))
+        loss = model(x, y).mean()
+        loss.backward()
+    return loss, dict(ledger.calls), [p.grad for p in model.parameters()]
+
+
+def shared_input(grid: ProcessGrid) -> dict:
+    """``{(sp, dropout): (loss bit-equal, calls shared, calls two-linear, max grad diff)}`` of
+    a Llama (SwiGLU) step with gate and up sharing their input collectives, and without."""
+    out = {}
+    for sp in (True, False):
+        for dropout in (0.0, 0.1):
+            loss, calls, grads = _swiglu_run(grid, sp, True, dropout)
+            loss0, calls0, grads0 = _swiglu_run(grid, sp, False, dropout)
+            diff = max((a - b).abs().max().item() for a, b in zip(grads, grads0, strict=True))
+            out[(sp, dropout)] = (torch.equal(loss, loss0), calls, calls0, diff)
+    return out
+
+
 def tp_overlap_world(rank: int, world: int, checks: list[str]) -> dict:
     """The named checks at tp = ``world`` in one spawned world."""
     fns = dict(order=overlap_order, bitwise=overlap_bitwise, parity=parity, coalesce=coalesce,
-               no_input_grad=no_input_grad)
+               no_input_grad=no_input_grad, shared_input=shared_input)
     grid = ProcessGrid(tp=world)
     return {name: fns[name](grid) for name in checks}

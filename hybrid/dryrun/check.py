@@ -52,6 +52,10 @@ class CheckRun:
     """ZeroConfig.grad_reduce; the planner gets the same."""
     grad_reduce_in_bf16: bool = False
     """ZeroConfig.grad_reduce_in_bf16 (bf16 gradients); the planner gets the same."""
+    hpz_partition_size: int = 1
+    """ZeroConfig.hpz_partition_size (ZeRO++ hpZ, stage 3); the planner gets the same."""
+    quantized_weights: bool = False
+    """ZeroConfig.quantized_weights (ZeRO++ qwZ, stage 3); the planner gets the same."""
 
     @property
     def name(self) -> str:
@@ -60,7 +64,9 @@ class CheckRun:
         return (f"tp{self.tp}xdp{self.dp} z{self.stage} {self.precision} m={self.micro_batches}"
                 + (f" persist<{persist}" if persist else "")
                 + (f" {self.grad_reduce}" if self.grad_reduce != "reduce_scatter" else "")
-                + (" bf16-grads" if self.grad_reduce_in_bf16 else ""))
+                + (" bf16-grads" if self.grad_reduce_in_bf16 else "")
+                + (f" hpz{self.hpz_partition_size}" if self.hpz_partition_size > 1 else "")
+                + (" qwz" if self.quantized_weights else ""))
 
 
 def predict(run: CheckRun) -> dict:
@@ -79,6 +85,8 @@ def predict(run: CheckRun) -> dict:
         param_persistence_threshold=run.param_persistence_threshold,
         grad_reduce=run.grad_reduce,
         grad_reduce_in_bf16=run.grad_reduce_in_bf16,
+        hpz_partition_size=run.hpz_partition_size,
+        quantized_weights=run.quantized_weights,
     )
     c = evaluate(GPTConfig(**run.model), cluster, training, run.tp, run.stage, "none")
     states = {k: c.model_states[k] for k in STATE_KEYS}
@@ -104,7 +112,9 @@ def measure(grid: ProcessGrid, run: CheckRun, seed: int = 1234) -> dict:
                     param_persistence_threshold=run.param_persistence_threshold,
                     reduce_bucket_size=run.bucket_elements,
                     allgather_bucket_size=run.bucket_elements, grad_reduce=run.grad_reduce,
-                    grad_reduce_in_bf16=run.grad_reduce_in_bf16)
+                    grad_reduce_in_bf16=run.grad_reduce_in_bf16,
+                    hpz_partition_size=run.hpz_partition_size,
+                    quantized_weights=run.quantized_weights)
     engine = parallelize(GPT(cfg), grid,
                          PretrainConfig(zero=zc, optimizer=OptimizerConfig(lr=1e-3)))
     g = torch.Generator().manual_seed(seed + grid.dp_rank)
@@ -155,7 +165,8 @@ def default_runs(model: dict, world: int = 4) -> list[CheckRun]:
     """The grid of checks: stages 0-3 x (tp, dp) in {(1, world), (2, world/2)} x bf16/fp32 x
     1 and 2 micro-batches, plus stage 3 with a persistence threshold that keeps the biases and
     LayerNorms whole, plus stages 1-3 with ``grad_reduce="all_reduce"``, plus stages 0-3 with
-    bf16 gradients (``grad_reduce_in_bf16``)."""
+    bf16 gradients (``grad_reduce_in_bf16``), plus stage 3 with ZeRO++ (hpZ over 2 ranks, qwZ,
+    both) at tp 1."""
     out = []
     for tp in (1, 2):
         for stage in range(4):
@@ -168,4 +179,7 @@ def default_runs(model: dict, world: int = 4) -> list[CheckRun]:
                 for stage in (1, 2, 3)]
         out += [CheckRun(model, tp, world // tp, stage, "bf16", 2, grad_reduce_in_bf16=True)
                 for stage in range(4)]
+    zpp = CheckRun(model, 1, world, 3, "bf16", 2, hpz_partition_size=2)
+    out += [zpp, replace(zpp, quantized_weights=True),
+            replace(zpp, hpz_partition_size=1, quantized_weights=True)]
     return out

@@ -50,8 +50,8 @@ def pretrain_argv(args, model, chosen, global_batch: int) -> list[str]:
     :class:`hybrid.planner.plan.Candidate`) for the planner's parsed ``args`` and its model
     (a :class:`models.config.GPTConfig`, for the vocabulary), rank 0 of
     ``args.num_gpus``; ``global_batch`` in samples; the micro-batch is ``chosen``'s (the
-    planner's search) and ``--overlap-param-gather`` / ``--grad-reduce-in-bf16`` pass through
-    when set."""
+    planner's search) and ``--overlap-param-gather`` / ``--grad-reduce-in-bf16`` (and at stage 3
+    ZeRO++'s two flags) pass through when set."""
     out = ["--preset", args.model] if args.model else []
     for name in _SAME_VALUE:
         value = getattr(args, name)
@@ -60,11 +60,20 @@ def pretrain_argv(args, model, chosen, global_batch: int) -> list[str]:
     out += [_flag(n) for n in _SAME_SWITCH if getattr(args, n, False)]
     out += [] if getattr(args, "gradient_accumulation_fusion", True) else [
         "--no-gradient-accumulation-fusion"]
+    if getattr(args, "zero_quantized_gradients", False) and chosen.stage >= 2:  # qgZ: 2-3
+        out += ["--zero-quantized-gradients", "--zero-quantized-gradients-bits",
+                str(args.zero_quantized_gradients_bits)]
     b = getattr(chosen, "micro_batch_size", None) or (args.micro_batch_size or [None])[0]
     out += ["--micro-batch-size", str(b)] if b else []  # the planner's pick (searched or given)
     out += ["--vocab-size", str(model.vocab_size), "--global-batch-size", str(global_batch),
             "--tensor-model-parallel-size", str(chosen.tp), "--zero-stage", str(chosen.stage),
             *ACTIVATION_FLAGS[chosen.activation]]
+    if getattr(args, "tp_comm_overlap", False) and "sp" in chosen.activation and chosen.tp > 1:
+        out.append("--tp-comm-overlap")  # where it takes effect (pretrain refuses it elsewhere)
+    if chosen.stage == 3:  # ZeRO++ (the engine refuses it below stage 3)
+        n = getattr(args, "zero_hpz_partition_size", 1)
+        out += ["--zero-hpz-partition-size", str(n)] if n > 1 else []
+        out += ["--zero-quantized-weights"] if getattr(args, "zero_quantized_weights", 0) else []
     out += [] if args.precision == "fp32" else ["--" + args.precision]
     out += ["--device", args.device] if args.device else []
     out += ["--gpu-memory-gib", str(args.gpu_memory_gb)] if args.gpu_memory_gb else []

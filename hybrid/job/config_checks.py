@@ -23,6 +23,7 @@ from hybrid.parallel.grid import validate_grid
 from hybrid.parallel.tp_split import tp_split_refusal
 from hybrid.parallel.vocab import pad_vocab_size
 from hybrid.tensorboard_log import tensorboard_missing
+from hybrid.zero.topology import NODE_SIZE_ENV, NodeTopology, local_world_size
 from models.config import GPTConfig
 
 
@@ -220,10 +221,26 @@ def _check_world(cfg: PretrainConfig, world_size: int | None,
         shape = validate_grid(world, tp, local)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    _check_hpz(cfg, world, local)
     if g.dry_run_world_size is not None and not 0 <= g.dry_run_rank < g.dry_run_world_size:
         raise ConfigError(f"--dry-run-rank {g.dry_run_rank} must be in [0, --dry-run-world-size "
                           f"{g.dry_run_world_size})")
     return world, shape.dp
+
+
+def _check_hpz(cfg: PretrainConfig, world: int, local: int | None) -> None:
+    """``--zero-hpz-partition-size`` divides the data-parallel ranks of a node (tp < the
+    processes per node; nodes from ``HYBRID_LOCAL_WORLD_SIZE`` or ``LOCAL_WORLD_SIZE``), and
+    ``--zero-quantized-gradients`` has nodes that fit the world (its hierarchical all-to-all)."""
+    if cfg.zero.hpz_partition_size <= 1 and not cfg.zero.quantized_gradients:
+        return
+    try:
+        node = local_world_size(world) if os.environ.get(NODE_SIZE_ENV) or local is None else local
+        topo = NodeTopology(world, cfg.grid.tensor_model_parallel_size, min(node, world))
+        if cfg.zero.hpz_partition_size > 1:
+            topo.check_intra_size(cfg.zero.hpz_partition_size)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _check_model_split(cfg: PretrainConfig, gpt: GPTConfig) -> None:

@@ -46,7 +46,7 @@ NO_OP = {
     # no persistent LayerNorm kernel here: the fused norm is compiled (or apex's FusedLayerNorm)
     "--no-persist-layer-norm", "--cross-entropy-loss-fusion",
     "--cross-entropy-fusion-impl", "--no-async-tensor-model-parallel-allreduce",
-    "--tp-comm-overlap", "--manual-gc", "--manual-gc-interval",
+    "--manual-gc", "--manual-gc-interval",
     "--timing-log-level", "--timing-log-option", "--num-workers", "--no-mmap-bin-files",
     "--mmap-bin-files", "--no-create-attention-mask-in-dataloader", "--dataloader-type",
     "--empty-unused-memory-level", "--use-cpu-initialization",

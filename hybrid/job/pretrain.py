@@ -108,6 +108,9 @@ def engine_modes(config) -> str:
               else "added per parameter and staged (--no-gradient-accumulation-fusion)")
     reduce = ("reduced during backward (--overlap-grad-reduce)" if config.overlap_comm
               else "reduced after backward (--no-overlap-grad-reduce)")
+    if getattr(config, "quantized_gradients", False):
+        reduce += (f" as int{config.quantized_gradients_bits} over an intra- then inter-node "
+                   "all-to-all (--zero-quantized-gradients)")
     if config.stage == 0:
         gather = "parameters copied from the master after the step (stage 0)"
     elif config.overlap_param_gather:
@@ -116,7 +119,10 @@ def engine_modes(config) -> str:
     else:
         gather = ("updated parameters all-gathered before the step returns "
                   "(--overlap-param-gather off)")
-    return f"gradients {grads}, {fusion}, {reduce}; {gather}"
+    zpp = "".join((f"; ZeRO++ hpZ: backward gathers inside the node over "
+                   f"{config.hpz_partition_size} ranks" if config.hpz_partition_size > 1 else "",
+                   "; ZeRO++ qwZ: int8 parameter gathers" if config.quantized_weights else ""))
+    return f"gradients {grads}, {fusion}, {reduce}; {gather}{zpp}"
 
 
 def loop_settings(job: Job, grid: ProcessGrid, splits=("valid", "test")):
@@ -255,7 +261,8 @@ def header(job: Job) -> str:
     activation-memory options (sequence parallelism, recompute, ZeRO-R P_a / cpu / MD)."""
     cfg = job.cfg
     a = cfg.activation
-    act = ["sequence parallel"] if cfg.grid.sequence_parallel_active else []
+    act = ["sequence parallel" + (" (TP comm overlapped)" if cfg.grid.tp_comm_overlap else "")
+           ] if cfg.grid.sequence_parallel_active else []
     if a.selective_recompute:
         act.append("selective recompute")
     elif a.checkpoint_activations:

@@ -61,14 +61,16 @@ def apply_kernel_fusion(model: nn.Module, fusion: KernelFusion, device: torch.de
     """Set ``fusion`` on ``model`` and, with fused norms on CUDA, swap in apex's norms.
 
     Returns:
-        One line for the start-up log: the fused chains and the norms' kernel.
+        One line for the start-up log: the fused chains that ``model`` has (a GPT: no SwiGLU,
+        no RoPE) and the norms' kernel.
     """
     set_kernel_fusion(model, fusion)
     if not fusion.names():
         return "kernel fusion: off (eager elementwise ops)"
+    names = fusion.names(model)  # before apex's norms replace ours
     swapped = use_fused_kernels(model, device) if fusion.norm else 0
     norms = f"apex ({swapped} swapped)" if swapped else "compiled"
-    return f"kernel fusion: {', '.join(fusion.names())} (torch.compile; norms {norms})"
+    return f"kernel fusion: {', '.join(names)} (torch.compile; norms {norms})"
 
 
 def fused_layer_norm_class(name: str = "FusedLayerNorm"):

@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from hybrid.parallel.collective_matmul import column_sp, row_sp
 from hybrid.parallel.ops import (
     TPLedger,
     column_parallel_linear,
@@ -34,6 +35,7 @@ from hybrid.parallel.ops import (
     sequence_parallel_linear,
 )
 from hybrid.parallel.rng import RNGTracker
+from hybrid.parallel.shared_input import column_pair
 from models import fusion
 from models.fused import RMSNorm, rms_norm
 from models.fusion import OFF
@@ -139,6 +141,9 @@ class ColumnParallelLinear(nn.Module):
         """With ``sequence_parallel``: the output's tokens in rank-major order (no reordering
         copy at micro-batch > 1), for a token-wise consumer ending in a ``token_wise``
         :class:`RowParallelLinear` (the MLP; ``hybrid.parallel.ops._gather_seq_start``)."""
+        self.tp_comm_overlap = False
+        """With ``sequence_parallel``: the all-gather pipelined with the GEMM
+        (``hybrid.parallel.collective_matmul``, ``--tp-comm-overlap``)."""
         rank, size = _group_coords(group)
         padded_out = padded_out or out_features
         if padded_out % size:
@@ -155,17 +160,20 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
-            return sequence_parallel_linear(x, self.weight, self.bias, self.group, self.ledger,
-                                            self.token_wise)
+            return column_sp(self, x, self.bias)
         return column_parallel_linear(x, self.weight, self.bias, self.group, self.ledger)
 
     def forward_skip_bias(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(forward(x) without the bias, this rank's bias slice or None)``, for a fused
         consumer that adds it (``models.fusion.linear_skip_bias``)."""
         if self.sequence_parallel:
-            return sequence_parallel_linear(x, self.weight, None, self.group, self.ledger,
-                                            self.token_wise), self.bias
+            return column_sp(self, x, None), self.bias
         return column_parallel_linear(x, self.weight, None, self.group, self.ledger), self.bias
+
+    def forward_pair(self, other: nn.Module, x: torch.Tensor, skip_bias: bool = False):
+        """``(self(x), other(x))`` (with ``skip_bias`` four values) on one input collective, or
+        None (:func:`hybrid.parallel.shared_input.column_pair`)."""
+        return column_pair(self, other, x, skip_bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -186,6 +194,8 @@ class RowParallelLinear(nn.Module):
         self.token_wise = False
         """With ``sequence_parallel``: the input's tokens are in rank-major order (from a
         ``token_wise`` :class:`ColumnParallelLinear`), reduce-scattered without reordering."""
+        self.tp_comm_overlap = False
+        """With ``sequence_parallel``: the reduce-scatter pipelined with the GEMM."""
         self.grad_group = None
         """The unit's ``hybrid.parallel.grad_groups.TPSummedGroup`` (SP bias), or None."""
         rank, size = _group_coords(group)
@@ -202,8 +212,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
-            y = reduce_scatter_sequence(F.linear(x, self.weight), self.group, self.ledger,
-                                        self.token_wise)
+            y = row_sp(self, x)
             return y if self.bias is None else y + _summed(self, "bias")
         y = reduce_from_tp(F.linear(x, self.weight), self.group, self.ledger)
         return y if self.bias is None else y + self.bias
@@ -213,9 +222,7 @@ class RowParallelLinear(nn.Module):
         (``models.fusion.linear_skip_bias``); under sequence parallelism the bias is
         :func:`tp_summed`, as :meth:`forward` adds it."""
         if self.sequence_parallel:
-            y = reduce_scatter_sequence(F.linear(x, self.weight), self.group, self.ledger,
-                                        self.token_wise)
-            return y, None if self.bias is None else _summed(self, "bias")
+            return row_sp(self, x), None if self.bias is None else _summed(self, "bias")
         return reduce_from_tp(F.linear(x, self.weight), self.group, self.ledger), self.bias
 
     def tp_summed_params(self) -> list[str]:

@@ -12,3 +12,9 @@ def sequence_parallel_active(requested: bool, tp: int) -> bool:
     header all decide it here.
     """
     return bool(requested) and tp > 1
+
+
+TP_COMM_OVERLAP_NEEDS_SP = ("pipelines the all-gathers and reduce-scatters of "
+                            "sequence parallelism: it needs --sequence-parallel with "
+                            "--tensor-model-parallel-size > 1 (as Megatron-LM)")
+"""The refusal of ``--tp-comm-overlap`` without sequence parallelism in effect."""

@@ -1,7 +1,8 @@
 """Run a function on a local multi-process world (gloo on CPU by default; NCCL, one GPU per rank,
 when asked for).
 
-Used by the tests (one spawn serves many checks, since a 4-rank spawn costs ~20 s on 2 cores)
+Used by the tests (one spawn serves many checks: a 4-rank spawn of new interpreters costs ~8
+CPU-s of torch imports; the tests fork their ranks from a server instead, see :func:`_context`)
 and by anyone who wants a quick parallel experiment without torchrun. Production jobs launch
 with ``torchrun`` instead and build the grid from its environment (``hybrid.parallel.grid``).
 """
@@ -13,9 +14,11 @@ import os
 import pickle
 import queue as queue_module
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
+from multiprocessing import reduction
 from typing import Any
 
 import torch
@@ -30,7 +33,66 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, timeout_s, queue, backend="gloo"):
+START_METHODS = ("spawn", "forkserver")
+START_METHOD_ENV = "HYBRID_SPAWN_START_METHOD"
+"""Environment variable naming :func:`spawn_world`'s default start method (``spawn`` when
+unset); the test suite sets ``forkserver``."""
+
+
+def _context(start_method: str | None):
+    """The multiprocessing context of ``start_method`` (default: :data:`START_METHOD_ENV`).
+
+    ``forkserver``: a server process imports torch once (the first call) and each rank is
+    forked from it, so a rank starts in milliseconds instead of paying the ~2 CPU-s torch
+    import; the server runs nothing else, so every rank still starts from a clean interpreter.
+    One difference: forked ranks share the server's string-hash seed, where spawned ones (and
+    torchrun's workers) each draw their own.
+
+    Raises:
+        ValueError: an unknown start method.
+    """
+    method = start_method or os.environ.get(START_METHOD_ENV) or "spawn"
+    if method not in START_METHODS:
+        raise ValueError(f"spawn_world: start method {method!r} (from {START_METHOD_ENV} or "
+                         f"start_method); valid: {', '.join(START_METHODS)}")
+    if method == "forkserver":
+        mp.set_forkserver_preload(["torch", "torch.distributed"])  # before the server starts
+    return mp.get_context(method)
+
+
+class _CallerFd:
+    """The caller's file descriptor ``fd``, sent to a forked rank (the rank's own stdout and
+    stderr are the fork server's, not the caller's, e.g. pytest's capture)."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        return _adopt, (reduction.DupFd(self.fd),)  # pickled by Process.start: sent with it
+
+
+def _adopt(dup) -> int:
+    return dup.detach()
+
+
+def _caller_io(ctx) -> tuple[dict[str, str], tuple[_CallerFd, _CallerFd] | None]:
+    """``(environment, stdout and stderr to send)`` for the ranks of ``ctx`` (no descriptors
+    for spawned ranks, which inherit them); Python's buffers flushed first."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    forked = ctx.get_start_method() == "forkserver"
+    return dict(os.environ), (_CallerFd(1), _CallerFd(2)) if forked else None
+
+
+def _worker(rank, world_size, port, fn, args, timeout_s, queue, backend="gloo", env=None,
+            stdio=None):
+    if env is not None:  # a forked rank has the server's environment: take the caller's
+        os.environ.clear()
+        os.environ.update(env)
+    if stdio is not None:  # and its stdout and stderr
+        for target, fd in zip((1, 2), stdio, strict=True):
+            os.dup2(fd, target)
+            os.close(fd)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -61,6 +123,16 @@ def _worker(rank, world_size, port, fn, args, timeout_s, queue, backend="gloo"):
             dist.destroy_process_group()
 
 
+def _check_backend(world_size: int, backend: str) -> None:
+    """Raises ValueError: ``backend`` is not gloo or nccl, or nccl without one GPU per rank."""
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"spawn_world: backend {backend!r}; valid: 'gloo', 'nccl'")
+    if backend == "nccl" and (not torch.cuda.is_available()
+                              or torch.cuda.device_count() < world_size):
+        raise ValueError(f"spawn_world: nccl needs one GPU per rank: {world_size} ranks, "
+                         f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} GPUs")
+
+
 def spawn_world(
     world_size: int,
     fn: Callable[..., Any],
@@ -68,6 +140,7 @@ def spawn_world(
     timeout_s: float = 90.0,
     join_timeout_s: float | None = None,
     backend: str = "gloo",
+    start_method: str | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes; their results.
 
@@ -79,27 +152,27 @@ def spawn_world(
     the host never moves a CPU world to CUDA, and
     :func:`hybrid.parallel.grid.default_device` follows the backend (gloo: CPU).
 
+    ``start_method`` (default :data:`START_METHOD_ENV`, else ``spawn``; :func:`_context`):
+    either way a rank has the caller's environment, cwd, sys.path, stdout and stderr.
+
     Returns:
         ``[result of rank 0, result of rank 1, ...]``.
 
     Raises:
-        ValueError: ``backend`` is not gloo or nccl, or nccl without one GPU per rank.
+        ValueError: ``backend`` is not gloo or nccl, or nccl without one GPU per rank, or an
+            unknown ``start_method``.
         RuntimeError: if any rank raised (its traceback is included), or if the world did not
             finish within ``join_timeout_s`` seconds (default ``3 * timeout_s + 60``); every
             process is killed before raising.
     """
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"spawn_world: backend {backend!r}; valid: 'gloo', 'nccl'")
-    if backend == "nccl" and (not torch.cuda.is_available()
-                              or torch.cuda.device_count() < world_size):
-        raise ValueError(f"spawn_world: nccl needs one GPU per rank: {world_size} ranks, "
-                         f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} GPUs")
-    ctx = mp.get_context("spawn")
+    _check_backend(world_size, backend)
+    ctx = _context(start_method)
     queue = ctx.Queue()
     port = free_port()
+    env, stdio = _caller_io(ctx)
     procs = [
         ctx.Process(target=_worker, args=(r, world_size, port, fn, args, timeout_s, queue,
-                                          backend),
+                                          backend, env, stdio),
                     daemon=False)
         for r in range(world_size)
     ]

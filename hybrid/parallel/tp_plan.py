@@ -52,7 +52,7 @@ from hybrid.parallel.grad_groups import group_tp_summed_grads
 from hybrid.parallel.layers import TPSpec, get_tp_spec, set_tp_spec
 from hybrid.parallel.ops import TPLedger
 from hybrid.parallel.rng import RNGTracker
-from hybrid.parallel.sequence import sequence_parallel_active
+from hybrid.parallel.sequence import TP_COMM_OVERLAP_NEEDS_SP, sequence_parallel_active
 from hybrid.parallel.tp_split import tp_split_refusal
 from hybrid.parallel.tp_styles import STYLES, Swap
 from hybrid.parallel.vocab import pad_vocab_size
@@ -133,6 +133,7 @@ def parallelize_gpt(
     seed: int | None = None,
     sequence_parallel: bool = False,
     ledger: TPLedger | None = None,
+    tp_comm_overlap: bool = False,
 ) -> GPT:
     """Swap ``model``'s modules for their tensor-parallel forms over ``tp_group``, in place.
 
@@ -150,16 +151,22 @@ def parallelize_gpt(
         sequence_parallel: shard the LayerNorm / dropout regions along the sequence
             (``--sequence-parallel``; no effect at tp = 1, as in Megatron-LM).
         ledger: counts the TP collectives' bytes (a new one when None; :func:`tp_ledger`).
+        tp_comm_overlap: pipeline the blocks' SP all-gathers and reduce-scatters with their
+            GEMMs (``--tp-comm-overlap``, :mod:`hybrid.parallel.collective_matmul`).
 
     Returns:
         The same ``model`` object, now tensor-parallel. Every parameter carries a ``tp_spec``.
 
     Raises:
-        ValueError: tp does not divide the head count or the MLP width; dropout without tracker.
+        ValueError: tp does not divide the head count or the MLP width; dropout without tracker;
+            ``tp_comm_overlap`` without sequence parallelism at tp > 1.
     """
     cfg = model.config
     tp = dist.get_world_size(tp_group)
     sequence_parallel = sequence_parallel_active(sequence_parallel, tp)
+    if tp_comm_overlap and not sequence_parallel:
+        raise ValueError(f"tp_comm_overlap {TP_COMM_OVERLAP_NEEDS_SP} (sequence_parallel in "
+                         f"effect: {sequence_parallel}, tp {tp})")
     _check_fits(cfg, tp, sequence_parallel, tracker)
     full = None if any(p.is_meta for p in model.parameters()) else {
         k: v.detach().clone() for k, v in model.state_dict().items()
@@ -167,7 +174,7 @@ def parallelize_gpt(
     swap = Swap(model, tp_group, tracker,
                  pad_vocab_size(cfg.vocab_size, tp, make_vocab_size_divisible_by),
                  TPLedger() if ledger is None else ledger, sequence_parallel,
-                 *_target(model, full, seed))
+                 *_target(model, full, seed), tp_comm_overlap)
     plan = dict(GPT_TP_PLAN, **(SEQUENCE_PARALLEL_PLAN if sequence_parallel else {}))
     for name, module in list(model.named_modules()):
         style = next((s for pat, s in plan.items() if fnmatch.fnmatchcase(name, pat)), None)

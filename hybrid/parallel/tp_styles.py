@@ -45,6 +45,9 @@ class Swap:
     sequence_parallel: bool
     device: torch.device
     dtype: torch.dtype
+    tp_comm_overlap: bool = False
+    """Pipeline the block linears' SP collectives with their GEMMs
+    (``hybrid.parallel.collective_matmul``)."""
 
     @property
     def kw(self) -> dict:
@@ -69,13 +72,17 @@ def _vocab_output(module: nn.Module, s: Swap) -> nn.Module:
 
 
 def _column(module: nn.Linear, s: Swap) -> nn.Module:
-    return ColumnParallelLinear(module.in_features, module.out_features, s.tp_group,
-                                bias=module.bias is not None, **s.kw, **s.sp)
+    layer = ColumnParallelLinear(module.in_features, module.out_features, s.tp_group,
+                                 bias=module.bias is not None, **s.kw, **s.sp)
+    layer.tp_comm_overlap = s.tp_comm_overlap
+    return layer
 
 
 def _row(module: nn.Linear, s: Swap) -> nn.Module:
-    return RowParallelLinear(module.in_features, module.out_features, s.tp_group,
-                             bias=module.bias is not None, **s.kw, **s.sp)
+    layer = RowParallelLinear(module.in_features, module.out_features, s.tp_group,
+                              bias=module.bias is not None, **s.kw, **s.sp)
+    layer.tp_comm_overlap = s.tp_comm_overlap
+    return layer
 
 
 def _token_wise(layer: nn.Module) -> nn.Module:

@@ -33,9 +33,14 @@ from hybrid.devices import (
 from hybrid.dryrun.verify import comparison_lines, pretrain_argv, verify
 from hybrid.flops import device_peak_tflops, num_parameters
 from hybrid.model_flags import add_model_args, apply_preset_defaults, model_from_args
-from hybrid.planner.cli_args import add_cluster_args, add_search_args, add_training_args
+from hybrid.planner.cli_args import (
+    add_cluster_args,
+    add_search_args,
+    add_training_args,
+    offload_fractions,
+)
 from hybrid.planner.inputs import Cluster, Training
-from hybrid.planner.max_model import max_layers, max_params
+from hybrid.planner.max_model import max_layers, max_params, max_params_offloaded
 from hybrid.planner.memory import ACTIVATION_OPTIONS, ZERO_STAGES
 from hybrid.planner.plan import best, plan, tp_candidates
 from hybrid.planner.table import max_model_text, plan_text
@@ -117,10 +122,28 @@ def _cluster(args: argparse.Namespace, planning: bool) -> Cluster:
         efficiency=args.efficiency,
         intra_node_gbs=args.intra_node_gbs,
         inter_node_gbs=args.inter_node_gbs,
-        cpu_gbs=args.cpu_gbs,
         hbm_gbs=(args.hbm_gbs if args.hbm_gbs is not None
                  else preset.hbm_gbs if preset else Cluster.hbm_gbs),
+        **_host(args, preset),
     )
+
+
+def _host(args: argparse.Namespace, preset) -> dict:
+    """The cluster's host side (``Cluster.cpu_gbs``, ``host_*``): each flag, else the
+    ``--device`` preset's server (:mod:`hybrid.devices`), else ``Cluster``'s defaults."""
+    if args.host_memory_gib is not None and args.host_memory_gib <= 0:
+        raise ValueError(f"--host-memory-gib must be positive (GiB of host DRAM per node), got "
+                         f"{args.host_memory_gib:g}")
+
+    def pick(value, field: str, default):
+        return value if value is not None else getattr(preset, field) if preset else default
+
+    memory = pick(args.host_memory_gib, "host_memory_gib", Cluster.host_memory_bytes / GIB)
+    return {"cpu_gbs": pick(args.cpu_gbs, "host_link_gbs", Cluster.cpu_gbs),
+            "host_memory_bytes": memory * GIB,
+            "host_memory_gbs": pick(args.host_dram_gbs, "host_memory_gbs",
+                                    Cluster.host_memory_gbs),
+            "host_efficiency": args.host_efficiency}
 
 
 def _device_label(args: argparse.Namespace) -> str:
@@ -150,6 +173,11 @@ _FLAG_OF = {
     "make_vocab_size_divisible_by": "--make-vocab-size-divisible-by",
     "param_persistence_threshold": "--param-persistence-threshold",
     "grad_reduce_in_bf16": "--grad-reduce-in-bf16",
+    "host_memory_gbs": "--host-dram-gbs", "host_efficiency": "--host-efficiency",
+    "quantized_gradients_bits": "--zero-quantized-gradients-bits",
+    "quantized_gradients": "--zero-quantized-gradients",
+    "hpz_partition_size": "--zero-hpz-partition-size",
+    "quantized_weights": "--zero-quantized-weights",
 }
 
 
@@ -183,6 +211,11 @@ def _training(args: argparse.Namespace) -> Training:
         grad_reduce_in_bf16=args.grad_reduce_in_bf16,
         gradient_accumulation_fusion=args.gradient_accumulation_fusion,
         overlap_param_gather=args.overlap_param_gather,
+        tp_comm_overlap=args.tp_comm_overlap,
+        quantized_gradients=args.zero_quantized_gradients,
+        quantized_gradients_bits=args.zero_quantized_gradients_bits,
+        hpz_partition_size=args.zero_hpz_partition_size,
+        quantized_weights=args.zero_quantized_weights,
         dropout=args.hidden_dropout > 0 or args.attention_dropout > 0,
     )
 
@@ -207,6 +240,11 @@ def _max_model(args, model, cluster, training) -> list[dict]:
                 "max_params_model_states": max_params(
                     budget, tp, dp, stage, training.precision, training.accounting
                 ),
+                "max_params_offloaded": None if stage == 0 or args.optimizer_cpu_offload is False
+                else max_params_offloaded(budget, cluster.host_memory_bytes,
+                                          cluster.gpus_per_node, tp, dp, stage,
+                                          training.precision, training.accounting,
+                                          max(offload_fractions(args))),
             }
             if model is not None:
                 layers = {
@@ -248,6 +286,7 @@ def _main(argv: list[str] | None = None) -> int:
             print(json.dumps({"max_model": rows}, indent=1) if args.json
                   else max_model_text(rows, budget))
             return 0
+        fractions = offload_fractions(args)
         cands, skipped = plan(
             model,
             cluster,
@@ -258,6 +297,7 @@ def _main(argv: list[str] | None = None) -> int:
             micro_batch_sizes=tuple(args.micro_batch_size or ()),
             # searched within a given global batch (without one, it is b * GPUs: b is given)
             search_micro_batch=not args.micro_batch_size and args.global_batch_size is not None,
+            offload_fractions=fractions,
         )
         if not cands:
             raise ValueError(no_layout_message(skipped))
@@ -275,6 +315,7 @@ def _main(argv: list[str] | None = None) -> int:
             "training": dataclasses.asdict(training),
             "candidates": [c.as_dict() for c in cands],
             "skipped": skipped,
+            "offload_fractions": list(fractions),
             "best": chosen.as_dict() if chosen else None,
             "verify": _verify(args, model, training, cluster, chosen) if args.verify else None,
         }
@@ -315,6 +356,9 @@ def _verify(args, model, training: Training, cluster: Cluster, chosen) -> dict |
         return None
     gbs = training.global_batch_size or training.micro_batch_size * cluster.num_gpus
     argv = pretrain_argv(args, model, chosen, gbs)  # chosen.micro_batch_size: the searched b
+    if chosen.offload_fraction and "--optimizer-cpu-offload" not in argv:  # Megatron-LM's
+        argv += ["--optimizer-cpu-offload", "--optimizer-offload-fraction",
+                 f"{chosen.offload_fraction:g}"]
     out = sys.stderr if args.json else sys.stdout
     print("verify: the dry run of the best layout, rank 0", file=out, flush=True)
     return verify(argv, lambda line: print("  " + line, file=out, flush=True),

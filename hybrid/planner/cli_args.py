@@ -12,6 +12,7 @@ from hybrid.devices import DEFAULT_DEVICE, DEFAULT_RESERVED_GIB, GIB, preset_nam
 from hybrid.model_flags import _finite
 from hybrid.planner.inputs import DEFAULT_BUCKET_ELEMENTS
 from hybrid.planner.memory import ACTIVATION_OPTIONS, ZERO_STAGES
+from hybrid.planner.offload import OFFLOAD_SEARCH, check_fraction
 from hybrid.planner.precision import ACCOUNTINGS, PRECISIONS
 
 
@@ -34,6 +35,12 @@ def add_training_args(g) -> None:
     g.add_argument("--grad-reduce-in-bf16", action="store_true",
                    help="bf16 gradients, held and reduced in 2 bytes (Megatron-LM's flag; "
                    "--precision bf16 only)")
+    g.add_argument("--zero-quantized-gradients", action="store_true",
+                   help="ZeRO++ qgZ: stages 2-3 reduce-scatter gradients as blockwise int4/int8 "
+                   "through an intra- then an inter-node all-to-all (DeepSpeed's "
+                   "zero_quantized_gradients; 16-bit precision only)")
+    g.add_argument("--zero-quantized-gradients-bits", type=int, choices=(4, 8), default=4,
+                   help="qgZ code width (4: DeepSpeed's int4)")
     g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion",
                    action="store_false",
                    help="the engine without gradient-accumulation fusion (ZeRO-1 then stages "
@@ -41,6 +48,15 @@ def add_training_args(g) -> None:
     g.add_argument("--overlap-param-gather", action="store_true",
                    help="ZeRO 1-2: the updated parameters' all-gather runs during the next "
                    "forward instead of after the step (Megatron-LM's flag and default, off)")
+    g.add_argument("--tp-comm-overlap", action="store_true",
+                   help="sequence-parallel layouts pipeline the blocks' TP all-gathers and "
+                   "reduce-scatters with their GEMMs (Megatron-LM's flag, off by default)")
+    g.add_argument("--zero-hpz-partition-size", type=int, default=1,
+                   help="ZeRO++ hpZ at stage 3: secondary parameter shard over this many "
+                   "data-parallel ranks of a node, backward gathers inside it (1: off)")
+    g.add_argument("--zero-quantized-weights", action="store_true",
+                   help="ZeRO++ qwZ at stage 3: int8 parameter gathers (1 + 4/2048 bytes per "
+                   "element; 16-bit precision only)")
     g.add_argument("--param-persistence-threshold", type=int, default=100_000,
                    help="stage 3 keeps local params with fewer elements whole, as the engine "
                    "(0: the paper's count, every parameter partitioned)")
@@ -94,9 +110,20 @@ def add_cluster_args(g) -> None:
     g.add_argument("--efficiency", type=_finite, default=0.45, help="fraction of peak on GEMMs")
     g.add_argument("--intra-node-gbs", type=_finite, default=200.0, help="NVLink, GB/s per GPU")
     g.add_argument("--inter-node-gbs", type=_finite, default=25.0, help="network, GB/s per GPU")
-    g.add_argument("--cpu-gbs", type=_finite, default=20.0, help="host link, GB/s per GPU")
+    g.add_argument("--cpu-gbs", type=_finite, help="host link (PCIe), GB/s one way per GPU "
+                   "(default: the --device preset's, else 20)")
     g.add_argument("--hbm-gbs", type=_finite, help="GPU memory bandwidth, GB/s, for the "
                    "optimizer step (default: the --device preset's, else 2039)")
+    g.add_argument("--host-memory-gib", type=_finite, metavar="GIB",
+                   help="host DRAM per node in GiB, the limit on what its ranks keep there "
+                   "(offloaded optimizer, P_a+cpu checkpoints); default: the --device preset's "
+                   "DGX (2048 for A100-80GB, H100, H200; less what the OS and data loaders "
+                   "need is yours to take off)")
+    g.add_argument("--host-dram-gbs", type=_finite, help="host DRAM peak bandwidth per node, "
+                   "GB/s, for the host AdamW of --optimizer-cpu-offload (default: the --device "
+                   "preset's DGX, e.g. 614.4 for H100)")
+    g.add_argument("--host-efficiency", type=_finite, default=0.5,
+                   help="fraction of --host-dram-gbs the host AdamW sustains")
 
 
 def add_search_args(g) -> None:
@@ -107,7 +134,31 @@ def add_search_args(g) -> None:
                    help="restrict to this ZeRO stage (repeatable; default: all)")
     g.add_argument("--activation", action="append", choices=ACTIVATION_OPTIONS,
                    help="restrict to this activation checkpointing (repeatable; default: all)")
+    offload = g.add_mutually_exclusive_group()
+    offload.add_argument("--optimizer-cpu-offload", action="store_true", default=None,
+                         help="plan only layouts whose optimizer runs on the host (ZeRO-Offload;"
+                         " Megatron-LM's flag; default: searched, none, half or all of it)")
+    offload.add_argument("--no-optimizer-cpu-offload", dest="optimizer_cpu_offload",
+                         action="store_false",
+                         help="plan only layouts whose optimizer stays on the GPU")
+    g.add_argument("--optimizer-offload-fraction", type=_finite, metavar="F",
+                   help="share of each rank's optimizer on the host when offloaded, in [0, 1] "
+                   "(Megatron-LM's flag; default 1.0 as there, and the search tries 0, 0.5, 1)")
     g.add_argument("--fitting-only", action="store_true", help="print only layouts that fit")
     g.add_argument("--max-model", action="store_true",
                    help="largest model per TP x stage (ZeRO Table 2: model states only; with "
                    "model dims also the largest layer count counting activations)")
+
+
+def offload_fractions(args: argparse.Namespace) -> tuple[float, ...]:
+    """The offload fractions to plan: ``--optimizer-offload-fraction`` (default 1.0, Megatron-
+    LM's) alone with ``--optimizer-cpu-offload``, 0 alone with ``--no-optimizer-cpu-offload``;
+    else the search: 0 and the fraction given, or ``offload.OFFLOAD_SEARCH``. ValueError for a
+    fraction outside [0, 1]."""
+    given = args.optimizer_offload_fraction
+    f = check_fraction(1.0 if given is None else given)
+    if args.optimizer_cpu_offload is False:
+        return (0.0,)
+    if args.optimizer_cpu_offload:
+        return (f,)
+    return OFFLOAD_SEARCH if given is None else tuple(sorted({0.0, f}))

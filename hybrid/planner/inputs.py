@@ -34,9 +34,18 @@ class Cluster:
     inter_node_gbs: float = 25.0
     """Achieved per-GPU collective bandwidth across nodes, GB/s."""
     cpu_gbs: float = 20.0
-    """Per-GPU host link bandwidth for P_a+cpu, GB/s."""
+    """Per-GPU host link bandwidth, GB/s one way (PCIe: P_a+cpu's checkpoints, ZeRO-Offload's
+    gradients and parameters; ``hybrid.devices`` presets give the GPU's link)."""
     hbm_gbs: float = 2039.0
     """GPU memory bandwidth, GB/s (the optimizer step is bound by it; A100-80GB SXM datasheet)."""
+    host_memory_bytes: float = 2048 * GIB
+    """Host DRAM per node, bytes: the limit on what the node's ranks keep on the host
+    (ZeRO-Offload's optimizer states, P_a+cpu's checkpoints); a DGX A100 640GB's 2 TB."""
+    host_memory_gbs: float = 409.6
+    """Host DRAM peak bandwidth per node, GB/s (the host AdamW step is bound by it; DGX A100: 2
+    sockets x 8 channels x DDR4-3200 x 8 B)."""
+    host_efficiency: float = 0.5
+    """Fraction of ``host_memory_gbs`` the host AdamW sustains (``hybrid.planner.offload``)."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -47,8 +56,10 @@ class Cluster:
             raise ValueError(
                 f"num_gpus={self.num_gpus} is not divisible by gpus_per_node={self.gpus_per_node}"
             )
-        if self.efficiency > 1:
-            raise ValueError(f"efficiency is a fraction of peak in (0, 1], got {self.efficiency:g}")
+        for name in ("efficiency", "host_efficiency"):
+            if getattr(self, name) > 1:
+                raise ValueError(f"{name} is a fraction of peak in (0, 1], got "
+                                 f"{getattr(self, name):g}")
 
 
 @dataclass(frozen=True)
@@ -90,6 +101,21 @@ class Training:
     """Megatron-LM's ``--overlap-param-gather`` (its default, off): ZeRO 1-2's all-gather of the
     updated parameters is launched after the step and waited block by block in the next
     forward instead of before the step returns (``hybrid.planner.step_time``)."""
+    tp_comm_overlap: bool = False
+    """Megatron-LM's ``--tp-comm-overlap``: under sequence parallelism the block linears'
+    all-gathers and reduce-scatters are rings pipelined with their GEMMs
+    (``hybrid.planner.step_time.ring_exposed``); no effect on layouts without SP."""
+    quantized_gradients: bool = False
+    """ZeRO++ qgZ (``--zero-quantized-gradients``): stages 2-3 reduce-scatter the gradients as
+    blockwise int4/int8 payloads through an intra-node then an inter-node all-to-all
+    (``hybrid.planner.traffic.qgz_bytes_per_element``); stages 0-1 keep the exact collective."""
+    quantized_gradients_bits: int = 4
+    """qgZ's code width, 4 or 8 (``--zero-quantized-gradients-bits``)."""
+    hpz_partition_size: int = 1
+    """ZeRO++ hpZ (stage 3): secondary parameter shard over this many data-parallel ranks of a
+    node; 1 off (``hybrid.planner.zeropp``)."""
+    quantized_weights: bool = False
+    """ZeRO++ qwZ (stage 3): int8 parameter gathers (``hybrid.planner.zeropp``)."""
     dropout: bool = True
     """The model trains with dropout (Megatron's default 0.1): masks saved, the attention core
     explicit; False (Llama recipes): no masks, SDPA (``hybrid.planner.activations``)."""
@@ -98,6 +124,16 @@ class Training:
         get_precision(self.precision, self.accounting)
         if self.grad_reduce_in_bf16 and self.precision != "bf16":
             raise ValueError(f"grad_reduce_in_bf16 needs precision bf16, got {self.precision!r}")
+        if self.quantized_gradients and self.precision == "fp32":
+            raise ValueError("quantized_gradients needs 16-bit training (qgZ replaces 16-bit "
+                             "gradient reduce-scatters), got precision 'fp32'")
+        if self.quantized_gradients_bits not in (4, 8):
+            raise ValueError(f"quantized_gradients_bits must be 4 or 8, got "
+                             f"{self.quantized_gradients_bits}")
+        if self.hpz_partition_size < 1:
+            raise ValueError(f"hpz_partition_size must be >= 1, got {self.hpz_partition_size}")
+        if self.quantized_weights and self.precision == "fp32":
+            raise ValueError("quantized_weights needs 16-bit parameters (precision bf16 or fp16)")
         if self.param_persistence_threshold < 0:
             raise ValueError(
                 f"param_persistence_threshold must be >= 0, got {self.param_persistence_threshold}"

@@ -10,6 +10,7 @@ import dataclasses
 import math
 
 from hybrid.planner.memory import state_bytes_per_param
+from hybrid.planner.offload import check_fraction
 from hybrid.planner.plan import Cluster, Training, evaluate
 from hybrid.planner.precision import get_precision
 from models.config import GPTConfig
@@ -32,6 +33,36 @@ def max_params(
         raise ValueError(f"memory_bytes and tp must be positive, got {memory_bytes}, {tp}")
     prec = get_precision(precision, accounting)
     return math.floor(memory_bytes * tp / state_bytes_per_param(stage, dp, prec))
+
+
+def max_params_offloaded(
+    memory_bytes: float,
+    host_memory_bytes: float,
+    ranks_per_node: int,
+    tp: int,
+    dp: int,
+    stage: int,
+    precision: str = "bf16",
+    accounting: str = "paper",
+    fraction: float = 1.0,
+) -> int:
+    """:func:`max_params` with ``fraction`` of each rank's optimizer partition on the host
+    (ZeRO-Offload, :mod:`hybrid.planner.offload`), elements; 0 at stage 0 (no partition).
+
+    The GPU holds ``bytes-per-param(stage, dp) - F k / dp`` per parameter of its TP shard; the
+    node's ``ranks_per_node`` ranks hold ``F (k + grad_bytes) / dp`` each on the host, which
+    ``host_memory_bytes`` bounds too: Ψ_max = min(memory * tp / device bytes, host * tp /
+    (ranks * host bytes)). Engine bf16 at dp = 1: 18 -> 6 bytes, 3x the model (the paper's
+    16 -> 4: 4x; ZeRO-Offload §1's 10x also moves the 16-bit gradients and counts activations).
+    """
+    if stage == 0:
+        return 0
+    prec = get_precision(precision, accounting)
+    f = check_fraction(fraction)
+    device = state_bytes_per_param(stage, dp, prec) - f * prec.k / dp
+    host = ranks_per_node * f * (prec.k + prec.grad_bytes) / dp
+    limits = [memory_bytes * tp / device] + ([host_memory_bytes * tp / host] if host else [])
+    return math.floor(min(limits))
 
 
 def max_layers(

@@ -44,13 +44,15 @@ bus bandwidth (>= 100 MB messages) at a twentieth of the memory.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+import itertools
 
 from hybrid.flops import flops_per_iteration, layer_parameter_split
 from hybrid.parallel.grid import validate_grid
 from hybrid.parallel.sequence import sequence_parallel_active
 from hybrid.parallel.tp_split import tp_split_refusal
 from hybrid.parallel.vocab import pad_vocab_size
+from hybrid.planner import zeropp
+from hybrid.planner.candidate import Candidate
 from hybrid.planner.inputs import GB, Cluster, Training
 from hybrid.planner.memory import (
     ACTIVATION_OPTIONS,
@@ -61,8 +63,15 @@ from hybrid.planner.memory import (
     params_per_tp_rank,
     persistent_parameters,
 )
+from hybrid.planner.offload import (
+    OFFLOAD_SEARCH,
+    check_fraction,
+    host_bytes,
+    offloaded_elements,
+    split_states,
+)
 from hybrid.planner.precision import ACCOUNTINGS, get_precision
-from hybrid.planner.step_time import step_breakdown
+from hybrid.planner.step_time import qgz_intra_bytes, qgz_setting, step_breakdown
 from hybrid.planner.temporaries import embedding_backward_bytes, temporary_bytes
 from hybrid.planner.traffic import dp_traffic_bytes, tp_traffic_elements
 from hybrid.zero.stage import stage_plan
@@ -85,57 +94,6 @@ __all__ = [
 
 EXPOSED_DP = ("first_gather_s", "last_reduce_s", "unhidden_dp_s", "refresh_s")
 """The data-parallel parts of a step's exposed seconds (``Candidate.times``)."""
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One evaluated layout; all byte counts are per rank, times per optimizer step."""
-
-    tp: int
-    dp: int
-    stage: int
-    activation: str
-    micro_batches: int
-    """Gradient-accumulation steps: global batch / (micro batch * dp)."""
-    micro_batch_size: int
-    """Sequences per rank per micro-batch b (searched by ``plan(..., micro_batch_sizes=...)``)."""
-    params_per_rank: int
-    """Parameters of this rank's TP shard (elements), before ZeRO."""
-    model_states: dict
-    """{'params', 'grads', 'master', 'optimizer', 'total'} bytes."""
-    activations: dict
-    """``memory_estimate.activation_bytes`` of one micro-batch."""
-    buffers: int
-    """Constant-size communication buffers (and stage 3's gathered units at their peak), bytes:
-    ``memory.comm_buffer_bytes``, the engine's ``buffers`` (+ ``gathered_peak``)."""
-    total_bytes: int
-    """model states + GPU activations + temporaries + buffers + reserved, bytes."""
-    fits: bool
-    dp_bytes: float
-    """Data-parallel bytes sent per step by this rank."""
-    tp_bytes: float
-    """Tensor-parallel bytes sent per step by this rank."""
-    cpu_bytes: float
-    """Bytes moved to and from the host per step (P_a+cpu)."""
-    times: dict = field(default_factory=dict)
-    """Seconds per step: ``compute_s`` (GEMMs), ``tp_s`` / ``dp_s`` / ``cpu_s`` (each kind's
-    bytes / bandwidth, hidden or not), ``step_s`` (the overlapped step) = ``compute_s`` +
-    ``exposed_s``, whose parts are ``tp_exposed_s``, ``first_gather_s``, ``last_reduce_s``,
-    ``unhidden_dp_s``, ``refresh_s``, ``optimizer_s``, ``cpu_exposed_s``
-    (``step_time.step_seconds``);
-    ``dp_exposed_s`` sums the data-parallel ones, ``tp_hidden_s`` is what SP's backward hides."""
-    tokens_per_s: float = 0.0
-    mfu: float = 0.0
-    dp_bytes_by_kind: dict = field(default_factory=dict)
-    """``dp_bytes`` split into {'all_reduce', 'reduce_scatter', 'all_gather'} (``zero_comm``
-    names)."""
-    persistent_params: int = 0
-    """Stage 3: elements of the TP shard kept whole (``Training.param_persistence_threshold``)."""
-    temporaries: dict = field(default_factory=dict)
-    """``temporaries.temporary_bytes``: the step's short-lived bytes beyond the activations."""
-
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 def tp_candidates(model: GPTConfig, cluster: Cluster) -> list[int]:
@@ -165,20 +123,30 @@ def _padded(model: GPTConfig, tp: int, training: Training) -> GPTConfig:
     return dataclasses.replace(m, vocab_size=vocab)
 
 
+def _valid_tps(m: GPTConfig, cluster: Cluster) -> list[int]:
+    """Every tp that splits ``m`` and makes a grid of ``cluster``."""
+    return [t for t in range(1, cluster.num_gpus + 1)
+            if tp_split_refusal(m, t) is None and _grid_refusal(t, cluster) is None]
+
+
 def _check_tp(m: GPTConfig, tp: int, cluster: Cluster) -> None:
+    """Raises ValueError naming every rule ``tp`` breaks and the valid values of ``--tp``."""
+    why = []  # every rule tp breaks, not the first only
+    refusal = tp_split_refusal(m, tp) if tp > 0 else None
     if tp <= 0:
-        raise ValueError(f"tp={tp} must be positive")
-    refusal, why = tp_split_refusal(m, tp), []  # every rule tp breaks, not the first only
-    if refusal is not None and refusal.dimension == "num_query_groups":
+        why.append(f"tp={tp} must be positive")
+    elif refusal is not None and refusal.dimension == "num_query_groups":
         why.append(f"tp={tp} must divide num_query_groups={m.query_groups} (each TP rank holds "
                    "whole K/V heads)")
     elif refusal is not None:
         why.append(f"tp={tp} must divide num_attention_heads={m.num_attention_heads} and "
                    f"ffn_hidden_size={m.ffn_hidden_size}")
-    if (grid := _grid_refusal(tp, cluster)) is not None:
-        why.append(grid)
+    if tp > 0 and (grid := _grid_refusal(tp, cluster)) is not None:
+        why.append(grid.split("; valid tensor-model-parallel sizes")[0])  # the full list below
     if why:
-        raise ValueError("; ".join(why))
+        valid = ", ".join(map(str, _valid_tps(m, cluster))) or "none"
+        raise ValueError("; ".join(why) + f"; valid --tp for this model on {cluster.num_gpus} "
+                         f"GPUs: {valid}")
 
 
 def _check_layout(model: GPTConfig, cluster: Cluster, training: Training, tp: int,
@@ -225,14 +193,15 @@ def _buffer_bytes(m: GPTConfig, tp: int, dp: int, stage: int, prec, psi_t: int,
 
 
 def _traffic(m: GPTConfig, tp: int, dp: int, stage: int, prec, micro_batches: int,
-             persistent: int, activation: str, training: Training, acts: dict
-             ) -> tuple[dict, float, float]:
-    """``(dp bytes by kind, tp bytes, host bytes)`` one rank moves per optimizer step."""
+             persistent: int, activation: str, training: Training, acts: dict,
+             gpus_per_node: int) -> tuple[dict, float, float]:
+    """``(dp bytes by kind, tp bytes, host bytes)`` one rank moves per optimizer step (qgZ's
+    reduce-scatter bytes depend on the ranks per node)."""
     parts = set(activation.split("+"))
     s, b = training.seq_length, training.micro_batch_size
     dp_kinds = dp_traffic_bytes(
         m, dp, stage, tp, prec, micro_batches, persistent_params=persistent, by_kind=True,
-        grad_reduce=training.grad_reduce,
+        grad_reduce=training.grad_reduce, qgz=qgz_setting(training, gpus_per_node, tp, dp),
     )
     tp_elems = tp_traffic_elements(b, s, m.hidden_size, tp, m.num_layers, "full" in parts,
                                    "pa" in parts, m.vocab_size, sequence_parallel="sp" in parts)
@@ -243,19 +212,22 @@ def _traffic(m: GPTConfig, tp: int, dp: int, stage: int, prec, micro_batches: in
 
 def _step_times(m: GPTConfig, cluster: Cluster, training: Training, gbs: int, tp: int, dp: int,
                 stage: int, activation: str, prec, threshold: int, micro_batches: int,
-                traffic: tuple[float, float, float]) -> tuple[dict, float]:
+                traffic: tuple[float, float, float, float],
+                offloaded: int = 0) -> tuple[dict, float]:
     """``(times, mfu)``: the totals of each kind of work (``compute_s``; ``tp_s``, ``dp_s``,
     ``cpu_s``: bytes / bandwidth), the overlapped step time ``step_s`` and its exposed parts
     (:func:`hybrid.planner.step_time.step_breakdown`), and the model-FLOPs utilisation that
-    step time gives (2205.05198 Eq. 7 FLOPs / (step_s * GPUs * peak))."""
-    dp_bytes, tp_bytes, cpu_bytes = traffic
+    step time gives (2205.05198 Eq. 7 FLOPs / (step_s * GPUs * peak)). ``traffic``: dp, tp, host
+    and inter-node dp bytes (the rest of the dp bytes move at the intra-node bandwidth)."""
+    dp_bytes, tp_bytes, cpu_bytes, inter = traffic
     model_flops = flops_per_iteration(m, gbs, training.seq_length, "none")
     peak = cluster.num_gpus * cluster.peak_tflops * 1e12
     dp_bw = (cluster.inter_node_gbs if cluster.num_gpus > cluster.gpus_per_node
              else cluster.intra_node_gbs)
     times = step_breakdown(m, cluster, training, tp, dp, stage, activation, prec, threshold,
-                           micro_batches, cpu_bytes)
-    times.update(tp_s=tp_bytes / (cluster.intra_node_gbs * GB), dp_s=dp_bytes / (dp_bw * GB),
+                           micro_batches, cpu_bytes, offloaded)
+    times.update(tp_s=tp_bytes / (cluster.intra_node_gbs * GB),
+                 dp_s=inter / (dp_bw * GB) + (dp_bytes - inter) / (cluster.intra_node_gbs * GB),
                  cpu_s=cpu_bytes / (cluster.cpu_gbs * GB))
     times["dp_exposed_s"] = sum(times[k] for k in EXPOSED_DP)
     times["exposed_s"] = times["step_s"] - times["compute_s"]
@@ -263,15 +235,19 @@ def _step_times(m: GPTConfig, cluster: Cluster, training: Training, gbs: int, tp
 
 
 def evaluate(
-    model: GPTConfig, cluster: Cluster, training: Training, tp: int, stage: int, activation: str
+    model: GPTConfig, cluster: Cluster, training: Training, tp: int, stage: int, activation: str,
+    offload_fraction: float = 0.0,
 ) -> Candidate:
-    """Memory, traffic and estimated step time of one layout (see the module docstring).
+    """Memory, traffic and estimated step time of one layout (see the module docstring);
+    ``offload_fraction`` of the rank's optimizer partition on the host (ZeRO-Offload,
+    :mod:`hybrid.planner.offload`).
 
     Raises ValueError for an impossible layout (tp not dividing heads or GPUs, a global batch
     that is not a multiple of micro batch * dp, sequence parallelism with tp not dividing the
-    sequence length).
+    sequence length, offload at ZeRO stage 0 or a fraction outside [0, 1]).
     """
     m = _check_layout(model, cluster, training, tp, activation)
+    _check_offload(stage, offload_fraction)
     dp = cluster.num_gpus // tp
     s, b = training.seq_length, training.micro_batch_size
     gbs, micro_batches = _batch(training, cluster, dp)
@@ -281,8 +257,12 @@ def evaluate(
     psi_t = params_per_tp_rank(m, tp)
     zero = stage_plan(stage, param_persistence_threshold=training.param_persistence_threshold)
     persistent = persistent_parameters(m, tp, zero.persistence_threshold)
-    states = model_state_bytes(m, tp, dp, stage, prec, persistent)
+    partition = psi_t if stage == 0 else -(-psi_t // dp)
+    states, host_states = _states(m, cluster, training, tp, dp, stage, prec, persistent,
+                                  offload_fraction)
+    offloaded = offloaded_elements(partition, offload_fraction)
     acts = activation_bytes(m, s, b, tp, activation, prec, dropout=training.dropout)
+    host = host_bytes(host_states, acts["cpu"], cluster.gpus_per_node)
     buffers = _buffer_bytes(m, tp, dp, stage, prec, psi_t, training)
     temps = temporary_bytes(m, s, b, tp, stage, activation, prec.activation_bytes,
                             model.vocab_size, acts["layers"], training.dropout)
@@ -294,20 +274,63 @@ def evaluate(
     temps["total"] = max(temps["total"], temps["embedding_backward"] - acts["gpu"])
     total = states["total"] + acts["gpu"] + temps["total"] + buffers + int(cluster.reserved_bytes)
     dp_kinds, tp_bytes, cpu_bytes = _traffic(m, tp, dp, stage, prec, micro_batches, persistent,
-                                             activation, training, acts)
-    dp_bytes = sum(dp_kinds.values())
+                                             activation, training, acts, cluster.gpus_per_node)
+    dp_bytes, inter = _zeropp_bytes(dp_kinds, cluster, training, tp, dp, stage, prec, psi_t,
+                                    persistent, micro_batches)
     times, mfu = _step_times(m, cluster, training, gbs, tp, dp, stage, activation, prec,
                              zero.persistence_threshold, micro_batches,
-                             (dp_bytes, tp_bytes, cpu_bytes))
+                             (dp_bytes, tp_bytes, cpu_bytes, inter), offloaded)
+    device_fits = total <= cluster.gpu_memory_bytes
+    host_fits = host["node"] <= cluster.host_memory_bytes
     return Candidate(
         tp=tp, dp=dp, stage=stage, activation=activation, micro_batches=micro_batches,
         micro_batch_size=b,
         params_per_rank=psi_t, model_states=states, activations=acts, buffers=buffers,
-        total_bytes=total, fits=total <= cluster.gpu_memory_bytes, dp_bytes=dp_bytes,
+        total_bytes=total, fits=device_fits and host_fits, dp_bytes=dp_bytes,
         tp_bytes=tp_bytes, cpu_bytes=cpu_bytes, times=times,
         tokens_per_s=gbs * s / times["step_s"], mfu=mfu, dp_bytes_by_kind=dp_kinds,
-        persistent_params=persistent, temporaries=temps,
+        persistent_params=persistent, temporaries=temps, offload_fraction=offload_fraction,
+        host_bytes=host, offload_bytes=offloaded * (prec.grad_bytes + prec.param_bytes),
+        device_fits=device_fits, host_fits=host_fits, inter_node_dp_bytes=inter,
     )
+
+
+def _states(m: GPTConfig, cluster: Cluster, training: Training, tp: int, dp: int, stage: int,
+            prec, persistent: int, offload_fraction: float) -> tuple[dict, dict]:
+    """``(device, host)`` model-state bytes per rank: ZeRO's Table 2 + hpZ's secondary shard,
+    less the host's ``offload_fraction`` of the optimizer partition; ValueError from ZeRO++."""
+    psi_t = params_per_tp_rank(m, tp)
+    states = model_state_bytes(m, tp, dp, stage, prec, persistent)
+    if stage == 3:
+        zeropp.check(training, cluster, tp)
+    extra = zeropp.secondary_bytes(psi_t, persistent, training, prec, stage)  # hpZ
+    states = {**states, "params": states["params"] + extra, "total": states["total"] + extra}
+    partition = psi_t if stage == 0 else -(-psi_t // dp)
+    return split_states(states, partition, offload_fraction, prec)
+
+
+def _zeropp_bytes(dp_kinds: dict, cluster: Cluster, training: Training, tp: int, dp: int,
+                  stage: int, prec, psi_t: int, persistent: int,
+                  micro_batches: int) -> tuple[float, float]:
+    """``(dp bytes, of which inter-node)`` per rank per step; ZeRO++ sets stage 3's gather bytes
+    in ``dp_kinds`` (in place); qgZ's intra-node all-to-all stays in the node."""
+    if stage == 3:
+        dp_kinds["all_gather"] = sum(zeropp.gather_bytes(psi_t, persistent, dp, micro_batches,
+                                                         training, prec, stage).values())
+    dp_bytes = sum(dp_kinds.values())
+    inter = zeropp.inter_node_bytes(dp_bytes, psi_t, persistent, dp, micro_batches, training,
+                                    prec, stage, cluster, tp)
+    if inter:
+        inter -= qgz_intra_bytes(dp_kinds, training, cluster.gpus_per_node, tp, dp, stage)
+    return dp_bytes, inter
+
+
+def _check_offload(stage: int, fraction: float) -> None:
+    """ValueError for ZeRO-Offload at stage 0 (no optimizer partition: Megatron-LM's offload
+    is its distributed optimizer's) or a fraction outside [0, 1]."""
+    if check_fraction(fraction) and stage == 0:
+        raise ValueError("--optimizer-cpu-offload needs ZeRO stage 1-3 (stage 0 keeps no "
+                         "optimizer partition to move to the host), got --zero-stage 0")
 
 
 def micro_batch_choices(global_batch: int, dp: int) -> list[int]:
@@ -329,6 +352,7 @@ def plan(
     activations: tuple[str, ...] = ACTIVATION_OPTIONS,
     micro_batch_sizes: tuple[int, ...] | None = None,
     search_micro_batch: bool = False,
+    offload_fractions: tuple[float, ...] = OFFLOAD_SEARCH,
 ) -> tuple[list[Candidate], list[str]]:
     """Evaluate every layout; returns (candidates, reasons for the layouts that were skipped).
 
@@ -337,7 +361,9 @@ def plan(
     parallelism is off. Micro-batch sizes: ``micro_batch_sizes`` when given, else every one
     that divides the global batch over dp (:func:`micro_batch_choices`) with
     ``search_micro_batch``, else ``training.micro_batch_size``; the global batch stays
-    ``training``'s (default: its micro-batch size * GPUs).
+    ``training``'s (default: its micro-batch size * GPUs). ``offload_fractions``: the
+    ZeRO-Offload shares tried at stages 1-3 (:mod:`hybrid.planner.offload`; default off and all
+    on; stage 0 takes 0 only, and is skipped with the reason when 0 is not among them).
     """
     m = model
     if tps is None:
@@ -351,28 +377,33 @@ def plan(
             micro_batch_choices(gbs, cluster.num_gpus // tp) if search_micro_batch else ())
         for b in sizes or (training.micro_batch_size,):
             t = dataclasses.replace(training, micro_batch_size=b, global_batch_size=gbs)
-            _plan_tp(m, cluster, t, tp, stages, activations, out, skipped)
+            _plan_tp(m, cluster, t, tp, (stages, activations, offload_fractions), out, skipped)
     return out, skipped
 
 
-def _plan_tp(m, cluster, training, tp, stages, activations, out, skipped) -> None:
-    """Evaluate every stage and activation option at ``tp`` into ``out`` (or ``skipped``)."""
-    for stage in stages:
-        for act in activations:
-            sp = "sp" in act.split("+")
-            if tp == 1 and act == "full+pa" or sp and not sequence_parallel_active(sp, tp):
-                continue
-            try:
-                out.append(evaluate(m, cluster, training, tp, stage, act))
-            except ValueError as err:
-                reason = f"tp={tp}: {err}"
-                if reason not in skipped:
-                    skipped.append(reason)
+def _plan_tp(m, cluster, training, tp, search, out, skipped) -> None:
+    """Evaluate every stage, activation option and offload fraction of ``search`` at ``tp``
+    into ``out`` (or ``skipped``)."""
+    stages, activations, fractions = search
+    for stage, act, frac in itertools.product(stages, activations, fractions):
+        sp = "sp" in act.split("+")
+        if tp == 1 and act == "full+pa" or sp and not sequence_parallel_active(sp, tp):
+            continue
+        if stage == 0 and frac > 0 and 0.0 in fractions:
+            continue  # stage 0 is planned without offload: it has no partition to move
+        try:
+            out.append(evaluate(m, cluster, training, tp, stage, act, frac))
+        except ValueError as err:
+            reason = f"tp={tp}: {err}"
+            if reason not in skipped:
+                skipped.append(reason)
 
 
 def best(candidates: list[Candidate]) -> Candidate | None:
-    """The fitting candidate with the smallest step time (ties: lower stage, smaller total)."""
+    """The fitting candidate (GPU and host memory) with the smallest step time (ties: less
+    offloaded, lower stage, smaller total)."""
     fitting = [c for c in candidates if c.fits]
     if not fitting:
         return None
-    return min(fitting, key=lambda c: (round(c.times["step_s"], 9), c.stage, c.total_bytes))
+    return min(fitting, key=lambda c: (round(c.times["step_s"], 9), c.offload_fraction, c.stage,
+                                       c.total_bytes))

@@ -80,6 +80,29 @@ def dp_traffic_by_kind(
     return {k: v * ring for k, v in out.items()}
 
 
+def qgz_bytes_per_element(bits: int, dp: int, local: int) -> tuple[float, float]:
+    """ZeRO++ qgZ (arXiv 2306.10209 §3.3; ``hybrid.zero.qgz``): ``(intra-node, inter-node)``
+    bytes one rank sends per element of its gradient reduce-scatter input, over ``dp`` ranks
+    with ``local`` of them per node (``L = min(local, dp)``, ``N = dp / L`` nodes). Each element
+    travels as ``q = bits / 8 + 4 / 256`` bytes (the code plus its block's fp32 scale,
+    ``hybrid.zero.quantize``); the intra-node all-to-all sends ``(L-1)/L`` of the input, the
+    inter-node one ``(N-1)/(N L)`` (the node-reduced partial sums): ``(L-1)/L q`` and
+    ``(N-1)/(N L) q``. Block padding is neglected (< 256 elements per bucket row).
+
+    Raises:
+        ValueError: ``local`` does not divide ``dp`` (nor exceeds it), or ``bits`` not 4/8.
+    """
+    from hybrid.zero.quantize import BLOCK, QUANT_BITS
+
+    if bits not in QUANT_BITS:
+        raise ValueError(f"qgZ bits must be one of {QUANT_BITS}, got {bits}")
+    L = min(local, dp)
+    if L <= 0 or dp % L:
+        raise ValueError(f"{local} data-parallel ranks per node do not divide dp {dp}")
+    N, q = dp // L, bits / 8 + 4 / BLOCK
+    return (L - 1) / L * q, (N - 1) / (N * L) * q
+
+
 def dp_traffic_elements(
     model_or_params: object,
     dp: int,
@@ -109,11 +132,15 @@ def dp_traffic_bytes(
     persistent_params: int = 0,
     by_kind: bool = False,
     grad_reduce: str = "reduce_scatter",
+    qgz: tuple[int, int] | None = None,
 ) -> float | dict[str, float]:
     """``dp_traffic_by_kind`` in bytes: gradients (all-reduce, reduce-scatter) at the precision's
     ``grad_bytes``, parameter all-gathers at its ``param_bytes``. Paper accounting: 2 and 2 with
     mixed precision, 4 and 4 in fp32; engine accounting (``get_precision(p, "engine")``): fp32
-    gradients (4) and parameters in the compute dtype. The total, or a dict when ``by_kind``."""
+    gradients (4) and parameters in the compute dtype. The total, or a dict when ``by_kind``.
+    ``qgz=(bits, dp ranks per node)``: stages 2-3 reduce-scatter as ZeRO++ qgZ does, intra- plus
+    inter-node payload bytes per input element (:func:`qgz_bytes_per_element`) instead of the
+    ring's ``(n-1)/n grad_bytes``."""
     p = get_precision(precision)
     elems = dp_traffic_by_kind(
         model_or_params, dp, stage, tp, micro_batches_per_step, ring_factor, persistent_params,
@@ -124,6 +151,9 @@ def dp_traffic_bytes(
         "reduce_scatter": elems["reduce_scatter"] * p.grad_bytes,
         "all_gather": elems["all_gather"] * p.param_bytes,
     }
+    if qgz is not None and stage >= 2 and dp > 1:
+        out["reduce_scatter"] = (elems["reduce_scatter"] / _ring(dp, ring_factor)
+                                 * sum(qgz_bytes_per_element(qgz[0], dp, qgz[1])))
     return out if by_kind else sum(out.values())
 
 

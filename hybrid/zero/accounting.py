@@ -22,21 +22,27 @@ def _host(t) -> int:
     return t.host_bytes if isinstance(t, SplitFlat) else 0
 
 
+def _secondary(engine) -> torch.Tensor | None:
+    sec = engine.gatherer.secondary if engine.gatherer is not None else None
+    return None if sec is None else sec.buffer
+
+
 def memory_bytes(engine) -> dict[str, int]:
     """Bytes held by this rank: ``params`` (compute-dtype parameter storage: the full flat
-    buffer, or for stage 3 the shard plus persistent units), ``grads`` (the gradient
-    accumulation buffer: fp32, or bf16 with ``--grad-reduce-in-bf16``), ``master`` (fp32
-    weights the optimizer updates), ``optimizer`` (Adam moments), ``buffers`` (communication
-    staging, allocated once), ``gathered_peak`` (stage 3: most bytes of gathered units alive at
-    once so far). With ``--optimizer-cpu-offload``, ``master`` and ``optimizer`` count the
-    device-kept part only and ``host_states`` the host memory: the offloaded master and
-    moments plus the host gradient copy (0 without offload)."""
+    buffer, or for stage 3 the shard plus persistent units and hpZ's secondary shard),
+    ``grads`` (the gradient accumulation buffer: fp32, or bf16 with ``--grad-reduce-in-bf16``),
+    ``master`` (fp32 weights the optimizer updates), ``optimizer`` (Adam moments), ``buffers``
+    (communication staging, allocated once), ``gathered_peak`` (stage 3: most bytes of gathered
+    units alive at once so far). With ``--optimizer-cpu-offload``, ``master`` and ``optimizer``
+    count the device-kept part only and ``host_states`` the host memory: the offloaded master
+    and moments plus the host gradient copy (0 without offload)."""
     st, plan = engine.states, engine.plan
     if not plan.shards_parameters:
         params = _nb(st.param_flat)
     else:
         params = _nb(st.param_shard) + sum(
             _nb(st.unit_bufs[u.index]) for u in engine.layout.units if u.persistent)
+        params += _nb(_secondary(engine))
     return dict(params=params, grads=_nb(engine.reducer.buffer), master=_nb(st.master),
                 optimizer=_nb(st.exp_avg) + _nb(st.exp_avg_sq),
                 buffers=engine.reducer.staging_bytes() + _nb(engine.ag_staging),
@@ -59,6 +65,7 @@ def held_tensors(engine) -> list[torch.Tensor]:
     out += [st.param_flat] if st.param_flat is not None else [st.param_shard]
     if engine.plan.shards_parameters:
         out += [st.unit_bufs[u.index] for u in engine.layout.units if u.persistent]
+        out += [t for t in (_secondary(engine),) if t is not None]
     out += [t for pair in engine.reducer.staging for t in pair if t.numel()]
     if engine.ag_staging is not None:
         out.append(engine.ag_staging)

@@ -33,6 +33,17 @@ each rank's piece out of it (:attr:`DPComm.list_gather_by_broadcast`).
 ``DPComm.compose_on_gloo = False`` (before the engine is built) or ``engine.comm.composed =
 False`` turns the gloo compositions off.
 
+Intra-node and inter-node bytes (ZeRO++, arXiv 2306.10209 §2, counts the volume of each
+collective over the slow cross-node links): every collective is also recorded in
+``node_bytes["inter_node"]`` when its group spans more than one node
+(:mod:`hybrid.zero.topology`: nodes of ``LOCAL_WORLD_SIZE`` ranks, ``HYBRID_LOCAL_WORLD_SIZE``
+overriding it), else in ``node_bytes["intra_node"]``, under the same kind and with the same ring
+volume. A ring over a group that spans nodes pushes its traffic through the slowest link, so the
+whole volume counts as inter-node (the paper's convention). Several ``DPComm`` over different
+groups (hpZ's intra-node group) may share one ledger (``ledger=``). qgZ's reduce-scatter
+(:attr:`DPComm.quantized`) is counted as what its two all-to-alls send: the intra-node one as
+intra-node bytes, the inter-node one as inter-node bytes (:mod:`hybrid.zero.qgz`).
+
 ``recorder`` (the benchmark's *collectives alone*): when a list, every collective appends
 ``(op, input elements, dtype)``; :func:`replay` issues the same collectives again with no compute
 around them, so a step's time can be compared with its compute-only floor plus its collectives.
@@ -79,19 +90,29 @@ class DPComm:
     3.7 vs 4.3 ms at 262,144)."""
     recorder: list | None = None
     """When a list: ``(op, input elements, dtype)`` of every collective (see :func:`replay`)."""
+    quantized = None
+    """ZeRO++ qgZ (``--zero-quantized-gradients``): a
+    :class:`hybrid.zero.qgz.QuantizedReduceScatter` that every :meth:`reduce_scatter` runs
+    instead, its intra- and inter-node bytes counted separately; None: exact collectives."""
     list_gather_by_broadcast: bool
     """All-gathers into a list of slots run as one broadcast per rank into its slot (NCCL: no
     temporary flat buffer and no copies; see the module docstring)."""
 
-    def __init__(self, group):
+    def __init__(self, group, ledger: DPComm | None = None):
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.bytes: dict[str, float] = defaultdict(float)
+        self.bytes: dict[str, float] = defaultdict(float) if ledger is None else ledger.bytes
+        self.node_bytes: dict[str, dict[str, float]] = (
+            {"intra_node": defaultdict(float), "inter_node": defaultdict(float)}
+            if ledger is None else ledger.node_bytes)
+        """Per locality, bytes per kind (see the module docstring); shared with ``ledger``."""
         self.composed = self.compose_on_gloo and self.size > 1 and dist.get_backend(group) == "gloo"
         """Compose reduce-scatter and large all-gathers from faster gloo collectives."""
         self.global_ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
         self.list_gather_by_broadcast = self.size > 1 and dist.get_backend(group) == "nccl"
+        self.inter_node = spans_nodes(self.global_ranks)
+        """Whether this group spans more than one node (its bytes count as inter-node)."""
 
     def _count(self, op: str, t: torch.Tensor, factor: float = 1.0, kind: str | None = None):
         """One collective on input ``t``: its ring volume (``factor`` x (n-1)/n x ``t``'s bytes)
@@ -100,8 +121,13 @@ class DPComm:
         if self.recorder is not None:
             self.recorder.append((op, t.numel(), t.dtype))
         if self.size > 1:
-            self.bytes[kind or op] += (factor * (self.size - 1) / self.size * t.numel()
-                                       * t.element_size())
+            self.add(kind or op, factor * (self.size - 1) / self.size * t.numel()
+                     * t.element_size(), self.inter_node)
+
+    def add(self, kind: str, nbytes: float, inter_node: bool) -> None:
+        """Record ``nbytes`` under ``kind``, and as intra- or inter-node bytes."""
+        self.bytes[kind] += nbytes
+        self.node_bytes["inter_node" if inter_node else "intra_node"][kind] += nbytes
 
     def all_reduce(self, t: torch.Tensor, async_op: bool = False):
         """Sum ``t`` in place over the group."""
@@ -115,6 +141,8 @@ class DPComm:
         """``out`` (n times smaller) = this rank's chunk of the sum of ``inp`` over the group.
         ``scratch``: at least ``inp``'s elements, receives the all-to-all of a composed
         reduce-scatter (see :attr:`needs_scratch`; allocated per call when not given)."""
+        if self.quantized is not None and self.size > 1:
+            return self._quantized_reduce_scatter(out, inp, async_op)
         self._count("reduce_scatter", inp)
         if self.size == 1 or self.skip_collectives:
             n = out.numel()
@@ -122,12 +150,27 @@ class DPComm:
             return _Work()
         return self._reduce_scatter(out, inp, async_op, scratch)
 
+    def _quantized_reduce_scatter(self, out, inp, async_op):
+        """qgZ, counted as what its two all-to-alls send (``quantized.wire_bytes``)."""
+        if self.recorder is not None:
+            self.recorder.append(("reduce_scatter", inp.numel(), inp.dtype))
+        intra, inter = self.quantized.wire_bytes(inp.numel())
+        self.add("reduce_scatter", intra, False)
+        self.add("reduce_scatter", inter, True)
+        if self.skip_collectives:
+            n = out.numel()
+            out.copy_(inp[self.rank * n:(self.rank + 1) * n])
+            return _Work()
+        return self.quantized(out, inp, async_op)
+
     @property
     def needs_scratch(self) -> bool:
         """Whether :meth:`reduce_scatter` receives into a scratch buffer as large as its input."""
-        return self.composed and not self.skip_collectives
+        return self.composed and not self.skip_collectives and self.quantized is None
 
     def _reduce_scatter(self, out, inp, async_op, scratch=None):
+        if self.quantized is not None:
+            return self.quantized(out, inp, async_op)
         if not self.composed:
             return reduce_scatter_flat(out, inp, self.group, async_op=async_op) or _Work()
         recv = torch.empty_like(inp) if scratch is None else scratch[:inp.numel()]
@@ -167,8 +210,22 @@ class DPComm:
     def snapshot(self) -> dict[str, float]:
         return dict(self.bytes)
 
+    def node_snapshot(self) -> dict[str, dict[str, float]]:
+        """``{"intra_node": {kind: bytes}, "inter_node": {kind: bytes}}`` since the last reset."""
+        return {k: dict(v) for k, v in self.node_bytes.items()}
+
     def reset(self) -> None:
         self.bytes.clear()
+        for v in self.node_bytes.values():
+            v.clear()
+
+
+def spans_nodes(global_ranks) -> bool:
+    """Whether ``global_ranks`` live on more than one node (:mod:`hybrid.zero.topology`)."""
+    from hybrid.zero.topology import local_world_size
+
+    local = local_world_size(dist.get_world_size())
+    return len({r // local for r in global_ranks}) > 1
 
 
 def replay(comm: DPComm, recorded: list, repeats: int = 3,

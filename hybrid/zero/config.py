@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from hybrid.config_fields import arg, check_choice, check_int, check_number, fail
+from hybrid.zero.quantize import QUANT_BITS
 from hybrid.zero.stage import GRAD_REDUCE_OPS, ZERO_STAGES, StagePlan, stage_plan
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -66,9 +67,28 @@ class ZeroConfig:
     optimizer_cpu_threads: int = arg(
         0, "with --optimizer-cpu-offload: torch threads of the host AdamW step (0: the "
            "process's torch.get_num_threads(), i.e. OMP_NUM_THREADS)")
+    quantized_gradients: bool = arg(
+        False, "ZeRO++ qgZ (arXiv 2306.10209 §3.3): ZeRO-2/3 gradient reduce-scatter as blockwise "
+               "int4/int8 (fp32 scale per 256 elements) over a hierarchical all-to-all, intra-node "
+               "then inter-node; error <= sum of the ranks' max |g| / qmax per element "
+               "(DeepSpeed's zero_quantized_gradients; --bf16 / --fp16)",
+        flag="--zero-quantized-gradients")
+    quantized_gradients_bits: int = arg(
+        4, "qgZ code width: 4 (DeepSpeed's int4, qmax 7) or 8 (int8, qmax 127: 18x tighter "
+           "bound, twice the bytes)", flag="--zero-quantized-gradients-bits", choices=QUANT_BITS)
     param_persistence_threshold: int = arg(
         100_000, "ZeRO-3 keeps parameters with fewer local elements than this unpartitioned "
                  "(0: none)")
+    hpz_partition_size: int = arg(
+        1, "ZeRO++ hpZ (arXiv 2306.10209 §3.2): keep a secondary ZeRO-3 parameter shard over this "
+           "many data-parallel ranks of one node, so backward gathers stay inside the node; 1: "
+           "off (DeepSpeed's zero_hpz_partition_size; --zero-stage 3, exact)",
+        flag="--zero-hpz-partition-size")
+    quantized_weights: bool = arg(
+        False, "ZeRO++ qwZ (arXiv 2306.10209 §3.1): ZeRO-3 parameter all-gathers in blockwise "
+               "int8 with an fp32 scale per 2048 elements (error <= scale/2 per element); the "
+               "master weights stay exact (DeepSpeed's zero_quantized_weights; --zero-stage 3, "
+               "--bf16 / --fp16)", flag="--zero-quantized-weights")
     precision: str = arg(
         "fp32", "parameter/compute dtype; master weights stay fp32, gradients too unless "
                 "--grad-reduce-in-bf16 (--bf16 / --fp16 set it)", choices=tuple(PRECISIONS),
@@ -104,6 +124,21 @@ class ZeroConfig:
     def plan(self) -> StagePlan:
         """What this stage partitions and how it reduces (:func:`hybrid.zero.stage.stage_plan`)."""
         return stage_plan(self.stage, self.grad_reduce, self.param_persistence_threshold)
+
+    def _check_qgz(self) -> None:
+        """qgZ against the stage, the gradient collective and the precision."""
+        check_choice(self, "quantized_gradients_bits", QUANT_BITS)
+        if not self.quantized_gradients:
+            return
+        if self.stage < 2:
+            fail(self, "quantized_gradients", "qgZ quantizes the ZeRO-2/3 gradient "
+                 f"reduce-scatter; --zero-stage is {self.stage} (use --zero-stage 2 or 3)")
+        if self.grad_reduce != "reduce_scatter":
+            fail(self, "quantized_gradients", "qgZ replaces the gradient reduce-scatter; "
+                 f"--grad-reduce is {self.grad_reduce} (use reduce_scatter)")
+        if self.precision == "fp32":
+            fail(self, "quantized_gradients", "qgZ replaces 16-bit gradient reduce-scatters; an "
+                 "fp32 run would lose its exactness for nothing (use --bf16 or --fp16)")
 
     def validate(self) -> None:
         """Check every field.
@@ -146,9 +181,25 @@ class ZeroConfig:
             fail(self, "overlap_param_gather", "stage 0 gathers no parameters (it copies the "
                  "whole master); use --zero-stage 1, 2 or 3 (Megatron-LM: the distributed "
                  "optimizer)")
+        self._check_zeropp()
         if self.overlap_param_gather and not self.overlap_comm:
             fail(self, "overlap_param_gather", "needs --overlap-grad-reduce (as in Megatron-LM); "
                  "drop --no-overlap-grad-reduce")
+        self._check_qgz()
+
+    def _check_zeropp(self) -> None:
+        """ZeRO++ settings against the stage and precision (the node fit is checked against the
+        world by :func:`hybrid.zero.topology.NodeTopology.check_intra_size`)."""
+        check_int(self, "hpz_partition_size", 1)
+        if self.hpz_partition_size > 1 and self.stage != 3:
+            fail(self, "hpz_partition_size", "hpZ partitions the ZeRO-3 parameters a second "
+                 f"time; --zero-stage is {self.stage} (use --zero-stage 3, or size 1 for off)")
+        if self.quantized_weights and self.stage != 3:
+            fail(self, "quantized_weights", "qwZ quantizes the ZeRO-3 parameter gathers; "
+                 f"--zero-stage is {self.stage} (use --zero-stage 3)")
+        if self.quantized_weights and self.precision == "fp32":
+            fail(self, "quantized_weights", "qwZ replaces 16-bit parameter gathers; an fp32 run "
+                 "would lose its exactness for nothing (use --bf16 or --fp16)")
 
 
 @dataclass

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
-from hybrid.zero import accounting, adamw, refresh, state, storage
+from hybrid.zero import accounting, adamw, hpz, refresh, state, storage
 from hybrid.zero.comm import DPComm
 from hybrid.zero.config import OptimizerConfig, ZeroConfig
 from hybrid.zero.grad_norm import clip_coefficient, global_grad_norm_and_stop
@@ -56,6 +56,7 @@ from hybrid.zero.layout import Fragment, PartitionLayout
 from hybrid.zero.loss_scaler import LossScaler
 from hybrid.zero.offload import HostGrads, host_split
 from hybrid.zero.profile import NULL_TIMER
+from hybrid.zero.qgz import quantized_reduce_scatter
 from hybrid.zero.reduce import GradReducer
 from hybrid.zero.stage3 import ParamGatherer
 
@@ -79,8 +80,9 @@ class StepInfo:
     loss_scale: float
     """The loss scale to use for the next step (1.0 unless fp16)."""
     comm_bytes: dict = field(default_factory=dict)
-    """Bytes this rank moved per collective kind during this iteration (from the ledger of
-    :class:`hybrid.zero.comm.DPComm`)."""
+    """Bytes this rank moved per collective kind this iteration (``DPComm``'s ledger)."""
+    node_bytes: dict = field(default_factory=dict)
+    """The same, split ``{"intra_node": {kind: bytes}, "inter_node": {kind: bytes}}``."""
 
 
 class ZeroEngine:
@@ -111,6 +113,7 @@ class ZeroEngine:
         """What the stage partitions and how it reduces (:mod:`hybrid.zero.stage`)."""
         self.stage, self.dtype = self.plan.stage, zero_config.dtype
         self.comm = DPComm(grid.dp_group)
+        self.comm.quantized = quantized_reduce_scatter(grid, zero_config)  # qgZ, or None
         self.dp, self.dp_rank = self.comm.size, self.comm.rank
         self.params = [p for _, p in model.named_parameters()]
         self.layout = L = PartitionLayout.from_model(
@@ -139,8 +142,10 @@ class ZeroEngine:
         self.reducer.on_unit_reduced = self.host_grads and self.host_grads.unit_reduced
         self.gatherer = None
         if self.plan.shards_parameters:
-            self.gatherer = ParamGatherer(model, L, self.states.unit_bufs, self.states.param_shard,
-                                          self.comm, self.ag_chunk, lambda: self._in_backward)
+            self.gatherer = ParamGatherer(
+                model, L, self.states.unit_bufs, self.states.param_shard, self.comm, self.ag_chunk,
+                lambda: self._in_backward, hpz.secondary_partition(grid, L, self.comm, zero_config),
+                zero_config.quantized_weights)
         self.deferred = (refresh.DeferredGathers(model, L) if zero_config.overlap_param_gather
                          else None)  # --overlap-param-gather: gathers in flight since the step
         self._build_optimizer()
@@ -217,10 +222,8 @@ class ZeroEngine:
         None switches profiling off). The caller times its forward as ``timer.phase("forward")``."""
         timer = NULL_TIMER if timer is None else timer
         self.timer = self.reducer.timer = timer
-        if self.deferred is not None:
-            self.deferred.timer = timer
-        if self.gatherer is not None:
-            self.gatherer.timer = timer
+        for g in (g for g in (self.deferred, self.gatherer) if g is not None):
+            g.timer = timer
 
     # ---- training ----------------------------------------------------------------------------
     def train(self) -> ZeroEngine:
@@ -280,7 +283,7 @@ class ZeroEngine:
             self.skipped_steps += 1
             with self.timer.phase("zeroing"):
                 self.reducer.zero()
-            return StepInfo(True, norm, self.loss_scale, self._close_comm())
+            return StepInfo(True, norm, self.loss_scale, *self._close_comm())
         norm /= scale
         coef = clip_coefficient(norm, self.opt_config.clip_grad) / scale
         with self.timer.phase("optimizer"):
@@ -303,7 +306,7 @@ class ZeroEngine:
         with self.timer.phase("zeroing"):
             self.reducer.zero()
         self.optimizer_steps += 1
-        return StepInfo(False, norm, self.loss_scale, self._close_comm())
+        return StepInfo(False, norm, self.loss_scale, *self._close_comm())
 
     def _optimizer_grads(self, coef: float) -> None:
         """Clip (and unscale) only the fragments AdamW steps (1/dp at stages 1-3, one multi-tensor
@@ -334,11 +337,8 @@ class ZeroEngine:
         (parameter -> hook -> engine -> process groups) that Python's collector cannot see, so
         without this the process groups (and gloo's threads) outlive ``destroy_process_group``."""
         self.wait_param_gather()
-        for h in self.reducer.hooks:
+        for h in [*self.reducer.hooks, *(g for g in (self.gatherer, self.deferred) if g)]:
             h.remove()
-        for g in (self.gatherer, self.deferred):
-            if g is not None:
-                g.remove()
 
     def refresh_params(self) -> None:
         """Copy the fp32 master into the compute-dtype parameters (collective over dp at stages
@@ -363,10 +363,10 @@ class ZeroEngine:
         """The current loss scale (1.0 unless fp16)."""
         return self.scaler.scale if self._scale_loss else 1.0
 
-    def _close_comm(self) -> dict:
-        self.last_comm_bytes = self.comm.snapshot()
+    def _close_comm(self) -> tuple[dict, dict]:
+        self.last_comm_bytes, nodes = self.comm.snapshot(), self.comm.node_snapshot()
         self.comm.reset()
-        return dict(self.last_comm_bytes)
+        return dict(self.last_comm_bytes), nodes
 
     # ---- accounting (implemented in hybrid.zero.accounting) --------------------------------
     def memory_bytes(self) -> dict[str, int]:

@@ -28,6 +28,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from hybrid.zero.comm import spans_nodes
+
 STOP_UNIT = float(2**24)
 """A stop request's weight in the flag element (more than any world's count of overflows)."""
 NORM_CHUNK_ELEMENTS = 1 << 20
@@ -81,7 +83,7 @@ def global_grad_norm_and_stop(counted: list[torch.Tensor], uncounted: list[torch
         uncounted: the other gradient tensors this rank owns (e.g. TP-replicated ones on TP
             ranks > 0), only checked for inf / NaN.
         group: the group to sum over (default: the world).
-        ledger: optional ``DPComm`` whose ``bytes["norm_all_reduce"]`` records the traffic.
+        ledger: optional ``DPComm`` whose ledger records the traffic as ``norm_all_reduce``.
         stop: this rank's stop request (see the module docstring).
 
     Returns:
@@ -98,7 +100,9 @@ def global_grad_norm_and_stop(counted: list[torch.Tensor], uncounted: list[torch
             dist.all_reduce(t, group=group)
         if ledger is not None:
             n = dist.get_world_size(group)
-            ledger.bytes["norm_all_reduce"] += 2 * (n - 1) / n * t.numel() * t.element_size()
+            ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+            ledger.add("norm_all_reduce", 2 * (n - 1) / n * t.numel() * t.element_size(),
+                       spans_nodes(ranks))
     sq_total, flags = host_values(t)
     overflow = flags % STOP_UNIT > 0 or not math.isfinite(sq_total)
     return (float("inf") if overflow else math.sqrt(sq_total)), overflow, flags >= STOP_UNIT

@@ -25,6 +25,10 @@ order; arXiv 1910.02054 §5.3 and §7.2.2):
 Every parameter is thus gathered once in forward and once in backward: 3 Psi of data-parallel
 traffic per step with the gradient reduce-scatter (ZeRO §7.2.2). ``root`` stays gathered from
 the start of backward until its last gradient (the tied embedding's) arrives.
+
+ZeRO++ (arXiv 2306.10209): with a ``secondary`` partition (hpZ, :mod:`hybrid.zero.hpz`) the
+backward gathers come from inside the node; with ``quantized`` (qwZ, :mod:`hybrid.zero.qwz`)
+the gathers from the primary partition move blockwise int8 (both are off by default).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import torch
 from hybrid.zero.comm import DPComm
 from hybrid.zero.layout import ROOT, PartitionLayout
 from hybrid.zero.profile import NULL_TIMER
+from hybrid.zero.qwz import quantized_all_gather
 
 RELEASED, GATHERING, GATHERED = "released", "gathering", "gathered"
 
@@ -57,16 +62,20 @@ class ParamGatherer:
         comm: data-parallel collectives with a byte ledger.
         chunk: elements per rank per all-gather (``allgather_bucket_size // dp``).
         in_backward: returns True while the engine runs a backward.
+        secondary: hpZ's :class:`hybrid.zero.hpz.SecondaryPartition` (None: off).
+        quantized: qwZ, primary-partition gathers in blockwise int8.
     """
 
     timer = NULL_TIMER
     """A :class:`hybrid.zero.profile.PhaseTimer` while profiling (param_gather)."""
 
     def __init__(self, model, layout: PartitionLayout, bufs, shard: torch.Tensor, comm: DPComm,
-                 chunk: int, in_backward):
+                 chunk: int, in_backward, secondary=None, quantized: bool = False):
         self.layout, self.bufs, self.shard, self.comm = layout, bufs, shard, comm
         self.chunk, self.in_backward = max(1, chunk), in_backward
+        self.secondary, self.quantized = secondary, quantized
         self.managed = [not u.persistent for u in layout.units]
+        self.from_primary = [False] * len(layout.units)
         self.state = [GATHERED] * len(layout.units)
         self.works: list[list] = [[] for _ in layout.units]
         self.live_bytes = self.peak_bytes = 0
@@ -109,17 +118,32 @@ class ParamGatherer:
             buf.untyped_storage().resize_(self._nbytes(u))
             self.live_bytes += self._nbytes(u)
             self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-            s, dp = unit.shard, self.comm.size
-            for lo, hi in self.layout.unit_chunks(u, self.chunk):
-                src = self.shard[unit.part_offset + lo:unit.part_offset + hi]
-                out = buf if (lo, hi) == (0, s) else [buf[r * s + lo:r * s + hi] for r in range(dp)]
-                self.works[u].append(self.comm.all_gather(out, src, async_op=True))
+            sec = self.secondary
+            self.from_primary[u] = not (sec is not None and sec.current[u] and self.in_backward())
+            if not self.from_primary[u]:
+                self.works[u] = sec.gather(u, buf)
+            else:
+                self._gather_primary(unit, buf)
             self.state[u] = GATHERING
         if wait and self.state[u] == GATHERING:
             for w in self.works[u]:
                 w.wait()
             self.works[u].clear()
             self.state[u] = GATHERED
+            if self.secondary is not None and self.from_primary[u]:
+                self.secondary.save(u, self.bufs[u])
+
+    def _gather_primary(self, unit, buf: torch.Tensor) -> None:
+        """Start unit ``unit``'s all-gathers from every data-parallel rank's shard."""
+        s, dp = unit.shard, self.comm.size
+        for lo, hi in self.layout.unit_chunks(unit.index, self.chunk):
+            src = self.shard[unit.part_offset + lo:unit.part_offset + hi]
+            if self.quantized:
+                slots = [buf[r * s + lo:r * s + hi] for r in range(dp)]
+                self.works[unit.index].append(quantized_all_gather(self.comm, slots, src))
+                continue
+            out = buf if (lo, hi) == (0, s) else [buf[r * s + lo:r * s + hi] for r in range(dp)]
+            self.works[unit.index].append(self.comm.all_gather(out, src, async_op=True))
 
     def release(self, u: int) -> None:
         """Free unit ``u``'s gathered parameters (waits for an in-flight gather first)."""
@@ -135,6 +159,8 @@ class ParamGatherer:
 
     # ---- hooks ------------------------------------------------------------------------------
     def _model_pre(self, module, args):
+        if self.secondary is not None and not self.in_backward():
+            self.secondary.invalidate()  # parameters may have changed since the last forward
         self.gather(self.root)
         if not self.in_backward() and self.blocks:
             self.gather(self.blocks[0], wait=False)

@@ -1,0 +1,254 @@
+"""Collective matmul: the sequence-parallel all-gather and reduce-scatter of tensor parallelism
+pipelined with their GEMMs, chunk by chunk (``--tp-comm-overlap``).
+
+Under sequence parallelism (Korthikanti et al. 2022, arXiv 2205.05198, §4.2.2) a column-parallel
+layer all-gathers its ``[b, s/t, in]`` input before its GEMM ("g") and a row-parallel layer
+reduce-scatters its GEMM's output ("g-bar"); both collectives wait on the compute stream.
+Decomposing each into the ``t`` sequence chunks of the ring lets every chunk's transfer run
+during another chunk's GEMM (Wang et al. 2023, "Overlap communication with dependent computation
+via decomposition in large deep learning models", ASPLOS '23, doi:10.1145/3567955.3567959, §3;
+Megatron-LM's ``--tp-comm-overlap``, torchtitan's async TP):
+
+- :func:`gather_linear` (all-gather + GEMM): at step ``k`` rank ``r`` multiplies the chunk of
+  rank ``r + k`` it holds while it sends that chunk to rank ``r - 1`` and receives rank
+  ``r + k + 1``'s from rank ``r + 1``; the first GEMM is on its own chunk, so no transfer waits
+  before compute starts.
+- :func:`linear_scatter` (GEMM + reduce-scatter): at step ``k`` rank ``r`` multiplies the rows
+  of chunk ``r - 1 - k``, adds the partial sum of that chunk received from rank ``r - 1`` and
+  sends it on to rank ``r + 1`` while the next chunk's GEMM runs; after ``t`` steps it holds the
+  full sum of its own chunk.
+
+The backward passes: the column-parallel layer keeps the bulk overlap of
+:func:`hybrid.parallel.ops.sequence_parallel_linear` (re-gather of the input during the
+input-gradient GEMM, the input gradient's reduce-scatter during the weight-gradient GEMM, as
+Megatron-LM's ``tp_comm_bulk_wgrad`` / ``tp_comm_bulk_dgrad``); the row-parallel layer's
+all-gather of the output gradient is pipelined with its input-gradient GEMM as in forward, and
+the weight-gradient GEMM runs once on the gathered gradient.
+
+The transfers are ``torch.distributed`` point-to-point ops (``isend``/``irecv``, batched on
+NCCL): gloo runs them on CPU, so the CPU tests prove exactness; on a GPU NCCL runs them on its
+own stream and ``wait`` only makes the compute stream wait. Each chunk's GEMM is the full GEMM's
+rows, so outputs equal the plain path's up to the order of the reduce-scatter's sum (fp32:
+~1e-7). The ledger counts the bytes of the collective each ring replaces (the same, ring
+accounting, ``hybrid.parallel.ops.TPLedger``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from hybrid.parallel.ops import (
+    SEQ_DIM,
+    TPLedger,
+    _autocast_state,
+    _check_seq,
+    _gather_seq_start,
+    _nbytes,
+    _reduce_scatter_seq_start,
+    all_gather_flat,
+    reduce_scatter_sequence,
+    sequence_parallel_linear,
+)
+
+
+class _Ring:
+    """Rank ``r`` of a TP group of ``t`` and its ring neighbours' global ranks."""
+
+    def __init__(self, group):
+        self.group = group
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
+        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
+        self.nccl = dist.get_backend(group) == "nccl"
+
+    def exchange(self, send: torch.Tensor, recv: torch.Tensor, to_next: bool) -> list:
+        """Start sending ``send`` to the next rank (``to_next``) or the previous one and
+        receiving ``recv`` from the other; returns the works to wait on."""
+        dst, src = (self.next, self.prev) if to_next else (self.prev, self.next)
+        if self.nccl:  # one NCCL group: the pair cannot deadlock on ordering
+            return dist.batch_isend_irecv([dist.P2POp(dist.isend, send, dst, self.group),
+                                           dist.P2POp(dist.irecv, recv, src, self.group)])
+        return [dist.isend(send, dst, group=self.group), dist.irecv(recv, src, group=self.group)]
+
+
+def _wait(works: list) -> None:
+    for w in works:
+        w.wait()
+
+
+def _cast(tensors, device: torch.device):
+    """Autocast's casts made by hand (``out=`` GEMMs are not autocast): ``tensors`` in the
+    autocast dtype when it is on, else as they are; and that autocast state."""
+    state = _autocast_state(device)
+    if not state[1]:
+        return tensors, state
+    return [t if t is None or not t.is_floating_point() else t.to(state[2]) for t in tensors], state
+
+
+def ring_gather_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       ring: _Ring, out: torch.Tensor | None = None,
+                       gathered: torch.Tensor | None = None) -> torch.Tensor:
+    """``[t, b, s/t, out]``: chunk ``c`` (rank ``c``'s rows) of ``all_gather(x) @ weight.T
+    (+ bias)``, from this rank's ``x`` ``[b, s/t, in]`` (see the module docstring). ``gathered``
+    (``[t, b, s/t, in]``, optional) receives the chunks themselves, for a caller that needs them
+    (the row-parallel backward's weight gradient); ``out`` is written in place when given."""
+    r, t = ring.rank, ring.size
+    x = x.contiguous()
+    n_out = weight.shape[0]
+    if out is None:
+        out = x.new_empty((t, *x.shape[:-1], n_out))
+    cur = x if gathered is None else gathered[r].copy_(x)
+    w_t = weight.t()
+    for k in range(t):
+        c = (r + k) % t
+        works, nxt = [], None
+        if k < t - 1:
+            nxt = torch.empty_like(x) if gathered is None else gathered[(c + 1) % t]
+            works = ring.exchange(cur, nxt, to_next=False)
+        rows, dst = cur.reshape(-1, cur.shape[-1]), out[c].view(-1, n_out)
+        if bias is None:
+            torch.mm(rows, w_t, out=dst)
+        else:
+            torch.addmm(bias, rows, w_t, out=dst)
+        _wait(works)
+        cur = nxt
+    return out
+
+
+def ring_matmul_scatter(y: torch.Tensor, weight: torch.Tensor, ring: _Ring,
+                        token_wise: bool) -> torch.Tensor:
+    """This rank's ``[b, s/t, out]`` of the sum over the ring of ``y @ weight.T``, ``y``
+    ``[b, s, in]`` (rank-major tokens with ``token_wise``; see the module docstring)."""
+    r, t = ring.rank, ring.size
+    per = _check_seq(y, t)
+    chunks = (y.contiguous().view(t, y.shape[0], per, *y.shape[2:]) if token_wise
+              else y.split(per, dim=SEQ_DIM))
+    acc, works, recv = None, [], None
+    for k in range(t):
+        c = (r - 1 - k) % t
+        part = torch.matmul(chunks[c], weight.t())
+        if k > 0:
+            _wait(works)
+            part = recv + part  # the previous ranks' partial sum of chunk c, then this rank's
+        if k < t - 1:
+            recv = torch.empty_like(part)
+            works = ring.exchange(part, recv, to_next=True)
+        acc = part
+    return acc
+
+
+def _seq_view(buf: torch.Tensor, token_wise: bool) -> torch.Tensor:
+    """``[t, b, s/t, ...]`` rank-major -> ``[b, s, ...]`` (a view with ``token_wise`` or ``b ==
+    1``, else one reordering copy; ``hybrid.parallel.ops._gather_seq_start``)."""
+    if token_wise:
+        return buf.view(buf.shape[1], -1, *buf.shape[3:])
+    return buf.movedim(0, SEQ_DIM).flatten(SEQ_DIM, SEQ_DIM + 1)
+
+
+class _GatherLinear(torch.autograd.Function):
+    """``F.linear(all_gather_seq(x), weight, bias)`` with the gather pipelined with the GEMM;
+    backward as :func:`hybrid.parallel.ops.sequence_parallel_linear`'s."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, ledger, token_wise):
+        ring = _Ring(group)
+        ctx.group, ctx.ledger, ctx.token_wise = group, ledger, token_wise
+        ctx.has_bias, ctx.x_dtype = bias is not None, x.dtype
+        (x, weight, bias), (kind, _, _) = _cast((x, weight, bias), x.device)
+        ctx.save_for_backward(x, weight)
+        if ledger is not None:
+            ledger.count("all_gather", ring.size * _nbytes(x), ring.size)
+        with torch.autocast(kind, enabled=False):
+            return _seq_view(ring_gather_matmul(x, weight, bias, ring), token_wise)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad = grad.to(weight.dtype)
+        gathered = _gather_seq_start(x, ctx.group, ctx.ledger, "regather", ctx.token_wise)
+        scatter = _reduce_scatter_seq_start(grad.matmul(weight), ctx.group, ctx.ledger,
+                                            ctx.token_wise)
+        full = gathered()
+        g2 = grad.reshape(-1, grad.shape[-1])
+        grad_w = g2.t().matmul(full.reshape(-1, full.shape[-1]))
+        grad_b = g2.sum(0) if ctx.has_bias else None
+        return scatter().to(ctx.x_dtype), grad_w, grad_b, None, None, None
+
+
+class _LinearScatter(torch.autograd.Function):
+    """``reduce_scatter_seq(F.linear(y, weight))`` with the reduce-scatter pipelined with the
+    GEMM; backward gathers the output gradient pipelined with the input-gradient GEMM."""
+
+    @staticmethod
+    def forward(ctx, y, weight, group, ledger, token_wise):
+        ring = _Ring(group)
+        ctx.group, ctx.ledger, ctx.token_wise, ctx.y_dtype = group, ledger, token_wise, y.dtype
+        (y, weight), (kind, _, _) = _cast((y, weight), y.device)
+        ctx.save_for_backward(y, weight)
+        with torch.autocast(kind, enabled=False):
+            out = ring_matmul_scatter(y, weight, ring, token_wise)
+        if ledger is not None:
+            ledger.count("reduce_scatter", ring.size * _nbytes(out), ring.size)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        y, weight = ctx.saved_tensors
+        ring = _Ring(ctx.group)
+        grad = grad.to(weight.dtype).contiguous()
+        t = ring.size
+        if ctx.ledger is not None:
+            ctx.ledger.count("all_gather", t * _nbytes(grad), t)
+        gathered = grad.new_empty((t, *grad.shape))
+        grad_y = None
+        if ctx.needs_input_grad[0]:  # the input gradient's GEMM, chunk by chunk on the ring
+            grad_y = _seq_view(ring_gather_matmul(grad, weight.t(), None, ring,
+                                                  gathered=gathered), ctx.token_wise)
+            grad_y = grad_y.to(ctx.y_dtype)
+        else:
+            all_gather_flat(gathered.view(-1), grad.view(-1), ctx.group)
+        g2 = _seq_view(gathered, ctx.token_wise).reshape(-1, grad.shape[-1])
+        grad_w = g2.t().matmul(y.reshape(-1, y.shape[-1]))
+        return grad_y, grad_w, None, None, None
+
+
+def gather_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group,
+                  ledger: TPLedger | None = None, token_wise: bool = False) -> torch.Tensor:
+    """:func:`hybrid.parallel.ops.sequence_parallel_linear` (``[b, s/t, in]`` ->
+    ``[b, s, out_local]``) with its all-gather pipelined with the GEMM (module docstring);
+    ``token_wise`` as there. At one rank it is ``F.linear``."""
+    if dist.get_world_size(group) == 1:
+        return torch.nn.functional.linear(x, weight, bias)
+    return _GatherLinear.apply(x, weight, bias, group, ledger, token_wise)
+
+
+def linear_scatter(y: torch.Tensor, weight: torch.Tensor, group, ledger: TPLedger | None = None,
+                   token_wise: bool = False) -> torch.Tensor:
+    """``reduce_scatter_sequence(F.linear(y, weight))`` (``[b, s, in_local]`` -> ``[b, s/t,
+    out]``) with the reduce-scatter pipelined with the GEMM (module docstring).
+
+    Raises:
+        ValueError: ``s`` is not divisible by the group size.
+    """
+    if dist.get_world_size(group) == 1:
+        return torch.nn.functional.linear(y, weight)
+    return _LinearScatter.apply(y, weight, group, ledger, token_wise)
+
+
+def column_sp(layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A sequence-parallel column-parallel ``layer``'s GEMM with ``bias`` (its own or None):
+    pipelined (:func:`gather_linear`) when ``layer.tp_comm_overlap``, else
+    :func:`hybrid.parallel.ops.sequence_parallel_linear`."""
+    fn = gather_linear if layer.tp_comm_overlap else sequence_parallel_linear
+    return fn(x, layer.weight, bias, layer.group, layer.ledger, layer.token_wise)
+
+
+def row_sp(layer, x: torch.Tensor) -> torch.Tensor:
+    """A sequence-parallel row-parallel ``layer``'s reduce-scattered GEMM, without the bias:
+    pipelined (:func:`linear_scatter`) when ``layer.tp_comm_overlap``, else ``F.linear`` then
+    :func:`hybrid.parallel.ops.reduce_scatter_sequence`."""
+    if layer.tp_comm_overlap:
+        return linear_scatter(x, layer.weight, layer.group, layer.ledger, layer.token_wise)
+    return reduce_scatter_sequence(torch.nn.functional.linear(x, layer.weight), layer.group,
+                                   layer.ledger, layer.token_wise)
