@@ -69,11 +69,13 @@ def _model_config(c, model: str):
     return GPTConfig(**kw)
 
 
-def worker(stage: int, tp: int, floor: bool, profile: bool, fusion: bool = True) -> None:
+def worker(stage: int, tp: int, floor: bool, profile: bool, fusion: bool = True,
+           offload: bool = False) -> None:
     """One of our configurations, under torchrun (reports like the peers). ``floor``: every
     data-parallel collective skipped (the compute-only floor); ``profile``: per-phase times of
     rank 0's timed steps in the result (``profile_ms``); ``fusion``: gradient-accumulation
-    fusion (``ZeroConfig.gradient_accumulation_fusion``; off is the path before issue 33)."""
+    fusion (``ZeroConfig.gradient_accumulation_fusion``; off is the path before issue 33);
+    ``offload``: ``--optimizer-cpu-offload`` (host AdamW on 1 thread, like the rest)."""
     sys.path[:0] = [str(REPO), str(PEERS)]
     import torch
     import workload as C  # the peers' workload and reporting
@@ -101,7 +103,8 @@ def worker(stage: int, tp: int, floor: bool, profile: bool, fusion: bool = True)
         zero=ZeroConfig(stage=stage, precision="fp32", grad_reduce=grad_reduce,
                         reduce_bucket_size=bucket, gradient_accumulation_fusion=fusion,
                         overlap_param_gather=stage > 0
-                        and os.environ.get("HYBRID_OVERLAP_PARAM_GATHER") == "1"),
+                        and os.environ.get("HYBRID_OVERLAP_PARAM_GATHER") == "1",
+                        optimizer_cpu_offload=offload, optimizer_cpu_threads=1),
         optimizer=OptimizerConfig(lr=1e-3, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95,
                                   adam_eps=1e-8, clip_grad=0.0)))
     engine.comm.skip_collectives = floor
@@ -123,7 +126,7 @@ def worker(stage: int, tp: int, floor: bool, profile: bool, fusion: bool = True)
         engine.backward(loss, is_last_micro_batch=True)
         if step == steps - 1:
             m = engine.memory_bytes()
-            state = m["params"] + m["grads"] + m["master"] + m["optimizer"]
+            state = m["params"] + m["grads"] + m["master"] + m["optimizer"] + m["host_states"]
         engine.step(1e-3)
         times.append(time.perf_counter() - t0)
         timer.end_step() if profile else None
@@ -132,7 +135,7 @@ def worker(stage: int, tp: int, floor: bool, profile: bool, fusion: bool = True)
     lt = torch.tensor(losses, dtype=torch.float64)
     torch.distributed.all_reduce(lt)
     name = (f"hybrid_z{stage}" + (f"_tp{tp}" if tp > 1 else "") + ("" if fusion else "_nofusion")
-            + ("_floor" if floor else ""))
+            + ("_offload" if offload else "") + ("_floor" if floor else ""))
     extra = {"memory_bytes_rank0": engine.memory_bytes()}
     if profile:
         extra["profile_ms"] = {k: round(v, 2) for k, v in timer.per_step_ms().items()}
@@ -210,9 +213,14 @@ def build_parser() -> argparse.ArgumentParser:
                          "CUDA only, so eager here)")
     ap.add_argument("--overlap-param-gather", action="store_true",
                     help="ours (stages 1-3) with ZeroConfig.overlap_param_gather")
+    ap.add_argument("--offload", default="off",
+                    help="ours with --optimizer-cpu-offload: 'off', 'on' (named *_offload) or "
+                         "'off on' (both, interleaved; the offload/device ratio and the host "
+                         "step's share of the step are printed)")
     ap.add_argument("--worker", nargs=2, type=int, metavar=("STAGE", "TP"), help=argparse.SUPPRESS)
     ap.add_argument("--floor", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--no-fusion", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--cpu-offload", action="store_true", help=argparse.SUPPRESS)
     return ap
 
 
@@ -230,6 +238,9 @@ def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         ap.error(f"--peers: unknown peer {bad[0]!r}; valid: {', '.join(sorted(known))}")
     if args.repeats < 1:
         ap.error(f"--repeats {args.repeats}: give 1 or more rounds")
+    args.offload = args.offload.replace(",", " ").split()
+    if not args.offload or any(f not in ("on", "off") for f in args.offload):
+        ap.error(f"--offload {' '.join(args.offload)!r}: give off, on or 'off on'")
     args.fusion = args.fusion.replace(",", " ").split()
     if not args.fusion or any(f not in ("on", "off") for f in args.fusion):
         ap.error(f"--fusion {' '.join(args.fusion)!r}: give on, off or 'on off'")
@@ -260,12 +271,14 @@ def _runs(args: argparse.Namespace) -> list[tuple[str, list[str], Path]]:
         else:
             runs.append((p, torchrun + [str(PEERS / "peer_torch.py"), p], REPO))
     for s, tp in _our_configs(args):
-        for fusion in args.fusion:
+        for fusion, offload in [(f, o) for f in args.fusion for o in args.offload]:
             name = (f"hybrid_z{s}" + (f"_tp{tp}" if tp > 1 else "")
-                    + ("_nofusion" if fusion == "off" else ""))
+                    + ("_nofusion" if fusion == "off" else "")
+                    + ("_offload" if offload == "on" else ""))
             cmd = torchrun + [str(Path(__file__).resolve()), "--worker", str(s), str(tp)]
             cmd += ["--no-profile"] if args.no_profile else []
             cmd += ["--no-fusion"] if fusion == "off" else []
+            cmd += ["--cpu-offload"] if offload == "on" else []
             runs.append((name, cmd, REPO))
             if not args.no_floor:
                 runs.append((name + "_floor", cmd + ["--floor"], REPO))
@@ -291,7 +304,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker:
         return worker(*args.worker, floor=args.floor, profile=not args.no_profile,
-                      fusion=not args.no_fusion)
+                      fusion=not args.no_fusion, offload=args.cpu_offload)
     _check_args(ap, args)
     steps = args.steps or (6 if args.size == "medium" else 15)
     warmup = args.warmup if args.warmup is not None else (1 if args.size == "medium" else 3)
@@ -321,12 +334,35 @@ def main() -> None:
         for r in results.values():
             f.write(json.dumps(r) + "\n")
     print_table(results)
+    print("\n".join(_offload_lines(launches)))
     write_report(results, Path(args.out), args, steps, warmup, launches)
     from bench_zero_targets import targets_table
 
     print("\n".join(targets_table(launches, results, args.skipped)))
     if failed := [name for name, _, _ in runs if name not in results]:
         sys.exit(f"failed: {', '.join(failed)} (logs in {logdir})")
+
+
+def _offload_lines(launches: dict) -> list[str]:
+    """Per ``*_offload`` configuration: its ms/step over its device-optimizer twin's, median
+    and spread over the rounds (each round's pair measured back to back), and the host AdamW's
+    and the gradient copies' waits' share of its step (rank 0's profile)."""
+    out = []
+    for name, runs in launches.items():
+        twin = launches.get(name.removesuffix("_offload"))
+        if not name.endswith("_offload") or not twin:
+            continue
+        ratios = [a["ms_step_median"] / b["ms_step_median"]
+                  for a, b in zip(runs, twin, strict=True) if a and b]
+        prof = [r.get("profile_ms", {}) for r in runs if r]
+        share = [(p.get("host_step", 0) + p.get("d2h_wait", 0)) / sum(p.values())
+                 for p in prof if p]
+        if ratios:
+            out.append(f"# {name}: {statistics.median(ratios):.3f}x the ms/step of "
+                       f"{name.removesuffix('_offload')} (rounds {min(ratios):.3f}-"
+                       f"{max(ratios):.3f}); host AdamW + copy waits "
+                       + (f"{statistics.median(share):.1%} of the step" if share else "n/a"))
+    return out
 
 
 def _int_list(ap, flag: str, text: str) -> list[int]:

@@ -19,7 +19,8 @@ def merge_repeats(rs: list[dict]) -> dict:
     out["ms_repeats"] = [r["ms_step_median"] for r in rs]
     profs = [r["profile_ms"] for r in rs if "profile_ms" in r]
     if profs:
-        out["profile_ms"] = {k: statistics.median(p.get(k, 0.0) for p in profs) for k in profs[0]}
+        keys = dict.fromkeys(k for p in profs for k in p)
+        out["profile_ms"] = {k: statistics.median(p.get(k, 0.0) for p in profs) for k in keys}
     return out
 
 

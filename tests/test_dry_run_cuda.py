@@ -109,3 +109,26 @@ def test_attention_dropout_is_measured_on_the_explicit_core_the_planner_counts()
     assert "attention core measured: explicit softmax core with dropout" in out.stdout
     total = re.search(r"total at the step peak +[\d.]+ +[\d.]+ +([-+\d.]+)%", out.stdout)
     assert total and abs(float(total.group(1))) <= 10, out.stdout[-3000:]
+
+
+@needs_compiler
+@pytest.mark.timeout(600)
+def test_offloaded_optimizer_leaves_the_device_and_is_reported_on_the_host():
+    """``--optimizer-cpu-offload`` at dp4 ZeRO-2 bf16: no fp32 master or Adam moment on the device;
+    the host line holds 12 bytes (master + two moments) + 4 (the fp32 gradient copy) per
+    partition element (136,960 local parameters / 4 = 34,240); the step copies each unit's
+    reduced gradient to the host and the updated master back."""
+    out = subprocess.run([sys.executable, "-m", "hybrid.pretrain", *TINY, "--zero-stage", "2",
+                          "--bf16", "--optimizer-cpu-offload", "--dry-run-world-size", "4",
+                          "--dry-run-device", "cuda"], capture_output=True, text=True, env=ENV,
+                         cwd=ROOT, timeout=550)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    rows = {m.group(1).strip(): float(m.group(2)) for m in re.finditer(
+        r"^(fp32 master|Adam moments|host optimizer \(not in total\)) +([\d.]+)", out.stdout,
+        re.M)}
+    assert rows["fp32 master"] == rows["Adam moments"] == 0.0, out.stdout[-3000:]
+    assert rows["host optimizer (not in total)"] == pytest.approx(16 * 34_240 / 2**30, abs=1e-6)
+    assert re.search(r"copy \d x cuda->cpu \[\d+\] torch.float32 at hybrid/zero/offload.py",
+                     out.stdout)
+    assert re.search(r"copy \d x cpu->cuda \[\d+\] torch.float32 at hybrid/zero/refresh.py",
+                     out.stdout)

@@ -351,3 +351,28 @@ def comm_world(rank: int, world: int) -> dict:
                              ag_list=torch.cat(ag_list), calls=sorted(set(calls)))
         calls.clear()
     return out
+
+
+def offload_world(rank: int, world: int) -> dict:
+    """``--optimizer-cpu-offload`` against the device optimizer on tp1 x dp2, 3 steps each:
+    bf16 with bf16 gradients (ZeRO-2), fp16 whose dynamic scale overflows every step (ZeRO-1,
+    the skip path), and 30% offloaded (ZeRO-3, bf16). Returns per case whether the losses are
+    equal, the largest final parameter difference, the skipped flags of both, and the split."""
+    out = {}
+    cases = {"z2_bf16_grads": (2, dict(precision="bf16", grad_reduce_in_bf16=True)),
+             "z1_fp16_skips": (1, dict(precision="fp16")),
+             "z3_fraction_0.3": (3, dict(precision="bf16", optimizer_offload_fraction=0.3))}
+    grid = ProcessGrid(tp=1)
+    for name, (stage, extra) in cases.items():
+        kw = dict(stage=stage, reduce_bucket_size=3000, allgather_bucket_size=3000,
+                  param_persistence_threshold=100, **extra)
+        a = train(build(grid, ZeroConfig(**kw)), grid, steps=3)
+        e = build(grid, ZeroConfig(optimizer_cpu_offload=True, **kw))
+        b = train(e, grid, steps=3)
+        out[name] = dict(
+            losses_equal=a["losses"] == b["losses"],
+            diff=max((a["final"][k] - b["final"][k]).abs().max().item() for k in a["final"]),
+            skipped=([i["skipped"] for i in a["infos"]], [i["skipped"] for i in b["infos"]]),
+            split=(e.host_split, e.layout.partition_numel), host=e.memory_bytes()["host_states"])
+        e.close()
+    return out

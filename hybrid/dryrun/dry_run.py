@@ -23,7 +23,9 @@ engine's buffers give the bytes per kind. The planner's figures for the same con
 (``python -m hybrid.plan --accounting engine``, :func:`hybrid.planner.plan.evaluate`) are
 printed beside them. The fake backend ignores the device: everything is counted as memory of
 one device, and host-offloaded checkpoints (``--checkpoint-in-cpu``, the arena) are reported on
-their own line and left out of the device total. The report
+their own line and left out of the device total, as are the optimizer states of
+``--optimizer-cpu-offload`` (host master, moments and gradient copy; on fake CUDA the meter then
+counts device storages only, so the host step's temporaries stay out too). The report
 (:mod:`hybrid.dryrun.report`) is in GiB and ends with the verdict for ``--device`` /
 ``--gpu-memory-gib`` with ``--reserved-gib`` held back, the planner's rule.
 """
@@ -55,13 +57,19 @@ class StorageMeter(TorchDispatchMode):
     device), without its per-module snapshots, whose cost grows with ops x modules and makes a
     125-layer step take tens of minutes.
 
+    Args:
+        skip_cpu: leave CPU storages out (on fake CUDA with ``--optimizer-cpu-offload``: the
+            host master, moments, gradient copy and the host step's temporaries are host
+            memory, not the device's).
+
     Attributes:
         current: bytes alive now (int).
         peak: the largest ``current`` seen since construction or :meth:`reset_peak` (int).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, skip_cpu: bool = False) -> None:
         super().__init__()
+        self.skip_cpu = skip_cpu
         self.current = 0
         self.peak = 0
         self._live: dict[int, list] = {}  # id(storage) -> [weakref, nbytes]
@@ -77,7 +85,8 @@ class StorageMeter(TorchDispatchMode):
         self.peak = self.current
 
     def _see(self, t) -> None:
-        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta" or (
+                self.skip_cpu and t.device.type == "cpu"):
             return
         st = t.untyped_storage()
         entry = self._live.get(id(st))
@@ -139,15 +148,16 @@ def _host_checkpoint_bytes(engine) -> int:
     return 0
 
 
-def _save_staging_peak(engine, grid) -> int:
+def _save_staging_peak(engine, grid, device_only: bool = False) -> int:
     """Bytes alive at the peak of staging this rank's checkpoint shard: the same entries and
     the same staging (:func:`hybrid.checkpoint.stream.staged`) as ``save_checkpoint``, with the
-    file write left out (a fake tensor has no bytes). Counted on top of the engine's tensors."""
+    file write left out (a fake tensor has no bytes). Counted on top of the engine's tensors
+    (``device_only``: device storages only, as the step's meter)."""
     from hybrid.checkpoint.shards import shard_entries
     from hybrid.checkpoint.stream import staged
     from hybrid.zero import state
 
-    meter = StorageMeter()
+    meter = StorageMeter(device_only)
     meter.track(*_engine_tensors(engine))
     with meter:
         entries, _ = shard_entries(state.owned_state(engine), grid.tp_rank)
@@ -295,6 +305,22 @@ def measured_attention_path(model, attention_dropout: float) -> str:
     return "scaled_dot_product_attention without dropout"
 
 
+def _measured(engine, held: dict, step: StorageMeter, start: int, device_only: bool) -> dict:
+    """Bytes per kind from the engine's ``held`` (``memory_bytes()`` after construction) and
+    the step's meter (``start``: its bytes before the step). Host checkpoints and an offloaded
+    optimizer are host memory: subtracted from what the meter counted, unless it counted the
+    device only (``device_only``)."""
+    host = _host_checkpoint_bytes(engine)
+    on_host = 0 if device_only else host + held["host_states"]
+    gathered = engine.memory_bytes()["gathered_peak"]
+    out = {k: held[k] for k in STATE_KEYS}
+    out.update(states=sum(held[k] for k in STATE_KEYS), buffers=held["buffers"] + gathered,
+               activations=step.peak - start - gathered - (0 if device_only else host),
+               host_checkpoints=host, host_states=held["host_states"],
+               total=step.peak - on_host, gathered_peak=gathered, tracked_after_build=start)
+    return out
+
+
 def _build_and_step(job, grid, t0: float, clock: PhaseClock) -> dict:
     """The dry run on ``grid`` under a fake-tensor mode: build, one step, the measured bytes."""
     from unittest import mock
@@ -316,32 +342,29 @@ def _build_and_step(job, grid, t0: float, clock: PhaseClock) -> dict:
         log.note_read("host_values")
         return host_values(values)
 
+    # fake CUDA with an offloaded optimizer: only device storages count (host ones separately)
+    device_only = grid.device.type == "cuda" and cfg.zero.offload_fraction > 0
     # real inputs (the CPU RNG state an activation checkpoint saves) are converted as they come
     with FakeTensorMode(allow_non_fake_inputs=True):
-        with StorageMeter() as build:
+        with StorageMeter(device_only) as build:
             engine = parallelize(meta_gpt(job.gpt), grid, cfg, tracker)
         attention = measured_attention_path(engine.model, job.gpt.attention_dropout)
         built_s = time.perf_counter() - t0
         clock.done("build (model, TP plan, checkpointing, ZeRO engine)", built_s)
         held = engine.memory_bytes()
-        step = StorageMeter()
+        step = StorageMeter(device_only)
         step.track(*_engine_tensors(engine))
         start = step.current
         _timed_step(job, engine, grid, clock, [
             step, log, mock.patch.object(train_step, "host_values", read),
             mock.patch.object(grad_norm, "host_values", read)])
         t = time.perf_counter()
-        save_peak = _save_staging_peak(engine, grid)
+        save_peak = _save_staging_peak(engine, grid, device_only)
         clock.done("save (staging this rank's checkpoint shard, no file written)",
                    time.perf_counter() - t, last=True)
     snapshot = host_snapshot_bytes(engine, grid) if cfg.checkpoint.async_save else 0
-    host = _host_checkpoint_bytes(engine)
-    gathered = engine.memory_bytes()["gathered_peak"]
-    measured = {k: held[k] for k in STATE_KEYS}
-    measured.update(states=sum(held[k] for k in STATE_KEYS), buffers=held["buffers"] + gathered,
-                    activations=step.peak - start - gathered - host, host_checkpoints=host,
-                    total=step.peak - host, construction_peak=build.peak,
-                    save_peak=save_peak, gathered_peak=gathered, tracked_after_build=start,
+    measured = _measured(engine, held, step, start, device_only)
+    measured.update(construction_peak=build.peak, save_peak=save_peak,
                     async_save_snapshot=snapshot)
     return dict(tp=grid.tp_size, dp=grid.dp_size, tp_rank=grid.tp_rank,
                 dp_rank=grid.dp_rank, stage=engine.stage, precision=engine.config.precision,

@@ -26,6 +26,7 @@ _ROWS = [(lambda r: f"compute params ({r['precision']})", "params"),
          (lambda r: "buffers (+ stage-3 gathered units)", "buffers"),
          (lambda r: "activations + temporaries (peak)", "activations"),
          (lambda r: "host checkpoints (not in total)", "host_checkpoints"),
+         (lambda r: "host optimizer (not in total)", "host_states"),
          (lambda r: "total at the step peak", "total")]
 
 
@@ -96,6 +97,9 @@ def format_report(r: dict, device: str | None = None, memory_gib: float | None =
              f"{r['wall_s']:.0f} s with the step",
              f"{'GiB (2^30 bytes) per rank':<34}{'measured':>14}{'planner':>14}{'diff':>9}"]
     for label, k in _ROWS:
+        if k == "host_states" and not m.get(k):
+            continue  # no --optimizer-cpu-offload
+        p.setdefault(k, 0)  # a planner without the offload column
         diff = f"{(m[k] - p[k]) / p[k]:+.1%}" if p[k] else "-"
         lines.append(f"{label(r):<34}{gib(m[k])}{gib(p[k])}{diff:>9}")
         if k == "activations" and "temporaries" in p:

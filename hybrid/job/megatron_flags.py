@@ -25,6 +25,11 @@ MEANING = {
     "--accumulate-allreduce-grads-in-fp32": [],  # gradients are always accumulated in fp32
     "--no-position-embedding": ["--position-embedding-type", "none"],  # [] beside RoPE
     "--log-throughput": [],  # every log line has tokens/s and TFLOP/s per device
+    # --optimizer-cpu-offload needs it in Megatron-LM (its hybrid optimizer's code path); here
+    # the fp32 master is the optimizer's own parameter whether offloaded or not
+    "--use-precision-aware-optimizer": [],
+    # offloaded: gradient copies overlap backward, parameter copies the next forward's gathers
+    "--overlap-cpu-optimizer-d2h-h2d": [],
 }
 """Flag -> the equivalent flags here (empty: what happens here anyway)."""
 

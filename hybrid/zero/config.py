@@ -55,6 +55,18 @@ class ZeroConfig:
     grad_reduce_in_bf16: bool = arg(
         False, "--bf16 only: gradients are held, accumulated and reduced in bf16 (half the "
                "bytes); the optimizer still steps fp32 master weights (Megatron-LM's meaning)")
+    optimizer_cpu_offload: bool = arg(
+        False, "ZeRO 1-3: the fp32 master weights and Adam moments of this rank's partition live "
+               "in host memory (pinned on CUDA) and AdamW steps on the host; reduced gradients "
+               "go device->host per unit as their reduction ends, updated parameters come back "
+               "(Megatron-LM's flag; ZeRO-Offload, arXiv 2101.06840)")
+    optimizer_offload_fraction: float = arg(
+        1.0, "with --optimizer-cpu-offload: the share of the partition's optimizer states "
+             "offloaded (0-1; units taken in flat order until the share is reached, the rest "
+             "stays on the device; Megatron-LM's flag and default)")
+    optimizer_cpu_threads: int = arg(
+        0, "with --optimizer-cpu-offload: torch threads of the host AdamW step (0: the "
+           "process's torch.get_num_threads(), i.e. OMP_NUM_THREADS)")
     quantized_gradients: bool = arg(
         False, "ZeRO++ qgZ (arXiv 2306.10209 §3.3): ZeRO-2/3 gradient reduce-scatter as blockwise "
                "int4/int8 (fp32 scale per 256 elements) over a hierarchical all-to-all, intra-node "
@@ -104,6 +116,11 @@ class ZeroConfig:
         return torch.bfloat16 if self.grad_reduce_in_bf16 else torch.float32
 
     @property
+    def offload_fraction(self) -> float:
+        """The share of the optimizer partition kept in host memory (0 without offload)."""
+        return self.optimizer_offload_fraction if self.optimizer_cpu_offload else 0.0
+
+    @property
     def plan(self) -> StagePlan:
         """What this stage partitions and how it reduces (:func:`hybrid.zero.stage.stage_plan`)."""
         return stage_plan(self.stage, self.grad_reduce, self.param_persistence_threshold)
@@ -151,6 +168,15 @@ class ZeroConfig:
         if self.grad_reduce_in_bf16 and self.precision != "bf16":
             fail(self, "grad_reduce_in_bf16", "bf16 gradients need bf16 training (--bf16); "
                  f"precision is {self.precision}, whose gradients stay fp32")
+        f = self.optimizer_offload_fraction
+        if not (isinstance(f, int | float) and not isinstance(f, bool) and 0.0 <= f <= 1.0):
+            fail(self, "optimizer_offload_fraction", "must be a number in [0, 1] (the share "
+                 "of the optimizer states in host memory)")
+        check_int(self, "optimizer_cpu_threads", 0)
+        if self.optimizer_cpu_offload and self.stage == 0:
+            fail(self, "optimizer_cpu_offload", "offloads the partition of ZeRO 1-3; stage 0 "
+                 "keeps every optimizer state on every rank (dp copies of the host memory): "
+                 "use --zero-stage 1, 2 or 3")
         if self.overlap_param_gather and self.stage == 0:
             fail(self, "overlap_param_gather", "stage 0 gathers no parameters (it copies the "
                  "whole master); use --zero-stage 1, 2 or 3 (Megatron-LM: the distributed "

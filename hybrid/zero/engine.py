@@ -16,8 +16,10 @@ flat buffers), :mod:`hybrid.zero.reduce` (fp32 accumulation and bucketed gradien
 :mod:`hybrid.zero.refresh` (the master back into the parameters), :mod:`hybrid.zero.stage3`
 (parameter gathering), :mod:`hybrid.zero.state` (state export), :mod:`hybrid.zero.grad_norm`
 (the one norm), :mod:`hybrid.zero.loss_scaler`, :mod:`hybrid.zero.comm` (collectives with a
-byte ledger). Only this file reads the engine's private attributes; the others take explicit
-arguments or the engine's public views (``states``, ``plan``, ``opt_params``).
+byte ledger), :mod:`hybrid.zero.adamw` (the optimizer), :mod:`hybrid.zero.offload`
+(``--optimizer-cpu-offload``: the table's master and optimizer columns in host memory). Only
+this file reads the engine's private attributes; the others take explicit arguments or the
+engine's public views (``states``, ``plan``, ``opt_params``).
 
 What each stage keeps on a rank, with Psi this TP rank's parameter count (padded to the layout)
 and n the data-parallel size, in bytes for 16-bit training (``memory_bytes``):
@@ -46,12 +48,13 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
-from hybrid.zero import accounting, hpz, refresh, state, storage
+from hybrid.zero import accounting, adamw, hpz, refresh, state, storage
 from hybrid.zero.comm import DPComm
 from hybrid.zero.config import OptimizerConfig, ZeroConfig
 from hybrid.zero.grad_norm import clip_coefficient, global_grad_norm_and_stop
-from hybrid.zero.layout import Fragment, PartitionLayout, is_embedding_or_output
+from hybrid.zero.layout import Fragment, PartitionLayout
 from hybrid.zero.loss_scaler import LossScaler
+from hybrid.zero.offload import HostGrads, host_split
 from hybrid.zero.profile import NULL_TIMER
 from hybrid.zero.qgz import quantized_reduce_scatter
 from hybrid.zero.reduce import GradReducer
@@ -126,11 +129,17 @@ class ZeroEngine:
         self.last_comm_bytes: dict = {}
         self.activation_checkpointing = None
         """Set by ``hybrid.parallelize.parallelize``: the checkpointing handle, or None."""
+        self.host_split = host_split(L, zero_config.offload_fraction)
+        """Elements of the partition whose optimizer lives in host memory (``[0, host_split)``,
+        :mod:`hybrid.zero.offload`; 0 without ``--optimizer-cpu-offload``)."""
         self._build_buffers(weights)
         self.reducer = GradReducer(
             self.params, L, self.plan, self.comm, zero_config.reduce_bucket_size,
             zero_config.overlap_comm, on_unit_ready=self._on_unit_ready,
             grad_dtype=zero_config.grad_dtype, fusion=zero_config.gradient_accumulation_fusion)
+        self.host_grads = (HostGrads(L, self.host_split, zero_config.grad_dtype,
+                                     self.reducer.owned_grad) if self.host_split else None)
+        self.reducer.on_unit_reduced = self.host_grads and self.host_grads.unit_reduced
         self.gatherer = None
         if self.plan.shards_parameters:
             self.gatherer = ParamGatherer(
@@ -150,7 +159,7 @@ class ZeroEngine:
         construction peak is the model states plus one unit in fp32, never a second full copy."""
         L, dev = self.layout, self.grid.device
         storage.check_materialised(self.model)
-        self.states = storage.allocate_states(L, self.plan, self.dtype, dev)
+        self.states = storage.allocate_states(L, self.plan, self.dtype, dev, self.host_split)
         """The flat buffers this rank holds (:class:`hybrid.zero.storage.FlatStates`)."""
         storage.fill_units(self.states, L, self.plan, self.dp_rank, self.params,
                            weights or storage.model_weights(self.params))
@@ -172,40 +181,18 @@ class ZeroEngine:
                            weights, units)
 
     def _build_optimizer(self) -> None:
-        L, oc, st = self.layout, self.opt_config, self.states
-        frags = self.own if self.plan.shards_optimizer_states else L.whole_fragments()
-        keys = [(nd, dec) for dec in (False, True) for nd in (False, True)]
-        groups: dict[tuple[bool, bool], list] = {k: [] for k in keys}
-        self.opt_params: list[tuple[nn.Parameter, Fragment]] = []
-        """AdamW's parameters (1-D views of ``states.master``) with the layout fragment each
-        covers: this rank's partition (stages 1-3) or every whole parameter (stage 0)."""
-        fp32_grads = self.reducer.grad_dtype == torch.float32
-        for f in frags:
-            mp = nn.Parameter(st.master[f.part_offset:f.part_offset + f.length])
-            mp.grad = self.reducer.grad_view(f) if fp32_grads else None  # bf16: set in step
-            slot = L.slots[f.slot]
-            groups[slot.no_decay, is_embedding_or_output(slot.name)].append(mp)
-            self.opt_params.append((mp, f))
-        # wd_mult (Megatron-LM's name): the share of the scheduled weight decay a group gets;
-        # decoupled: the embedding and output weights, at --decoupled-lr when it is given
-        param_groups = [{"params": groups[nd, dec], "weight_decay": 0.0 if nd else oc.weight_decay,
-                         "wd_mult": 0.0 if nd else 1.0, "decoupled": dec}
-                        for nd, dec in keys if groups[nd, dec]]
-        # On CUDA torch's fused AdamW: one kernel, and no partition-sized temporaries (the
-        # default foreach path allocates sqrt(v) for the whole partition: 1 GB at 100B / 400
-        # ranks). On CPU the single-tensor path, whose temporaries are one fragment each.
-        fused = True if st.master.device.type == "cuda" else None
-        self.optimizer = torch.optim.AdamW(
-            param_groups, lr=oc.lr, betas=(oc.adam_beta1, oc.adam_beta2), eps=oc.adam_eps,
-            fused=fused)
-        # Adam moments live in our flat partitions, so they are allocated once and exportable.
-        for mp, f in self.opt_params:
-            self.optimizer.state[mp] = {
-                "step": torch.tensor(0.0, dtype=torch.float32,
-                                     device=st.master.device if fused else None),
-                "exp_avg": st.exp_avg[f.part_offset:f.part_offset + f.length],
-                "exp_avg_sq": st.exp_avg_sq[f.part_offset:f.part_offset + f.length],
-            }
+        frags = self.own if self.plan.shards_optimizer_states else self.layout.whole_fragments()
+        self.optimizer, self.opt_params = adamw.build_adamw(
+            self.layout, frags, self.states, self.opt_config,
+            self._grad_of if self.reducer.grad_dtype == torch.float32 else None,
+            self.grid.device, self.host_split, self.config.optimizer_cpu_threads)
+        # opt_params: [(1-D view of states.master, its fragment)] (hybrid.zero.adamw)
+
+    def _grad_of(self, f: Fragment) -> torch.Tensor:
+        """Fragment ``f``'s reduced gradient: its host copy if offloaded, else the device's."""
+        if f.part_offset < self.host_split:
+            return self.host_grads.buf[f.part_offset:f.part_offset + f.length]
+        return self.reducer.grad_view(f)
 
     def _build_norm_views(self) -> None:
         L, tp_rank = self.layout, self.grid.tp_rank
@@ -255,7 +242,8 @@ class ZeroEngine:
         """
         self.wait_param_gather()  # a unit the forward did not reach
         with self.timer.phase("backward"):
-            self.reducer.begin_backward(self.plan.reduce_every_micro_batch or is_last_micro_batch)
+            self.reducer.begin_backward(self.plan.reduce_every_micro_batch or is_last_micro_batch,
+                                        last=is_last_micro_batch)
             if self._scale_loss:
                 loss = loss.float() * self.scaler.scale
             self._in_backward = True
@@ -286,6 +274,9 @@ class ZeroEngine:
                 self._norm_counted, self._norm_uncounted, group=self.grid.world_group,
                 ledger=self.comm, stop=self.stop_source is not None and self.stop_source())
         self._stop_seen = stop
+        if self.host_grads is not None:
+            with self.timer.phase("d2h_wait"):
+                self.host_grads.wait()  # before the host step, and before zeroing the source
         if self._scale_loss:
             self.scaler.update(overflow)
         if overflow:
@@ -301,7 +292,12 @@ class ZeroEngine:
                 g["lr"] = decoupled_lr if g["decoupled"] and decoupled_lr is not None else lr
                 if weight_decay is not None:
                     g["weight_decay"] = weight_decay * g["wd_mult"]
-            self.optimizer.step()
+            if self.host_grads is None:
+                self.optimizer.step()
+            else:
+                self.optimizer.step_device()
+                with self.timer.phase("host_step"):
+                    self.optimizer.step_host()
             if self.reducer.grad_dtype != torch.float32:
                 for mp, _ in self.opt_params:
                     mp.grad = None  # the fp32 copies live for the step only
@@ -317,9 +313,13 @@ class ZeroEngine:
         multiply); bf16 gradients become fp32 copies for the step (as Megatron-LM's optimizer)."""
         if self.reducer.grad_dtype != torch.float32:
             for mp, f in self.opt_params:
-                mp.grad = self.reducer.grad_view(f).float()
+                mp.grad = self._grad_of(f).float()
         if coef != 1.0:
-            torch._foreach_mul_([mp.grad for mp, _ in self.opt_params], coef)
+            by_device: dict[torch.device, list] = {}
+            for mp, _ in self.opt_params:
+                by_device.setdefault(mp.grad.device, []).append(mp.grad)
+            for grads in by_device.values():
+                torch._foreach_mul_(grads, coef)
 
     def take_stop_request(self) -> bool | None:
         """Whether any rank asked to stop, as the last :meth:`step`'s grad-norm all-reduce

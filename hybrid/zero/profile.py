@@ -34,8 +34,10 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 PHASES = ("forward", "backward", "hooks", "copies", "grad_comm", "param_gather", "grad_norm",
-          "optimizer", "refresh", "zeroing")
-"""Every phase the engine and the training loop report, in step order."""
+          "d2h_wait", "optimizer", "host_step", "refresh", "zeroing")
+"""Every phase the engine and the training loop report, in step order (``d2h_wait``: waiting
+for the offloaded gradients' host copies; ``host_step``: the host AdamW of
+``--optimizer-cpu-offload``)."""
 
 _NULL = nullcontext()
 

@@ -101,7 +101,10 @@ class GradReducer:
         self.buckets, self.unit_buckets = rp.buckets, rp.unit_buckets
         self.staging = self._staging(rp.chunk, 2 if overlap else 1, dev)
         self.inflight: deque = deque()
-        self.reduce_now = False
+        self.reduce_now = self.last = False
+        self.on_unit_reduced = None
+        """Called with a unit index when, in the last micro-batch's backward, the reduction of
+        the unit's last bucket has finished (``--optimizer-cpu-offload`` copies it to the host)."""
         self._reset()
         self.hooks = [p.register_post_accumulate_grad_hook(self._hook(i))
                       for i, p in enumerate(params)]
@@ -131,13 +134,14 @@ class GradReducer:
         self.next_bucket = 0
         self.launched = 0
 
-    def begin_backward(self, reduce_now: bool) -> None:
-        """Call before each micro-batch's backward; ``reduce_now`` reduces in this one.
+    def begin_backward(self, reduce_now: bool, last: bool = False) -> None:
+        """Call before each micro-batch's backward; ``reduce_now`` reduces in this one, ``last``:
+        it is the optimizer step's last (its reduced gradients are final).
         With fusion, every parameter whose dtype is the gradient's gets ``p.grad`` = its view of
         the full flat gradient, so autograd accumulates into it in place."""
         if self.inflight:
             raise RuntimeError("a gradient reduction is still in flight from the last backward")
-        self.reduce_now = reduce_now
+        self.reduce_now, self.last = reduce_now, last
         self._reset()
         for p, view in zip(self.params, self.main_grad, strict=True):
             if view is not None and p.grad is not view:
@@ -289,6 +293,8 @@ class GradReducer:
                     [out[c.src:c.src + c.length] for c in bucket.copy_out])
         for u in bucket.units:
             self.left[u] -= 1
+            if self.left[u] == 0 and self.last and self.on_unit_reduced is not None:
+                self.on_unit_reduced(u)
             if self.left[u] == 0 and self.plan.shards_gradients:
                 for s in self.layout.units[u].slots:
                     self.params[s].grad = None
@@ -299,6 +305,15 @@ class GradReducer:
         if not self.plan.shards_gradients:
             return self.grad_flat[frag.flat_offset:frag.flat_offset + frag.length]
         return self.grad_part[frag.part_offset:frag.part_offset + frag.length]
+
+    def owned_grad(self, u: int) -> torch.Tensor:
+        """``[shard]`` view of this rank's reduced gradient of unit ``u`` (its partition slice at
+        stages 2/3; its own shard of the full flat buffer at stages 0/1), stages 1-3."""
+        unit = self.layout.units[u]
+        if self.plan.shards_gradients:
+            return self.grad_part[unit.part_offset:unit.part_offset + unit.shard]
+        a = unit.offset + self.comm.rank * unit.shard
+        return self.grad_flat[a:a + unit.shard]
 
     @property
     def buffer(self) -> torch.Tensor:

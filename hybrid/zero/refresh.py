@@ -17,6 +17,7 @@ import torch
 
 from hybrid.zero.comm import DPComm
 from hybrid.zero.layout import PERSISTENT, ROOT, PartitionLayout
+from hybrid.zero.offload import SplitFlat
 from hybrid.zero.profile import NULL_TIMER
 from hybrid.zero.stage import StagePlan
 from hybrid.zero.storage import FlatStates
@@ -92,34 +93,41 @@ def refresh_params(states: FlatStates, layout: PartitionLayout, plan: StagePlan,
             1/2 (None at stage 0).
         deferred: leave the gathers in flight, recorded there per unit (None: wait here).
     """
-    L = layout
+    L, master = layout, states.master
     if not plan.shards_optimizer_states:
-        states.param_flat.copy_(states.master)
+        states.param_flat.copy_(master)
         return
+    # offloaded: [0, split) of the master is host memory
+    split = master.split if isinstance(master, SplitFlat) else 0
     if plan.shards_parameters:
-        states.param_shard.copy_(states.master)
+        if split:
+            master.copy_to(states.param_shard)
+        else:
+            states.param_shard.copy_(master)
         source = states.param_shard
     else:
-        source = states.master if states.param_flat.dtype == states.master.dtype else None
+        source = master if states.param_flat.dtype == master.dtype else None
     works = []
     for u in L.units:
         if plan.shards_parameters and not u.persistent:
             continue
         buf, mine = states.unit_bufs[u.index], comm.rank * u.shard
         pending = works if deferred is None else deferred.works[u.index]
+        # a host unit is copied host->device (asynchronously from pinned memory) first
+        src = None if source is master and u.part_offset < split else source
         for lo, hi in L.unit_chunks(u.index, chunk):
             span = slice(u.part_offset + lo, u.part_offset + hi)
             out = buf if (lo, hi) == (0, u.shard) else [
                 buf[r * u.shard + lo:r * u.shard + hi] for r in range(comm.size)]
-            if source is not None:
-                pending.append(comm.all_gather(out, source[span], async_op=True))
+            if src is not None:
+                pending.append(comm.all_gather(out, src[span], async_op=True))
             elif deferred is not None:  # in place: no staging buffer held across the forward
                 own = buf[mine + lo:mine + hi]
-                own.copy_(states.master[span])
+                own.copy_(master[span], non_blocking=True)
                 pending.append(comm.all_gather(out, own, async_op=True))
             else:
                 inp = staging[:hi - lo]
-                inp.copy_(states.master[span])
+                inp.copy_(master[span], non_blocking=True)
                 comm.all_gather(out, inp).wait()
     for w in works:
         w.wait()

@@ -99,15 +99,17 @@ def import_state(engine, fill: Fill, step: int, load_optim: bool = True) -> None
 # ---- whole-tensor views (tests, small tools: all-gather over dp) ------------------------------
 @torch.no_grad()
 def full_flat(engine, domain: torch.Tensor) -> torch.Tensor:
-    """All-gather a partition-shaped buffer into full flat order (collective over dp)."""
+    """All-gather a partition-shaped buffer (a tensor, or an offloaded
+    :class:`hybrid.zero.offload.SplitFlat`) into full flat order on the training device
+    (collective over dp)."""
     engine.wait_param_gather()
     if not engine.plan.shards_optimizer_states:
         return domain
-    L = engine.layout
-    out = torch.empty(L.total_numel, dtype=domain.dtype, device=domain.device)
+    L, dev = engine.layout, engine.grid.device  # offloaded states gather from the device
+    out = torch.empty(L.total_numel, dtype=domain.dtype, device=dev)
     for u in L.units:
         engine.comm.all_gather(out[u.offset:u.offset + u.padded],
-                               domain[u.part_offset:u.part_offset + u.shard].contiguous(),
+                               domain[u.part_offset:u.part_offset + u.shard].to(dev).contiguous(),
                                kind="state_all_gather").wait()
     return out
 

@@ -32,6 +32,7 @@ import torch
 import torch.nn as nn
 
 from hybrid.zero.layout import PartitionLayout
+from hybrid.zero.offload import SplitFlat
 from hybrid.zero.stage import StagePlan
 
 WeightSource = Callable[[str, torch.Tensor], torch.Tensor]
@@ -41,11 +42,12 @@ WeightSource = Callable[[str, torch.Tensor], torch.Tensor]
 class FlatStates:
     """The buffers one rank keeps (1-D; element counts from the layout)."""
 
-    master: torch.Tensor
-    """fp32 ``[partition_numel]`` (stages 1-3) or ``[total_numel]`` (stage 0)."""
-    exp_avg: torch.Tensor
+    master: torch.Tensor | SplitFlat
+    """fp32 ``[partition_numel]`` (stages 1-3) or ``[total_numel]`` (stage 0); with offload a
+    :class:`hybrid.zero.offload.SplitFlat` (sliced the same way, unit by unit)."""
+    exp_avg: torch.Tensor | SplitFlat
     """fp32, the shape of ``master``."""
-    exp_avg_sq: torch.Tensor
+    exp_avg_sq: torch.Tensor | SplitFlat
     """fp32, the shape of ``master``."""
     param_flat: torch.Tensor | None
     """Compute dtype ``[total_numel]`` (stages 0-2), else None."""
@@ -70,15 +72,19 @@ def model_weights(params: list[torch.Tensor]) -> WeightSource:
 
 @torch.no_grad()
 def allocate_states(layout: PartitionLayout, plan: StagePlan, dtype: torch.dtype,
-                    device: torch.device) -> FlatStates:
+                    device: torch.device, host_split: int = 0) -> FlatStates:
     """Zero-filled steady-state buffers, parameters in the compute ``dtype``; stage 3's
     non-persistent unit buffers are created without storage (the parameter views are bound by
-    :func:`bind_parameters`)."""
+    :func:`bind_parameters`). With ``host_split`` > 0 (stages 1-3, ``--optimizer-cpu-offload``)
+    the master and moments are :class:`hybrid.zero.offload.SplitFlat`: ``[0, host_split)`` in
+    host memory."""
     L = layout
     domain = L.partition_numel if plan.shards_optimizer_states else L.total_numel
-    master = torch.zeros(domain, dtype=torch.float32, device=device)
-    exp_avg = torch.zeros(domain, dtype=torch.float32, device=device)
-    exp_avg_sq = torch.zeros(domain, dtype=torch.float32, device=device)
+    if host_split:
+        master, exp_avg, exp_avg_sq = (SplitFlat(domain, host_split, device) for _ in range(3))
+    else:
+        master, exp_avg, exp_avg_sq = (torch.zeros(domain, dtype=torch.float32, device=device)
+                                       for _ in range(3))
     param_flat = param_shard = None
     if not plan.shards_parameters:
         param_flat = torch.zeros(L.total_numel, dtype=dtype, device=device)
@@ -112,7 +118,7 @@ def fill_units(states: FlatStates, layout: PartitionLayout, plan: StagePlan, dp_
     L = layout
     for ui in range(len(L.units)) if units is None else units:
         u = L.units[ui]
-        unit = torch.zeros(u.padded, dtype=torch.float32, device=states.master.device)
+        unit = torch.zeros(u.padded, dtype=torch.float32, device=states.unit_bufs[ui].device)
         for si in u.slots:
             s = L.slots[si]
             value = source(s.name, params[si])
