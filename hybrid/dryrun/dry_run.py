@@ -204,7 +204,8 @@ def planner_figures(job) -> dict:
     # a node of tp GPUs unless hpZ needs more (the bytes do not depend on it)
     node = job.tp * max(1, z.hpz_partition_size)
     cluster = Cluster(num_gpus=job.world_size, gpus_per_node=node, reserved_bytes=0)
-    c = evaluate(job.gpt, cluster, training, job.tp, z.stage, activation)
+    c = evaluate(job.gpt, cluster, training, job.tp, z.stage, activation,
+                 offload_fraction=z.offload_fraction if z.stage else 0.0)
     out = {k: c.model_states[k] for k in STATE_KEYS}
     out.update(states=c.model_states["total"], buffers=c.buffers,
                activations=c.activations["gpu"] + c.temporaries["total"],

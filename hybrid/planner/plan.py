@@ -47,7 +47,6 @@ import dataclasses
 import itertools
 
 from hybrid.flops import flops_per_iteration, layer_parameter_split
-from hybrid.parallel.grid import validate_grid
 from hybrid.parallel.sequence import sequence_parallel_active
 from hybrid.parallel.tp_split import tp_split_refusal
 from hybrid.parallel.vocab import pad_vocab_size
@@ -73,6 +72,7 @@ from hybrid.planner.offload import (
 from hybrid.planner.precision import ACCOUNTINGS, get_precision
 from hybrid.planner.step_time import qgz_intra_bytes, qgz_setting, step_breakdown
 from hybrid.planner.temporaries import embedding_backward_bytes, temporary_bytes
+from hybrid.planner.tp_choices import check_tp, tp_candidates
 from hybrid.planner.traffic import dp_traffic_bytes, tp_traffic_elements
 from hybrid.zero.stage import stage_plan
 from models.config import GPTConfig
@@ -96,57 +96,10 @@ EXPOSED_DP = ("first_gather_s", "last_reduce_s", "unhidden_dp_s", "refresh_s")
 """The data-parallel parts of a step's exposed seconds (``Candidate.times``)."""
 
 
-def tp_candidates(model: GPTConfig, cluster: Cluster) -> list[int]:
-    """Powers of two t <= gpus_per_node over which the model splits (heads, K/V groups, MLP
-    width: :func:`hybrid.parallel.tp_split.tp_split_refusal`) and the grid forms."""
-    out, t = [], 1
-    while t <= cluster.gpus_per_node:
-        if tp_split_refusal(model, t) is None and _grid_refusal(t, cluster) is None:
-            out.append(t)
-        t *= 2
-    return out
-
-
-def _grid_refusal(tp: int, cluster: Cluster) -> str | None:
-    """Why ``tp`` makes no grid of the cluster (:func:`hybrid.parallel.grid.validate_grid`: tp
-    divides the GPUs and fits in a node), or None."""
-    try:
-        validate_grid(cluster.num_gpus, tp, cluster.gpus_per_node)
-    except ValueError as e:
-        return str(e)
-    return None
-
-
 def _padded(model: GPTConfig, tp: int, training: Training) -> GPTConfig:
     m = model
     vocab = pad_vocab_size(m.vocab_size, tp, training.make_vocab_size_divisible_by)
     return dataclasses.replace(m, vocab_size=vocab)
-
-
-def _valid_tps(m: GPTConfig, cluster: Cluster) -> list[int]:
-    """Every tp that splits ``m`` and makes a grid of ``cluster``."""
-    return [t for t in range(1, cluster.num_gpus + 1)
-            if tp_split_refusal(m, t) is None and _grid_refusal(t, cluster) is None]
-
-
-def _check_tp(m: GPTConfig, tp: int, cluster: Cluster) -> None:
-    """Raises ValueError naming every rule ``tp`` breaks and the valid values of ``--tp``."""
-    why = []  # every rule tp breaks, not the first only
-    refusal = tp_split_refusal(m, tp) if tp > 0 else None
-    if tp <= 0:
-        why.append(f"tp={tp} must be positive")
-    elif refusal is not None and refusal.dimension == "num_query_groups":
-        why.append(f"tp={tp} must divide num_query_groups={m.query_groups} (each TP rank holds "
-                   "whole K/V heads)")
-    elif refusal is not None:
-        why.append(f"tp={tp} must divide num_attention_heads={m.num_attention_heads} and "
-                   f"ffn_hidden_size={m.ffn_hidden_size}")
-    if tp > 0 and (grid := _grid_refusal(tp, cluster)) is not None:
-        why.append(grid.split("; valid tensor-model-parallel sizes")[0])  # the full list below
-    if why:
-        valid = ", ".join(map(str, _valid_tps(m, cluster))) or "none"
-        raise ValueError("; ".join(why) + f"; valid --tp for this model on {cluster.num_gpus} "
-                         f"GPUs: {valid}")
 
 
 def _check_layout(model: GPTConfig, cluster: Cluster, training: Training, tp: int,
@@ -157,7 +110,7 @@ def _check_layout(model: GPTConfig, cluster: Cluster, training: Training, tp: in
     parallelism with tp not dividing the sequence length.
     """
     m0 = model
-    _check_tp(m0, tp, cluster)
+    check_tp(m0, tp, cluster)
     m = _padded(m0, tp, training)
     s = training.seq_length
     if (sequence_parallel_active("sp" in activation.split("+"), tp)
@@ -369,7 +322,7 @@ def plan(
     if tps is None:
         tps = tp_candidates(m, cluster)
     for tp in tps:
-        _check_tp(m, tp, cluster)
+        check_tp(m, tp, cluster)
     gbs = training.global_batch_size or training.micro_batch_size * cluster.num_gpus
     out, skipped = [], []
     for tp in tps:
