@@ -82,3 +82,31 @@ def test_verify_passes_the_flags_to_the_dry_run_at_stage_3_only():
         chosen = SimpleNamespace(tp=2, stage=stage, activation="full")
         cfg = parse_config(pretrain_argv(args, SimpleNamespace(vocab_size=50257), chosen, 32))
         assert (cfg.zero.hpz_partition_size, cfg.zero.quantized_weights) == want
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--zero-stage", "2", "--grad-reduce", "all_reduce", "--zero-quantized-gradients"],
+     "--zero-quantized-gradients replaces the gradient reduce-scatter; --grad-reduce is "
+     "all_reduce"),
+    (["--zero-stage", "2", "--zero-hpz-partition-size", "2"],
+     "need --zero-stage 3, got --zero-stage 2"),
+    (["--zero-stage", "1", "--zero-quantized-weights"],
+     "need --zero-stage 3, got --zero-stage 1"),
+    (["--zero-stage", "1", "--zero-quantized-gradients"],
+     "--zero-quantized-gradients needs --zero-stage 2 or 3, got --zero-stage 1"),
+    (["--tp", "1", "--tp-comm-overlap"], "--tp-comm-overlap needs --tp > 1"),
+])
+def test_flags_the_trainer_refuses_for_the_given_layout_are_one_line_errors(capsys, extra,
+                                                                              message):
+    """A fixed --zero-stage / --tp that a ZeRO++ or overlap flag cannot apply to is refused
+    before planning (the trainer refuses the pair; --verify would fail on it)."""
+    from hybrid.planner.cli import main
+
+    argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--vocab-size", "512", "--seq-length", "64", "--num-gpus", "16",
+            "--gpus-per-node", "8"]
+    with pytest.raises(SystemExit) as e:
+        main(argv + extra)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1

@@ -210,7 +210,8 @@ def planner_figures(job) -> dict:
     out.update(states=c.model_states["total"], buffers=c.buffers,
                activations=c.activations["gpu"] + c.temporaries["total"],
                kept_activations=c.activations["gpu"], temporaries=c.temporaries["total"],
-               host_checkpoints=c.activations["cpu"], total=c.total_bytes)
+               host_checkpoints=c.activations["cpu"], host_states=c.host_bytes["states"],
+               total=c.total_bytes)
     return out
 
 

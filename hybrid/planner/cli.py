@@ -177,8 +177,23 @@ _FLAG_OF = {
     "quantized_gradients_bits": "--zero-quantized-gradients-bits",
     "quantized_gradients": "--zero-quantized-gradients",
     "hpz_partition_size": "--zero-hpz-partition-size",
-    "quantized_weights": "--zero-quantized-weights",
+    "quantized_weights": "--zero-quantized-weights", "grad_reduce": "--grad-reduce",
 }
+
+
+def _check_fixed_layout(args: argparse.Namespace) -> None:
+    """ValueError when a ZeRO++ or ``--tp-comm-overlap`` flag cannot apply to any of the
+    ``--zero-stage`` / ``--tp`` values given (the trainer refuses those pairs; a searched stage
+    or tp gets the flag where it applies)."""
+    stages, tps = args.zero_stage or ZERO_STAGES, args.tp or [2]
+    if (args.zero_hpz_partition_size > 1 or args.zero_quantized_weights) and 3 not in stages:
+        raise ValueError(f"--zero-hpz-partition-size / --zero-quantized-weights need --zero-stage "
+                         f"3, got --zero-stage {' '.join(map(str, stages))}")
+    if args.zero_quantized_gradients and max(stages) < 2:
+        raise ValueError(f"--zero-quantized-gradients needs --zero-stage 2 or 3, got "
+                         f"--zero-stage {' '.join(map(str, stages))}")
+    if args.tp_comm_overlap and max(tps) < 2:
+        raise ValueError("--tp-comm-overlap needs --tp > 1 (with sequence parallelism), got --tp 1")
 
 
 def _with_flag_names(kind, **kwargs):
@@ -280,6 +295,7 @@ def _main(argv: list[str] | None = None) -> int:
         model = model_from_args(args, required=not args.max_model)
         cluster = _cluster(args, planning=not args.max_model)
         training = _training(args)
+        _check_fixed_layout(args)
         if args.max_model:
             rows = _max_model(args, model, cluster, training)
             budget = cluster.gpu_memory_bytes - cluster.reserved_bytes

@@ -127,6 +127,9 @@ class Training:
         if self.quantized_gradients and self.precision == "fp32":
             raise ValueError("quantized_gradients needs 16-bit training (qgZ replaces 16-bit "
                              "gradient reduce-scatters), got precision 'fp32'")
+        if self.quantized_gradients and self.grad_reduce == "all_reduce":
+            raise ValueError("quantized_gradients replaces the gradient reduce-scatter; "
+                             "grad_reduce is all_reduce (use reduce_scatter, the default)")
         if self.quantized_gradients_bits not in (4, 8):
             raise ValueError(f"quantized_gradients_bits must be 4 or 8, got "
                              f"{self.quantized_gradients_bits}")
