@@ -143,7 +143,7 @@ def get_preset(name: str, **overrides) -> GPTConfig:
     if key not in _SIZES:
         close = difflib.get_close_matches(key, list_presets(), n=1, cutoff=0.6)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise KeyError(f"unknown GPT preset {name!r}{hint}; valid presets: "
+        raise KeyError(f"unknown model preset {name!r}{hint}; valid presets: "
                        f"{', '.join(list_presets())}")
     layers, hidden, heads, positions = _SIZES[key]
     config = GPTConfig(

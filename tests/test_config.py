@@ -53,7 +53,7 @@ def test_preset_with_overrides():
     (["--split", "90,abc,5"], 4, "'abc' is not a non-negative number"),
     (["--partition-activations"], 4, "needs --checkpoint-activations"),
     (["--async-save"], 4, "--async-save needs --save DIR"),
-    (["--preset", "gpt-5"], 4, "unknown GPT preset"),
+    (["--preset", "gpt-5"], 4, "unknown model preset"),
     (["--fp16", "--initial-loss-scale", "1000"], 4, "power of two"),
     (["--data-path", "corpus_text_document"], 4,
      "--mock-data and --data-path corpus_text_document both name the training data"),

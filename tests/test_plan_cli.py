@@ -143,7 +143,7 @@ def test_cli_takes_a_preset_and_names_an_unknown_one(capsys):
         main(["--model", "gpt-124m", "--num-gpus", "8", "--device", "H100"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and len(err.splitlines()) == 1, err
-    assert "unknown GPT preset 'gpt-124m' (did you mean 'gpt2-124m'?); valid presets: " in err
+    assert "unknown model preset 'gpt-124m' (did you mean 'gpt2-124m'?); valid presets: " in err
 
 
 @pytest.mark.parametrize(("tp", "rule"), [
