@@ -43,12 +43,11 @@ from hybrid.parallel.ops import (
     TPLedger,
     _autocast_state,
     _check_seq,
-    _gather_seq_start,
     _nbytes,
-    _reduce_scatter_seq_start,
     all_gather_flat,
     reduce_scatter_sequence,
     sequence_parallel_linear,
+    sequence_parallel_linear_grads,
 )
 
 
@@ -165,15 +164,10 @@ class _GatherLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        grad = grad.to(weight.dtype)
-        gathered = _gather_seq_start(x, ctx.group, ctx.ledger, "regather", ctx.token_wise)
-        scatter = _reduce_scatter_seq_start(grad.matmul(weight), ctx.group, ctx.ledger,
-                                            ctx.token_wise)
-        full = gathered()
-        g2 = grad.reshape(-1, grad.shape[-1])
-        grad_w = g2.t().matmul(full.reshape(-1, full.shape[-1]))
-        grad_b = g2.sum(0) if ctx.has_bias else None
-        return scatter().to(ctx.x_dtype), grad_w, grad_b, None, None, None
+        grad_x, grad_w, grad_b = sequence_parallel_linear_grads(
+            x, weight, grad.to(weight.dtype), ctx.group, ctx.ledger, ctx.token_wise,
+            ctx.has_bias)
+        return grad_x.to(ctx.x_dtype), grad_w, grad_b, None, None, None
 
 
 class _LinearScatter(torch.autograd.Function):

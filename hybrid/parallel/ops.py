@@ -301,14 +301,25 @@ class _SequenceParallelLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         kind, enabled, dtype = ctx.autocast
         with torch.autocast(kind, dtype=dtype, enabled=enabled):
-            gathered = _gather_seq_start(x, ctx.group, ctx.ledger, "regather", ctx.token_wise)
-            scatter = _reduce_scatter_seq_start(grad.matmul(weight), ctx.group, ctx.ledger,
-                                                ctx.token_wise)
-            full = gathered()
-            g2 = grad.reshape(-1, grad.shape[-1])
-            grad_w = g2.t().matmul(full.reshape(-1, full.shape[-1]))
-            grad_b = g2.sum(0) if ctx.has_bias else None
-            return scatter(), grad_w, grad_b, None, None, None
+            return (*sequence_parallel_linear_grads(x, weight, grad, ctx.group, ctx.ledger,
+                                                    ctx.token_wise, ctx.has_bias),
+                    None, None, None)
+
+
+def sequence_parallel_linear_grads(x: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor,
+                                   group, ledger: TPLedger | None, token_wise: bool,
+                                   has_bias: bool):
+    """``(grad_x [b, s/t, in], grad_w [out_local, in], grad_b or None)`` of a column-parallel
+    linear on a sequence-parallel input ``x`` (``[b, s/t, in]``, as stored), from its output
+    gradient ``grad`` (``[b, s, out_local]``): the re-gather of ``x`` runs during the
+    input-gradient GEMM, the input gradient's reduce-scatter during the weight-gradient GEMM
+    (2205.05198 §4.2.2; Megatron-LM's overlap)."""
+    gathered = _gather_seq_start(x, group, ledger, "regather", token_wise)
+    scatter = _reduce_scatter_seq_start(grad.matmul(weight), group, ledger, token_wise)
+    full = gathered()
+    g2 = grad.reshape(-1, grad.shape[-1])
+    grad_w = g2.t().matmul(full.reshape(-1, full.shape[-1]))
+    return scatter(), grad_w, g2.sum(0) if has_bias else None
 
 
 class _ColumnParallelLinear(torch.autograd.Function):
