@@ -17,9 +17,10 @@ import torch
 
 from hybrid.checkpoint.consolidate import main as consolidate_main
 from hybrid.checkpoint.directory import IncompleteCheckpointError, latest_iteration, read_metadata
-from hybrid.checkpoint.shards import KINDS, CheckpointReader
+from hybrid.checkpoint.shards import CheckpointReader
 from hybrid.parallel.spawn import spawn_world
 from models.gpt import GPT, GPTConfig
+from tests.checkpoint_helpers import assert_same_full_tensors
 from tests.pretrain_worlds import MODEL, crash_while_saving, prepare_data, run_configs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,11 +84,7 @@ def test_resharded_state_is_bitwise_the_saved_one(reshard, target):
                              for p in reader.meta["params"].values())
         assert (len({shard for frags in reader.index.values() for _, _, shard in frags})
                 == len(reader.files))
-    assert saved.param_names() == loaded.param_names()
-    for name in saved.param_names():
-        for kind in KINDS:
-            assert torch.equal(saved.full_tensor(name, kind),
-                               loaded.full_tensor(name, kind)), (name, kind)
+    assert_same_full_tensors(saved, loaded)
     assert loaded.meta["optimizer_step"] == saved.meta["optimizer_step"] == 5
     assert loaded.meta["train_state"]["consumed_samples"] == 40
 

@@ -213,16 +213,14 @@ def test_planner_counts_qgz_at_stages_2_and_3_only():
 
 
 def test_reshard_of_a_qgz_checkpoint_is_bitwise(world):
-    from hybrid.checkpoint.shards import KINDS, CheckpointReader
+    from hybrid.checkpoint.shards import CheckpointReader
+    from tests.checkpoint_helpers import assert_same_full_tensors
 
     root = Path(world[0]["directory"])
     saved, loaded = CheckpointReader(str(root / "ck_qgz")), CheckpointReader(
         str(root / "ck_qgz_tp2"))
     assert (saved.tp, saved.dp, loaded.tp, loaded.dp) == (1, 4, 2, 2)
-    assert saved.param_names() == loaded.param_names()
-    for name in saved.param_names():
-        for kind in KINDS:
-            assert torch.equal(saved.full_tensor(name, kind), loaded.full_tensor(name, kind))
+    assert_same_full_tensors(saved, loaded)
 
 
 def test_start_up_line_names_qgz():

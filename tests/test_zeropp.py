@@ -122,14 +122,12 @@ def test_reshard_of_an_hpz_qwz_checkpoint_is_bitwise(w4, ck):
     """The secondary shard is derived and qwZ quantizes only the gathered working copy: a
     checkpoint saved with both on (tp 1 x dp 4, 2 nodes) and resharded onto tp 2 x dp 2 holds
     the same full tensors of every kind (parameters, master, moments), bit for bit."""
-    from hybrid.checkpoint.shards import KINDS, CheckpointReader
+    from hybrid.checkpoint.shards import CheckpointReader
+    from tests.checkpoint_helpers import assert_same_full_tensors
 
     saved, loaded = CheckpointReader(ck), CheckpointReader(ck + "_tp2")
     assert (saved.tp, saved.dp, loaded.tp, loaded.dp) == (1, 4, 2, 2)
-    assert saved.param_names() == loaded.param_names()
-    for name in saved.param_names():
-        for kind in KINDS:
-            assert torch.equal(saved.full_tensor(name, kind), loaded.full_tensor(name, kind))
+    assert_same_full_tensors(saved, loaded)
 
 
 def test_quantize_error_bound_and_payload():
