@@ -16,6 +16,7 @@ from hybrid.job.preemption import process_start
 process_start()  # --exit-duration-in-mins counts from here at the latest (before torch loads)
 
 
+from data.split import no_validation_note  # noqa: E402
 from hybrid.job.cli import parse_config  # noqa: E402
 from hybrid.job.config_checks import ConfigError, Job, validate  # noqa: E402
 from hybrid.job.datasets import build_datasets, eod_id  # noqa: E402
@@ -276,8 +277,9 @@ def header(job: Job) -> str:
 
 def _checked_job(argv: list[str] | None):
     """Parse and validate the flags, then the checks and notes that come before any process
-    group (rank 0 only): wandb's names, the ignored Megatron-LM flags, --init-from-hf's
-    dropout. Returns ``(cfg, job)``; raises :class:`ConfigError` for a bad flag."""
+    group (rank 0 only): wandb's names, the ignored Megatron-LM flags, a --split without
+    validation data, --init-from-hf's dropout. Returns ``(cfg, job)``; raises
+    :class:`ConfigError` for a bad flag."""
     ignored: list[str] = []
     hf_flags: list[str] = []
     cfg = parse_config(argv, ignored, hf_flags)
@@ -295,6 +297,8 @@ def _checked_job(argv: list[str] | None):
               "--tensor-model-parallel-size 1 (no group to split the sequence over); disabled, as "
               "Megatron-LM disables it", flush=True)
     _profile_notes(cfg)
+    if note := no_validation_note(cfg.data.split, cfg.eval.eval_iters):
+        print(f"hybrid-pretrain: {note}", flush=True)
     if hf_flags:
         print(f"hybrid-pretrain: --init-from-hf {cfg.checkpoint.init_from_hf}: the model flags of "
               f"its config.json: {' '.join(hf_flags)}", flush=True)
