@@ -124,3 +124,43 @@ def test_the_start_up_line_has_no_empty_protected_list(tmp_path):
         f" --save-keep-last 1: {tmp_path} holds another branch of the run (saved after the "
         "resumed iteration 50): iterations [55, 60]; [55, 60] (within --train-iters 60) "
         "overwritten if this job saves the same iteration, and then pruned as its own")
+
+
+def test_a_run_that_does_not_resume_save_is_refused_before_overwriting_it(tmp_path):
+    """A fresh run into a --save holding another run's checkpoints replaced them silently."""
+    from hybrid.job.cli import parse_config
+    from hybrid.job.config_checks import ConfigError, validate
+    from hybrid.job.resume_checks import check_save_dir
+
+    ck, other = tmp_path / "ck", tmp_path / "other"
+    for it in (2, 4):
+        fake_publish(ck, it)
+    staging_dir(ck, 6).mkdir()  # an unpublished save is no checkpoint
+
+    def refusal(*flags: str) -> str:
+        with pytest.raises(ConfigError) as e:
+            validate(parse_config(MOCK + ["--save", str(ck), *flags]), world_size=1,
+                     local_world_size=1)
+        return str(e.value)
+
+    head = f"--save {ck} holds the checkpoints of another run (iterations 2, 4, latest 4) that "
+    tail = ("its saves would overwrite them. To continue that run {}; otherwise give another "
+            "--save directory, or --overwrite-save to save into this one anyway")
+    assert refusal() == head + "this run does not resume (no --load of it): " + tail.format(
+        f"give --load {ck}")
+    assert refusal("--load", str(other)) == (
+        head + f"this run does not resume (it loads --load {other}, another directory): "
+        + tail.format(f"give --load {ck}"))
+    resumed = ["--save", str(ck), "--load", str(tmp_path / "x" / ".." / "ck")]
+    with pytest.raises(ValueError, match=r"\(--finetune restarts at iteration 0\): .* To "
+                                         "continue that run drop --finetune;"):
+        check_save_dir(parse_config(MOCK + resumed + ["--finetune"]))
+    for fine in ([], ["--no-load-optim", "--no-load-rng"], ["--finetune", "--overwrite-save"]):
+        check_save_dir(parse_config(MOCK + resumed + fine))  # a resume; or said so
+    check_save_dir(parse_config(MOCK + ["--save", str(ck), "--overwrite-save"]))
+    check_save_dir(parse_config(MOCK + ["--save", str(other)]))  # empty or absent: nothing to lose
+    (ck / POINTER).unlink()  # iterations without a pointer: --load of them starts from scratch
+    with pytest.raises(ValueError, match=rf"iterations 2, 4\) .* \(no {POINTER} names one to "
+                                         rf"resume\): .* write the iteration to resume into "
+                                         rf"{ck / POINTER};"):
+        check_save_dir(parse_config(MOCK + resumed))
