@@ -3,6 +3,9 @@ after a roll back or in a used directory (kind 5)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +21,8 @@ from hybrid.checkpoint.directory import (
 from hybrid.checkpoint.retention import Retention, next_sequence, save_order
 from hybrid.parallel.spawn import spawn_world
 from tests.save_worlds import MOCK, disk_full_on, roll_back_and_resume
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.timeout(300)
@@ -38,11 +43,46 @@ def test_disk_full_removes_the_partial_save_and_names_path_and_errno(tmp_path):
             assert message.startswith("errno=28 "), message
             assert "rank 1: errno 28 (ENOSPC)" in message and f"writing {partial}" in message
             assert f"removed the partial directory {partial.parent}" in message
+            assert f"{partial}: No space left on device; its file needs " in message
+            assert message.endswith(f"the previous checkpoint (iteration 3 in {ck}) is intact")
         assert not partial.parent.exists()
         assert latest_iteration(ck) == 3 and list_iterations(ck) == [3]
         assert (ck / "iter_0000003" / "metadata.json").is_file()
         assert sorted(p.name for p in ck.iterdir()) == ["iter_0000003",
                                                         "latest_checkpointed_iteration.txt"]
+
+
+@pytest.mark.timeout(300)
+def test_a_full_disk_under_the_launcher_is_one_line_and_exit_status_1(tmp_path):
+    """A real full file system (a 600 KiB tmpfs: one 0.4 MB checkpoint of MOCK at 2 ranks fits,
+    the second does not): the error line, exit status 1, and no ChildFailedError report from
+    torchrun (it printed 40 lines after the error)."""
+    full = tmp_path / "full"
+    full.mkdir()
+
+    def on_tmpfs(*cmd: str) -> list[str]:
+        return ["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o size=600k tmpfs "$0" && exec '
+                '"$@"', str(full), *cmd]
+
+    probe = subprocess.run(on_tmpfs("true"), capture_output=True)
+    if probe.returncode:
+        pytest.skip(f"no tmpfs mount here (unshare -rm): {probe.stderr[-200:]!r}")
+    ck = full / "ck"
+    argv = [sys.executable, "-m", "hybrid.pretrain", "--nproc-per-node", "2", *MOCK,
+            "--train-iters", "4", "--save-interval", "2", "--save", str(ck)]
+    out = subprocess.run(on_tmpfs(*argv), cwd=ROOT, capture_output=True, text=True, timeout=200,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"))
+    lines = [ln for ln in (out.stdout + out.stderr).splitlines()
+             if not ln.startswith((" iteration", "hybrid-zero pretraining", "ZeRO stage"))]
+    stage = ck / "iter_0000004.tmp"
+    assert out.returncode == 1 and lines[:1] == [f" saved checkpoint at iteration 2 to {ck}"], lines
+    assert len(lines) == 2, lines  # nothing after the error line
+    assert lines[1].startswith(
+        f"hybrid-pretrain: error: saving iteration 4 to {ck} failed (ranks 0, 1: errno 28 (ENOSPC)"
+        f" writing {stage}/rank_00000.safetensors.partial (and the other ranks' files beside it):"
+        " No space left on device; their files need "), lines
+    assert lines[1].endswith(f" bytes); removed the partial directory {stage}; the previous "
+                             f"checkpoint (iteration 2 in {ck}) is intact"), lines
 
 
 def fake_publish(root: Path, iteration: int, keep=None) -> None:

@@ -384,14 +384,17 @@ def exit_now(status: int) -> None:
     still references is only shut down, not destroyed); interpreter finalization and C++ static
     destructors then race with them, and one rank in a few dies with ``terminate called without
     an active exception`` (SIGABRT) after a finished run. Every file, metric and wandb record is
-    closed by then, so nothing is lost by skipping finalization.
+    closed by then, so nothing is lost by skipping finalization. Under the launcher, a reported
+    failure's status goes to it (:func:`hybrid.job.launch.worker_status`).
     """
     import logging
+
+    from hybrid.job.launch import worker_status
 
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(status)
+    os._exit(worker_status(status))
 
 
 if __name__ == "__main__":
