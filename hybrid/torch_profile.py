@@ -33,6 +33,19 @@ def trace_dir(tensorboard_dir: str | None) -> Path:
             if tensorboard_dir else Path("torch_profile"))
 
 
+def profile_notes(logging, train_iters: int | None) -> list[str]:
+    """The start-up notes of a profiler flag that will trace nothing (Megatron-LM is silent):
+    a window that starts after the last iteration, or --use-pytorch-profiler without --profile.
+    ``logging``: the run's ``LoggingConfig``."""
+    notes = []
+    if logging.profile and train_iters is not None and logging.profile_step_start > train_iters:
+        notes.append(f"note: --profile-step-start {logging.profile_step_start} is after the last "
+                     f"iteration ({train_iters}): no trace will be written")
+    if logging.use_pytorch_profiler and not logging.profile:
+        notes.append("note: --use-pytorch-profiler has no effect without --profile")
+    return notes
+
+
 class IterationProfiler:
     """Profiles iterations ``[start, end)`` of this rank (see the module docstring).
 

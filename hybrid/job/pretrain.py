@@ -20,6 +20,7 @@ from data.split import no_validation_note  # noqa: E402
 from hybrid.job.cli import parse_config  # noqa: E402
 from hybrid.job.config_checks import ConfigError, Job, validate  # noqa: E402
 from hybrid.job.datasets import build_datasets, eod_id  # noqa: E402
+from hybrid.torch_profile import profile_notes  # noqa: E402
 from hybrid.wandb_names import preflight as wandb_preflight  # noqa: E402
 
 if TYPE_CHECKING:
@@ -296,8 +297,9 @@ def _checked_job(argv: list[str] | None):
         print("hybrid-pretrain: note: --sequence-parallel has no effect at "
               "--tensor-model-parallel-size 1 (no group to split the sequence over); disabled, as "
               "Megatron-LM disables it", flush=True)
-    _profile_notes(cfg)
-    if note := no_validation_note(cfg.data.split, cfg.eval.eval_iters):
+    notes = [*profile_notes(cfg.logging, cfg.training.train_iters),
+             no_validation_note(cfg.data.split, cfg.eval.eval_iters)]
+    for note in filter(None, notes):
         print(f"hybrid-pretrain: {note}", flush=True)
     if hf_flags:
         print(f"hybrid-pretrain: --init-from-hf {cfg.checkpoint.init_from_hf}: the model flags of "
@@ -309,18 +311,6 @@ def _checked_job(argv: list[str] | None):
         if note:
             print(note, flush=True)
     return cfg, job
-
-
-def _profile_notes(cfg) -> None:
-    """A profiler flag that will trace nothing says so (Megatron-LM is silent): a window that
-    starts after the last iteration, or --use-pytorch-profiler without --profile."""
-    lg, iters = cfg.logging, cfg.training.train_iters
-    if lg.profile and iters is not None and lg.profile_step_start > iters:
-        print(f"hybrid-pretrain: note: --profile-step-start {lg.profile_step_start} is after the "
-              f"last iteration ({iters}): no trace will be written", flush=True)
-    if lg.use_pytorch_profiler and not lg.profile:
-        print("hybrid-pretrain: note: --use-pytorch-profiler has no effect without --profile",
-              flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
