@@ -204,3 +204,24 @@ def test_a_run_that_does_not_resume_save_is_refused_before_overwriting_it(tmp_pa
                                          rf"resume\): .* write the iteration to resume into "
                                          rf"{ck / POINTER};"):
         check_save_dir(parse_config(MOCK + resumed))
+
+
+def test_a_full_disk_while_writing_the_pointer_or_metadata_names_the_file(tmp_path, monkeypatch):
+    """The pointer and metadata.json are written by rank 0 alone; a full disk there said
+    "errno 28" without a file, and left the temporary file behind."""
+    import errno
+
+    import hybrid.checkpoint.directory as directory
+
+    pointer = tmp_path / POINTER
+    pointer.write_text("2\n")
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # as file.write / fsync raise it
+
+    monkeypatch.setattr(directory.os, "fsync", full)
+    with pytest.raises(OSError) as e:
+        directory.write_file_atomic(pointer, b"4\n")
+    assert e.value.errno == errno.ENOSPC
+    assert e.value.filename == f"{pointer}.tmp{os.getpid()}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [POINTER] and pointer.read_text() == "2\n"
