@@ -313,14 +313,20 @@ def _reported(path: str) -> int:
     return max(codes, default=0)
 
 
-def supervise(cmd: list[str], save: str | None = None, workers: int = 1) -> int:
+def supervise(cmd: list[str], save: str | None = None, workers: int = 1,
+              handed_over: bool = True) -> int:
     """Run torchrun ``cmd`` with SIGTERM/SIGINT ignored, forwarding them to its ``workers``
     workers, and dying with this process; returns its exit status (128 + n when signal n
     killed it), or, when torchrun succeeded, the status of a failure the workers reported
-    themselves (:func:`worker_status`). ``save``: the job's ``--save``. A stop that came before
-    (:func:`hybrid.job.preemption.early_stop`) is kept for the workers."""
+    themselves (:func:`worker_status`; ``handed_over`` False: the workers exit with it, as
+    torchrun must see a failure to restart them under ``--max-restarts``). ``save``: the
+    job's ``--save``. A stop that came before (:func:`hybrid.job.preemption.early_stop`) is
+    kept for the workers."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default too, without its warning
+    env.pop(STATUS_FILE_ENV, None)
+    if not handed_over:
+        return _run(cmd, env, save, workers)
     fd, env[STATUS_FILE_ENV] = tempfile.mkstemp(prefix="hybrid-launch-status-")
     os.close(fd)
     status = _run(cmd, env, save, workers)
@@ -372,4 +378,6 @@ def launch(argv: list[str], module: str = "hybrid.pretrain") -> int:
         print(f"hybrid-pretrain: received {name} before torchrun started: no process was "
               "started, nothing to save", file=sys.stderr, flush=True)
         return 0
-    return supervise(torchrun_command(options, flags, module), cfg.checkpoint.save, per_node)
+    restarts = (options.get("--max-restarts") or "0") != "0"  # torchrun restarts on failures
+    return supervise(torchrun_command(options, flags, module), cfg.checkpoint.save, per_node,
+                     handed_over=not restarts)
