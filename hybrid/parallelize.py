@@ -18,8 +18,8 @@ The run-time doors of the plain model (each named with ``# door:`` where it open
 2. Kernel fusion (:func:`hybrid.parallel.kernels.apply_kernel_fusion`, per
    ``config.fusion``): each ``Block``/``Attention``/``MLP``/norm's ``fusion`` attribute
    (:class:`models.fusion.KernelFusion`, a plain attribute the model reads, off by default)
-   selects its compiled elementwise regions; on CUDA with apex, norm modules are swapped for
-   apex's fused ones.
+   selects its compiled elementwise regions; on CUDA with apex, each norm's ``fused_kernel``
+   is apex's (the norm keeps its module and arithmetic).
 3. Instance attributes set by activation checkpointing
    (:func:`hybrid.activation.apply.apply_activation_checkpointing`): ``Attention.core``
    replaced by :class:`hybrid.activation.selective.SelectiveCore` (selective recompute), then

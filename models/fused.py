@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from models import fusion
-from models.fusion import OFF
+from models.fusion import OFF, KernelFusion
 
 
 def _wide(t: torch.Tensor) -> torch.Tensor:
@@ -59,44 +59,81 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return _RMSNorm.apply(x, weight, eps)
 
 
-class RMSNorm(nn.Module):
+class NormArithmetic:
+    """What every norm module of the model shares: its arithmetic on given parameters.
+
+    :meth:`normalize` is the one place a norm's formula lives. ``forward`` applies it to the
+    module's own parameters; a wrapper that substitutes them (``hybrid``'s sequence-parallel norm,
+    whose weight reaches the formula through a TP-summed view) calls :meth:`normalize` of the
+    module it wraps, so variants such as the zero-centred ``1 + w`` scale
+    (:meth:`effective_weight`) are never restated elsewhere.
+    """
+
+    fusion: KernelFusion = OFF
+    """:class:`models.fusion.KernelFusion`; ``norm`` runs the fused kernel."""
+    fused_kernel = None
+    """A fused norm kernel ``(x, weight, bias, eps) -> y`` to run instead of the compiled one
+    when ``fusion.norm`` is set (apex's, installed by ``hybrid`` on CUDA), or None."""
+
+    def fused_chains(self) -> tuple[str, ...]:
+        """The :class:`models.fusion.KernelFusion` fields this module reads."""
+        return ("norm",)
+
+    def effective_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """The scale the formula multiplies by, from the stored ``weight`` ``[n]``: the weight
+        itself here; ``1 + weight`` for the zero-centred variants."""
+        return weight
+
+    def normalize(self, x: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+        """This norm of ``x`` ``[..., n]`` with the stored parameters ``weight`` (and ``bias``)
+        ``[n]`` given explicitly; output ``[..., n]`` in ``x``'s dtype."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.normalize(x, self.weight, getattr(self, "bias", None))
+
+
+class RMSNorm(NormArithmetic, nn.Module):
     """``nn.RMSNorm``'s interface (``normalized_shape``, ``eps``, ``weight`` of ones) over
-    :func:`rms_norm`. Input/output ``[..., size]``."""
+    :func:`rms_norm`. Input/output ``[..., size]``; no bias."""
 
     def __init__(self, size: int, eps: float = 1e-5):
         super().__init__()
         self.normalized_shape, self.eps = (size,), eps
         self.weight = nn.Parameter(torch.ones(size))
         self.fusion = OFF
-        """:class:`models.fusion.KernelFusion`; ``norm`` runs the compiled kernel."""
 
-    def fused_chains(self) -> tuple[str, ...]:
-        """The :class:`models.fusion.KernelFusion` fields this module reads."""
-        return ("norm",)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def normalize(self, x: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x / rms(x) * effective_weight(weight)`` (arXiv 1910.07467 Eq. 4); ``bias`` must be
+        None (an RMSNorm has none)."""
+        w = self.effective_weight(weight)
         if self.fusion.norm:
-            return fusion.rms_norm(x, self.weight, self.eps)
-        return rms_norm(x, self.weight, self.eps)
+            if self.fused_kernel is not None:
+                return self.fused_kernel(x, w, None, self.eps)
+            return fusion.rms_norm(x, w, self.eps)
+        return rms_norm(x, w, self.eps)
 
 
-class LayerNorm(nn.LayerNorm):
+class LayerNorm(NormArithmetic, nn.LayerNorm):
     """``nn.LayerNorm`` (same parameters and names) that runs the compiled kernel when its
     ``fusion.norm`` is set (:mod:`models.fusion`); otherwise exactly ``nn.LayerNorm``."""
 
     def __init__(self, size: int, eps: float = 1e-5):
         super().__init__(size, eps=eps)
         self.fusion = OFF
-        """:class:`models.fusion.KernelFusion`; ``norm`` runs the compiled kernel."""
 
-    def fused_chains(self) -> tuple[str, ...]:
-        """The :class:`models.fusion.KernelFusion` fields this module reads."""
-        return ("norm",)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def normalize(self, x: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``(x - mean) / std * effective_weight(weight) + bias`` over the last dimension
+        (arXiv 1607.06450 §3.1)."""
+        w = self.effective_weight(weight)
         if self.fusion.norm:
-            return fusion.layer_norm(x, self.weight, self.bias, self.eps)
-        return super().forward(x)
+            if self.fused_kernel is not None:
+                return self.fused_kernel(x, w, bias, self.eps)
+            return fusion.layer_norm(x, w, bias, self.eps)
+        return nn.functional.layer_norm(x, self.normalized_shape, w, bias, self.eps)
 
 
 class RMSNorm1P(RMSNorm):
@@ -107,11 +144,9 @@ class RMSNorm1P(RMSNorm):
         super().__init__(size, eps)
         nn.init.zeros_(self.weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scale = self.weight + 1
-        if self.fusion.norm:
-            return fusion.rms_norm(x, scale, self.eps)
-        return rms_norm(x, scale, self.eps)
+    def effective_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """``1 + weight``."""
+        return weight + 1
 
 
 class LayerNorm1P(LayerNorm):
@@ -122,11 +157,9 @@ class LayerNorm1P(LayerNorm):
         nn.init.zeros_(self.weight)
         nn.init.zeros_(self.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scale = self.weight + 1
-        if self.fusion.norm:
-            return fusion.layer_norm(x, scale, self.bias, self.eps)
-        return nn.functional.layer_norm(x, self.normalized_shape, scale, self.bias, self.eps)
+    def effective_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """``1 + weight``."""
+        return weight + 1
 
 
 class _SwiGLU(torch.autograd.Function):

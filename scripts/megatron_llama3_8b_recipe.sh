@@ -6,8 +6,10 @@
 #   - batch and iterations: global batch 8, 320 training samples (40 iterations), warmup and
 #     decay samples scaled, --eval-iters 2, --eval-interval 20;
 #   - paths: under $OUT (default runs/llama3_recipe); processes: $NPROC (default 2, on CPU);
-#   - the FP8 flags (DTYPE_ARGS) are left out: no FP8 here.
-# Usage: NPROC=2 bash scripts/megatron_llama3_8b_recipe.sh [more hybrid.pretrain flags]
+#   - the FP8 flags (DTYPE_ARGS) are left out: no FP8 here;
+#   - TP_SIZE may come from the environment (default the script's 1; TP_SIZE=2 NPROC=2 is the
+#     script's tp 2 with its --sequence-parallel).
+# Usage: [TP_SIZE=2] NPROC=2 bash scripts/megatron_llama3_8b_recipe.sh [more hybrid.pretrain flags]
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PYTHON=${PYTHON:-$([ -x "$ROOT/.venv/bin/python" ] && echo "$ROOT/.venv/bin/python" || echo python3)}
@@ -25,7 +27,7 @@ MASTER_ADDR=${MASTER_ADDR:-localhost}
 MASTER_PORT=${MASTER_PORT:-29500}
 NODE_RANK=${NODE_RANK:-0}
 
-TP_SIZE=1
+TP_SIZE=${TP_SIZE:-1}
 CP_SIZE=1
 MICRO_BATCH_SIZE=1
 GLOBAL_BATCH_SIZE=8

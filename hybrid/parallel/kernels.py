@@ -2,10 +2,13 @@
 fusion flags), and NVIDIA apex's fused norms when their CUDA extension imports.
 
 :func:`apply_kernel_fusion` sets :class:`models.fusion.KernelFusion` on the model's modules
-and, when the norms are fused on CUDA and apex imports, swaps the norms for apex's
-(``apex.normalization.FusedLayerNorm`` / ``FusedRMSNorm``: the same ``weight``/``bias``
-parameters, so names, checkpoints and the TP specs are unchanged). apex is never a
-requirement (and the unrelated PyPI package named ``apex`` must not be installed for it).
+and, when the norms are fused on CUDA and apex's extension loads, gives the norms apex's
+kernels (``fused_layer_norm_affine`` / ``fused_rms_norm_affine``, the functions behind
+``FusedLayerNorm`` / ``FusedRMSNorm``). The norm modules stay: their arithmetic (the
+zero-centred ``1 + w`` of ``--apply-layernorm-1p``, the TP-summed weight of sequence
+parallelism) runs around whichever kernel, so names, checkpoints and TP specs are unchanged.
+apex is never a requirement (and the unrelated PyPI package named ``apex`` must not be
+installed for it).
 
 Default ``--kernel-fusion auto``: fused on CUDA, eager on CPU. On CPU the compiled regions
 buy little (CPU elementwise ops are memory-bound loops either way) and cost a compile per
@@ -15,6 +18,8 @@ short run), and the eager path is the one the golden losses pin bit for bit.
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -58,7 +63,7 @@ class FusionConfig:
 
 
 def apply_kernel_fusion(model: nn.Module, fusion: KernelFusion, device: torch.device) -> str:
-    """Set ``fusion`` on ``model`` and, with fused norms on CUDA, swap in apex's norms.
+    """Set ``fusion`` on ``model`` and, with fused norms on CUDA, give the norms apex's kernels.
 
     Returns:
         One line for the start-up log: the fused chains that ``model`` has (a GPT: no SwiGLU,
@@ -67,74 +72,56 @@ def apply_kernel_fusion(model: nn.Module, fusion: KernelFusion, device: torch.de
     set_kernel_fusion(model, fusion)
     if not fusion.names():
         return "kernel fusion: off (eager elementwise ops)"
-    names = fusion.names(model)  # before apex's norms replace ours
-    swapped = use_fused_kernels(model, device) if fusion.norm else 0
-    norms = f"apex ({swapped} swapped)" if swapped else "compiled"
+    names = fusion.names(model)
+    on_apex = use_fused_kernels(model, device) if fusion.norm else 0
+    norms = f"apex ({on_apex} norms)" if on_apex else "compiled"
     return f"kernel fusion: {', '.join(names)} (torch.compile; norms {norms})"
 
 
-def fused_layer_norm_class(name: str = "FusedLayerNorm"):
-    """apex's ``name`` class (FusedLayerNorm, FusedRMSNorm), or None when apex, the class or
-    its CUDA extension is missing.
+def apex_norm_kernels() -> dict[str, Callable] | None:
+    """apex's fused norm kernels as ``{"layer": f, "rms": f}``, each ``f(x, weight, bias, eps)``
+    over the last dimension of ``x`` ``[..., n]`` (``bias`` None for RMS), or None when apex or
+    its CUDA extension does not load.
 
-    ``pip install apex`` without ``--cpp_ext --cuda_ext`` installs the Python package alone;
-    its ``FusedLayerNorm.__init__`` then fails importing ``fused_layer_norm_cuda``, so the
-    extension itself is probed here, not only the package.
+    ``pip install apex`` without ``--cpp_ext --cuda_ext`` installs the Python package alone, and
+    a build for another torch or CUDA leaves an extension that fails to load (undefined symbols):
+    the extension ``fused_layer_norm_cuda`` is imported here, not only found, so a norm never
+    reaches a kernel that cannot run.
     """
     try:
-        import apex.normalization
+        importlib.import_module("fused_layer_norm_cuda")
+        from apex.normalization import fused_layer_norm as apex_norm
 
-        cls = getattr(apex.normalization, name)
-    except Exception:  # ImportError, AttributeError or a broken apex build
+        layer, rms = apex_norm.fused_layer_norm_affine, apex_norm.fused_rms_norm_affine
+    except Exception:  # ImportError, OSError, AttributeError: a missing or broken apex build
         return None
-    import importlib.util
 
-    try:
-        if importlib.util.find_spec("fused_layer_norm_cuda") is None:
-            return None
-    except (ImportError, ValueError):
-        return None
-    return cls
+    def layer_kernel(x, weight, bias, eps):
+        return layer(x, weight, bias, (x.shape[-1],), eps)
+
+    def rms_kernel(x, weight, bias, eps):
+        return rms(x, weight, (x.shape[-1],), eps)
+
+    return {"layer": layer_kernel, "rms": rms_kernel}
 
 
 def use_fused_kernels(model: nn.Module, device: torch.device) -> int:
-    """Swap every LayerNorm / RMSNorm module of ``model`` for apex's fused one on CUDA, in place.
+    """Give every norm of ``model`` apex's fused kernel on CUDA, in place.
+
+    Each norm keeps its module, parameters and arithmetic
+    (:meth:`models.fused.NormArithmetic.normalize`: the zero-centred ``1 + w`` scale included,
+    and under sequence parallelism the TP-summed weight); only the kernel that ``fusion.norm``
+    runs changes, from the compiled region to apex's.
 
     Returns:
-        The number of modules swapped (0 on CPU or without apex).
+        The number of norms given apex's kernel (0 on CPU or without apex).
     """
-    from models.fused import RMSNorm
+    from models.fused import NormArithmetic, RMSNorm
 
-    if device.type != "cuda":
+    kernels = apex_norm_kernels() if device.type == "cuda" else None
+    if kernels is None:
         return 0
-    kinds = ((nn.LayerNorm, fused_layer_norm_class()),
-             (RMSNorm, fused_layer_norm_class("FusedRMSNorm")))
-    swapped = 0
-    for name, module in list(model.named_modules()):
-        cls = next((c for kind, c in kinds if isinstance(module, kind)), None)
-        if cls is None or isinstance(module, cls):
-            continue
-        fused = _apex_norm(cls, module)
-        parent, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, leaf,
-                fused if module.weight.is_meta else fused.to(device))
-        swapped += 1
-    return swapped
-
-
-def _apex_norm(cls, module: nn.Module) -> nn.Module:
-    """An apex norm of ``cls`` with ``module``'s shape, eps, values and TP specs."""
-    if module.weight.is_meta:  # built unit by unit later by the ZeRO engine
-        with torch.device("meta"):
-            fused = cls(module.normalized_shape, eps=module.eps, elementwise_affine=True)
-    else:
-        fused = cls(module.normalized_shape, eps=module.eps, elementwise_affine=True)
-        with torch.no_grad():
-            fused.weight.copy_(module.weight)
-            if getattr(module, "bias", None) is not None:
-                fused.bias.copy_(module.bias)
-    for attr in ("weight", "bias"):
-        old, new = getattr(module, attr, None), getattr(fused, attr, None)
-        if old is not None and new is not None and hasattr(old, "tp_spec"):
-            new.tp_spec = old.tp_spec
-    return fused
+    norms = [m for m in model.modules() if isinstance(m, NormArithmetic)]
+    for norm in norms:
+        norm.fused_kernel = kernels["rms" if isinstance(norm, RMSNorm) else "layer"]
+    return len(norms)

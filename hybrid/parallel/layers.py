@@ -18,6 +18,7 @@ consolidation read it instead of re-deriving the sharding.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -36,9 +37,6 @@ from hybrid.parallel.ops import (
 )
 from hybrid.parallel.rng import RNGTracker
 from hybrid.parallel.shared_input import column_pair
-from models import fusion
-from models.fused import RMSNorm, rms_norm
-from models.fusion import OFF
 
 
 @dataclass(frozen=True)
@@ -338,18 +336,22 @@ class SequenceParallelLayerNorm(nn.Module):
     slices of sequence parallelism, and the per-head q/k norms of ``qk_layernorm`` (each rank
     holds other heads, so the weight's gradient is the sum over ranks; tp > 1 with or without
     sequence parallelism).
+
+    The arithmetic is the wrapped norm's own (:meth:`models.fused.NormArithmetic.normalize`,
+    kept as the submodule ``norm``, a copy without parameters): this wrapper only substitutes the
+    TP-summed views of the parameters it took over, so every variant of the norm (zero-centred
+    ``1 + w``, fused or apex kernels) computes here what it computes unwrapped.
     """
 
     def __init__(self, norm: nn.Module, group, ledger: TPLedger | None = None,
                  sequence_parallel: bool = True):
         super().__init__()
-        self.normalized_shape, self.eps = tuple(norm.normalized_shape), norm.eps
-        self.rms = isinstance(norm, RMSNorm)
         self.weight, self.bias = norm.weight, getattr(norm, "bias", None)
+        arithmetic = copy.copy(norm)  # the parameters live here, once, under their names
+        arithmetic._parameters = {}
+        self.norm = arithmetic
         self.group, self.ledger = group, ledger
         self.sequence_parallel = sequence_parallel
-        self.fusion = getattr(norm, "fusion", OFF)
-        """``models.fusion.KernelFusion``; ``norm`` runs the compiled kernel."""
         self.grad_group = None
         """The unit's ``hybrid.parallel.grad_groups.TPSummedGroup``, or None (one all-reduce
         per parameter)."""
@@ -360,12 +362,8 @@ class SequenceParallelLayerNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = None if self.weight is None else _summed(self, "weight")
-        if self.rms:
-            return (fusion.rms_norm if self.fusion.norm else rms_norm)(x, w, self.eps)
         b = None if self.bias is None else _summed(self, "bias")
-        if self.fusion.norm:
-            return fusion.layer_norm(x, w, b, self.eps)
-        return F.layer_norm(x, self.normalized_shape, w, b, self.eps)
+        return self.norm.normalize(x, w, b)
 
 
 class SequenceParallelPositionEmbedding(nn.Module):
