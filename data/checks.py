@@ -7,6 +7,7 @@ pretraining command line's one-line error.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from data.blended_dataset import parse_data_path
@@ -23,12 +24,19 @@ most); the training loop checks every micro-batch too (``hybrid.job.pretrain``).
 
 
 def _check_pair(prefix: str) -> None:
-    """Raise ``ValueError`` when ``prefix.bin`` or ``prefix.idx`` is missing, suggesting
-    the ``<prefix>_<key>_document`` datasets beside it (what ``data.preprocess --output-prefix
+    """Raise ``ValueError`` when ``prefix.bin`` or ``prefix.idx`` is missing, saying to drop
+    the extension of a ``prefix`` that names ``X.bin`` or ``X.idx``, else suggesting the
+    ``<prefix>_<key>_document`` datasets beside it (what ``data.preprocess --output-prefix
     <prefix>`` writes, one per ``--json-keys`` column) when there are any."""
     missing = [s for s in (".bin", ".idx") if not Path(prefix + s).is_file()]
     if not missing:
         return
+    stem, ext = os.path.splitext(prefix)
+    if ext in (".bin", ".idx"):  # Megatron-LM's --data-path names the prefix of the pair
+        lacks = [stem + s for s in (".bin", ".idx") if not Path(stem + s).is_file()]
+        raise ValueError(f"--data-path {prefix} names a file of the pair: give the prefix "
+                         f"without the extension, --data-path {stem}"
+                         + (f" (which lacks {', '.join(lacks)})" if lacks else ""))
     msg = f"--data-path {prefix}: missing {', '.join(prefix + s for s in missing)}"
     base = Path(prefix)
     found = sorted(str(p)[:-len(".idx")] for p in base.parent.glob(base.name + "_*_document.idx")

@@ -129,3 +129,21 @@ def skip_note(split: str, name: str) -> str:
     return (f"note: --split {split} gives the {name} split no whole document of --data-path, "
             f"so it is skipped as Megatron-LM skips an empty split (no {name} evaluation); give "
             f"it a larger share to evaluate it")
+
+
+def no_validation_note(split: str, eval_iters: int) -> str | None:
+    """The start-up note for ``--split`` giving the validation split no share while
+    ``--eval-iters`` asks for evaluation (None otherwise): Megatron-LM builds no validation
+    dataset then and skips every validation without a word (its ``do_valid`` needs a data
+    loader); the test split, when it has a share, is still evaluated at the end."""
+    _, valid, test = parse_split(split)
+    if not eval_iters or valid > 0:
+        return None
+    if test > 0:
+        return (f"note: --split {split} gives the validation split no share: there is no "
+                f"validation data, so no validation runs (--eval-iters {eval_iters}, "
+                "--eval-interval); only the test split is evaluated, at the end (as Megatron-LM "
+                "does). Give the validation split a share to evaluate during training")
+    return (f"note: --split {split} gives the validation and test splits no share: there is no "
+            f"evaluation data, so --eval-iters {eval_iters} evaluates nothing (as Megatron-LM "
+            "skips it). Give them a share (say --split 969,30,1) to evaluate, or --eval-iters 0")

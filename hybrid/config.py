@@ -310,6 +310,10 @@ class CheckpointConfig:
     async_save: bool = arg(False, "save in the background: each rank copies its shard to host "
                                   "memory (pinned on GPU) and a thread writes it while training "
                                   "goes on; published once every rank has written")
+    overwrite_save: bool = arg(False, "save into a --save that holds checkpoints this run does "
+                                      "not resume (no --load of it, or --finetune): they are "
+                                      "replaced iteration by iteration and the pointer moves "
+                                      "to this run's (ours; otherwise refused)")
     no_load_optim: bool = arg(False, "load weights but not the optimizer state / loss scaler")
     no_load_rng: bool = arg(False, "do not restore the RNG states")
     finetune: bool = arg(False, "load weights only and start from iteration 0 (new optimizer, "

@@ -44,7 +44,8 @@ def disk_full_on(rank: int, world: int, runs: list[tuple[list[str], list[str]]],
 
 def roll_back_and_resume(rank: int, world: int, base: list[str], ck: str) -> list[list[int]]:
     """Save at 2, 4 and 6; roll the pointer back to 4 and resume to 5 with ``--save-keep-last
-    1``; then a fresh run to 1 in the same directory. The directory's iterations after each."""
+    1``; then a fresh run to 1 in the same directory (``--overwrite-save``). The directory's
+    iterations after each."""
     from pathlib import Path
 
     from hybrid.checkpoint.directory import list_iterations
@@ -58,7 +59,7 @@ def roll_back_and_resume(rank: int, world: int, base: list[str], ck: str) -> lis
     keep = save + ["--save-keep-last", "1"]
     run_configs(rank, world, [base + keep + ["--train-iters", "5", "--load", ck]])
     seen.append(list_iterations(ck))
-    run_configs(rank, world, [base + keep + ["--train-iters", "1"]])
+    run_configs(rank, world, [base + keep + ["--train-iters", "1", "--overwrite-save"]])
     seen.append(list_iterations(ck))
     return seen
 

@@ -68,6 +68,19 @@ def test_tp_group_spanning_nodes():
         check(BASE + ["--tensor-model-parallel-size", "4"], world=8, local=2)
 
 
+def test_a_data_path_with_its_extension_names_the_prefix_to_give(tmp_path):
+    base = BASE[:-3] + ["--tokenizer-model", str(tiny_tokenizer(tmp_path)), "--split", "1"]
+    prefix = write_token_dataset(tmp_path / "ds", [[1, 2, 3]] * 5)
+    for ext in (".bin", ".idx"):
+        with pytest.raises(ConfigError) as e:
+            check(base + ["--data-path", f"{prefix}{ext}"])
+        assert str(e.value) == (f"--data-path {prefix}{ext} names a file of the pair: give the "
+                                f"prefix without the extension, --data-path {prefix}")
+    (tmp_path / "ds.idx").unlink()
+    with pytest.raises(ConfigError, match=rf"--data-path {prefix} \(which lacks {prefix}\.idx\)$"):
+        check(base + ["--data-path", f"{prefix}.bin"])
+
+
 def test_missing_data_files_and_tokenizer(tmp_path):
     base = BASE[:-3]  # without --mock-data --vocab-size
     with pytest.raises(ConfigError,

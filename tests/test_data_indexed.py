@@ -92,3 +92,37 @@ def test_merge_is_byte_identical_to_writing_everything(tmp_path):
     with pytest.raises(ValueError, match="cannot merge"):
         merge_datasets([prefixes[0], tmp_path / "wide"], tmp_path / "bad")
     assert not (tmp_path / "bad.bin").exists() and not (tmp_path / "bad.idx").exists()
+
+
+def _corrupt(prefix, array: str, i: int, value: int) -> None:
+    """Overwrite element ``i`` of the index's ``sizes`` / ``pointers`` / ``docs`` in place (the
+    file keeps its size)."""
+    n = len(IndexedDataset(prefix))
+    offsets = {"sizes": (34, np.int32), "pointers": (34 + 4 * n, np.int64),
+               "docs": (34 + 12 * n, np.int64)}
+    off, dtype = offsets[array]
+    raw = np.memmap(f"{prefix}.idx", np.uint8, "r+")
+    np.ndarray(n + 1, dtype, raw, off)[i] = value
+    raw.flush()
+
+
+@pytest.mark.parametrize(("array", "i", "value", "why"), [
+    ("sizes", 2, -4, "sequence 2 (document 2) has a negative length (-4 tokens)"),
+    ("sizes", 1, 3, "sequence 1 (document 1) has a length of 3 tokens, but the next sequence "
+                    "starts 1 tokens after it"),
+    ("pointers", 3, 17, "sequence 2 (document 2) has a length of 4 tokens, but the next sequence "
+                        "starts 4.5 tokens after it"),
+    ("pointers", 0, 2, "sequence 0 (document 0) starts at byte 2 of the .bin file, not 0"),
+    ("docs", 2, 4, "document 3 starts at sequence 3, before document 2 (sequence 4)"),
+    ("docs", 4, 3, "the document boundaries span sequences 0 .. 3, not 0 .. 4 (the sequence "
+                   "count)"),
+])
+def test_corrupt_index_arrays_are_refused_naming_the_first_bad_sequence(tmp_path, array, i,
+                                                                        value, why):
+    """A flipped length in an ``.idx`` of the right size trained silently on other tokens."""
+    prefix = write_token_dataset(tmp_path / "d", DOCS)
+    _corrupt(prefix, array, i, value)
+    with pytest.raises(ValueError) as e:
+        IndexedDataset(prefix)
+    assert str(e.value) == (f"{prefix}.idx is corrupt: {why}; preprocess the data again (or "
+                            "restore the file)")

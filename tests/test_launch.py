@@ -252,3 +252,27 @@ def test_the_launchers_second_interrupt_is_debounced_and_says_which_checkpoint_s
     now[0] = 3.0
     forward(signal.SIGINT, None)
     assert kills == [([11, 12], signal.SIGINT)]
+
+
+def test_a_reported_failure_goes_to_the_launcher_unless_torchrun_restarts(tmp_path, monkeypatch):
+    """A failure the job reported in one line (a full disk, NaNs, a taken --save) ended with
+    torchrun's ChildFailedError report and torchrun's status 1 (2 for a taken --save): the
+    workers now hand the status to the launcher and exit 0. With --max-restarts torchrun must
+    see the failure to restart, so the workers exit with it."""
+    from hybrid.job import launch as launcher
+
+    status_file = tmp_path / "status"
+    status_file.write_text("")
+    monkeypatch.delenv(launcher.STATUS_FILE_ENV, raising=False)
+    assert launcher.worker_status(1) == 1  # plain torchrun: the status itself
+    monkeypatch.setenv(launcher.STATUS_FILE_ENV, str(tmp_path / "no" / "such"))
+    assert launcher.worker_status(1) == 1  # the file cannot be written: the status itself
+    monkeypatch.setenv(launcher.STATUS_FILE_ENV, str(status_file))
+    assert [launcher.worker_status(s) for s in (0, 2, 1)] == [0, 0, 0]
+    assert launcher._reported(str(status_file)) == 2 and not status_file.exists()
+
+    seen = []
+    monkeypatch.setattr(launcher, "supervise", lambda *a, **k: seen.append(k) or 0)
+    for restarts in ([], ["--max-restarts", "0"], ["--max_restarts", "3"]):
+        launcher.launch(["--nproc-per-node", "2", *restarts, *BASE])
+    assert [k["handed_over"] for k in seen] == [True, True, False]

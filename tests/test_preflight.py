@@ -155,3 +155,19 @@ def test_the_read_only_cache_check_sizes_a_resumed_job_from_its_checkpoint(tmp_p
     why = refusal(resumed)
     assert why.startswith(f"--data-cache-path {cache} cannot be written: Read-only file system; "
                           "it lacks the index "), why
+
+
+def test_the_profile_trace_directory_is_checked_with_the_other_outputs(tmp_path, monkeypatch):
+    # ./torch_profile in a read-only working directory failed after training (95 lines)
+    profile = MOCK + ["--profile", "--profile-step-start", "1", "--profile-step-end", "2"]
+    monkeypatch.chdir("/proc")  # not writable, even by root
+    assert refusal(profile).startswith(
+        "--profile writes its traces to /proc/torch_profile (in the working directory, without "
+        "--tensorboard-dir), which cannot be written: ")
+    assert refusal(profile).endswith("; give --tensorboard-dir DIR with a writable parent (the "
+                                     "traces go to DIR/../torch_profile), or run from a writable "
+                                     "directory")
+    validate(parse_config(profile + ["--tensorboard-dir", str(tmp_path / "tb")]), world_size=1,
+             local_world_size=1)  # beside a writable --tensorboard-dir
+    validate(parse_config(MOCK + ["--profile", "--profile-step-start", "3", "--profile-step-end",
+                                  "4"]), world_size=1, local_world_size=1)  # after the last

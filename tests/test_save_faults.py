@@ -3,6 +3,9 @@ after a roll back or in a used directory (kind 5)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +21,8 @@ from hybrid.checkpoint.directory import (
 from hybrid.checkpoint.retention import Retention, next_sequence, save_order
 from hybrid.parallel.spawn import spawn_world
 from tests.save_worlds import MOCK, disk_full_on, roll_back_and_resume
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.timeout(300)
@@ -38,11 +43,46 @@ def test_disk_full_removes_the_partial_save_and_names_path_and_errno(tmp_path):
             assert message.startswith("errno=28 "), message
             assert "rank 1: errno 28 (ENOSPC)" in message and f"writing {partial}" in message
             assert f"removed the partial directory {partial.parent}" in message
+            assert f"{partial}: No space left on device; its file needs " in message
+            assert message.endswith(f"the previous checkpoint (iteration 3 in {ck}) is intact")
         assert not partial.parent.exists()
         assert latest_iteration(ck) == 3 and list_iterations(ck) == [3]
         assert (ck / "iter_0000003" / "metadata.json").is_file()
         assert sorted(p.name for p in ck.iterdir()) == ["iter_0000003",
                                                         "latest_checkpointed_iteration.txt"]
+
+
+@pytest.mark.timeout(300)
+def test_a_full_disk_under_the_launcher_is_one_line_and_exit_status_1(tmp_path):
+    """A real full file system (a 600 KiB tmpfs: one 0.4 MB checkpoint of MOCK at 2 ranks fits,
+    the second does not): the error line, exit status 1, and no ChildFailedError report from
+    torchrun (it printed 40 lines after the error)."""
+    full = tmp_path / "full"
+    full.mkdir()
+
+    def on_tmpfs(*cmd: str) -> list[str]:
+        return ["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o size=600k tmpfs "$0" && exec '
+                '"$@"', str(full), *cmd]
+
+    probe = subprocess.run(on_tmpfs("true"), capture_output=True)
+    if probe.returncode:
+        pytest.skip(f"no tmpfs mount here (unshare -rm): {probe.stderr[-200:]!r}")
+    ck = full / "ck"
+    argv = [sys.executable, "-m", "hybrid.pretrain", "--nproc-per-node", "2", *MOCK,
+            "--train-iters", "4", "--save-interval", "2", "--save", str(ck)]
+    out = subprocess.run(on_tmpfs(*argv), cwd=ROOT, capture_output=True, text=True, timeout=200,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"))
+    lines = [ln for ln in (out.stdout + out.stderr).splitlines()
+             if not ln.startswith((" iteration", "hybrid-zero pretraining", "ZeRO stage"))]
+    stage = ck / "iter_0000004.tmp"
+    assert out.returncode == 1 and lines[:1] == [f" saved checkpoint at iteration 2 to {ck}"], lines
+    assert len(lines) == 2, lines  # nothing after the error line
+    assert lines[1].startswith(
+        f"hybrid-pretrain: error: saving iteration 4 to {ck} failed (ranks 0, 1: errno 28 (ENOSPC)"
+        f" writing {stage}/rank_00000.safetensors.partial (and the other ranks' files beside it):"
+        " No space left on device; their files need "), lines
+    assert lines[1].endswith(f" bytes); removed the partial directory {stage}; the previous "
+                             f"checkpoint (iteration 2 in {ck}) is intact"), lines
 
 
 def fake_publish(root: Path, iteration: int, keep=None) -> None:
@@ -124,3 +164,64 @@ def test_the_start_up_line_has_no_empty_protected_list(tmp_path):
         f" --save-keep-last 1: {tmp_path} holds another branch of the run (saved after the "
         "resumed iteration 50): iterations [55, 60]; [55, 60] (within --train-iters 60) "
         "overwritten if this job saves the same iteration, and then pruned as its own")
+
+
+def test_a_run_that_does_not_resume_save_is_refused_before_overwriting_it(tmp_path):
+    """A fresh run into a --save holding another run's checkpoints replaced them silently."""
+    from hybrid.job.cli import parse_config
+    from hybrid.job.config_checks import ConfigError, validate
+    from hybrid.job.resume_checks import check_save_dir
+
+    ck, other = tmp_path / "ck", tmp_path / "other"
+    for it in (2, 4):
+        fake_publish(ck, it)
+    staging_dir(ck, 6).mkdir()  # an unpublished save is no checkpoint
+
+    def refusal(*flags: str) -> str:
+        with pytest.raises(ConfigError) as e:
+            validate(parse_config(MOCK + ["--save", str(ck), *flags]), world_size=1,
+                     local_world_size=1)
+        return str(e.value)
+
+    head = f"--save {ck} holds the checkpoints of another run (iterations 2, 4, latest 4) that "
+    tail = ("its saves would overwrite them. To continue that run {}; otherwise give another "
+            "--save directory, or --overwrite-save to save into this one anyway")
+    assert refusal() == head + "this run does not resume (no --load of it): " + tail.format(
+        f"give --load {ck}")
+    assert refusal("--load", str(other)) == (
+        head + f"this run does not resume (it loads --load {other}, another directory): "
+        + tail.format(f"give --load {ck}"))
+    resumed = ["--save", str(ck), "--load", str(tmp_path / "x" / ".." / "ck")]
+    with pytest.raises(ValueError, match=r"\(--finetune restarts at iteration 0\): .* To "
+                                         "continue that run drop --finetune;"):
+        check_save_dir(parse_config(MOCK + resumed + ["--finetune"]))
+    for fine in ([], ["--no-load-optim", "--no-load-rng"], ["--finetune", "--overwrite-save"]):
+        check_save_dir(parse_config(MOCK + resumed + fine))  # a resume; or said so
+    check_save_dir(parse_config(MOCK + ["--save", str(ck), "--overwrite-save"]))
+    check_save_dir(parse_config(MOCK + ["--save", str(other)]))  # empty or absent: nothing to lose
+    (ck / POINTER).unlink()  # iterations without a pointer: --load of them starts from scratch
+    with pytest.raises(ValueError, match=rf"iterations 2, 4\) .* \(no {POINTER} names one to "
+                                         rf"resume\): .* write the iteration to resume into "
+                                         rf"{ck / POINTER};"):
+        check_save_dir(parse_config(MOCK + resumed))
+
+
+def test_a_full_disk_while_writing_the_pointer_or_metadata_names_the_file(tmp_path, monkeypatch):
+    """The pointer and metadata.json are written by rank 0 alone; a full disk there said
+    "errno 28" without a file, and left the temporary file behind."""
+    import errno
+
+    import hybrid.checkpoint.directory as directory
+
+    pointer = tmp_path / POINTER
+    pointer.write_text("2\n")
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # as file.write / fsync raise it
+
+    monkeypatch.setattr(directory.os, "fsync", full)
+    with pytest.raises(OSError) as e:
+        directory.write_file_atomic(pointer, b"4\n")
+    assert e.value.errno == errno.ENOSPC
+    assert e.value.filename == f"{pointer}.tmp{os.getpid()}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [POINTER] and pointer.read_text() == "2\n"

@@ -26,3 +26,19 @@ def test_a_profiler_flag_that_traces_nothing_says_so(capsys):
     assert "--profile-step-start 10 is after the last iteration (1)" in capsys.readouterr().out
     _checked_job(BASE + ["--use-pytorch-profiler"])
     assert "--use-pytorch-profiler has no effect without --profile" in capsys.readouterr().out
+
+
+def test_a_split_without_validation_data_says_that_evaluation_will_not_run(capsys):
+    """--split 100,0,0 with --eval-iters 5 skipped every evaluation without a word."""
+    base = [a for a in BASE if a not in ("--eval-iters", "0")]
+    _checked_job(base + ["--split", "100,0,0", "--eval-iters", "5"])
+    assert capsys.readouterr().out.splitlines() == [
+        "hybrid-pretrain: note: --split 100,0,0 gives the validation and test splits no share: "
+        "there is no evaluation data, so --eval-iters 5 evaluates nothing (as Megatron-LM skips "
+        "it). Give them a share (say --split 969,30,1) to evaluate, or --eval-iters 0"]
+    _checked_job(base + ["--split", "99,0,1", "--eval-iters", "5"])
+    assert "no validation runs (--eval-iters 5, --eval-interval); only the test split is " \
+           "evaluated, at the end" in capsys.readouterr().out
+    for quiet in (["--split", "100,0,0", "--eval-iters", "0"], ["--split", "99,1,0"]):
+        _checked_job(base + quiet)
+        assert "no share" not in capsys.readouterr().out

@@ -44,3 +44,36 @@ def test_bad_profile_flags_are_refused_before_any_process_group():
         parse_config(ARGV + ["--profile-step-end", "5", "--profile-step-start", "5"])
     with pytest.raises(ConfigError, match="--profile-ranks 2: not a global rank of this world"):
         validate(parse_config(ARGV + ["--profile-ranks", "0", "2"]), world_size=2)
+
+
+def _run(profiler, iterations) -> None:
+    import torch
+
+    for it in iterations:
+        profiler.begin(it)
+        torch.ones(4).sum()
+        profiler.end_iteration(it)
+    profiler.close()
+
+
+def test_a_run_resumed_inside_the_window_traces_the_rest_of_it(tmp_path):
+    from hybrid.torch_profile import IterationProfiler
+
+    lines = []
+    resumed = IterationProfiler(3, 6, 0, tmp_path / "in", print_fn=lines.append)
+    _run(resumed, range(5, 9))  # --load of iteration 4: the first iteration is 5
+    assert steps_in(resumed.path) == {5}
+    assert lines == [f" profiler: iteration 5 of rank 0 traced to {resumed.path} (torch.profiler, "
+                     "Chrome/TensorBoard format); the run resumed at iteration 5, inside the "
+                     "window --profile-step-start 3 .. --profile-step-end 6: iterations 3-4 ran "
+                     "before the resume (not in the trace)"]
+    after = IterationProfiler(3, 6, 1, tmp_path / "after", print_fn=lines.append)
+    _run(after, range(6, 8))
+    assert after.path is None and lines[1:] == [
+        " profiler: the run resumed at iteration 6, after --profile-step-start 3 .. "
+        "--profile-step-end 6: rank 1 traces nothing"]
+    whole = IterationProfiler(3, 6, 0, tmp_path / "whole", print_fn=lines.append)
+    _run(whole, range(1, 8))
+    assert steps_in(whole.path) == {3, 4, 5}
+    assert lines[2:] == [f" profiler: iterations 3-5 of rank 0 traced to {whole.path} "
+                         "(torch.profiler, Chrome/TensorBoard format)"]

@@ -55,12 +55,23 @@ def shard_name(rank: int) -> str:
 
 
 def write_file_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temporary file, fsync and rename."""
+    """Write ``data`` to ``path`` via a temporary file, fsync and rename.
+
+    Raises:
+        OSError: naming the temporary file (``file.write``'s errors, a full disk among them,
+            name none); the temporary file is removed and ``path`` is untouched.
+    """
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if e.filename is None:
+            raise OSError(e.errno, e.strerror, str(tmp)) from e
+        raise
     os.replace(tmp, path)
 
 

@@ -70,7 +70,8 @@ def write_safetensors(path: str | os.PathLike, entries: Sequence[Entry],
     Raises:
         ValueError: a produced tensor's dtype or shape differs from its entry, an unsupported
             dtype, or a duplicate key.
-        OSError: writing failed (a full disk: errno 28, ENOSPC); it names ``path``.
+        OSError: writing failed (a full disk: errno 28, ENOSPC); it names ``path``, and its
+            ``needed_bytes`` is the size the file needed.
     """
     if sys.byteorder != "little":
         raise ValueError("safetensors files are little-endian; this host is big-endian")
@@ -97,7 +98,9 @@ def write_safetensors(path: str | os.PathLike, entries: Sequence[Entry],
             f.flush()
             os.fsync(f.fileno())
     except OSError as e:  # file.write's errors (ENOSPC, EIO, EDQUOT) do not name the file
-        if e.filename is None:
-            raise OSError(e.errno, e.strerror, str(path)) from e
-        raise
+        named = OSError(e.errno, e.strerror, str(path)) if e.filename is None else e
+        named.needed_bytes = 8 + len(blob) + offset  # what the file needed: a full disk's figure
+        if named is e:
+            raise
+        raise named from e
     return 8 + len(blob) + offset

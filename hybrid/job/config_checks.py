@@ -279,12 +279,19 @@ def _check_checkpoint(cfg: PretrainConfig, gpt: GPTConfig, schedule: dict) -> No
 
 def _check_resume(cfg: PretrainConfig, gpt: GPTConfig, schedule: dict) -> None:
     from hybrid.checkpoint.directory import IncompleteCheckpointError
-    from hybrid.job.resume_checks import ResumeMismatch, check_resume, checkpoint_metadata
+    from hybrid.job.resume_checks import (
+        ResumeMismatch,
+        check_resume,
+        check_save_dir,
+        checkpoint_metadata,
+    )
 
     try:
         meta = checkpoint_metadata(cfg.checkpoint.load)
         if meta is not None:
             check_resume(cfg, gpt, meta, schedule)
+        if cfg.dry_run.dry_run_world_size is None:  # a dry run saves nothing
+            check_save_dir(cfg)
     except FileNotFoundError as e:  # the pointer names no directory
         raise ConfigError(f"--load {cfg.checkpoint.load}: {e}") from None
     except (ResumeMismatch, IncompleteCheckpointError) as e:

@@ -38,6 +38,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 from hybrid.checkpoint.directory import IncompleteCheckpointError, latest_iteration
@@ -48,6 +49,8 @@ from hybrid.job.preemption import REPEAT_S, early_stop
 
 # what torchrun itself still handles (forwarded to the workers, which then end at once)
 TORCHRUN_SIGNALS = "SIGHUP,SIGQUIT"
+STATUS_FILE_ENV = "HYBRID_LAUNCH_STATUS_FILE"
+"""Where the launcher's workers write the status of a failure they reported themselves."""
 
 
 def split_launch_options(argv: list[str]) -> tuple[dict[str, str | None], list[str]]:
@@ -281,13 +284,58 @@ class _Forward:
         os._exit(128 + signum)
 
 
-def supervise(cmd: list[str], save: str | None = None, workers: int = 1) -> int:
+def worker_status(status: int) -> int:
+    """The exit status a worker gives torchrun for ``status``, its job's (non-zero: a failure
+    already reported in one line, such as a failed save). Under this launcher (its status file
+    in :data:`STATUS_FILE_ENV`) the worker appends ``status`` to the file and exits 0, so that
+    torchrun ends without its ``ChildFailedError`` report and the launcher exits with
+    ``status`` (:func:`supervise`). Without the launcher (plain torchrun, whose report then
+    follows), or when the file cannot be written, ``status`` itself."""
+    path = os.environ.get(STATUS_FILE_ENV)
+    if not status or not path:
+        return status
+    try:
+        with open(path, "a") as f:
+            f.write(f"{status}\n")
+    except OSError:  # a full disk there too: torchrun's report, but the right status
+        return status
+    return 0
+
+
+def _reported(path: str) -> int:
+    """The largest status the workers wrote to ``path`` (0: none), and the file removed."""
+    try:
+        with open(path) as f:
+            codes = [int(w) for w in f.read().split() if w.isdigit()]
+        os.unlink(path)
+    except OSError:
+        return 0
+    return max(codes, default=0)
+
+
+def supervise(cmd: list[str], save: str | None = None, workers: int = 1,
+              handed_over: bool = True) -> int:
     """Run torchrun ``cmd`` with SIGTERM/SIGINT ignored, forwarding them to its ``workers``
     workers, and dying with this process; returns its exit status (128 + n when signal n
-    killed it). ``save``: the job's ``--save``. A stop that came before
-    (:func:`hybrid.job.preemption.early_stop`) is kept for the workers."""
+    killed it), or, when torchrun succeeded, the status of a failure the workers reported
+    themselves (:func:`worker_status`; ``handed_over`` False: the workers exit with it, as
+    torchrun must see a failure to restart them under ``--max-restarts``). ``save``: the
+    job's ``--save``. A stop that came before (:func:`hybrid.job.preemption.early_stop`) is
+    kept for the workers."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default too, without its warning
+    env.pop(STATUS_FILE_ENV, None)
+    if not handed_over:
+        return _run(cmd, env, save, workers)
+    fd, env[STATUS_FILE_ENV] = tempfile.mkstemp(prefix="hybrid-launch-status-")
+    os.close(fd)
+    status = _run(cmd, env, save, workers)
+    reported = _reported(env[STATUS_FILE_ENV])
+    return status or reported
+
+
+def _run(cmd: list[str], env: dict, save: str | None, workers: int) -> int:
+    """torchrun's exit status (:func:`supervise`'s loop)."""
     proc = subprocess.Popen(cmd, env=env, preexec_fn=_torchrun_start(os.getpid()))
     forward = _Forward(proc, save, workers=workers)
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -330,4 +378,6 @@ def launch(argv: list[str], module: str = "hybrid.pretrain") -> int:
         print(f"hybrid-pretrain: received {name} before torchrun started: no process was "
               "started, nothing to save", file=sys.stderr, flush=True)
         return 0
-    return supervise(torchrun_command(options, flags, module), cfg.checkpoint.save, per_node)
+    restarts = (options.get("--max-restarts") or "0") != "0"  # torchrun restarts on failures
+    return supervise(torchrun_command(options, flags, module), cfg.checkpoint.save, per_node,
+                     handed_over=not restarts)

@@ -143,9 +143,12 @@ def check_index_caches(job) -> None:
 def check_paths(cfg: PretrainConfig) -> None:
     """Refuse the first output path that cannot be written, naming it and the flag that moves it.
 
-    Checks ``--save``, ``--metrics-file``, ``--tensorboard-dir`` and, with
-    ``--wandb-project``, ``--wandb-save-dir`` (default ``$WANDB_DIR`` or ``./wandb``); the data
-    index caches need the validated job (:func:`check_index_caches`).
+    Checks ``--save``, ``--metrics-file``, ``--tensorboard-dir``, with ``--wandb-project``
+    ``--wandb-save-dir`` (default ``$WANDB_DIR`` or ``./wandb``), and with ``--profile`` the
+    trace directory (:func:`hybrid.torch_profile.trace_dir`: ``./torch_profile``, or beside
+    ``--tensorboard-dir``; written after the profiled iterations, so a read-only working
+    directory would fail the job only then); the data index caches need the validated job
+    (:func:`check_index_caches`).
 
     Raises:
         ConfigError: ``<flag> <path> cannot be written: <reason>; ...``.
@@ -159,3 +162,21 @@ def check_paths(cfg: PretrainConfig) -> None:
         if path and (why := unwritable(path, is_dir)):
             raise ConfigError(f"{flag} {path} cannot be written: {why}; give {flag} a writable "
                               f"{'directory' if is_dir else 'file'}")
+    _check_trace_dir(cfg)
+
+
+def _check_trace_dir(cfg: PretrainConfig) -> None:
+    """``--profile``'s trace directory can be written (when the window holds an iteration)."""
+    from hybrid.torch_profile import trace_dir
+
+    lg = cfg.logging
+    if not lg.profile or lg.profile_step_start > (cfg.training.train_iters or 0):
+        return
+    path = trace_dir(lg.tensorboard_dir)
+    if why := unwritable(path):
+        where = ("beside --tensorboard-dir" if lg.tensorboard_dir
+                 else "in the working directory, without --tensorboard-dir")
+        raise ConfigError(f"--profile writes its traces to {path.absolute()} ({where}), which "
+                          f"cannot be written: {why}; give --tensorboard-dir DIR with a writable "
+                          "parent (the traces go to DIR/../torch_profile), or run from a "
+                          "writable directory")

@@ -18,9 +18,11 @@ from hybrid.job.preemption import process_start
 process_start()  # --exit-duration-in-mins counts from here at the latest (before torch loads)
 
 
+from data.split import no_validation_note  # noqa: E402
 from hybrid.job.cli import parse_config  # noqa: E402
 from hybrid.job.config_checks import ConfigError, Job, validate  # noqa: E402
 from hybrid.job.datasets import build_datasets, eod_id  # noqa: E402
+from hybrid.torch_profile import profile_notes  # noqa: E402
 from hybrid.wandb_names import preflight as wandb_preflight  # noqa: E402
 
 if TYPE_CHECKING:
@@ -279,8 +281,9 @@ def header(job: Job) -> str:
 
 def _checked_job(argv: list[str] | None):
     """Parse and validate the flags, then the checks and notes that come before any process
-    group (rank 0 only): wandb's names, the ignored Megatron-LM flags, --init-from-hf's
-    dropout. Returns ``(cfg, job)``; raises :class:`ConfigError` for a bad flag."""
+    group (rank 0 only): wandb's names, the ignored Megatron-LM flags, a --split without
+    validation data, --init-from-hf's dropout. Returns ``(cfg, job)``; raises
+    :class:`ConfigError` for a bad flag."""
     ignored: list[str] = []
     hf_flags: list[str] = []
     cfg = parse_config(argv, ignored, hf_flags)
@@ -297,7 +300,10 @@ def _checked_job(argv: list[str] | None):
         print("hybrid-pretrain: note: --sequence-parallel has no effect at "
               "--tensor-model-parallel-size 1 (no group to split the sequence over); disabled, as "
               "Megatron-LM disables it", flush=True)
-    _profile_notes(cfg)
+    notes = [*profile_notes(cfg.logging, cfg.training.train_iters),
+             no_validation_note(cfg.data.split, cfg.eval.eval_iters)]
+    for note in filter(None, notes):
+        print(f"hybrid-pretrain: {note}", flush=True)
     if hf_flags:
         print(f"hybrid-pretrain: --init-from-hf {cfg.checkpoint.init_from_hf}: the model flags of "
               f"its config.json: {' '.join(hf_flags)}", flush=True)
@@ -308,18 +314,6 @@ def _checked_job(argv: list[str] | None):
         if note:
             print(note, flush=True)
     return cfg, job
-
-
-def _profile_notes(cfg) -> None:
-    """A profiler flag that will trace nothing says so (Megatron-LM is silent): a window that
-    starts after the last iteration, or --use-pytorch-profiler without --profile."""
-    lg, iters = cfg.logging, cfg.training.train_iters
-    if lg.profile and iters is not None and lg.profile_step_start > iters:
-        print(f"hybrid-pretrain: note: --profile-step-start {lg.profile_step_start} is after the "
-              f"last iteration ({iters}): no trace will be written", flush=True)
-    if lg.use_pytorch_profiler and not lg.profile:
-        print("hybrid-pretrain: note: --use-pytorch-profiler has no effect without --profile",
-              flush=True)
 
 
 def start(argv: list[str] | None = None) -> tuple[PretrainConfig, Job] | int:
@@ -390,11 +384,14 @@ def exit_now(status: int) -> None:
     still references is only shut down, not destroyed); interpreter finalization and C++ static
     destructors then race with them, and one rank in a few dies with ``terminate called without
     an active exception`` (SIGABRT) after a finished run. Every file, metric and wandb record is
-    closed by then, so nothing is lost by skipping finalization.
+    closed by then, so nothing is lost by skipping finalization. Under the launcher, a reported
+    failure's status goes to it (:func:`hybrid.job.launch.worker_status`).
     """
     import logging
+
+    from hybrid.job.launch import worker_status
 
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(status)
+    os._exit(worker_status(status))

@@ -9,6 +9,9 @@ A resumed run reads the checkpoint's ``metadata.json`` and compares it with its 
   ``--mock-data``; a change would silently skip or repeat data, so it is refused with the old and
   the new value (``--finetune`` starts a new data order from iteration 0 instead);
 * **``--train-iters``** must not be below the checkpoint's iteration;
+* **``--save``** may hold checkpoints only when this run resumes them (``--load`` of the same
+  directory, without ``--finetune``) or says ``--overwrite-save`` (ours; Megatron-LM writes a
+  new run's checkpoints over another's silently, and moves the pointer to them);
 * **the LR and weight-decay schedule** (peak and minimum LR, warmup, decay length and style,
   weight-decay range) must be the checkpoint's, as Megatron-LM asserts, unless
   ``--use-checkpoint-opt_param-scheduler`` (continue the checkpoint's) or
@@ -186,3 +189,55 @@ def _show(value) -> str:
     if isinstance(value, list):
         return " ".join(map(str, value)) or "(none)"
     return str(value)
+
+
+def check_save_dir(cfg: PretrainConfig) -> None:
+    """Refuse a run whose ``--save`` holds published checkpoints that it does not resume: a
+    fresh run (no ``--load``), ``--load`` of another directory, or ``--finetune`` (which
+    restarts at iteration 0). Its saves would replace them iteration by iteration and move
+    ``latest_checkpointed_iteration.txt`` to its own. ``--load`` of the same directory resumes
+    them (also with ``--no-load-optim`` / ``--no-load-rng``: the iterations go on); a directory
+    without a pointer is not resumed, so it is refused too. ``--overwrite-save`` allows it.
+
+    Raises:
+        ResumeMismatch: naming the directory, the iterations found and the ways out.
+    """
+    from pathlib import Path
+
+    from hybrid.checkpoint.directory import POINTER, iteration_of_dir, latest_iteration
+    from hybrid.checkpoint.names import iteration_dir, list_iterations
+    from hybrid.checkpoint.retention import same_directory
+
+    ck = cfg.checkpoint
+    if not ck.save or ck.overwrite_save:
+        return
+    found = [it for it in list_iterations(ck.save)
+             if iteration_of_dir(iteration_dir(ck.save, it)) is not None]
+    if not found:
+        return
+    same = same_directory(ck.load, ck.save)
+    latest = latest_iteration(ck.save)
+    if same and latest is not None and not ck.finetune:
+        return
+    if same and ck.finetune:
+        why, resume = "--finetune restarts at iteration 0", "drop --finetune"
+    elif same:
+        why = f"no {POINTER} names one to resume"
+        resume = f"write the iteration to resume into {Path(ck.save) / POINTER}"
+    else:
+        why = f"it loads --load {ck.load}, another directory" if ck.load else "no --load of it"
+        resume = f"give --load {ck.save}"
+    raise ResumeMismatch(
+        f"--save {ck.save} holds the checkpoints of another run ({_iterations(found, latest)}) "
+        f"that this run does not resume ({why}): its saves would overwrite them. To continue "
+        f"that run {resume}; otherwise give another --save directory, or --overwrite-save to "
+        "save into this one anyway")
+
+
+def _iterations(found: list[int], latest: int | None) -> str:
+    """``iterations 2, 4, 6, latest 6`` (the middle of a long list elided)."""
+    shown = ", ".join(map(str, found)) if len(found) <= 6 else (
+        f"{', '.join(map(str, found[:3]))}, ..., {', '.join(map(str, found[-2:]))}: "
+        f"{len(found)} checkpoints")
+    name = "iteration" if len(found) == 1 else "iterations"
+    return f"{name} {shown}" + (f", latest {latest}" if latest is not None else "")
