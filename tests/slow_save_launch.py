@@ -16,7 +16,7 @@ def main() -> None:
     catch_stops_early()
     from hybrid.job import launch
     from hybrid.job.pretrain import exit_now
-    from hybrid.job.pretrain import main as pretrain_main
+    from hybrid.pretrain import pretrain as pretrain_main
 
     argv = sys.argv[1:]
     if "TORCHELASTIC_RUN_ID" not in os.environ:  # the launcher

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from hybrid.job.cli import parse_config
 from hybrid.job.config_checks import ConfigError, validate
-from hybrid.job.pretrain import main
+from hybrid.pretrain import pretrain as main
 from tests.data_helpers import tiny_tokenizer, write_token_dataset
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length",

@@ -62,7 +62,7 @@ def test_pretrain_warns_once_at_start_up():
     """A 2-iteration --bf16 run on a CPU made to look like one without avx512_bf16."""
     code = ("import sys\nfrom hybrid.job import cpu_precision\n"
             "cpu_precision.cpu_features = lambda path='': ('x86', {'avx2', 'avx512f'})\n"
-            "from hybrid.job.pretrain import main\nsys.exit(main(sys.argv[1:]))\n")
+            "from hybrid.pretrain import pretrain\nsys.exit(pretrain(sys.argv[1:]))\n")
     run = subprocess.run(
         [sys.executable, "-c", code, "--num-layers", "1", "--hidden-size", "32",
          "--num-attention-heads", "2", "--vocab-size", "128", "--seq-length", "16",

@@ -86,7 +86,7 @@ def test_flags_are_never_abbreviated_and_a_typo_names_the_closest_flag(argv, mes
 
 @pytest.mark.parametrize("local_rank,lines", [("0", 1), ("1", 0)])
 def test_a_bad_flag_is_one_line_once_per_node(monkeypatch, capsys, local_rank, lines):
-    from hybrid.job.pretrain import main
+    from hybrid.pretrain import pretrain as main
 
     monkeypatch.setenv("LOCAL_RANK", local_rank)
     assert main(BASE + ["--zero", "3"]) == 2

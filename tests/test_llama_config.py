@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from hybrid.job.cli import parse_config
 from hybrid.job.config_checks import ConfigError, validate
-from hybrid.job.pretrain import main
+from hybrid.pretrain import pretrain as main
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8", "--seq-length",
         "32", "--mock-data", "--vocab-size", "500"]

@@ -9,8 +9,8 @@ import torch
 from hybrid.job.cli import parse_config
 from hybrid.job.config_checks import ConfigError, validate
 from hybrid.job.megatron_flags import translate
-from hybrid.job.pretrain import main
 from hybrid.parallel.spawn import spawn_world
+from hybrid.pretrain import pretrain as main
 from tests.pretrain_worlds import run_configs
 
 # examples/gpt3/train_gpt3_175b_distributed.sh of Megatron-LM, its flag blocks in order, the model

@@ -175,10 +175,14 @@ DIMS = ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "
 
 
 def test_cli_searches_b_within_the_global_batch_and_verify_dry_runs_it(monkeypatch, capsys):
+    from hybrid import plan
+    from hybrid.dryrun import verify
+
     seen = []
-    monkeypatch.setattr(plan_cli, "verify",
+    monkeypatch.setattr(verify, "verify",
                         lambda argv, say, gpu_paths: seen.append(argv) or {"stub": True})
-    assert plan_cli.main([*DIMS, "--global-batch-size", "256", "--json", "--verify"]) == 0
+    monkeypatch.setattr(verify, "comparison_lines", lambda *a: [])
+    assert plan.main([*DIMS, "--global-batch-size", "256", "--json", "--verify"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert {c["micro_batch_size"] for c in doc["candidates"]} == {1, 2, 4, 8, 16}
     assert doc["cluster"]["hbm_gbs"] == 3350.0  # the H100 preset's, for the optimizer step

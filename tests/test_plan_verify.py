@@ -51,9 +51,22 @@ def test_default_accounting_is_the_engines(capsys):
     assert states["grads"] == states["master"] > 0  # fp32 gradients (the paper: 2 B, half)
 
 
+def test_verify_is_the_entry_points_step(capsys):
+    """The dry run stands above the planner: ``hybrid.plan`` gives the planner's command line
+    its ``--verify`` step; called without one, the command line refuses the flag before
+    planning."""
+    with pytest.raises(SystemExit) as e:
+        plan_cli.main([*DIMS, "--verify"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == ("python -m hybrid.plan: error: --verify needs the entry "
+                                       "point: python -m hybrid.plan (hybrid-plan)\n")
+
+
 @pytest.mark.timeout(600)
 def test_verify_agrees_with_the_dry_run(capsys):
-    assert plan_cli.main([*DIMS, "--gpu-memory-gib", "0.05", "--verify"]) == 0
+    from hybrid.plan import main
+
+    assert main([*DIMS, "--gpu-memory-gib", "0.05", "--verify"]) == 0
     out = capsys.readouterr().out
     assert "  dry run: python -m hybrid.pretrain " in out and "  dry run phase: backward" in out
     assert "--dry-run-device cuda" in out  # a GPU's code paths (this machine has a compiler)

@@ -9,7 +9,7 @@ import wandb
 
 from hybrid.config_fields import ConfigError
 from hybrid.job.cli import parse_config
-from hybrid.job.pretrain import main
+from hybrid.pretrain import pretrain as main
 from hybrid.wandb_names import check_entity_online, check_names, preflight
 
 BAD = ["team/run", "a:b", "50%", "what?", "#1", "back\\slash", "x" * 129, "", "  "]

@@ -62,15 +62,16 @@ def loaded() -> bool:
 
 
 def run_preloaded(argv: list[str], code: str = "") -> int:
-    """Run ``hybrid.pretrain`` with ``argv`` in a fresh interpreter that loads the library
-    first; ``code`` runs after it (tests plant faults there). Returns the exit status. The
-    interpreter catches SIGTERM / SIGINT as ``hybrid.pretrain`` does (the dry run stops at its
-    next phase boundary), and this process passes on those it receives (a ``kill`` of the
-    command's pid reaches the dry run; a terminal's Ctrl-C reaches both, counted once)."""
+    """Run the dry run of ``hybrid.pretrain`` flags ``argv`` (:func:`hybrid.dryrun.report.main`)
+    in a fresh interpreter that loads the library first; ``code`` runs after it (tests plant
+    faults there). Returns the exit status. The interpreter catches SIGTERM / SIGINT as
+    ``hybrid.pretrain`` does (the dry run stops at its next phase boundary), and this process
+    passes on those it receives (a ``kill`` of the command's pid reaches the dry run; a
+    terminal's Ctrl-C reaches both, counted once)."""
     import signal
 
     catch = "from hybrid.job.preemption import catch_stops_early\ncatch_stops_early()\n"
-    cmd, env = preloaded_command(catch + code + "\nfrom hybrid.job.pretrain import main\n",
+    cmd, env = preloaded_command(catch + code + "\nfrom hybrid.dryrun.report import main\n",
                                  argv)
     proc = subprocess.Popen(cmd, env=env)
     previous = {s: signal.signal(s, lambda signum, frame: proc.send_signal(signum))

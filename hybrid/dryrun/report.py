@@ -162,3 +162,30 @@ def run_and_report(job, title: str) -> int:
         return 0
     say(format_report(r, g.device, g.gpu_memory_gib, g.reserved_gib))
     return 0
+
+
+def dry_run_job(job, argv: list[str]) -> int:
+    """``hybrid.pretrain --dry-run-world-size N``'s run of a validated ``job`` (a
+    :class:`hybrid.job.config_checks.Job`, parsed from ``argv``): :func:`run_and_report`, the
+    fake process group torn down after it; with ``--dry-run-device cuda`` in an interpreter that
+    has not loaded the fake CUDA library, the same ``argv`` in a fresh one that has
+    (:func:`hybrid.dryrun.fake_cuda.run_preloaded`, which runs :func:`main`). Returns the exit
+    status."""
+    from hybrid.dryrun import fake_cuda
+    from hybrid.job.pretrain import header, torn_down
+
+    if job.cfg.dry_run.dry_run_device == "cuda" and not fake_cuda.loaded():
+        return fake_cuda.run_preloaded(argv)
+    with torn_down():
+        return run_and_report(job, f"hybrid-zero dry run | {header(job)}")
+
+
+def main(argv: list[str]) -> int:
+    """The dry run of ``hybrid.pretrain`` flags ``argv`` (with ``--dry-run-world-size N``), as
+    ``hybrid.pretrain`` runs it: the flags parsed and checked as for training
+    (:func:`hybrid.job.pretrain.start`: one line and status 2 for a bad one), then
+    :func:`dry_run_job`. The program of the interpreter that loaded the fake CUDA library."""
+    from hybrid.job.pretrain import start
+
+    started = start(argv)
+    return started if isinstance(started, int) else dry_run_job(started[1], argv)

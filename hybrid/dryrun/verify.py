@@ -1,5 +1,6 @@
 """``hybrid.plan --verify``: the dry run of the planner's best layout, for rank 0, side by side.
 
+:func:`verify_plan` is the step the entry point ``hybrid.plan`` gives the planner's command line.
 :func:`pretrain_argv` writes the ``hybrid.pretrain`` flags of a planned layout (the model, the
 batch, the precision, tp, the ZeRO stage and buckets, the activation mode, the device) with
 ``--mock-data --dry-run-world-size N --dry-run-rank 0``; :func:`verify` runs that dry run
@@ -129,6 +130,30 @@ def _command(argv: list[str], say, gpu_paths: bool) -> tuple[list[str], dict | N
         say(f"note: the dry run takes the CPU's code paths ({str(e).splitlines()[0]}); its "
             "dropout masks take 2 bytes per element where a GPU's take 1")
         return [sys.executable, "-m", "hybrid.dryrun.verify", *argv], None
+
+
+def verify_plan(args, model, training, cluster, chosen) -> tuple[dict, list[str]] | None:
+    """``hybrid.plan --verify`` (the step :func:`hybrid.planner.cli.main` is given): the dry
+    run of ``chosen`` (a :class:`hybrid.planner.plan.Candidate`) for rank 0 of the planner's
+    parsed ``args``, ``model``, ``training`` and ``cluster``, its lines streamed (to stderr
+    under ``--json``). Returns ``(result, comparison lines)`` (:func:`verify`,
+    :func:`comparison_lines`); None when nothing fits.
+
+    Raises:
+        RuntimeError: the dry run failed (:func:`verify`).
+    """
+    if chosen is None:
+        return None
+    gbs = training.global_batch_size or training.micro_batch_size * cluster.num_gpus
+    argv = pretrain_argv(args, model, chosen, gbs)  # chosen.micro_batch_size: the searched b
+    if chosen.offload_fraction and "--optimizer-cpu-offload" not in argv:  # Megatron-LM's
+        argv += ["--optimizer-cpu-offload", "--optimizer-offload-fraction",
+                 f"{chosen.offload_fraction:g}"]
+    out = sys.stderr if args.json else sys.stdout
+    print("verify: the dry run of the best layout, rank 0", file=out, flush=True)
+    result = verify(argv, lambda line: print("  " + line, file=out, flush=True),
+                    gpu_paths=args.attention_dropout > 0)
+    return result, comparison_lines(result, chosen.total_bytes, chosen.fits)
 
 
 def comparison_lines(result: dict, planned_total: float, planned_fits: bool) -> list[str]:

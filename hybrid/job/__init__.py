@@ -3,5 +3,5 @@ process group, and when the job saves, resumes and stops.
 
 The job wing uses the lower floors of ``hybrid`` and the planner; below it nothing imports it.
 Only the dry run (``hybrid.dryrun``), which builds a validated job, and the entry point
-``hybrid.job.pretrain``, which starts the dry run, stand above it.
+``hybrid.pretrain``, which starts the job or the dry run, stand above it.
 """

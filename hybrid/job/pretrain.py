@@ -1,14 +1,16 @@
-"""GPT pretraining entry point: ``torchrun --nproc-per-node N -m hybrid.pretrain [flags]``.
-
-parse -> validate (before any process group) -> grid -> ``parallelize`` (TP plan -> activation
-checkpointing -> ZeRO) -> data -> train -> test evaluation -> close. Flags: ``--help``.
+"""The GPT pretraining job that ``hybrid.pretrain`` (the entry point, which also starts the dry
+run) runs: :func:`start`: parse -> validate (before any process group), or launch torchrun;
+:func:`train`: grid -> ``parallelize`` (TP plan -> activation checkpointing -> ZeRO) -> data ->
+train -> test evaluation -> close. Flags: ``--help``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import sys
+import time
 from typing import TYPE_CHECKING
 
 from hybrid.job.preemption import process_start
@@ -22,6 +24,7 @@ from hybrid.job.datasets import build_datasets, eod_id  # noqa: E402
 from hybrid.wandb_names import preflight as wandb_preflight  # noqa: E402
 
 if TYPE_CHECKING:
+    from hybrid.config import PretrainConfig
     from hybrid.parallel.grid import ProcessGrid
     from hybrid.parallel.rng import RNGTracker
     from hybrid.training import TrainState
@@ -319,43 +322,55 @@ def _profile_notes(cfg) -> None:
               flush=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Console entry point; returns the exit status (2 when refused before training: a
-    configuration error or another job holding ``--save``; 1 when ``--max-nan-iterations``
-    consecutive NaN/inf losses stopped training or a save failed)."""
+def start(argv: list[str] | None = None) -> tuple[PretrainConfig, Job] | int:
+    """Before any process group: parse and check the flags (:func:`_checked_job`), or hand a
+    ``--nproc-per-node N`` command to torchrun (:mod:`hybrid.job.launch`). Returns ``(cfg,
+    job)`` for the entry point (:mod:`hybrid.pretrain`) to train or dry-run, or the exit status:
+    torchrun's, or 2 for a bad flag (one line on stderr, from local rank 0 only)."""
     import warnings
 
     # a user's warning is a line of its own, not a source file and line of this package
     warnings.formatwarning = lambda msg, cat, *_, **__: f"{cat.__name__}: {msg}\n"
+    argv = sys.argv[1:] if argv is None else argv
     try:
         from hybrid.job import launch
 
-        if launch.wanted(sys.argv[1:] if argv is None else argv):  # --nproc-per-node N
-            return launch.launch(sys.argv[1:] if argv is None else argv)
-        cfg, job = _checked_job(argv)
+        if launch.wanted(argv):  # --nproc-per-node N
+            return launch.launch(argv)
+        return _checked_job(argv)
     except ConfigError as e:
         if os.environ.get("LOCAL_RANK", "0") == "0":  # once per node, not once per rank
             print(f"hybrid-pretrain: error: {e}", file=sys.stderr)
         else:  # torchrun stops the whole node when the first worker exits: rank 0 reports first
-            import time
-
             time.sleep(3)
         return 2
-    from hybrid.dryrun import fake_cuda
 
-    if cfg.dry_run.dry_run_device == "cuda" and not fake_cuda.loaded():
-        return fake_cuda.run_preloaded(sys.argv[1:] if argv is None else argv)
+
+@contextlib.contextmanager
+def torn_down():
+    """On leaving (returned or raised), around a training run or a dry run: destroy the process
+    group if one started, then free the groups (joining gloo's threads) while Python is whole."""
+    import torch.distributed as dist
+
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        gc.collect()
+
+
+def train(job: Job) -> int:
+    """Train a validated job (:func:`run`) and tear the process group down; returns the exit
+    status: 0; 2 when another job holds ``--save`` (refused, not failed); 1 when
+    ``--max-nan-iterations`` consecutive NaN/inf losses stopped training or a save failed."""
     import torch.distributed as dist
 
     from hybrid.checkpoint.agree import SaveFailedError
     from hybrid.checkpoint.lock import SaveDirectoryInUseError
     from hybrid.training import TooManyNaNIterations
 
-    try:
-        if cfg.dry_run.dry_run_world_size:
-            from hybrid.dryrun.report import run_and_report
-
-            return run_and_report(job, f"hybrid-zero dry run | {header(job)}")
+    with torn_down():
         try:
             run(job)["engine"].close()
         # every rank sees the same mean loss, the same account of a failed save or a lock
@@ -365,11 +380,6 @@ def main(argv: list[str] | None = None) -> int:
             return 2 if isinstance(e, SaveDirectoryInUseError) else 1  # 2: refused, not failed
         if dist.get_world_size() > 1:
             dist.barrier()  # no rank tears down while a peer still communicates
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        # free the process groups (joining gloo's threads) while the interpreter is whole
-        gc.collect()
     return 0
 
 
@@ -388,8 +398,3 @@ def exit_now(status: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
-
-
-if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    exit_now(main())

@@ -21,6 +21,7 @@ import json
 import os
 import re
 import sys
+from typing import TYPE_CHECKING
 
 from hybrid.config_fields import flag_hints
 from hybrid.devices import (
@@ -30,7 +31,6 @@ from hybrid.devices import (
     device_preset,
     preset_names,
 )
-from hybrid.dryrun.verify import comparison_lines, pretrain_argv, verify
 from hybrid.flops import device_peak_tflops, num_parameters
 from hybrid.model_flags import add_model_args, apply_preset_defaults, model_from_args
 from hybrid.planner.cli_args import (
@@ -44,6 +44,11 @@ from hybrid.planner.max_model import max_layers, max_params, max_params_offloade
 from hybrid.planner.memory import ACTIVATION_OPTIONS, ZERO_STAGES
 from hybrid.planner.plan import best, plan, tp_candidates
 from hybrid.planner.table import max_model_text, plan_text
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    Verify = Callable[..., tuple[dict, list[str]] | None]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -276,22 +281,33 @@ def _max_model(args, model, cluster, training) -> list[dict]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``hybrid.plan`` / ``hybrid-plan``: returns the exit status (2 for bad input). Output
-    piped into a reader that stops early (``| head``) ends quietly, as Unix tools do."""
+def main(argv: list[str] | None = None, verify: Verify | None = None) -> int:
+    """The planner's command line (``hybrid.plan`` / ``hybrid-plan`` call it); returns the exit
+    status (2 for bad input). Output piped into a reader that stops early (``| head``) ends
+    quietly, as Unix tools do.
+
+    Args:
+        verify: ``--verify``'s step, which the entry point gives
+            (:func:`hybrid.dryrun.verify.verify_plan`: the dry run stands above the planner):
+            called as ``verify(args, model, training, cluster, chosen)``, it returns ``(result,
+            comparison lines)``, or None when nothing fits. Without it ``--verify`` is refused
+            (status 2) before planning.
+    """
     try:
-        return _main(argv)
+        return _main(argv, verify)
     except BrokenPipeError:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # Python's own flush at exit must not fail again
         return 0
 
 
-def _main(argv: list[str] | None = None) -> int:
+def _main(argv: list[str] | None, verify: Verify | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     from_preset = apply_preset_defaults(args)
     try:
+        if args.verify and verify is None:  # the dry run stands above the planner
+            raise ValueError("--verify needs the entry point: python -m hybrid.plan (hybrid-plan)")
         model = model_from_args(args, required=not args.max_model)
         cluster = _cluster(args, planning=not args.max_model)
         training = _training(args)
@@ -321,7 +337,8 @@ def _main(argv: list[str] | None = None) -> int:
         print(f"{parser.prog}: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     chosen = best(cands)
-    if args.json:
+    if args.json:  # the dry run streams its lines to stderr, before the document
+        checked = verify(args, model, training, cluster, chosen) if args.verify else None
         doc = {
             "model": dataclasses.asdict(model),
             "num_parameters": num_parameters(model),
@@ -333,16 +350,16 @@ def _main(argv: list[str] | None = None) -> int:
             "skipped": skipped,
             "offload_fractions": list(fractions),
             "best": chosen.as_dict() if chosen else None,
-            "verify": _verify(args, model, training, cluster, chosen) if args.verify else None,
+            "verify": checked[0] if checked else None,
         }
         json.dump(doc, sys.stdout, indent=1)
         print()
         return 0
     print(plan_text(model, cluster, training, cands, skipped, chosen, args.fitting_only,
                     _device_label(args), preset_note(args.model, from_preset)), flush=True)
-    checked = _verify(args, model, training, cluster, chosen) if args.verify else None
+    checked = verify(args, model, training, cluster, chosen) if args.verify else None
     if checked is not None:
-        print("\n".join(comparison_lines(checked, chosen.total_bytes, chosen.fits)))
+        print("\n".join(checked[1]))
     return 0
 
 
@@ -363,19 +380,3 @@ def no_layout_message(skipped: list[str]) -> str:
                 "--micro-batch-size * dp (dp = --num-gpus / tp) for some tp; " +
                 "; ".join(skipped))
     return "no layout is possible: " + ("; ".join(skipped) or "no tp/stage/activation left")
-
-
-def _verify(args, model, training: Training, cluster: Cluster, chosen) -> dict | None:
-    """``--verify``: the dry run of ``chosen`` for rank 0 (:mod:`hybrid.dryrun.verify`), its
-    lines streamed (to stderr under ``--json``); None when nothing fits."""
-    if chosen is None:
-        return None
-    gbs = training.global_batch_size or training.micro_batch_size * cluster.num_gpus
-    argv = pretrain_argv(args, model, chosen, gbs)  # chosen.micro_batch_size: the searched b
-    if chosen.offload_fraction and "--optimizer-cpu-offload" not in argv:  # Megatron-LM's
-        argv += ["--optimizer-cpu-offload", "--optimizer-offload-fraction",
-                 f"{chosen.offload_fraction:g}"]
-    out = sys.stderr if args.json else sys.stdout
-    print("verify: the dry run of the best layout, rank 0", file=out, flush=True)
-    return verify(argv, lambda line: print("  " + line, file=out, flush=True),
-                  gpu_paths=args.attention_dropout > 0)

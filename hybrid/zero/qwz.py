@@ -1,7 +1,8 @@
 """qwZ: ZeRO-3 parameter all-gathers in blockwise int8 (ZeRO++, arXiv 2306.10209 §3.1).
 
-Each rank quantizes its shard of a gather chunk in blocks of :data:`BLOCK` elements (the last
-block of a chunk may be shorter), symmetric, one fp32 scale per block::
+Each rank quantizes its shard of a gather chunk with the blockwise codec
+(:mod:`hybrid.zero.quantize`: int8, blocks of :data:`BLOCK` elements, the last block of a chunk
+may be shorter; symmetric, one fp32 scale per block)::
 
     scale = max|x_block| / 127          q = round(x / scale) in [-127, 127]   (int8)
     x'    = q * scale                   |x' - x| <= scale / 2 per element
@@ -10,9 +11,10 @@ block of a chunk may be shorter), symmetric, one fp32 scale per block::
 at most a relative ``2**-16`` of it, as ``|x| <= 127 scale``; an all-zero block has scale 0 and
 decodes to zeros). The decoded value is then
 rounded once more to the compute dtype (bf16 / fp16), adding at most half an ulp of it. The
-payload of one rank is the bytes of its fp32 scales followed by its int8 values (padded to a
-multiple of 4 bytes, so that every rank's scales stay 4-byte aligned), all-gathered as one
-``uint8`` tensor: ``1 + 4 / BLOCK`` bytes per element instead of 2 (0.501x of a bf16 gather).
+payload of one rank is the codec's tight layout: the bytes of its fp32 scales followed by its
+int8 values (padded to a multiple of 4 bytes, so that every rank's scales stay 4-byte aligned),
+all-gathered as one ``uint8`` tensor: ``1 + 4 / BLOCK`` bytes per element instead of 2 (0.501x
+of a bf16 gather).
 Every rank decodes every rank's payload, its own included, so all ranks compute with identical
 weights; quantizing is deterministic, so a backward re-gather reproduces the forward's
 weights exactly. The fp32 master weights and the stored shard stay exact: only the gathered
@@ -26,35 +28,26 @@ from __future__ import annotations
 
 import torch
 
+from hybrid.zero import quantize as codec
 from hybrid.zero.comm import DPComm, _Work
 
 BLOCK = 2048
 """Elements per quantization block (one fp32 scale each)."""
-QMAX = 127
+BITS = 8
+"""qwZ's width: int8 (``qmax`` 127)."""
 
 
 def payload_numel(n: int) -> int:
     """Bytes of the payload encoding ``n`` elements: 4 per block, then ``n`` int8, rounded up
-    to a multiple of 4."""
-    return 4 * -(-n // BLOCK) + 4 * -(-n // 4)
+    to a multiple of 4 (the codec's tight layout)."""
+    return codec.payload_bytes(n, BITS, BLOCK, tight=True)
 
 
 @torch.no_grad()
-def quantize(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def quantize(x: torch.Tensor) -> torch.Tensor:
     """Encode 1-D ``x`` (any float dtype, ``[n]``) as a ``uint8`` payload of
     :func:`payload_numel` ``(n)`` bytes: fp32 scales, then int8 values (see module docstring)."""
-    n = x.numel()
-    nb = -(-n // BLOCK)
-    out = torch.empty(payload_numel(n), dtype=torch.uint8, device=x.device) if out is None else out
-    xf = torch.zeros(nb * BLOCK, dtype=torch.float32, device=x.device)
-    xf[:n] = x
-    blocks = xf.view(nb, BLOCK)
-    scale = blocks.abs().amax(1) / QMAX
-    q = torch.round(blocks / torch.where(scale > 0, scale, 1.0)[:, None]).clamp_(-QMAX, QMAX)
-    out[:4 * nb].view(torch.float32).copy_(scale)
-    out[4 * nb:4 * nb + n].view(torch.int8).copy_(q.view(-1)[:n])
-    out[4 * nb + n:].zero_()  # the alignment padding
-    return out
+    return codec.quantize(x.reshape(1, -1), BITS, BLOCK, tight=True).view(-1)
 
 
 @torch.no_grad()
@@ -65,15 +58,7 @@ def dequantize(payload: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         ValueError: the payload's size is not :func:`payload_numel` ``(out.numel())``.
     """
     n = out.numel()
-    if payload.numel() != payload_numel(n):
-        raise ValueError(f"qwZ payload of {payload.numel()} bytes does not encode {n} elements "
-                         f"({payload_numel(n)} bytes)")
-    nb = -(-n // BLOCK)
-    scale = payload[:4 * nb].view(torch.float32)
-    q = torch.zeros(nb * BLOCK, dtype=torch.float32, device=out.device)
-    q[:n] = payload[4 * nb:4 * nb + n].view(torch.int8)
-    out.copy_((q.view(nb, BLOCK) * scale[:, None]).view(-1)[:n])
-    return out
+    return out.copy_(codec.dequantize(payload.reshape(1, -1), n, BITS, BLOCK, tight=True).view(n))
 
 
 def quantized_all_gather(comm: DPComm, slots: list[torch.Tensor], src: torch.Tensor,
