@@ -5,14 +5,15 @@ reference.
 
 **The rule.** Every flag that changes the step joins :data:`tests.combination_matrix.OPTIONS`
 in the change that adds it (its values as Megatron-LM's flags; the plain value first, then
-the order constraints of the module docstring); the covering array and the counts below follow.
+the order ``tests/combination_matrix.py`` explains); the covering array and the counts below follow.
 Each feature is exact alone but two can fail together silently: ``--apply-layernorm-1p`` under
 ``--sequence-parallel`` zeroed every norm at tp 2 (issue 41), and only a pair shows it.
 
 **How configurations are generated** (:func:`tests.combination_matrix.covering_array`):
 allpairspy's covering array over the options, filtered by the trainer's own validation (a
 configuration it refuses with a ``ConfigError`` is left out, as is one with an option it would
-ignore), plus one row per pair the greedy generator left out that a valid configuration holds.
+ignore), in two passes (unfused, then ``--kernel-fusion on``, so the compiled configurations are
+few), plus rows for the pairs its greedy search left out that a valid configuration holds.
 :func:`test_every_pair_that_a_valid_configuration_holds_is_covered` prints and checks the
 counts: configurations, pairs covered, and the pairs no valid configuration holds (each with
 the trainer's reason).
