@@ -50,7 +50,7 @@ def test_first_gradients_differ_from_the_unfused_ones_only_by_bf16_rounding(w4, 
     """After one step's backward the fused and unfused buffers agree within bf16's rounding on
     every GEMM weight (a lost or doubled contribution, e.g. of the tied embedding's lookup,
     would be O(1)) and bit for bit on every other parameter (norms, biases; their gradients
-    are added by the hook as before). Seen: 1.0e-3 to 2.5e-3 of each tensor's largest element."""
+    are added by the hook as before). Seen: up to 2.5e-3 of each tensor's largest element."""
     for rank in w4:
         fused, unfused = (rank[2]["first"][case][f] for f in (True, False))
         head = "lm_head.weight" if "lm_head.weight" in fused else "wte.weight"  # tied: wte
@@ -73,10 +73,10 @@ def test_first_gradients_differ_from_the_unfused_ones_only_by_bf16_rounding(w4, 
 def test_bf16_training_with_fusion_tracks_the_unfused_engine(w4, tp, case):
     """10 bf16 steps (two micro-batches each, overlapped and not, SP, the rings, tp 1's plain
     linears): stages 0/1 attach a main grad to every parameter, differ from the unfused engine
-    and stay within 1e-2 relative of its losses (seen at most 1.7e-3 at 10 steps; bf16 weights
-    amplify a 2^-9 gradient difference step by step); stages 2/3 attach none and are the unfused
-    engine bit for bit (the GEMM fusion is inactive there, as the start-up line says). Closing
-    the engine removes every main grad."""
+    and stay within 2e-3 relative of its losses (seen at most 1.8e-4 at 10 steps, 3e-3 at 20:
+    bf16 weights amplify a 2^-9 gradient difference step by step); stages 2/3 attach none and
+    are the unfused engine bit for bit (the GEMM fusion is inactive there, as the start-up line
+    says). Closing the engine removes every main grad."""
     for rank in w4:
         on, off = rank[tp][case][True], rank[tp][case][False]
         assert on["left_after_close"] == off["left_after_close"] == []
@@ -86,7 +86,7 @@ def test_bf16_training_with_fusion_tracks_the_unfused_engine(w4, tp, case):
             continue
         assert on["fused"] == sorted(on["final"])  # every parameter (tied: wte once)
         assert on["losses"] != off["losses"]
-        assert on["losses"] == pytest.approx(off["losses"], rel=1e-2)
+        assert on["losses"] == pytest.approx(off["losses"], rel=2e-3)
 
 
 @pytest.mark.timeout(900)
@@ -171,6 +171,24 @@ def test_accumulate_calls_the_chosen_kernel(monkeypatch):
         wgrad.accumulate_wgrad(main, dy, x)
         torch.testing.assert_close(main.double(), want, rtol=1e-6, atol=1e-6)
     assert calls == [(torch.float32, True), "apex"]
+
+
+def test_cpu_upcast_copies_hold_at_most_the_16_bit_gradient_they_replace(monkeypatch):
+    """dW ``[6, 2]`` from 10 tokens: ``max(1, 6 * 2 // (2 * 8))`` = 1 token's rows upcast at a
+    time (a larger weight: ``out in / (2 (out + in))`` tokens, the bytes of its bf16 dW), and
+    the sum equals the fp64 product (fp32 accumulation, 1e-6)."""
+    g = torch.Generator().manual_seed(1)
+    dy, x = (torch.randn(10, n, generator=g).bfloat16() for n in (6, 2))
+    main, shapes, real = torch.zeros(6, 2), [], torch.Tensor.addmm_
+
+    def spy(c, a, b):
+        shapes.append((a.shape, b.shape))
+        return real(c, a, b)
+
+    monkeypatch.setattr(torch.Tensor, "addmm_", spy)
+    wgrad.accumulate_wgrad(main, dy, x)
+    assert shapes == [((6, 1), (1, 2))] * 10
+    torch.testing.assert_close(main.double(), dy.double().t() @ x.double(), rtol=1e-6, atol=1e-6)
 
 
 def test_placeholder_is_a_view_of_the_main_grad_or_zeros_for_a_tied_weight():

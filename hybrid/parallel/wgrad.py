@@ -15,7 +15,9 @@ with a GEMM that reads 16-bit operands and writes fp32 (:func:`accumulate_wgrad`
   else none, and the engine says so at start-up (:func:`wgrad_kernel`).
 - CPU: torch has no 16-bit -> fp32 GEMM there; the operands are upcast to fp32 (bf16 and fp16
   values are exact in fp32, so the products are too) and ``addmm_`` accumulates in fp32: the
-  same arithmetic up to the order of the sums, at the cost of fp32 copies of the operands.
+  same arithmetic up to the order of the sums. The copies are made for a slice of the tokens at
+  a time, ``max(1, out in / (2 (out + in)))`` rows, so they hold no more bytes than the 16-bit
+  ``dW`` they replace (beyond one token's row; the default dry run, on CPU, measures them).
 
 The protocol with the gradient owner (``hybrid.zero.reduce``), Megatron-LM's: the owner sets
 ``p.main_grad`` (:func:`attach_main_grad`), an fp32 view of its buffer; a wgrad site that
@@ -82,8 +84,11 @@ def accumulate_wgrad(main: torch.Tensor, grad2d: torch.Tensor, input2d: torch.Te
             input2d.contiguous(), grad2d.contiguous(), main)
     elif kernel == TORCH_KERNEL:
         torch.addmm(main, grad2d.t(), input2d, out_dtype=torch.float32, out=main)
-    else:
-        main.addmm_(grad2d.t().float(), input2d.float())
+    else:  # fp32 copies of `rows` tokens at a time: about the bytes of a 16-bit dW
+        out, inp = main.shape
+        rows = max(1, out * inp // (2 * (out + inp)))
+        for a in range(0, grad2d.shape[0], rows):
+            main.addmm_(grad2d[a:a + rows].t().float(), input2d[a:a + rows].float())
 
 
 def attach_main_grad(p: torch.Tensor, main: torch.Tensor) -> None:
