@@ -207,6 +207,23 @@ def test_placeholder_is_a_view_of_the_main_grad_or_zeros_for_a_tied_weight():
     assert not hasattr(w, "main_grad")
 
 
+def test_a_weight_with_a_gradient_hook_keeps_the_unfused_path():
+    """A ``Tensor.register_hook`` on the weight (the fp16 overflow tests inject an inf so) must
+    see its gradient: no accumulation into the main grad, the hook's result becomes ``p.grad``
+    for the owner's hook to add; once removed, the fusion is back."""
+    w = torch.nn.Parameter(torch.randn(4, 3).bfloat16())
+    main = torch.zeros(4, 3)
+    wgrad.attach_main_grad(w, main)
+    x = torch.randn(2, 3).bfloat16()
+    h = w.register_hook(lambda g: torch.full_like(g, float("inf")))
+    wgrad.linear(x, w).sum().backward()
+    assert torch.isinf(w.grad).all() and not main.any() and not wgrad.gradient_in_main_grad(w)
+    h.remove()
+    w.grad = None
+    wgrad.linear(x, w).sum().backward()
+    assert main.any() and wgrad.gradient_in_main_grad(w)
+
+
 def test_linear_is_f_linear_without_a_main_grad():
     w = torch.nn.Parameter(torch.randn(4, 3))
     x = torch.randn(2, 3, requires_grad=True)

@@ -29,7 +29,9 @@ tied embedding, whose lookup gradient autograd adds to it). The owner's hook the
 ``p.grad`` without adding it (:func:`gradient_in_main_grad`), or adds it for ``zero_out_wgrad``.
 
 Every wgrad site calls :func:`weight_grad` (the custom TP autograd functions) or :func:`linear`
-(where a plain ``F.linear`` ran).
+(where a plain ``F.linear`` ran). A weight with a gradient hook (``Tensor.register_hook``, e.g. a
+test injecting an overflow) keeps the unfused path while it has one: the hook must see, and may
+change, its gradient.
 """
 
 from __future__ import annotations
@@ -124,14 +126,23 @@ def _placeholder(weight: torch.Tensor, main: torch.Tensor) -> torch.Tensor:
     return flat[:weight.numel()].view(weight.shape)
 
 
+def _fused(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight``'s main grad when its weight gradient goes there (a ``main_grad`` of another
+    dtype, no gradient hook on it), else None."""
+    main = getattr(weight, "main_grad", None)
+    if main is None or main.dtype == weight.dtype or weight._backward_hooks:
+        return None
+    return main
+
+
 def weight_grad(grad2d: torch.Tensor, input2d: torch.Tensor,
                 weight: torch.Tensor) -> torch.Tensor:
     """``dW = grad2d^T @ input2d`` (``[out, in]``) for autograd to accumulate, or, when
-    ``weight`` (the parameter itself) has a ``main_grad`` of another dtype, that GEMM added into
-    it in fp32 and a placeholder returned (module docstring). ``grad2d`` ``[tokens, out]``,
-    ``input2d`` ``[tokens, in]``."""
-    main = getattr(weight, "main_grad", None)
-    if main is None or main.dtype == weight.dtype:
+    ``weight`` (the parameter itself) has a ``main_grad`` of another dtype and no gradient hook,
+    that GEMM added into it in fp32 and a placeholder returned (module docstring). ``grad2d``
+    ``[tokens, out]``, ``input2d`` ``[tokens, in]``."""
+    main = _fused(weight)
+    if main is None:
         return grad2d.t().matmul(input2d)
     accumulate_wgrad(main, grad2d, input2d)
     weight.grad_added_to_main_grad = True
@@ -160,9 +171,9 @@ class _Linear(torch.autograd.Function):
 def linear(x: torch.Tensor, weight: torch.Tensor,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` (``[..., in]`` -> ``[..., out]``); when ``weight`` has a
-    ``main_grad`` of another dtype, an autograd function whose weight gradient accumulates into
-    it (:func:`weight_grad`). Without one it is ``F.linear`` itself, bit for bit."""
-    main = getattr(weight, "main_grad", None)
-    if main is None or main.dtype == weight.dtype or torch.is_autocast_enabled(x.device.type):
+    ``main_grad`` of another dtype (and no gradient hook, no autocast is on), an autograd function
+    whose weight gradient accumulates into it (:func:`weight_grad`). Otherwise it is
+    ``F.linear`` itself, bit for bit."""
+    if _fused(weight) is None or torch.is_autocast_enabled(x.device.type):
         return F.linear(x, weight, bias)
     return _Linear.apply(x, weight, bias)
