@@ -26,12 +26,13 @@ import torch.nn.functional as F
 
 from models import fusion
 from models.config import GPTConfig
+from models.document_attention import block_causal_attention
 from models.fused import LayerNorm, LayerNorm1P, RMSNorm, RMSNorm1P, swiglu
 from models.fusion import OFF, linear_pair, linear_skip_bias
 from models.rope import RotaryEmbedding
 
 if TYPE_CHECKING:
-    from models.documents import DocumentContext, Documents
+    from models.documents import DocumentContext
 
 
 def make_norm(config: GPTConfig, size: int) -> nn.Module:
@@ -59,36 +60,6 @@ def dropout_rng_scope(dropout: nn.Module) -> contextlib.AbstractContextManager |
     if type(dropout) is nn.Dropout:
         return contextlib.nullcontext()
     return None
-
-
-def block_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents,
-                           p: float, scope, gqa: dict) -> torch.Tensor:
-    """Attention of each position to the earlier positions of its own document only.
-
-    q ``[b, heads, s, d]``, k, v ``[b, groups, s, d]`` -> ``[b, heads, s, d]``. On CUDA in 16-bit
-    without dropout: varlen flash attention over the documents of the flattened batch
-    (``torch.nn.attention.varlen``, causal per document; no mask at all). Otherwise SDPA with
-    the ``[b, 1, s, s]`` boolean mask of :meth:`models.documents.Documents.mask`, one per
-    sequence shared by the heads and layers: on CPU torch has no varlen or flash kernel with
-    a document structure (FlexAttention needs ``torch.compile`` and a CUDA/Triton backend), and
-    the mask costs ``b s^2`` bytes per forward, next to the ``b a s^2`` scores the CPU math
-    path keeps anyway.
-    """
-    varlen_attn = None
-    if q.is_cuda and p == 0 and q.dtype in (torch.float16, torch.bfloat16):
-        try:
-            from torch.nn.attention.varlen import varlen_attn
-        except ImportError:  # an older torch: the masked SDPA below
-            varlen_attn = None
-    if varlen_attn is not None:
-        b, heads, s, d = q.shape
-        cu, longest = docs.cu_seqlens()
-        flat = [t.transpose(1, 2).reshape(b * s, t.shape[1], d) for t in (q, k, v)]
-        out = varlen_attn(*flat, cu, cu, longest, longest, window_size=(-1, 0),
-                          enable_gqa=bool(gqa))
-        return out.view(b, s, heads, d).transpose(1, 2)
-    with scope:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=docs.mask(), dropout_p=p, **gqa)
 
 
 class Attention(nn.Module):

@@ -42,6 +42,9 @@ def test_block_backward_by_hand():
     assert sp == (head + block) * 2 + max(mlp, 2 * 128 * 2 * 256 * 2)
     # stages 0/1: each gradient goes into the fp32 buffer as it arrives; tied: the head's waits
     assert temps(stage=1)["block_backward"] == (head + 1024 * 256 // 2) * 2 + mlp + scores
+    # ... and none where the weight-gradient GEMMs accumulate into the fp32 buffer themselves
+    assert temps(stage=1, wgrad_fused=True)["block_backward"] == head * 2 + mlp + scores
+    assert temps(wgrad_fused=True) == temps()  # ZeRO 2/3 keep the blocks' 16-bit gradients
     sel = temps(activation="selective")["block_backward"]
     assert sel == temps()["block_backward"] + (4 // 2) * 128 * 128 * 2 * (2 * 2 + 1)
     t = temps()

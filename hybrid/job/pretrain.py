@@ -101,16 +101,16 @@ def engine_line(engine) -> str:
                      "partitions the larger ones, 0 partitions all")
         note += ")"
     return (f"ZeRO stage {engine.stage} {config.precision} over dp {engine.dp} | "
-            f"{engine_modes(config)} | MiB held on rank 0: {held}{note}")
+            f"{engine_modes(config, engine.grid.device)} | MiB held on rank 0: {held}{note}")
 
 
-def engine_modes(config) -> str:
-    """What the gradient and parameter paths of ``config`` (a ``ZeroConfig``) do, in words
-    with their Megatron-LM flags (issue 33)."""
+def engine_modes(config, device="cpu") -> str:
+    """What the gradient and parameter paths of ``config`` (a ``ZeroConfig``) do on ``device``,
+    in words with their Megatron-LM flags (issue 33)."""
+    from hybrid.zero.reduce import fusion_words
+
     grads = "bf16 (--grad-reduce-in-bf16)" if config.grad_reduce_in_bf16 else "fp32"
-    fusion = ("accumulated straight into the main-grad buffer (--gradient-accumulation-fusion)"
-              if config.gradient_accumulation_fusion
-              else "added per parameter and staged (--no-gradient-accumulation-fusion)")
+    fusion = fusion_words(config, device)
     reduce = ("reduced during backward (--overlap-grad-reduce)" if config.overlap_comm
               else "reduced after backward (--no-overlap-grad-reduce)")
     if getattr(config, "quantized_gradients", False):

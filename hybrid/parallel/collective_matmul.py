@@ -49,6 +49,7 @@ from hybrid.parallel.ops import (
     sequence_parallel_linear,
     sequence_parallel_linear_grads,
 )
+from hybrid.parallel.wgrad import linear, weight_grad
 
 
 class _Ring:
@@ -203,7 +204,7 @@ class _LinearScatter(torch.autograd.Function):
         else:
             all_gather_flat(gathered.view(-1), grad.view(-1), ctx.group)
         g2 = _seq_view(gathered, ctx.token_wise).reshape(-1, grad.shape[-1])
-        grad_w = g2.t().matmul(y.reshape(-1, y.shape[-1]))
+        grad_w = weight_grad(g2, y.reshape(-1, y.shape[-1]), weight)
         return grad_y, grad_w, None, None, None
 
 
@@ -213,7 +214,7 @@ def gather_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     ``[b, s, out_local]``) with its all-gather pipelined with the GEMM (module docstring);
     ``token_wise`` as there. At one rank it is ``F.linear``."""
     if dist.get_world_size(group) == 1:
-        return torch.nn.functional.linear(x, weight, bias)
+        return linear(x, weight, bias)
     return _GatherLinear.apply(x, weight, bias, group, ledger, token_wise)
 
 
@@ -226,7 +227,7 @@ def linear_scatter(y: torch.Tensor, weight: torch.Tensor, group, ledger: TPLedge
         ValueError: ``s`` is not divisible by the group size.
     """
     if dist.get_world_size(group) == 1:
-        return torch.nn.functional.linear(y, weight)
+        return linear(y, weight)
     return _LinearScatter.apply(y, weight, group, ledger, token_wise)
 
 
@@ -244,5 +245,5 @@ def row_sp(layer, x: torch.Tensor) -> torch.Tensor:
     :func:`hybrid.parallel.ops.reduce_scatter_sequence`."""
     if layer.tp_comm_overlap:
         return linear_scatter(x, layer.weight, layer.group, layer.ledger, layer.token_wise)
-    return reduce_scatter_sequence(torch.nn.functional.linear(x, layer.weight), layer.group,
-                                   layer.ledger, layer.token_wise)
+    return reduce_scatter_sequence(linear(x, layer.weight), layer.group, layer.ledger,
+                                   layer.token_wise)

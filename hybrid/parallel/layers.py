@@ -37,6 +37,7 @@ from hybrid.parallel.ops import (
 )
 from hybrid.parallel.rng import RNGTracker
 from hybrid.parallel.shared_input import column_pair
+from hybrid.parallel.wgrad import linear
 
 
 @dataclass(frozen=True)
@@ -212,7 +213,7 @@ class RowParallelLinear(nn.Module):
         if self.sequence_parallel:
             y = row_sp(self, x)
             return y if self.bias is None else y + _summed(self, "bias")
-        y = reduce_from_tp(F.linear(x, self.weight), self.group, self.ledger)
+        y = reduce_from_tp(linear(x, self.weight), self.group, self.ledger)
         return y if self.bias is None else y + self.bias
 
     def forward_skip_bias(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -221,7 +222,7 @@ class RowParallelLinear(nn.Module):
         :func:`tp_summed`, as :meth:`forward` adds it."""
         if self.sequence_parallel:
             return row_sp(self, x), None if self.bias is None else _summed(self, "bias")
-        return reduce_from_tp(F.linear(x, self.weight), self.group, self.ledger), self.bias
+        return reduce_from_tp(linear(x, self.weight), self.group, self.ledger), self.bias
 
     def tp_summed_params(self) -> list[str]:
         """``["bias"]`` under sequence parallelism (its gradient is TP-summed), else nothing."""

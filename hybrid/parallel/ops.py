@@ -31,6 +31,8 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
+from hybrid.parallel.wgrad import linear, weight_grad
+
 SEQ_DIM = 1
 """The sequence dimension of the model's ``[b, s, h]`` activations."""
 
@@ -318,7 +320,7 @@ def sequence_parallel_linear_grads(x: torch.Tensor, weight: torch.Tensor, grad: 
     scatter = _reduce_scatter_seq_start(grad.matmul(weight), group, ledger, token_wise)
     full = gathered()
     g2 = grad.reshape(-1, grad.shape[-1])
-    grad_w = g2.t().matmul(full.reshape(-1, full.shape[-1]))
+    grad_w = weight_grad(g2, full.reshape(-1, full.shape[-1]), weight)
     return scatter(), grad_w, g2.sum(0) if has_bias else None
 
 
@@ -354,7 +356,7 @@ class _ColumnParallelLinear(torch.autograd.Function):
             grad_x = grad.matmul(weight).to(ctx.x_dtype)
             work = _all_reduce_start(grad_x, ctx.group, ctx.ledger)
         g2 = grad.reshape(-1, grad.shape[-1])
-        grad_w = g2.t().matmul(x.reshape(-1, x.shape[-1]))
+        grad_w = weight_grad(g2, x.reshape(-1, x.shape[-1]), weight)
         grad_b = g2.sum(0) if ctx.has_bias else None
         if work is not None:
             work.wait()
@@ -371,7 +373,7 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     autocast. At one rank it is ``F.linear``.
     """
     if dist.get_world_size(group) == 1:
-        return torch.nn.functional.linear(x, weight, bias)
+        return linear(x, weight, bias)
     return _ColumnParallelLinear.apply(x, weight, bias, group, ledger)
 
 

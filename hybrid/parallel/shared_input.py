@@ -30,6 +30,7 @@ from hybrid.parallel.ops import (
     _reduce_scatter_seq_start,
     all_gather_seq,
 )
+from hybrid.parallel.wgrad import linear, weight_grad
 
 
 def _input_grad(grads, weights) -> torch.Tensor:
@@ -41,15 +42,16 @@ def _input_grad(grads, weights) -> torch.Tensor:
     return total
 
 
-def _weight_grads(grads, x2: torch.Tensor, has_bias) -> list:
-    """``[grad_w0, grad_b0, grad_w1, grad_b1]`` from ``x2`` (``[tokens, in]``)."""
+def _weight_grads(grads, x2: torch.Tensor, weights, has_bias) -> list:
+    """``[grad_w0, grad_b0, grad_w1, grad_b1]`` from ``x2`` (``[tokens, in]``); each weight
+    gradient through :func:`hybrid.parallel.wgrad.weight_grad`."""
     out = []
-    for g, bias in zip(grads, has_bias, strict=True):
+    for g, w, bias in zip(grads, weights, has_bias, strict=True):
         if g is None:
             out += [None, None]
             continue
         g2 = g.reshape(-1, g.shape[-1])
-        out += [g2.t().matmul(x2), g2.sum(0) if bias else None]
+        out += [weight_grad(g2, x2, w), g2.sum(0) if bias else None]
     return out
 
 
@@ -76,7 +78,8 @@ class _SharedSequenceParallelLinears(torch.autograd.Function):
             scatter = _reduce_scatter_seq_start(_input_grad((g0, g1), (w0, w1)), ctx.group,
                                                 ctx.ledger, ctx.token_wise)
             full = gathered()
-            grads = _weight_grads((g0, g1), full.reshape(-1, full.shape[-1]), ctx.has_bias)
+            grads = _weight_grads((g0, g1), full.reshape(-1, full.shape[-1]), (w0, w1),
+                                  ctx.has_bias)
             return (scatter(), *grads, None, None, None)
 
 
@@ -104,7 +107,7 @@ class _SharedColumnParallelLinears(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = _input_grad(grads, (w0, w1)).to(ctx.x_dtype)
             work = _all_reduce_start(grad_x, ctx.group, ctx.ledger)
-        weight_grads = _weight_grads(grads, x.reshape(-1, x.shape[-1]), ctx.has_bias)
+        weight_grads = _weight_grads(grads, x.reshape(-1, x.shape[-1]), (w0, w1), ctx.has_bias)
         if work is not None:
             work.wait()
         return (grad_x, *weight_grads, None, None)
@@ -126,7 +129,7 @@ def shared_input_linears(x: torch.Tensor, first, second, group, ledger: TPLedger
         return _SharedSequenceParallelLinears.apply(x, w0, b0, w1, b1, group, ledger,
                                                     token_wise)
     if torch.distributed.get_world_size(group) == 1:
-        return F.linear(x, w0, b0), F.linear(x, w1, b1)
+        return linear(x, w0, b0), linear(x, w1, b1)
     return _SharedColumnParallelLinears.apply(x, w0, b0, w1, b1, group, ledger)
 
 

@@ -60,8 +60,11 @@ class Swap:
 
 def _vocab_embedding(module: nn.Module, s: Swap) -> nn.Module:
     cfg = s.model.config
-    return VocabParallelEmbedding(cfg.vocab_size, s.vocab_pad, cfg.hidden_size, s.tp_group,
-                                  **s.kw, **s.sp)
+    layer = VocabParallelEmbedding(cfg.vocab_size, s.vocab_pad, cfg.hidden_size, s.tp_group,
+                                   **s.kw, **s.sp)
+    if s.model.lm_head is None:  # tied: the output layer's GEMM is its second gradient source,
+        layer.weight.zero_out_wgrad = True  # so a fused GEMM's placeholder must be zeros
+    return layer
 
 
 def _vocab_output(module: nn.Module, s: Swap) -> nn.Module:

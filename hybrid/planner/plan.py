@@ -187,6 +187,14 @@ def _step_times(m: GPTConfig, cluster: Cluster, training: Training, gbs: int, tp
     return times, model_flops / (times["step_s"] * peak)
 
 
+def _wgrad_fused(training: Training) -> bool:
+    """16-bit weights with fp32 gradients under ``--gradient-accumulation-fusion``: at stages 0/1
+    the weight-gradient GEMMs accumulate into the fp32 buffer (:mod:`hybrid.parallel.wgrad`;
+    assumes the device has such a GEMM, as CUDA torch and apex do)."""
+    return (training.gradient_accumulation_fusion and not training.grad_reduce_in_bf16
+            and training.precision != "fp32")
+
+
 def evaluate(
     model: GPTConfig, cluster: Cluster, training: Training, tp: int, stage: int, activation: str,
     offload_fraction: float = 0.0,
@@ -218,7 +226,8 @@ def evaluate(
     host = host_bytes(host_states, acts["cpu"], cluster.gpus_per_node)
     buffers = _buffer_bytes(m, tp, dp, stage, prec, psi_t, training)
     temps = temporary_bytes(m, s, b, tp, stage, activation, prec.activation_bytes,
-                            model.vocab_size, acts["layers"], training.dropout)
+                            model.vocab_size, acts["layers"], training.dropout,
+                            wgrad_fused=_wgrad_fused(training))
     bucket = min(max(1, training.reduce_bucket_elements // dp), -(-psi_t // dp)) * dp
     # the bytes that phase allocates; the activations are freed by then, so its peak is above
     # the other phases' (states + activ + temps) only by what it allocates beyond them

@@ -19,22 +19,23 @@ t the TP degree):
   so it is subtracted.
 - A block's backward: the loss's saved softmax (4 sbV/t, turned into the logits' gradient in
   place) is counted by the planner's activations and stays alive in the measured step (the dry
-  run sees it through the blocks' backward); held beside it are the gradients of the root
-  unit's output layer ``[V/t, h]`` (``e`` B) when they
-  wait for the unit's reduction (ZeRO 2/3: ``hybrid.zero.reduce`` frees a unit's ``.grad`` only
-  after its last bucket is reduced, and the root unit completes with the embedding, last) or for
-  a tied embedding's second contribution (autograd sums both uses before accumulating);
-  one block's gradients in the compute dtype before their reduce-scatter (ZeRO 2/3; stages 0/1
-  add each ``.grad`` into the fp32 flat buffer as it arrives, so only its largest weight,
-  ``max(f, qkv) h / t`` elements); and the larger of two working sets that are not alive
-  together: the MLP's backward, the gradients of its ``[s, b, f/t]`` activations (GeLU: 2 in
-  the compute dtype; SwiGLU, ``models.fused``, works in fp32: the upcast gradient, gate and up
-  (16-bit training only), the sigmoid, SiLU and one product of the chain, ``6 x 4 B``, ``3 x 4 B``
-  in fp32), or under sequence parallelism the all-gathered full-sequence input ``[s, b, h]`` of
-  a column-parallel layer and its gradient (``2 sbh e``; ``hybrid.parallel.ops``). Besides,
-  with the explicit attention core (``models.blocks``, attention dropout on) the gradients of
-  its ``[b, a/t, s, s]`` scores as they pass back through dropout, softmax, the causal fill and
-  the scaling, 4 of them alive at once as measured (``4 a s^2 b e / t``), and under selective
+  run sees it through the blocks' backward); held beside it are the gradients of the root unit's
+  output layer ``[V/t, h]`` (``e`` B) when they wait for the unit's reduction (ZeRO 2/3:
+  ``hybrid.zero.reduce`` frees a unit's ``.grad`` only after its last bucket is reduced, and the
+  root unit completes with the embedding, last) or for a tied embedding's second contribution
+  (autograd sums both uses before accumulating); one block's gradients in the compute dtype
+  before their reduce-scatter (ZeRO 2/3; stages 0/1 add each ``.grad`` into the fp32 flat buffer
+  as it arrives, so only its largest weight, ``max(f, qkv) h / t`` elements, and none where the
+  weight-gradient GEMMs accumulate into the fp32 buffer themselves: ``wgrad_fused``,
+  :mod:`hybrid.parallel.wgrad`); and the larger of two working sets that are not alive together:
+  the MLP's backward, the gradients of its ``[s, b, f/t]`` activations (GeLU: 2 in the compute
+  dtype; SwiGLU, ``models.fused``, works in fp32: the upcast gradient, gate and up (16-bit
+  training only), the sigmoid, SiLU and one product of the chain, ``6 x 4 B``, ``3 x 4 B`` in
+  fp32), or under sequence parallelism the all-gathered full-sequence input ``[s, b, h]`` of a
+  column-parallel layer and its gradient (``2 sbh e``; ``hybrid.parallel.ops``). Besides, with
+  the explicit attention core (``models.blocks``, attention dropout on) the gradients of its
+  ``[b, a/t, s, s]`` scores as they pass back through dropout, softmax, the causal fill and the
+  scaling, 4 of them alive at once as measured (``4 a s^2 b e / t``), and under selective
   recompute also the recomputed core, ``a s^2 b (2e + mask) / t`` (Table 2's ``5as^2b`` term).
 
 - The embedding's backward, last: its lookup gradient ``[V/t, h]`` (``e`` B), for a tied
@@ -57,8 +58,8 @@ from models.config import GPTConfig
 
 def temporary_bytes(model: GPTConfig, seq_length: int, micro_batch_size: int, tp: int, stage: int,
                     activation: str, bytes_per_element: int, real_vocab_size: int | None = None,
-                    layer_bytes: int = 0, dropout: bool = True, mask_bytes: int = 1
-                    ) -> dict[str, int]:
+                    layer_bytes: int = 0, dropout: bool = True, mask_bytes: int = 1,
+                    wgrad_fused: bool = False) -> dict[str, int]:
     """Bytes per rank alive at the step peak beyond the activations backward keeps.
 
     Args:
@@ -72,6 +73,8 @@ def temporary_bytes(model: GPTConfig, seq_length: int, micro_batch_size: int, tp
         layer_bytes: the one-layer working set the planner counts under full recompute.
         dropout: attention dropout on (the explicit attention core; off: SDPA).
         mask_bytes: bytes of a dropout-mask element.
+        wgrad_fused: stages 0/1 with 16-bit weights and fp32 gradients under
+            ``--gradient-accumulation-fusion``: no weight gradient exists in the compute dtype.
 
     Returns:
         ``{"loss_forward", "block_backward", "total"}`` bytes (see the module docstring);
@@ -94,7 +97,7 @@ def temporary_bytes(model: GPTConfig, seq_length: int, micro_batch_size: int, tp
     if reduced:  # each micro-batch's block gradients wait in the compute dtype for their reduce
         block = sharded // tp + replicated
     else:
-        block = max(m.ffn_hidden_size, m.qkv_size) * h // tp
+        block = 0 if wgrad_fused else max(m.ffn_hidden_size, m.qkv_size) * h // tp
     mlp = s * b * (m.ffn_hidden_size // tp) * ((6 if e < 4 else 3) * 4 if m.swiglu else 2 * e)
     gathered = 2 * s * b * h * e if "sp" in parts and tp > 1 else 0
     backward = (head + block) * e + max(mlp, gathered)

@@ -12,7 +12,10 @@ nothing.
 
 Bytes per op, from the tensors themselves: every input read plus every output written; an
 operand that is only written (``copy_``/``zero_``/``fill_``'s destination, an ``out=``) is
-counted once, as a write; an in-place op's operand counts as read and written. Units: bytes.
+counted once, as a write; an in-place op's operand counts as read and written. A GEMM that
+accumulates into a buffer (the fused weight-gradient GEMM, :mod:`hybrid.parallel.wgrad`) counts
+only the buffer, read and written: its operands are read by the GEMM with or without fusion.
+Units: bytes.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from hybrid.zero import comm as comm_module
 
 WRITE_ONLY = {"copy_", "zero_", "fill_", "_foreach_copy_", "_foreach_zero_"}
 """Ops whose first operand is only written."""
+GEMMS = {"addmm", "addmm_", "mm", "matmul"}
+"""GEMMs: only their operands in the engine's buffers are counted (module docstring)."""
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -74,6 +79,8 @@ class EngineBytes(TorchDispatchMode):
         in_place = name.endswith("_")
         written = firsts if in_place and not outs else outs
         read = others + ([] if name in WRITE_ONLY else firsts)
+        if name in GEMMS:
+            read, written = ([t for t in ts if self._touches([t])] for ts in (read, written))
         self.by_op[name] += sum(map(_nbytes, read)) + sum(map(_nbytes, written))
         return out
 

@@ -23,9 +23,14 @@ for a power-of-two dp).
 Gradient-accumulation fusion (``fusion``, Megatron-LM's ``--gradient-accumulation-fusion``):
 stage 0/1 parameters whose dtype is the gradient's get ``p.grad`` = their view of the full flat
 buffer (Megatron's ``main_grad``), so autograd accumulates in place and the hook adds nothing;
-stage 1 reduce-scatters each unit in place in that buffer (:func:`unit_reduce_plan`), with no
-staging; stage 2/3 write each bucket's staging input once (copies, plus zeroes only where no
-gradient lands) and average the reduced chunk as they add it into the partition.
+16-bit parameters with fp32 gradients get ``p.main_grad`` = that view instead
+(:func:`hybrid.parallel.wgrad.attach_main_grad`), and the weight-gradient GEMMs of the
+tensor-parallel linears accumulate into it in fp32 (the hook drops their placeholder ``p.grad``;
+embeddings, norms and biases are still added by the hook) where the device has such a GEMM
+(:func:`wgrad_fusion`); stage 1 reduce-scatters each unit in place in that buffer
+(:func:`unit_reduce_plan`), with no staging; stage 2/3 write each bucket's staging input once
+(copies, plus zeroes only where no gradient lands) and average the reduced chunk as they add it
+into the partition.
 On NCCL an asynchronous collective runs on the process group's own stream, ordered after the
 staging copies on the compute stream; ``wait()`` only makes the compute stream wait for it, so
 overlapped reductions never block the host.
@@ -41,6 +46,12 @@ from collections import deque
 
 import torch
 
+from hybrid.parallel.wgrad import (
+    attach_main_grad,
+    detach_main_grad,
+    gradient_in_main_grad,
+    wgrad_kernel,
+)
 from hybrid.zero.comm import DPComm
 from hybrid.zero.layout import PartitionLayout
 from hybrid.zero.profile import NULL_TIMER
@@ -53,6 +64,50 @@ from hybrid.zero.reduce_plan import (  # noqa: F401 (re-exported: the plan's val
     unit_reduce_plan,
 )
 from hybrid.zero.stage import StagePlan
+
+
+def wgrad_fusion(plan: StagePlan, fusion: bool, param_dtype: torch.dtype,
+                 grad_dtype: torch.dtype, device) -> str | None:
+    """Why the weight-gradient GEMMs of ``param_dtype`` weights do not accumulate straight into
+    the ``grad_dtype`` buffer on ``device``; None when they do (16-bit weights, fp32 gradients,
+    stage 0/1, fusion on, a GEMM that writes fp32 from 16-bit operands:
+    :func:`hybrid.parallel.wgrad.wgrad_kernel`). Raises nothing."""
+    if not fusion:
+        return "--no-gradient-accumulation-fusion"
+    if param_dtype == grad_dtype:
+        return "the parameters are in the gradient's dtype (p.grad is the buffer's view)"
+    if plan.shards_gradients:
+        return ("stages 2/3 hold no full fp32 gradient to accumulate into: each micro-batch's "
+                "16-bit gradient is reduce-scattered from p.grad")
+    kernel, why = wgrad_kernel(device)
+    return None if kernel is not None else why
+
+
+def fusion_words(config, device="cpu") -> str:
+    """What ``--gradient-accumulation-fusion`` does for ``config`` (a ``ZeroConfig``) on
+    ``device``, and where it is inactive for 16-bit weights with fp32 gradients, why
+    (:func:`wgrad_fusion`)."""
+    if not config.gradient_accumulation_fusion:
+        return "added per parameter and staged (--no-gradient-accumulation-fusion)"
+    words = "accumulated straight into the main-grad buffer (--gradient-accumulation-fusion)"
+    if config.dtype == config.grad_dtype:
+        return words
+    why = wgrad_fusion(config.plan, True, config.dtype, config.grad_dtype, device)
+    if why is None:
+        return (f"{config.precision} weight gradients {words} by fp32-writing weight-gradient "
+                f"GEMMs ({wgrad_kernel(device)[0]}), the other gradients added per parameter")
+    return f"{words} except the {config.precision} weight gradients: fusion inactive, {why}"
+
+
+class _MainGrads:
+    """The parameters given a ``main_grad``; ``remove()`` takes it away (``close``)."""
+
+    def __init__(self, params):
+        self.params = params
+
+    def remove(self) -> None:
+        for p in self.params:
+            detach_main_grad(p)
 
 
 class GradReducer:
@@ -108,6 +163,14 @@ class GradReducer:
         self._reset()
         self.hooks = [p.register_post_accumulate_grad_hook(self._hook(i))
                       for i, p in enumerate(params)]
+        fused = [i for i, p in enumerate(params)
+                 if wgrad_fusion(plan, fusion, p.dtype, grad_dtype, dev) is None]
+        for i in fused:
+            attach_main_grad(params[i], self._flat_view(layout.slots[i]))
+        self.wgrad_fused = [params[i] for i in fused]
+        """Stage 0/1, 16-bit parameters with fp32 gradients and fusion: those whose weight-
+        gradient GEMMs accumulate into their ``p.main_grad`` view of the full flat buffer."""
+        self.hooks.append(_MainGrads(self.wgrad_fused))
 
     def _flat_view(self, slot) -> torch.Tensor:
         return self.grad_flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
@@ -170,9 +233,10 @@ class GradReducer:
                             self.main_grad[i].add_(p.grad)
                         p.grad = self.main_grad[i]
                 elif not self.plan.shards_gradients:
-                    with self.timer.phase("copies"):
-                        flat = self.grad_flat[slot.offset:slot.offset + slot.numel]
-                        flat.add_(p.grad.reshape(-1))
+                    if not gradient_in_main_grad(p):  # else a GEMM put it there already
+                        with self.timer.phase("copies"):
+                            flat = self.grad_flat[slot.offset:slot.offset + slot.numel]
+                            flat.add_(p.grad.reshape(-1))
                     p.grad = None
                 elif self.ready[slot.unit]:
                     raise RuntimeError(f"gradient of {slot.name} arrived twice in one backward; "
