@@ -223,8 +223,9 @@ def test_cli_table_shows_the_reserve_and_explains_m(reserved, capsys):
     Every row's total is now the sum of the columns left of it."""
     assert plan_cli.main([*DIMS, "--reserved-gib", reserved, "--global-batch-size", "64"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert "m = micro-batches per step (gradient accumulation: global batch / (b * dp))" in lines[3]
-    header = lines[4].split()
+    legend = next(x for x in lines if x.startswith("z = ZeRO stage"))
+    assert "m = micro-batches per step (gradient accumulation: global batch / (b * dp))" in legend
+    header = lines[lines.index(legend) + 1].split()
     assert header[5:14] == ["params", "grads", "master", "optim", "activ", "temps", "buffers",
                             "reserve", "total"]
     rows = [x.split() for x in lines[5:] if x.split() and x.split()[0].isdigit()]

@@ -37,6 +37,8 @@ from hybrid.planner.cli_args import (
     add_cluster_args,
     add_search_args,
     add_training_args,
+    assumed_line,
+    network,
     offload_fractions,
 )
 from hybrid.planner.inputs import Cluster, Training
@@ -115,13 +117,13 @@ def _cluster(args: argparse.Namespace, planning: bool) -> Cluster:
     return _with_flag_names(
         Cluster,
         num_gpus=args.num_gpus,
-        gpus_per_node=args.gpus_per_node or (min(8, args.num_gpus) if args.num_gpus > 0 else 8),
+        gpus_per_node=(args.gpus_per_node if args.gpus_per_node is not None
+                       else min(8, args.num_gpus) if args.num_gpus > 0 else 8),
         gpu_memory_bytes=memory * GIB,
         reserved_bytes=args.reserved_gb * GIB,
         peak_tflops=peak,
         efficiency=args.efficiency,
-        intra_node_gbs=args.intra_node_gbs,
-        inter_node_gbs=args.inter_node_gbs,
+        **{field: value for field, (value, _) in network(args, preset).items()},
         hbm_gbs=(args.hbm_gbs if args.hbm_gbs is not None
                  else preset.hbm_gbs if preset else Cluster.hbm_gbs),
         **_host(args, preset),
@@ -316,7 +318,7 @@ def _main(argv: list[str] | None = None) -> int:
             offload_fractions=fractions,
         )
         if not cands:
-            raise ValueError(no_layout_message(skipped))
+            raise ValueError(no_layout_message(skipped, args.model, from_preset))
     except ValueError as err:  # one line, like hybrid.pretrain (the usage is in --help)
         print(f"{parser.prog}: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -338,8 +340,10 @@ def _main(argv: list[str] | None = None) -> int:
         json.dump(doc, sys.stdout, indent=1)
         print()
         return 0
+    notes = [assumed_line(args, device_preset(args.device or DEFAULT_DEVICE), cluster, training,
+                          from_preset), preset_note(args.model, from_preset)]
     print(plan_text(model, cluster, training, cands, skipped, chosen, args.fitting_only,
-                    _device_label(args), preset_note(args.model, from_preset)), flush=True)
+                    _device_label(args), "\n".join(filter(None, notes))), flush=True)
     checked = _verify(args, model, training, cluster, chosen) if args.verify else None
     if checked is not None:
         print("\n".join(comparison_lines(checked, chosen.total_bytes, chosen.fits)))
@@ -355,11 +359,15 @@ def preset_note(preset: str | None, taken: dict) -> str | None:
             "to plan another")
 
 
-def no_layout_message(skipped: list[str]) -> str:
+def no_layout_message(skipped: list[str], preset: str | None = None,
+                      from_preset: dict | None = None) -> str:
     """Why no layout was evaluated at all (every one was skipped, ``skipped`` says why): an
-    error (exit 2), unlike "nothing fits in memory", which is an answer."""
+    error (exit 2), unlike "nothing fits in memory", which is an answer. A batch the ``--model``
+    preset gave (``from_preset``, :func:`preset_note`) is named as the preset's."""
     if skipped and all("global_batch_size" in r for r in skipped):
-        return ("no layout divides the batch: --global-batch-size must be a multiple of "
+        gbs = (from_preset or {}).get("--global-batch-size")
+        whose = f" ({gbs}: the {preset} preset's)" if gbs else ""
+        return (f"no layout divides the batch: --global-batch-size{whose} must be a multiple of "
                 "--micro-batch-size * dp (dp = --num-gpus / tp) for some tp; " +
                 "; ".join(skipped))
     return "no layout is possible: " + ("; ".join(skipped) or "no tp/stage/activation left")
