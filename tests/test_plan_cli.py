@@ -116,6 +116,19 @@ def test_cli_bad_input_names_the_value(extra, message, capsys):
     assert err.count("\n") == 1, err  # one line, no usage block
 
 
+def test_a_flag_with_choices_given_without_a_value_lists_them(capsys):
+    with_choices = [a for a in plan_cli.build_parser()._actions if a.choices and a.option_strings]
+    assert len(with_choices) >= 8
+    for action in with_choices:
+        flag = action.option_strings[0]
+        with pytest.raises(SystemExit) as exc:
+            plan_cli.main([*DIMS, flag])
+        err = capsys.readouterr().err
+        valid = ", ".join(map(str, action.choices))
+        assert exc.value.code == 2 and err.count("\n") == 1, err
+        assert f"expected one argument; {flag}: valid values are {valid} (see --help)" in err
+
+
 def test_python_dash_m_entry_point():
     run = subprocess.run(
         [sys.executable, "-m", "hybrid.plan", *DIMS, "--json"],

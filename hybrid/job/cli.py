@@ -20,7 +20,7 @@ from pathlib import Path
 import tomllib
 
 from hybrid.config import PretrainConfig
-from hybrid.config_fields import ConfigError, flag_hints, flag_of
+from hybrid.config_fields import ConfigError, choices_hints, flag_hints, flag_of
 
 # torchrun's options that make hybrid-pretrain a launcher (hybrid.job.launch): flag -> has a value
 LAUNCH_OPTIONS = {
@@ -106,11 +106,13 @@ class _ListPresets(argparse.Action):
 
 class _Parser(argparse.ArgumentParser):
     """Raises :class:`ConfigError` (one short line, printed once per node by ``main``) instead
-    of printing the whole usage on every rank, and names the closest valid flag."""
+    of printing the whole usage on every rank, and names the closest valid flag, or the valid
+    values of a flag given without one."""
 
     def error(self, message: str):
         flags = [s for a in self._actions for s in a.option_strings if s.startswith("--")]
-        raise ConfigError("; ".join([message, *flag_hints(message, flags)]) + " (see --help)")
+        hints = [*flag_hints(message, flags), *choices_hints(message, self._actions)]
+        raise ConfigError("; ".join([message, *hints]) + " (see --help)")
 
 
 def build_parser() -> argparse.ArgumentParser:

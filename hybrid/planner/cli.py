@@ -22,7 +22,7 @@ import os
 import re
 import sys
 
-from hybrid.config_fields import flag_hints
+from hybrid.config_fields import choices_hints, flag_hints
 from hybrid.devices import (
     DEFAULT_DEVICE,
     GIB,
@@ -50,12 +50,12 @@ from hybrid.planner.table import max_model_text, plan_text
 
 class _Parser(argparse.ArgumentParser):
     """Usage errors in one line naming the flag, like ``hybrid.pretrain`` (the usage is in
-    --help)."""
+    --help): the closest valid flag, or the valid values of a flag given without one."""
 
     def error(self, message: str):
         flags = [s for a in self._actions for s in a.option_strings if s.startswith("--")]
-        self.exit(2, f"{self.prog}: error: {'; '.join([message, *flag_hints(message, flags)])} "
-                     "(see --help)\n")
+        hints = [*flag_hints(message, flags), *choices_hints(message, self._actions)]
+        self.exit(2, f"{self.prog}: error: {'; '.join([message, *hints])} (see --help)\n")
 
 
 class _HelpFormatter(argparse.HelpFormatter):
