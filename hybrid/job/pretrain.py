@@ -19,6 +19,7 @@ process_start()  # --exit-duration-in-mins counts from here at the latest (befor
 from hybrid.job.cli import parse_config  # noqa: E402
 from hybrid.job.config_checks import ConfigError, Job, validate  # noqa: E402
 from hybrid.job.datasets import build_datasets, eod_id  # noqa: E402
+from hybrid.job.megatron_flags import default_stage_note  # noqa: E402
 from hybrid.wandb_names import preflight as wandb_preflight  # noqa: E402
 
 if TYPE_CHECKING:
@@ -280,7 +281,8 @@ def _checked_job(argv: list[str] | None):
     dropout. Returns ``(cfg, job)``; raises :class:`ConfigError` for a bad flag."""
     ignored: list[str] = []
     hf_flags: list[str] = []
-    cfg = parse_config(argv, ignored, hf_flags)
+    given: set[str] = set()
+    cfg = parse_config(argv, ignored, hf_flags, given)
     job = validate(cfg, world_size=cfg.dry_run.dry_run_world_size)
     if os.environ.get("RANK", "0") != "0":
         return cfg, job
@@ -290,6 +292,8 @@ def _checked_job(argv: list[str] | None):
     if ignored:
         print(f"hybrid-pretrain: Megatron-LM flags accepted without effect here (kernel, "
               f"fusion and backend choices): {', '.join(ignored)}", flush=True)
+    if note := default_stage_note(given, job.dp):
+        print(note, flush=True)
     if cfg.grid.sequence_parallel and not cfg.grid.sequence_parallel_active:
         print("hybrid-pretrain: note: --sequence-parallel has no effect at "
               "--tensor-model-parallel-size 1 (no group to split the sequence over); disabled, as "
