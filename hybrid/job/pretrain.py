@@ -353,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from hybrid.checkpoint.agree import SaveFailedError
     from hybrid.checkpoint.lock import SaveDirectoryInUseError
+    from hybrid.job.save_claim import refused_in_worker
     from hybrid.training import TooManyNaNIterations
 
     try:
@@ -364,9 +365,11 @@ def main(argv: list[str] | None = None) -> int:
             run(job)["engine"].close()
         # every rank sees the same mean loss, the same account of a failed save or a lock
         except (TooManyNaNIterations, SaveFailedError, SaveDirectoryInUseError) as e:
+            if isinstance(e, SaveDirectoryInUseError):  # refused (2), not failed (1)
+                return refused_in_worker(str(e), dist.get_rank())
             if dist.get_rank() == 0:
                 print(f"hybrid-pretrain: error: {e}", file=sys.stderr, flush=True)
-            return 2 if isinstance(e, SaveDirectoryInUseError) else 1  # 2: refused, not failed
+            return 1
         if dist.get_world_size() > 1:
             dist.barrier()  # no rank tears down while a peer still communicates
     finally:
