@@ -279,9 +279,7 @@ def _checked_job(argv: list[str] | None):
     """Parse and validate the flags, then the checks and notes that come before any process
     group (rank 0 only): wandb's names, the ignored Megatron-LM flags, --init-from-hf's
     dropout. Returns ``(cfg, job)``; raises :class:`ConfigError` for a bad flag."""
-    ignored: list[str] = []
-    hf_flags: list[str] = []
-    given: set[str] = set()
+    ignored, hf_flags, given = [], [], set()  # parse_config fills them
     cfg = parse_config(argv, ignored, hf_flags, given)
     job = validate(cfg, world_size=cfg.dry_run.dry_run_world_size)
     if os.environ.get("RANK", "0") != "0":
