@@ -195,7 +195,7 @@ def add_help_group(parser) -> None:
         "its example scripts run: each means one of this trainer's flags, is accepted without "
         "effect (named in one start-up note), or is refused before any process group starts "
         "(also every --moe-* and --fp8-* flag)")
-    helps = {**MEANING_HELP,
+    helps = {**{f: MEANING_HELP[f] for f in MEANING},  # a new MEANING flag needs its help
              **{f: f"accepted at 1; above 1 refused: {what} is not supported here"
                 for f, what in SIZE_ONE.items()},
              **{f: "accepted without effect (a kernel, fusion, backend or logging choice)"
