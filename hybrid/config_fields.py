@@ -104,3 +104,20 @@ def flag_hints(message: str, flags: list[str]) -> list[str]:
         if close:
             hints.append(f"{bad}: did you mean {close[0]}?")
     return hints
+
+
+def choices_hints(message: str, actions) -> list[str]:
+    """``["--kernel-fusion: valid values are auto, on, off"]`` when argparse's error
+    ``message`` says a flag was given without its value ("expected one argument") and that
+    flag, among ``actions`` (a parser's ``_actions``), takes one of a few choices; shared by
+    every CLI whose errors are one line without the usage (which would have listed them)."""
+    import re
+
+    given = re.match(r"argument (\S+): expected (?:one|at least one) argument", message)
+    if given is None:
+        return []
+    names = given.group(1).split("/")
+    for action in actions:
+        if action.choices and set(names) & set(action.option_strings):
+            return [f"{names[0]}: valid values are {', '.join(map(str, action.choices))}"]
+    return []

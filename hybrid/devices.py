@@ -27,6 +27,15 @@ builds around it (DGX-1 V100, DGX A100 320GB / 640GB, DGX H100, DGX H200 datashe
 * ``host_memory_gbs``, GB/s DRAM peak per node: two sockets x channels x transfer rate x 8 B:
   DGX-1 2 x Xeon E5-2698 v4, 4 x DDR4-2400 = 153.6; DGX A100 2 x EPYC 7742, 8 x DDR4-3200 =
   409.6; DGX H100 / H200 2 x Xeon Platinum 8480C, 8 x DDR5-4800 = 614.4.
+
+The network between nodes, ``inter_node_gbs``, GB/s per GPU one way (the planner's data-parallel
+collectives across nodes; ``--inter-node-gbs`` overrides it): the server's compute-fabric
+adapters at line rate, shared by its GPUs (1 Gb/s = 0.125 GB/s; :data:`NETWORK_SOURCES`):
+
+* DGX-1 V100: 4 x 100 Gb/s EDR InfiniBand for 8 GPUs = 6.25 (the ZeRO paper's DGX-2, 8 x 100
+  Gb/s for 16 GPUs, gives the same);
+* DGX A100 (320GB and 640GB): 8 x 200 Gb/s HDR InfiniBand (ConnectX-6), one per GPU = 25;
+* DGX H100 and DGX H200: 8 x 400 Gb/s NDR InfiniBand (ConnectX-7), one per GPU = 50.
 """
 
 from __future__ import annotations
@@ -44,7 +53,8 @@ class DevicePreset:
     """One GPU model: ``memory_gib`` in GiB as CUDA reports it, ``peak_tflops`` dense
     bf16/fp16, ``hbm_gbs`` memory bandwidth in GB/s (datasheets; the planner's optimizer time);
     its server's host side (module docstring): ``host_link_gbs`` GB/s each way per GPU,
-    ``host_memory_gib`` GiB and ``host_memory_gbs`` GB/s peak DRAM per node."""
+    ``host_memory_gib`` GiB and ``host_memory_gbs`` GB/s peak DRAM per node; and its network,
+    ``inter_node_gbs`` GB/s per GPU one way (line rate of the server's adapters)."""
 
     name: str
     memory_gib: float
@@ -53,19 +63,29 @@ class DevicePreset:
     host_link_gbs: float = 25.2
     host_memory_gib: float = 2048.0
     host_memory_gbs: float = 409.6
+    inter_node_gbs: float = 25.0
 
 
 DEVICE_PRESETS: dict[str, DevicePreset] = {
     p.name.lower(): p
     for p in (
-        DevicePreset("V100-32GB", 32_510 / 1024, 125.0, 900.0, 12.6, 512.0, 153.6),
-        DevicePreset("A100-40GB", 40_536 / 1024, 312.0, 1555.0, 25.2, 1024.0, 409.6),
-        DevicePreset("A100-80GB", 81_920 / 1024, 312.0, 2039.0, 25.2, 2048.0, 409.6),
-        DevicePreset("H100", 81_559 / 1024, 989.0, 3350.0, 50.4, 2048.0, 614.4),
-        DevicePreset("H200", 143_771 / 1024, 989.0, 4800.0, 50.4, 2048.0, 614.4),
+        DevicePreset("V100-32GB", 32_510 / 1024, 125.0, 900.0, 12.6, 512.0, 153.6, 6.25),
+        DevicePreset("A100-40GB", 40_536 / 1024, 312.0, 1555.0, 25.2, 1024.0, 409.6, 25.0),
+        DevicePreset("A100-80GB", 81_920 / 1024, 312.0, 2039.0, 25.2, 2048.0, 409.6, 25.0),
+        DevicePreset("H100", 81_559 / 1024, 989.0, 3350.0, 50.4, 2048.0, 614.4, 50.0),
+        DevicePreset("H200", 143_771 / 1024, 989.0, 4800.0, 50.4, 2048.0, 614.4, 50.0),
     )
 }
 DEFAULT_DEVICE = "A100-80GB"
+NETWORK_SOURCES: dict[str, str] = {
+    "V100-32GB": "DGX-1, 4 x 100 Gb/s EDR InfiniBand per 8 GPUs",
+    "A100-40GB": "DGX A100, 8 x 200 Gb/s HDR InfiniBand per 8 GPUs",
+    "A100-80GB": "DGX A100, 8 x 200 Gb/s HDR InfiniBand per 8 GPUs",
+    "H100": "DGX H100, 8 x 400 Gb/s NDR InfiniBand per 8 GPUs",
+    "H200": "DGX H200, 8 x 400 Gb/s NDR InfiniBand per 8 GPUs",
+}
+"""Where each preset's ``inter_node_gbs`` comes from: its server's compute-fabric adapters
+(datasheets), for the planner's header; adapters x line rate / 8 / GPUs = GB/s per GPU."""
 SPELLINGS: dict[str, str] = {
     "V100-32GB": "V100-SXM2-32GB V100-32GB-SXM2 V100-SXM2",
     "A100-40GB": "A100-SXM4-40GB A100-40GB-SXM4 A100-SXM-40GB",

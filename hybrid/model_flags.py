@@ -158,15 +158,18 @@ def add_model_args(g) -> None:
                    help="see --hidden-dropout (default: 0.1; a Llama preset's 0)")
 
 
-MEGATRON_DEFAULTS = {"seq_length": 1024, "hidden_dropout": 0.1, "attention_dropout": 0.1}
-"""``hybrid.plan``'s defaults for the training settings a preset may carry (Megatron-LM's)."""
+MEGATRON_DEFAULTS = {"seq_length": 1024, "hidden_dropout": 0.1, "attention_dropout": 0.1,
+                     "global_batch_size": None}
+"""``hybrid.plan``'s defaults for the training settings a preset may carry (Megatron-LM's; no
+global batch: the planner's is then micro-batch x GPUs)."""
 
 
 def apply_preset_defaults(args: argparse.Namespace) -> dict:
-    """Fill ``hybrid.plan``'s ``--seq-length``, ``--hidden-dropout`` and ``--attention-dropout``
-    left unset: the ``--model`` preset's own (:func:`models.presets.training_defaults`) where it
-    has them, else :data:`MEGATRON_DEFAULTS`. Returns ``{flag: value}`` of those taken from the
-    preset, for the planner's header (an unknown preset takes none; resolve_model names it)."""
+    """Fill ``hybrid.plan``'s ``--seq-length``, ``--hidden-dropout``, ``--attention-dropout``
+    and ``--global-batch-size`` left unset: the ``--model`` preset's own
+    (:func:`models.presets.training_defaults`) where it has them, else
+    :data:`MEGATRON_DEFAULTS`. Returns ``{flag: value}`` of those taken from the preset, for the
+    planner's header (an unknown preset takes none; resolve_model names it)."""
     try:
         own = training_defaults(args.model) if args.model else {}
     except KeyError:

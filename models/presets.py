@@ -94,11 +94,19 @@ _LLAMA_SEQ = {"llama-125m": 2048, "llama2-7b": 4096, "llama3-8b": 8192, "llama3-
 its context to 131072 only at the end, arXiv 2407.21783 §3.4)."""
 
 
+_RECIPE_BATCH = {"zero-100b": 1600}
+"""Global batch (sequences per step) of the presets whose training run this repository
+carries: ``zero-100b`` is the ZeRO paper's 100B model on 400 GPUs (arXiv 1910.02054 §10.2),
+1600 sequences of 1024 tokens (1.6M tokens per step) as ``scripts/pretrain_gpt_100b_400gpu.slurm``
+trains it."""
+
+
 def training_defaults(name: str) -> dict:
     """The training settings preset ``name`` was published with, where it has them:
-    ``seq_length`` (the GPT presets' context, the Llama presets' pretraining sequence) and, for
-    the Llama family (no dropout in its recipe), ``hidden_dropout`` and ``attention_dropout``
-    0. ``hybrid.plan --model`` takes them as its defaults.
+    ``seq_length`` (the GPT presets' context, the Llama presets' pretraining sequence), for
+    the Llama family (no dropout in its recipe) ``hidden_dropout`` and ``attention_dropout``
+    0, and ``global_batch_size`` where its run's recipe gives one (:data:`_RECIPE_BATCH`).
+    ``hybrid.plan --model`` takes them as its defaults.
 
     Raises:
         KeyError: ``name`` is not a preset.
@@ -106,7 +114,10 @@ def training_defaults(name: str) -> dict:
     key = name.lower()
     if key in _LLAMA:
         return dict(seq_length=_LLAMA_SEQ[key], hidden_dropout=0.0, attention_dropout=0.0)
-    return dict(seq_length=get_preset(key).max_position_embeddings)
+    out = dict(seq_length=get_preset(key).max_position_embeddings)
+    if key in _RECIPE_BATCH:
+        out["global_batch_size"] = _RECIPE_BATCH[key]
+    return out
 
 
 def list_presets() -> list[str]:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# shellcheck disable=SC2317  # the step_* functions are called indirectly, as "step_$name"
+# shellcheck disable=SC2317,SC2329  # the step_* functions are called indirectly, as "step_$name"
 # The one prepared check for one GPU (at most 8 minutes, offline). It uses the machine's own
 # CUDA torch (never pip installs anything) with PYTHONPATH at this repository, and writes
 # everything to $LOG_DIR/gpu_check.log. Steps, each with its own time limit:

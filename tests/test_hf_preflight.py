@@ -88,7 +88,7 @@ def test_megatron_dropout_defaults_stay_and_are_noted_once_at_start(dirs):
     assert "--attention-dropout 0.1 --hidden-dropout 0.1 (Megatron-LM's defaults)" in note
     assert "config.json has attention_dropout 0.0" in note and "0 and 0" in note
     assert llama_config_dict(job.gpt)["attention_dropout"] == 0.1  # export: the run's value
-    out = subprocess.run([sys.executable, "-m", "hybrid.pretrain", *argv,
+    out = subprocess.run([sys.executable, "-m", "hybrid.pretrain", *argv, "--zero-stage", "1",
                           "--dry-run-world-size", "2"], cwd=ROOT, capture_output=True, text=True,
                          timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert out.returncode == 0, out.stderr[-2000:]

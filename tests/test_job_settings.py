@@ -84,6 +84,22 @@ def test_flags_are_never_abbreviated_and_a_typo_names_the_closest_flag(argv, mes
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
+def test_a_flag_with_choices_given_without_a_value_lists_them():
+    """``--kernel-fusion`` alone said only "expected one argument" (the usage, which lists the
+    choices, is not printed); every flag with choices now names them, in the one line."""
+    from hybrid.job.cli import build_parser
+
+    with_choices = [a for a in build_parser()._actions if a.choices and a.option_strings]
+    assert {"--kernel-fusion", "--lr-decay-style"} <= {a.option_strings[0] for a in with_choices}
+    for action in with_choices:
+        flag = action.option_strings[0]
+        with pytest.raises(ConfigError) as e:
+            parse_config(BASE + [flag])
+        valid = ", ".join(map(str, action.choices))
+        assert f"expected one argument; {flag}: valid values are {valid} (see --help)" in str(
+            e.value) and "\n" not in str(e.value), str(e.value)
+
+
 @pytest.mark.parametrize("local_rank,lines", [("0", 1), ("1", 0)])
 def test_a_bad_flag_is_one_line_once_per_node(monkeypatch, capsys, local_rank, lines):
     from hybrid.pretrain import pretrain as main

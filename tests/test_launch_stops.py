@@ -169,6 +169,30 @@ def test_a_locked_save_is_refused_by_the_launcher_in_one_line(tmp_path):
 
 
 @pytest.mark.timeout(300)
+def test_two_jobs_started_at_once_on_one_save_one_is_refused_by_its_launcher(tmp_path):
+    """Two launchers started at the same moment with one ``--save``: both started torchrun and
+    one was refused inside its ranks (exit status 1 and torchrun's ChildFailedError report).
+    Now the launcher takes the lock before torchrun starts (and hands it to its rank 0): the
+    other is refused there, one line, exit status 2; the first trains and saves."""
+    import socket
+
+    from hybrid.checkpoint.lock import LOCK_NAME
+
+    ck = tmp_path / "ck"
+    jobs = [launch(["--train-iters", "3", "--save", str(ck)], tmp_path / f"{i}.jsonl",
+                   program="hybrid.pretrain") for i in range(2)]
+    done = [finish(job) for job in jobs]
+    (won, refused) = sorted(range(2), key=lambda i: done[i][0])
+    assert [done[won][0], done[refused][0]] == [0, 2], [d[1][-20:] for d in done]
+    lines = done[refused][1]
+    assert len(lines) == 1 and lines[0].startswith(
+        f"hybrid-pretrain: error: --save {ck} is in use by another job: host "
+        f"{socket.gethostname()}, pid {jobs[won].pid}, "), lines
+    assert latest_iteration(ck) == 3 and not (ck / LOCK_NAME).exists()
+    assert not list(ck.glob(f"{LOCK_NAME}.*"))  # no temporary record left beside it
+
+
+@pytest.mark.timeout(300)
 def test_workers_killed_during_start_up_with_their_torchrun_leave_nothing_running(tmp_path):
     """``kill -KILL -<launcher's group>`` while the workers start (nothing to save yet, maybe
     blocked in the rendezvous with torchrun's store, where no Python handler runs): the kernel

@@ -51,6 +51,28 @@ def test_each_out_of_scope_flag_is_refused_on_one_line_naming_its_feature():
         assert line.strip().startswith(flag) and feature in line, line
 
 
+def test_help_lists_every_megatron_flag_with_what_it_does_here(capsys):
+    """``--help`` listed none of them, though the docs say it lists every flag."""
+    import re
+
+    from hybrid.job import megatron_flags as mf
+
+    with pytest.raises(SystemExit) as e:
+        parse_config(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    group = re.sub(r"\s+", "", text[text.index("Megatron-LM compatibility:"):])
+    for flag in [*mf.MEANING, *mf.SIZE_ONE, *mf.NO_OP, *mf.REFUSED]:
+        assert flag.replace("-", "") in group.replace("-", ""), flag
+    for line in ("--use-distributed-optimizer --zero-stage 1 unless --zero-stage is given",
+                 "--pipeline-model-parallel-size accepted at 1; above 1 refused: pipeline "
+                 "parallelism is not supported here",
+                 "--manual-gc accepted without effect",
+                 "--num-experts refused: mixture of experts (MoE) is not supported here"):
+        assert re.sub(r"\s+", "", line) in group, line
+    assert parse_config(GPT3_175B).zero.stage == 1  # listed, and still translated
+
+
 def test_megatron_flags_take_their_meaning_here():
     ignored: list[str] = []
     cfg = parse_config(GPT3_175B, ignored)

@@ -116,6 +116,19 @@ def test_cli_bad_input_names_the_value(extra, message, capsys):
     assert err.count("\n") == 1, err  # one line, no usage block
 
 
+def test_a_flag_with_choices_given_without_a_value_lists_them(capsys):
+    with_choices = [a for a in plan_cli.build_parser()._actions if a.choices and a.option_strings]
+    assert len(with_choices) >= 8
+    for action in with_choices:
+        flag = action.option_strings[0]
+        with pytest.raises(SystemExit) as exc:
+            plan_cli.main([*DIMS, flag])
+        err = capsys.readouterr().err
+        valid = ", ".join(map(str, action.choices))
+        assert exc.value.code == 2 and err.count("\n") == 1, err
+        assert f"expected one argument; {flag}: valid values are {valid} (see --help)" in err
+
+
 def test_python_dash_m_entry_point():
     run = subprocess.run(
         [sys.executable, "-m", "hybrid.plan", *DIMS, "--json"],
@@ -223,8 +236,9 @@ def test_cli_table_shows_the_reserve_and_explains_m(reserved, capsys):
     Every row's total is now the sum of the columns left of it."""
     assert plan_cli.main([*DIMS, "--reserved-gib", reserved, "--global-batch-size", "64"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert "m = micro-batches per step (gradient accumulation: global batch / (b * dp))" in lines[3]
-    header = lines[4].split()
+    legend = next(x for x in lines if x.startswith("z = ZeRO stage"))
+    assert "m = micro-batches per step (gradient accumulation: global batch / (b * dp))" in legend
+    header = lines[lines.index(legend) + 1].split()
     assert header[5:14] == ["params", "grads", "master", "optim", "activ", "temps", "buffers",
                             "reserve", "total"]
     rows = [x.split() for x in lines[5:] if x.split() and x.split()[0].isdigit()]

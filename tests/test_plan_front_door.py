@@ -30,7 +30,7 @@ def test_a_preset_brings_its_sequence_and_dropout_and_the_header_says_so(capsys)
     assert plan_cli.main(["--model", "llama3-70b", "--num-gpus", "64", "--fitting-only"]) == 0
     header = capsys.readouterr().out.splitlines()[:4]
     assert header[1].split("; ")[1].startswith("s=8192, ")
-    assert header[2] == ("defaults from the llama3-70b preset (its training recipe): "
+    assert header[3] == ("defaults from the llama3-70b preset (its training recipe): "
                          "--seq-length 8192, --hidden-dropout 0, --attention-dropout 0; give a "
                          "flag to plan another")
     given = plan_json(capsys, "--model", "llama3-70b", "--num-gpus", "64", "--seq-length", "4096",

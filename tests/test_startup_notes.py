@@ -42,3 +42,21 @@ def test_a_split_without_validation_data_says_that_evaluation_will_not_run(capsy
     for quiet in (["--split", "100,0,0", "--eval-iters", "0"], ["--split", "99,1,0"]):
         _checked_job(base + quiet)
         assert "no share" not in capsys.readouterr().out
+
+
+def test_the_default_zero_stage_says_it_is_zero1_where_megatron_means_ddp(capsys, tmp_path):
+    """A Megatron-LM command without --use-distributed-optimizer is plain data parallelism;
+    here it silently ran ZeRO-1 (the default --zero-stage)."""
+    world = ["--dry-run-world-size", "4"]
+    _checked_job(BASE + world)
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if "default --zero-stage" in x]
+    assert line == ("hybrid-pretrain: note: ZeRO-1, the default --zero-stage: the fp32 master "
+                    "and Adam moments are partitioned over the 4 data-parallel ranks (the same "
+                    "losses as plain data parallelism, less memory); Megatron-LM without "
+                    "--use-distributed-optimizer trains plain data parallelism, --zero-stage 0 "
+                    "here")
+    (tmp_path / "run.yaml").write_text("zero_stage: 2\n")
+    for chosen in (["--zero-stage", "1"], ["--use-distributed-optimizer"],
+                   ["--config", str(tmp_path / "run.yaml")], []):  # []: dp 1, nothing to say
+        _checked_job(BASE + (world if chosen else []) + chosen)
+        assert "default --zero-stage" not in capsys.readouterr().out, chosen

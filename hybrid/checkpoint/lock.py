@@ -2,8 +2,9 @@
 
 Two jobs saving into one directory (a duplicate submission) would each report their saves
 while one silently overwrites the other's. So global rank 0 creates ``DIR/save.lock``
-exclusively (``O_CREAT | O_EXCL``) before training, holding the job's host, pid, the pid's
-kernel start time, the start time (UTC) and the scheduler's job id, and removes it at the end.
+exclusively (a hard link, which fails when it exists) before training, holding the job's host,
+pid, the pid's kernel start time, the start time (UTC) and the scheduler's job id, and removes
+it at the end.
 A second job finds the file and is refused before training, naming the first.
 
 A lock is **stale**, and taken over with a note, when its job is dead:
@@ -14,6 +15,12 @@ A lock is **stale**, and taken over with a note, when its job is dead:
   modification time every :data:`HEARTBEAT_S` seconds from a background thread, and a lock not
   refreshed for :data:`STALE_AFTER_S` seconds is stale. A job whose host is lost thus blocks
   its directory for ten minutes at most; deleting ``save.lock`` by hand frees it at once.
+
+The launcher (``hybrid-pretrain --nproc-per-node N``, :mod:`hybrid.job.launch`) of a one-node
+job takes the lock itself before it starts torchrun, so that of two jobs started at the same
+moment one is refused before any worker exists, and hands it to its rank 0: the workers get
+its token in :data:`INHERIT_ENV`, and rank 0's :class:`SaveLock` replaces the launcher's record
+with its own instead of refusing it.
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ HEARTBEAT_S = 60.0
 """Seconds between the holder's refreshes of the lock's modification time."""
 STALE_AFTER_S = 600.0
 """Seconds without a refresh after which another host's lock is stale."""
+INHERIT_ENV = "HYBRID_SAVE_LOCK_TOKEN"
+"""Environment variable in which the launcher passes its lock's token to its workers."""
 
 
 class SaveDirectoryInUseError(RuntimeError):
@@ -112,14 +121,25 @@ def _read(path: Path) -> tuple[dict, float] | None:
 
 
 def _create(path: Path, record: dict) -> bool:
-    """Create ``path`` holding ``record`` unless it exists (atomic); True when created."""
+    """Create ``path`` holding ``record`` unless it exists; True when created. Atomic with its
+    content: the record is written beside it and hard-linked into place, so a job starting at
+    the same moment never reads an empty lock (which it would take for a dead holder's)."""
+    tmp = path.with_name(f"{path.name}.{record['token']}.new")
+    tmp.write_text(json.dumps(record))
     try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        os.link(tmp, path)
     except FileExistsError:
         return False
-    with os.fdopen(fd, "w") as f:
-        json.dump(record, f)
+    finally:
+        tmp.unlink(missing_ok=True)
     return True
+
+
+def _replace(path: Path, record: dict) -> None:
+    """Put ``record`` in ``path`` at once (a reader sees the old record or the new one)."""
+    tmp = path.with_name(f"{path.name}.{record['token']}.tmp")
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, path)
 
 
 def _remove_stale(path: Path, stale: dict) -> None:
@@ -147,6 +167,8 @@ class SaveLock:
 
     Args:
         root: the ``--save`` directory (created when missing).
+        inherit: the token of a lock this job's launcher holds for it (:data:`INHERIT_ENV`):
+            a lock with that token is taken over as this job's own.
 
     Attributes:
         note: what was taken over (a stale lock: whose, and why stale); None otherwise.
@@ -156,7 +178,7 @@ class SaveLock:
         OSError: ``root`` cannot be created or written.
     """
 
-    def __init__(self, root: str | os.PathLike):
+    def __init__(self, root: str | os.PathLike, inherit: str | None = None):
         self.path = Path(root) / LOCK_NAME
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.record, self.note = this_job(), None
@@ -167,6 +189,9 @@ class SaveLock:
             if found is None:
                 continue
             holder, age = found
+            if inherit and holder.get("token") == inherit:  # our launcher's: ours now
+                _replace(self.path, self.record)
+                break
             reason = stale_reason(holder, age)
             if reason is None:
                 raise SaveDirectoryInUseError(refusal(self.path, holder, age))

@@ -4,6 +4,7 @@ SIGTERM / ``--exit-duration-in-mins``, and where the starting weights come from 
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 from hybrid.job.config_checks import Job
@@ -129,14 +130,14 @@ def lock_save_dir(job: Job, grid: ProcessGrid):
     """
     import torch.distributed as dist
 
-    from hybrid.checkpoint.lock import SaveDirectoryInUseError, SaveLock
+    from hybrid.checkpoint.lock import INHERIT_ENV, SaveDirectoryInUseError, SaveLock
 
     if not job.cfg.checkpoint.save:
         return None
     lock, outcome = None, [None]
     if grid.rank == 0:
-        try:
-            lock = SaveLock(job.cfg.checkpoint.save)
+        try:  # a lock our launcher took for this job is ours (INHERIT_ENV)
+            lock = SaveLock(job.cfg.checkpoint.save, inherit=os.environ.get(INHERIT_ENV))
             if lock.note:
                 print(f" --save {job.cfg.checkpoint.save}: {lock.note}", flush=True)
         except (SaveDirectoryInUseError, OSError) as e:

@@ -20,7 +20,7 @@ from pathlib import Path
 import tomllib
 
 from hybrid.config import PretrainConfig
-from hybrid.config_fields import ConfigError, flag_hints, flag_of
+from hybrid.config_fields import ConfigError, choices_hints, flag_hints, flag_of
 
 # torchrun's options that make hybrid-pretrain a launcher (hybrid.job.launch): flag -> has a value
 LAUNCH_OPTIONS = {
@@ -106,11 +106,13 @@ class _ListPresets(argparse.Action):
 
 class _Parser(argparse.ArgumentParser):
     """Raises :class:`ConfigError` (one short line, printed once per node by ``main``) instead
-    of printing the whole usage on every rank, and names the closest valid flag."""
+    of printing the whole usage on every rank, and names the closest valid flag, or the valid
+    values of a flag given without one."""
 
     def error(self, message: str):
         flags = [s for a in self._actions for s in a.option_strings if s.startswith("--")]
-        raise ConfigError("; ".join([message, *flag_hints(message, flags)]) + " (see --help)")
+        hints = [*flag_hints(message, flags), *choices_hints(message, self._actions)]
+        raise ConfigError("; ".join([message, *hints]) + " (see --help)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -150,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
         for alias, const in f.metadata.get("aliases", {}).items():
             g.add_argument(alias, dest=key, action=_Alias, const=const, main_flag=flag_of(f),
                            help=f"same as {flag_of(f)} {const}")
+    from hybrid.job.megatron_flags import add_help_group
+
+    add_help_group(parser)
     return parser
 
 
@@ -272,13 +277,15 @@ def _unknown_fields(path: str, unknown: list[str], valid: list[str]) -> str:
 
 
 def parse_config(argv: list[str] | None = None, ignored: list[str] | None = None,
-                 hf_flags: list[str] | None = None
+                 hf_flags: list[str] | None = None, given: set[str] | None = None
                  ) -> PretrainConfig:
     """Parse ``argv`` (and its ``--config`` file) into a :class:`PretrainConfig`.
 
     Megatron-LM flags without a field here are answered first
     (:func:`hybrid.job.megatron_flags.translate`); those accepted without effect are appended
-    to ``ignored`` when given. Every section validates its own fields as it is built.
+    to ``ignored`` when given. ``given`` (when given) receives the flat name of every field set
+    by a flag or the file (``zero_stage``), the others keeping their defaults. Every section
+    validates its own fields as it is built.
     ``--init-from-hf DIR`` without ``--preset`` or shape flags takes the model flags of
     ``DIR/config.json`` before the given ones (:mod:`hybrid.hf.config_flags`); they are appended
     to ``hf_flags`` when given.
@@ -292,7 +299,7 @@ def parse_config(argv: list[str] | None = None, ignored: list[str] | None = None
     import sys
 
     argv = sys.argv[1:] if argv is None else list(argv)
-    cfg = _parse(argv, ignored)
+    cfg = _parse(argv, ignored, given)
     m = cfg.model
     if cfg.checkpoint.init_from_hf and m.preset is None and all(
             v is None for v in (m.num_layers, m.hidden_size, m.num_attention_heads)):
@@ -305,11 +312,12 @@ def parse_config(argv: list[str] | None = None, ignored: list[str] | None = None
             raise ConfigError(flag + str(e)) from None
         if hf_flags is not None:
             hf_flags += derived
-        cfg = _parse(derived + argv, None)
+        cfg = _parse(derived + argv, None, given)
     return cfg
 
 
-def _parse(argv: list[str], ignored: list[str] | None) -> PretrainConfig:
+def _parse(argv: list[str], ignored: list[str] | None, given: set[str] | None = None
+           ) -> PretrainConfig:
     from hybrid.job.megatron_flags import translate
 
     argv, no_ops = translate(argv)
@@ -319,6 +327,8 @@ def _parse(argv: list[str], ignored: list[str] | None) -> PretrainConfig:
     _check_aliases(ns)
     values = load_config_file(ns.pop("config")) if "config" in ns else {}
     values.update(ns)
+    if given is not None:
+        given.update(values)
     sections = {}
     for name, kind in PretrainConfig.sections().items():
         kwargs = {f.name: _coerce(f, values[_key(f)]) for f in dataclasses.fields(kind)

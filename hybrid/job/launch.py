@@ -29,6 +29,9 @@ child before it runs torchrun), and the workers, which die with torchrun
 (:func:`hybrid.job.preemption.stop_with_parent`), stop as on SIGTERM: finish the iteration,
 save, exit 0 (SIGKILL while they start: nothing to save yet). Nothing of the job trains on
 orphaned, and ``--save``'s lock is released (or, left by a killed rank 0, stale).
+
+``--save``'s lock: :mod:`hybrid.job.save_claim` (taken here for a one-node job, so that of two
+jobs started at the same moment the second is refused before any worker exists).
 """
 
 from __future__ import annotations
@@ -42,10 +45,11 @@ import tempfile
 import time
 
 from hybrid.checkpoint.directory import IncompleteCheckpointError, latest_iteration
-from hybrid.checkpoint.lock import in_use
+from hybrid.checkpoint.lock import SaveDirectoryInUseError
 from hybrid.job.cli import LAUNCH_OPTIONS, parse_config
 from hybrid.job.config_checks import ConfigError, validate
 from hybrid.job.preemption import REPEAT_S, early_stop
+from hybrid.job.save_claim import hold_save, worker_env
 
 # what torchrun itself still handles (forwarded to the workers, which then end at once)
 TORCHRUN_SIGNALS = "SIGHUP,SIGQUIT"
@@ -314,15 +318,16 @@ def _reported(path: str) -> int:
 
 
 def supervise(cmd: list[str], save: str | None = None, workers: int = 1,
-              handed_over: bool = True) -> int:
+              handed_over: bool = True, env_extra: dict[str, str] | None = None) -> int:
     """Run torchrun ``cmd`` with SIGTERM/SIGINT ignored, forwarding them to its ``workers``
     workers, and dying with this process; returns its exit status (128 + n when signal n
     killed it), or, when torchrun succeeded, the status of a failure the workers reported
     themselves (:func:`worker_status`; ``handed_over`` False: the workers exit with it, as
     torchrun must see a failure to restart them under ``--max-restarts``). ``save``: the
-    job's ``--save``. A stop that came before (:func:`hybrid.job.preemption.early_stop`) is
-    kept for the workers."""
-    env = dict(os.environ)
+    job's ``--save``; ``env_extra``: more environment for torchrun and its workers (the
+    lock's hand-over token). A stop that came before
+    (:func:`hybrid.job.preemption.early_stop`) is kept for the workers."""
+    env = dict(os.environ, **(env_extra or {}))
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default too, without its warning
     env.pop(STATUS_FILE_ENV, None)
     if not handed_over:
@@ -370,14 +375,21 @@ def launch(argv: list[str], module: str = "hybrid.pretrain") -> int:
     except ConfigError as e:
         print(f"hybrid-pretrain: error: {e}", file=sys.stderr)
         return 2
-    if cfg.checkpoint.save and (why := in_use(cfg.checkpoint.save)):
+    try:
+        lock = hold_save(cfg.checkpoint.save, world == per_node)
+    except (SaveDirectoryInUseError, OSError) as e:
+        why = e if isinstance(e, SaveDirectoryInUseError) else f"cannot lock --save: {e}"
         print(f"hybrid-pretrain: error: {why}", file=sys.stderr)  # as rank 0 would
         return 2
-    if early_stop() is not None:  # before any worker exists: nothing to stop or save
-        name = signal.Signals(early_stop()).name
-        print(f"hybrid-pretrain: received {name} before torchrun started: no process was "
-              "started, nothing to save", file=sys.stderr, flush=True)
-        return 0
-    restarts = (options.get("--max-restarts") or "0") != "0"  # torchrun restarts on failures
-    return supervise(torchrun_command(options, flags, module), cfg.checkpoint.save, per_node,
-                     handed_over=not restarts)
+    try:
+        if early_stop() is not None:  # before any worker exists: nothing to stop or save
+            name = signal.Signals(early_stop()).name
+            print(f"hybrid-pretrain: received {name} before torchrun started: no process was "
+                  "started, nothing to save", file=sys.stderr, flush=True)
+            return 0
+        restarts = (options.get("--max-restarts") or "0") != "0"  # torchrun restarts failures
+        return supervise(torchrun_command(options, flags, module), cfg.checkpoint.save,
+                         per_node, handed_over=not restarts, env_extra=worker_env(lock))
+    finally:
+        if lock is not None:
+            lock.release()

@@ -33,6 +33,25 @@ MEANING = {
 }
 """Flag -> the equivalent flags here (empty: what happens here anyway)."""
 
+MEANING_HELP = {
+    "--use-distributed-optimizer": "--zero-stage 1 unless --zero-stage is given (Megatron-LM "
+    "without it is plain data parallelism: --zero-stage 0 here)",
+    "--recompute-activations": "--recompute-granularity selective",
+    "--distribute-saved-activations": "--partition-activations",
+    "--exit-signal-handler": "what happens anyway: SIGTERM finishes the iteration, saves and "
+    "exits 0",
+    "--accumulate-allreduce-grads-in-fp32": "what happens anyway: gradients are accumulated in "
+    "fp32",
+    "--no-position-embedding": "--position-embedding-type none (beside RoPE nothing: RoPE "
+    "has no position table)",
+    "--log-throughput": "what happens anyway: every log line has tokens/s and TFLOP/s per device",
+    "--use-precision-aware-optimizer": "what happens anyway: the fp32 master is the optimizer's "
+    "own parameter, offloaded or not",
+    "--overlap-cpu-optimizer-d2h-h2d": "what happens anyway: offloaded gradient copies overlap "
+    "backward, parameter copies the next forward's gathers",
+}
+"""What each :data:`MEANING` flag does here, for ``--help``."""
+
 SIZE_ONE = {"--pipeline-model-parallel-size": "pipeline parallelism",
             "--context-parallel-size": "context parallelism",
             "--expert-model-parallel-size": "expert parallelism (MoE)",
@@ -151,3 +170,37 @@ def translate(argv: list[str]) -> tuple[list[str], list[str]]:
         else:
             out += [flag, *values]
     return out, ignored
+
+
+def default_stage_note(given: set[str], dp: int) -> str | None:
+    """The start-up note for a run that set no ZeRO stage (``zero_stage`` not in ``given``, the
+    fields a flag or ``--config`` set) over ``dp`` > 1 data-parallel ranks: the default is
+    ZeRO-1, where a Megatron-LM command without ``--use-distributed-optimizer`` (which means
+    ``--zero-stage 1`` here) trains plain data parallelism. None otherwise."""
+    if "zero_stage" in given or dp == 1:
+        return None
+    return ("hybrid-pretrain: note: ZeRO-1, the default --zero-stage: the fp32 master and Adam "
+            f"moments are partitioned over the {dp} data-parallel ranks (the same losses as "
+            "plain data parallelism, less memory); Megatron-LM without "
+            "--use-distributed-optimizer trains plain data parallelism, --zero-stage 0 here")
+
+
+def add_help_group(parser) -> None:
+    """List every Megatron-LM flag answered here (:data:`MEANING`, :data:`SIZE_ONE`,
+    :data:`NO_OP`, :data:`REFUSED`) in a ``--help`` group of its own, each with what it does
+    here. :func:`translate` takes them out of the command line before argparse parses it, so
+    these entries only document."""
+    g = parser.add_argument_group(
+        "Megatron-LM compatibility", "Megatron-LM's flags without a field here, accepted so that "
+        "its example scripts run: each means one of this trainer's flags, is accepted without "
+        "effect (named in one start-up note), or is refused before any process group starts "
+        "(also every --moe-* and --fp8-* flag)")
+    helps = {**{f: MEANING_HELP[f] for f in MEANING},  # a new MEANING flag needs its help
+             **{f: f"accepted at 1; above 1 refused: {what} is not supported here"
+                for f, what in SIZE_ONE.items()},
+             **{f: "accepted without effect (a kernel, fusion, backend or logging choice)"
+                for f in sorted(NO_OP)},
+             **{f: f"refused: {what} is not supported here" for f, what in REFUSED.items()}}
+    for flag, text in helps.items():
+        g.add_argument(flag, dest=f"megatron_{flag[2:]}", action="store_const", const=True,
+                       help=text)

@@ -22,6 +22,7 @@ from data.split import no_validation_note  # noqa: E402
 from hybrid.job.cli import parse_config  # noqa: E402
 from hybrid.job.config_checks import ConfigError, Job, validate  # noqa: E402
 from hybrid.job.datasets import build_datasets, eod_id  # noqa: E402
+from hybrid.job.megatron_flags import default_stage_note  # noqa: E402
 from hybrid.torch_profile import profile_notes  # noqa: E402
 from hybrid.wandb_names import preflight as wandb_preflight  # noqa: E402
 
@@ -281,12 +282,11 @@ def header(job: Job) -> str:
 
 def _checked_job(argv: list[str] | None):
     """Parse and validate the flags, then the checks and notes that come before any process
-    group (rank 0 only): wandb's names, the ignored Megatron-LM flags, a --split without
-    validation data, --init-from-hf's dropout. Returns ``(cfg, job)``; raises
+    group (rank 0 only): wandb's names, the ignored Megatron-LM flags, the default ZeRO stage, a
+    --split without validation data, --init-from-hf's dropout. Returns ``(cfg, job)``; raises
     :class:`ConfigError` for a bad flag."""
-    ignored: list[str] = []
-    hf_flags: list[str] = []
-    cfg = parse_config(argv, ignored, hf_flags)
+    ignored, hf_flags, given = [], [], set()  # parse_config fills them
+    cfg = parse_config(argv, ignored, hf_flags, given)
     job = validate(cfg, world_size=cfg.dry_run.dry_run_world_size)
     if os.environ.get("RANK", "0") != "0":
         return cfg, job
@@ -296,6 +296,8 @@ def _checked_job(argv: list[str] | None):
     if ignored:
         print(f"hybrid-pretrain: Megatron-LM flags accepted without effect here (kernel, "
               f"fusion and backend choices): {', '.join(ignored)}", flush=True)
+    if note := default_stage_note(given, job.dp):
+        print(note, flush=True)
     if cfg.grid.sequence_parallel and not cfg.grid.sequence_parallel_active:
         print("hybrid-pretrain: note: --sequence-parallel has no effect at "
               "--tensor-model-parallel-size 1 (no group to split the sequence over); disabled, as "
@@ -371,7 +373,7 @@ def train(job: Job) -> int:
         except (TooManyNaNIterations, SaveFailedError, SaveDirectoryInUseError) as e:
             if dist.get_rank() == 0:
                 print(f"hybrid-pretrain: error: {e}", file=sys.stderr, flush=True)
-            return 2 if isinstance(e, SaveDirectoryInUseError) else 1  # 2: refused, not failed
+            return 2 if isinstance(e, SaveDirectoryInUseError) else 1  # refused, not failed
         if dist.get_world_size() > 1:
             dist.barrier()  # no rank tears down while a peer still communicates
     return 0

@@ -23,7 +23,7 @@ import re
 import sys
 from typing import TYPE_CHECKING
 
-from hybrid.config_fields import flag_hints
+from hybrid.config_fields import choices_hints, flag_hints
 from hybrid.devices import (
     DEFAULT_DEVICE,
     GIB,
@@ -37,6 +37,8 @@ from hybrid.planner.cli_args import (
     add_cluster_args,
     add_search_args,
     add_training_args,
+    assumed_line,
+    network,
     offload_fractions,
 )
 from hybrid.planner.inputs import Cluster, Training
@@ -53,12 +55,12 @@ if TYPE_CHECKING:
 
 class _Parser(argparse.ArgumentParser):
     """Usage errors in one line naming the flag, like ``hybrid.pretrain`` (the usage is in
-    --help)."""
+    --help): the closest valid flag, or the valid values of a flag given without one."""
 
     def error(self, message: str):
         flags = [s for a in self._actions for s in a.option_strings if s.startswith("--")]
-        self.exit(2, f"{self.prog}: error: {'; '.join([message, *flag_hints(message, flags)])} "
-                     "(see --help)\n")
+        hints = [*flag_hints(message, flags), *choices_hints(message, self._actions)]
+        self.exit(2, f"{self.prog}: error: {'; '.join([message, *hints])} (see --help)\n")
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -120,13 +122,13 @@ def _cluster(args: argparse.Namespace, planning: bool) -> Cluster:
     return _with_flag_names(
         Cluster,
         num_gpus=args.num_gpus,
-        gpus_per_node=args.gpus_per_node or (min(8, args.num_gpus) if args.num_gpus > 0 else 8),
+        gpus_per_node=(args.gpus_per_node if args.gpus_per_node is not None
+                       else min(8, args.num_gpus) if args.num_gpus > 0 else 8),
         gpu_memory_bytes=memory * GIB,
         reserved_bytes=args.reserved_gb * GIB,
         peak_tflops=peak,
         efficiency=args.efficiency,
-        intra_node_gbs=args.intra_node_gbs,
-        inter_node_gbs=args.inter_node_gbs,
+        **{field: value for field, (value, _) in network(args, preset).items()},
         hbm_gbs=(args.hbm_gbs if args.hbm_gbs is not None
                  else preset.hbm_gbs if preset else Cluster.hbm_gbs),
         **_host(args, preset),
@@ -332,35 +334,45 @@ def _main(argv: list[str] | None, verify: Verify | None) -> int:
             offload_fractions=fractions,
         )
         if not cands:
-            raise ValueError(no_layout_message(skipped))
+            raise ValueError(no_layout_message(skipped, args.model, from_preset))
     except ValueError as err:  # one line, like hybrid.pretrain (the usage is in --help)
         print(f"{parser.prog}: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     chosen = best(cands)
     if args.json:  # the dry run streams its lines to stderr, before the document
         checked = verify(args, model, training, cluster, chosen) if args.verify else None
-        doc = {
-            "model": dataclasses.asdict(model),
-            "num_parameters": num_parameters(model),
-            "device": _device_label(args),
-            "defaults_from_preset": from_preset,
-            "cluster": dataclasses.asdict(cluster),
-            "training": dataclasses.asdict(training),
-            "candidates": [c.as_dict() for c in cands],
-            "skipped": skipped,
-            "offload_fractions": list(fractions),
-            "best": chosen.as_dict() if chosen else None,
-            "verify": checked[0] if checked else None,
-        }
-        json.dump(doc, sys.stdout, indent=1)
+        json.dump(_json_document(args, model, cluster, training, (cands, skipped, chosen),
+                                 from_preset, fractions, checked), sys.stdout, indent=1)
         print()
         return 0
+    notes = [assumed_line(args, device_preset(args.device or DEFAULT_DEVICE), cluster, training,
+                          from_preset), preset_note(args.model, from_preset)]
     print(plan_text(model, cluster, training, cands, skipped, chosen, args.fitting_only,
-                    _device_label(args), preset_note(args.model, from_preset)), flush=True)
+                    _device_label(args), "\n".join(filter(None, notes))), flush=True)
     checked = verify(args, model, training, cluster, chosen) if args.verify else None
     if checked is not None:
         print("\n".join(checked[1]))
     return 0
+
+
+def _json_document(args, model, cluster, training, found, from_preset, fractions,
+                   checked) -> dict:
+    """``--json``'s document: the inputs, every candidate, what was skipped and why, the best
+    (``found``: ``(candidates, skipped, best)``) and ``--verify``'s verdict."""
+    cands, skipped, chosen = found
+    return {
+        "model": dataclasses.asdict(model),
+        "num_parameters": num_parameters(model),
+        "device": _device_label(args),
+        "defaults_from_preset": from_preset,
+        "cluster": dataclasses.asdict(cluster),
+        "training": dataclasses.asdict(training),
+        "candidates": [c.as_dict() for c in cands],
+        "skipped": skipped,
+        "offload_fractions": list(fractions),
+        "best": chosen.as_dict() if chosen else None,
+        "verify": checked[0] if checked else None,
+    }
 
 
 def preset_note(preset: str | None, taken: dict) -> str | None:
@@ -372,11 +384,15 @@ def preset_note(preset: str | None, taken: dict) -> str | None:
             "to plan another")
 
 
-def no_layout_message(skipped: list[str]) -> str:
+def no_layout_message(skipped: list[str], preset: str | None = None,
+                      from_preset: dict | None = None) -> str:
     """Why no layout was evaluated at all (every one was skipped, ``skipped`` says why): an
-    error (exit 2), unlike "nothing fits in memory", which is an answer."""
+    error (exit 2), unlike "nothing fits in memory", which is an answer. A batch the ``--model``
+    preset gave (``from_preset``, :func:`preset_note`) is named as the preset's."""
     if skipped and all("global_batch_size" in r for r in skipped):
-        return ("no layout divides the batch: --global-batch-size must be a multiple of "
+        gbs = (from_preset or {}).get("--global-batch-size")
+        whose = f" ({gbs}: the {preset} preset's)" if gbs else ""
+        return (f"no layout divides the batch: --global-batch-size{whose} must be a multiple of "
                 "--micro-batch-size * dp (dp = --num-gpus / tp) for some tp; " +
                 "; ".join(skipped))
     return "no layout is possible: " + ("; ".join(skipped) or "no tp/stage/activation left")

@@ -8,9 +8,16 @@ from __future__ import annotations
 
 import argparse
 
-from hybrid.devices import DEFAULT_DEVICE, DEFAULT_RESERVED_GIB, GIB, preset_names
+from hybrid.devices import (
+    DEFAULT_DEVICE,
+    DEFAULT_RESERVED_GIB,
+    GIB,
+    NETWORK_SOURCES,
+    DevicePreset,
+    preset_names,
+)
 from hybrid.model_flags import _finite
-from hybrid.planner.inputs import DEFAULT_BUCKET_ELEMENTS
+from hybrid.planner.inputs import DEFAULT_BUCKET_ELEMENTS, Cluster, Training
 from hybrid.planner.memory import ACTIVATION_OPTIONS, ZERO_STAGES
 from hybrid.planner.offload import OFFLOAD_SEARCH, check_fraction
 from hybrid.planner.precision import ACCOUNTINGS, PRECISIONS
@@ -108,8 +115,12 @@ def add_cluster_args(g) -> None:
     g.add_argument("--peak-tflops", type=_finite,
                    help="dense peak per GPU, TFLOP/s (default: the --device preset's)")
     g.add_argument("--efficiency", type=_finite, default=0.45, help="fraction of peak on GEMMs")
-    g.add_argument("--intra-node-gbs", type=_finite, default=200.0, help="NVLink, GB/s per GPU")
-    g.add_argument("--inter-node-gbs", type=_finite, default=25.0, help="network, GB/s per GPU")
+    g.add_argument("--intra-node-gbs", type=_finite,
+                   help="NVLink, GB/s per GPU (default: 200)")
+    g.add_argument("--inter-node-gbs", type=_finite,
+                   help="network between nodes, GB/s per GPU one way (default: the --device "
+                   "preset's server, its adapters' line rate: V100 6.25, A100 25, H100 and H200 "
+                   "50 (8 x 400 Gb/s NDR per 8 GPUs); else 25)")
     g.add_argument("--cpu-gbs", type=_finite, help="host link (PCIe), GB/s one way per GPU "
                    "(default: the --device preset's, else 20)")
     g.add_argument("--hbm-gbs", type=_finite, help="GPU memory bandwidth, GB/s, for the "
@@ -162,3 +173,40 @@ def offload_fractions(args: argparse.Namespace) -> tuple[float, ...]:
     if args.optimizer_cpu_offload:
         return (f,)
     return OFFLOAD_SEARCH if given is None else tuple(sorted({0.0, f}))
+
+
+def network(args: argparse.Namespace, preset: DevicePreset | None) -> dict[str, tuple]:
+    """The cluster's two bandwidths, ``{"intra_node_gbs" | "inter_node_gbs": (GB/s per GPU,
+    where it came from)}``: the flag given, else the ``--device`` preset's (between nodes: its
+    server's adapters, :data:`hybrid.devices.NETWORK_SOURCES`), else ``Cluster``'s default."""
+    intra = ((args.intra_node_gbs, "--intra-node-gbs") if args.intra_node_gbs is not None
+             else (Cluster.intra_node_gbs, "default; --intra-node-gbs"))
+    if args.inter_node_gbs is not None:
+        inter = (args.inter_node_gbs, "--inter-node-gbs")
+    elif preset is not None:
+        inter = (preset.inter_node_gbs,
+                 f"the {preset.name} preset's: {NETWORK_SOURCES[preset.name]}; --inter-node-gbs")
+    else:
+        inter = (Cluster.inter_node_gbs, "default; --inter-node-gbs")
+    return {"intra_node_gbs": intra, "inter_node_gbs": inter}
+
+
+def assumed_line(args: argparse.Namespace, preset: DevicePreset | None, cluster: Cluster,
+                 training: Training, from_preset: dict) -> str:
+    """The header line naming what the plan assumed and where each came from (a flag, the
+    ``--model`` preset's recipe, the ``--device`` preset or a default): the global batch, in
+    sequences and tokens per step, and the bandwidths of :func:`network`."""
+    b, n = training.micro_batch_size, cluster.num_gpus
+    gbs = training.global_batch_size or b * n
+    if "--global-batch-size" in from_preset:
+        source = f"the {args.model} preset's"
+    elif args.global_batch_size is not None:
+        source = "--global-batch-size"
+    else:
+        source = f"--micro-batch-size {b} x {n} GPUs: no --global-batch-size"
+    bw = network(args, preset)
+    (intra, intra_from), (inter, inter_from) = bw["intra_node_gbs"], bw["inter_node_gbs"]
+    unused = " (unused: one node)" if n <= cluster.gpus_per_node else ""
+    return (f"assumed: global batch {gbs:,} sequences = {gbs * training.seq_length:,} tokens per "
+            f"step ({source}); per GPU, NVLink {intra:g} GB/s ({intra_from}), between nodes "
+            f"{inter:g} GB/s{unused} ({inter_from})")

@@ -13,7 +13,8 @@ def _gb(x: float) -> str:
 def plan_text(model, cluster, training, cands, skipped, chosen, fitting_only, device,
               note: str | None = None) -> str:
     """The planner's table: a header naming the model, cluster (``device``: where its memory
-    and peak came from), ``note`` (the settings a ``--model`` preset gave) and every column,
+    and peak came from), ``note`` (lines: what the plan assumed and where each figure came
+    from, the settings a ``--model`` preset gave) and every column,
     one row per candidate layout (only fitting ones with ``fitting_only``), the skipped layouts
     and the chosen one. Sizes in GiB (2^30 bytes).
     """
