@@ -40,6 +40,7 @@ from hybrid.planner.cli_args import (
     assumed_line,
     network,
     offload_fractions,
+    zero_config,
 )
 from hybrid.planner.inputs import Cluster, Training
 from hybrid.planner.max_model import max_layers, max_params, max_params_offloaded
@@ -175,30 +176,16 @@ _FLAG_OF = {
     "intra_node_gbs": "--intra-node-gbs", "inter_node_gbs": "--inter-node-gbs",
     "cpu_gbs": "--cpu-gbs", "hbm_gbs": "--hbm-gbs", "seq_length": "--seq-length",
     "micro_batch_size": "--micro-batch-size",
-    "global_batch_size": "--global-batch-size", "reduce_bucket_elements": "--reduce-bucket-size",
-    "allgather_bucket_elements": "--allgather-bucket-size",
+    "global_batch_size": "--global-batch-size",
     "make_vocab_size_divisible_by": "--make-vocab-size-divisible-by",
-    "param_persistence_threshold": "--param-persistence-threshold",
-    "grad_reduce_in_bf16": "--grad-reduce-in-bf16",
     "host_memory_gbs": "--host-dram-gbs", "host_efficiency": "--host-efficiency",
-    "quantized_gradients_bits": "--zero-quantized-gradients-bits",
-    "quantized_gradients": "--zero-quantized-gradients",
-    "hpz_partition_size": "--zero-hpz-partition-size",
-    "quantized_weights": "--zero-quantized-weights", "grad_reduce": "--grad-reduce",
 }
 
 
 def _check_fixed_layout(args: argparse.Namespace) -> None:
-    """ValueError when a ZeRO++ or ``--tp-comm-overlap`` flag cannot apply to any of the
-    ``--zero-stage`` / ``--tp`` values given (the trainer refuses those pairs; a searched stage
-    or tp gets the flag where it applies)."""
-    stages, tps = args.zero_stage or ZERO_STAGES, args.tp or [2]
-    if (args.zero_hpz_partition_size > 1 or args.zero_quantized_weights) and 3 not in stages:
-        raise ValueError(f"--zero-hpz-partition-size / --zero-quantized-weights need --zero-stage "
-                         f"3, got --zero-stage {' '.join(map(str, stages))}")
-    if args.zero_quantized_gradients and max(stages) < 2:
-        raise ValueError(f"--zero-quantized-gradients needs --zero-stage 2 or 3, got "
-                         f"--zero-stage {' '.join(map(str, stages))}")
+    """ValueError when ``--tp-comm-overlap`` cannot apply to any of the ``--tp`` values given
+    (the trainer refuses it there; a searched tp gets the flag where it applies)."""
+    tps = args.tp or [2]
     if args.tp_comm_overlap and max(tps) < 2:
         raise ValueError("--tp-comm-overlap needs --tp > 1 (with sequence parallelism), got --tp 1")
 
@@ -223,21 +210,10 @@ def _training(args: argparse.Namespace) -> Training:
         seq_length=args.seq_length,
         micro_batch_size=(args.micro_batch_size or [1])[0],
         global_batch_size=args.global_batch_size,
-        precision=args.precision,
         accounting=args.accounting,
-        param_persistence_threshold=args.param_persistence_threshold,
-        reduce_bucket_elements=args.reduce_bucket_size,
-        allgather_bucket_elements=args.allgather_bucket_size,
+        zero=zero_config(args),
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-        grad_reduce=args.grad_reduce,
-        grad_reduce_in_bf16=args.grad_reduce_in_bf16,
-        gradient_accumulation_fusion=args.gradient_accumulation_fusion,
-        overlap_param_gather=args.overlap_param_gather,
         tp_comm_overlap=args.tp_comm_overlap,
-        quantized_gradients=args.zero_quantized_gradients,
-        quantized_gradients_bits=args.zero_quantized_gradients_bits,
-        hpz_partition_size=args.zero_hpz_partition_size,
-        quantized_weights=args.zero_quantized_weights,
         dropout=args.hidden_dropout > 0 or args.attention_dropout > 0,
     )
 
@@ -260,13 +236,13 @@ def _max_model(args, model, cluster, training) -> list[dict]:
                 "dp": dp,
                 "stage": stage,
                 "max_params_model_states": max_params(
-                    budget, tp, dp, stage, training.precision, training.accounting
+                    budget, tp, dp, stage, training.zero.precision, training.accounting
                 ),
                 "max_params_offloaded": None if stage == 0 or args.optimizer_cpu_offload is False
                 else max_params_offloaded(budget, cluster.host_memory_bytes,
                                           cluster.gpus_per_node, tp, dp, stage,
-                                          training.precision, training.accounting,
-                                          max(offload_fractions(args))),
+                                          training.zero.precision, training.accounting,
+                                          max(offload_fractions(args, training.zero))),
             }
             if model is not None:
                 layers = {
@@ -320,7 +296,7 @@ def _main(argv: list[str] | None, verify: Verify | None) -> int:
             print(json.dumps({"max_model": rows}, indent=1) if args.json
                   else max_model_text(rows, budget))
             return 0
-        fractions = offload_fractions(args)
+        fractions = offload_fractions(args, training.zero)
         cands, skipped = plan(
             model,
             cluster,

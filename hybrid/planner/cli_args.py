@@ -7,6 +7,7 @@ converted), bandwidths in GB/s, bucket sizes in elements.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from hybrid.devices import (
     DEFAULT_DEVICE,
@@ -16,11 +17,13 @@ from hybrid.devices import (
     DevicePreset,
     preset_names,
 )
+from hybrid.field_flags import key_of
 from hybrid.model_flags import _finite
-from hybrid.planner.inputs import DEFAULT_BUCKET_ELEMENTS, Cluster, Training
+from hybrid.planner.inputs import Cluster, Training
 from hybrid.planner.memory import ACTIVATION_OPTIONS, ZERO_STAGES
-from hybrid.planner.offload import OFFLOAD_SEARCH, check_fraction
+from hybrid.planner.offload import OFFLOAD_SEARCH
 from hybrid.planner.precision import ACCOUNTINGS, PRECISIONS
+from hybrid.zero.config import ZeroConfig
 
 
 def add_training_args(g) -> None:
@@ -67,9 +70,9 @@ def add_training_args(g) -> None:
     g.add_argument("--param-persistence-threshold", type=int, default=100_000,
                    help="stage 3 keeps local params with fewer elements whole, as the engine "
                    "(0: the paper's count, every parameter partitioned)")
-    g.add_argument("--reduce-bucket-size", type=int, default=DEFAULT_BUCKET_ELEMENTS,
+    g.add_argument("--reduce-bucket-size", type=int, default=50_000_000,
                    help="elements")
-    g.add_argument("--allgather-bucket-size", type=int, default=DEFAULT_BUCKET_ELEMENTS,
+    g.add_argument("--allgather-bucket-size", type=int, default=50_000_000,
                    help="elements")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="vocabulary padded to a multiple of this times tp (Megatron-LM)")
@@ -161,18 +164,39 @@ def add_search_args(g) -> None:
                    "model dims also the largest layer count counting activations)")
 
 
-def offload_fractions(args: argparse.Namespace) -> tuple[float, ...]:
-    """The offload fractions to plan: ``--optimizer-offload-fraction`` (default 1.0, Megatron-
-    LM's) alone with ``--optimizer-cpu-offload``, 0 alone with ``--no-optimizer-cpu-offload``;
-    else the search: 0 and the fraction given, or ``offload.OFFLOAD_SEARCH``. ValueError for a
-    fraction outside [0, 1]."""
-    given = args.optimizer_offload_fraction
-    f = check_fraction(1.0 if given is None else given)
+def zero_config(args: argparse.Namespace) -> ZeroConfig:
+    """The run's :class:`ZeroConfig` of the planner's flags (each ZeroConfig flag's value, or its
+    default), at the highest ``--zero-stage`` searched: every setting given must apply at one of
+    the stages searched, and ZeroConfig's validation refuses it otherwise, as ``hybrid.pretrain``
+    would refuse it at every one. ``--optimizer-cpu-offload`` is on only when given (the search
+    plans the fractions of :func:`offload_fractions` per layout, ``evaluate``).
+
+    Raises:
+        ConfigError: what ZeroConfig refuses (a ``ValueError`` naming the flag and value).
+    """
+    given = vars(args)
+    values = {f.name: given[key_of(f)] for f in dataclasses.fields(ZeroConfig)
+              if given.get(key_of(f)) is not None}
+    stages = values.pop("stage", None) or ZERO_STAGES
+    values["optimizer_cpu_offload"] = bool(values.get("optimizer_cpu_offload"))
+    zero = ZeroConfig(stage=max(stages), **values)
+    for stage in stages:
+        zero.at_stage(stage)  # each stage given is one ZeroConfig takes
+    return zero
+
+
+def offload_fractions(args: argparse.Namespace, zero: ZeroConfig) -> tuple[float, ...]:
+    """The offload fractions to plan: ``--optimizer-offload-fraction`` (``zero``'s, default 1.0,
+    Megatron-LM's) alone with ``--optimizer-cpu-offload``, 0 alone with
+    ``--no-optimizer-cpu-offload``; else the search: 0 and the fraction given, or
+    ``offload.OFFLOAD_SEARCH``."""
     if args.optimizer_cpu_offload is False:
         return (0.0,)
     if args.optimizer_cpu_offload:
-        return (f,)
-    return OFFLOAD_SEARCH if given is None else tuple(sorted({0.0, f}))
+        return (zero.optimizer_offload_fraction,)
+    if args.optimizer_offload_fraction is None:
+        return OFFLOAD_SEARCH
+    return tuple(sorted({0.0, zero.optimizer_offload_fraction}))
 
 
 def network(args: argparse.Namespace, preset: DevicePreset | None) -> dict[str, tuple]:
