@@ -1,15 +1,20 @@
-"""An :func:`hybrid.config_fields.arg` field as an argparse flag.
+"""An :func:`hybrid.config_fields.arg` field as an argparse flag, for every command line.
 
 ``hybrid.pretrain`` (:mod:`hybrid.job.cli`) turns every field of its config tree into a flag with
-:func:`add_field`: its name, help, type, choices and aliases come from the field, and each flag's
-action carries its field (``action.field``).
+:func:`add_field`; ``hybrid.plan`` (:mod:`hybrid.planner.cli_args`, :mod:`hybrid.model_flags`)
+turns the fields it shares with it (the ZeRO, grid, batch, model and device settings) into its
+flags with the same function, so a shared flag has one declaration: its name, help, type,
+choices and aliases come from the field, and the planner changes only what searching means
+(:func:`add_field`'s keywords). Each flag's action carries its field (``action.field``): a test
+proves through it that the two commands declare each shared flag once.
 
 Rules: a field ``num_layers`` is ``--num-layers`` unless it names its Megatron-LM flag; booleans
 get ``--flag`` / ``--no-flag`` (a field named ``no_...`` only ``--no-...``); alias flags set the
 field to a constant (``--bf16`` sets ``precision``), and an alias with the field's own flag or
 another alias of another value conflicts (:class:`Alias`, :func:`check_aliases`). Defaults stay
 out of the namespace (``argparse.SUPPRESS``), so that an alias conflicts only with what the
-command line gave (``hybrid.pretrain``'s sections keep their own defaults).
+command line gave; ``hybrid.plan`` fills them afterwards (:func:`fill_defaults`),
+``hybrid.pretrain`` takes only what was given (its sections keep their own defaults).
 """
 
 from __future__ import annotations
@@ -99,28 +104,82 @@ def field_help(f: dataclasses.Field) -> str:
     return text if "default" in text else f"{text} (default: {default_of(f)!r})"
 
 
-def add_field(group, f: dataclasses.Field) -> list[argparse.Action]:
+_NO_DEFAULT = object()
+
+
+def add_field(group, f: dataclasses.Field, *, flags: tuple[str, ...] = (),
+              default=_NO_DEFAULT, negation: str | None = None, **override
+              ) -> list[argparse.Action]:
     """Add field ``f``'s flag (and its alternative and alias flags) to ``group`` (a parser or an
     argument group) with no default in the namespace (``argparse.SUPPRESS``); returns the
-    actions, each carrying ``field``."""
+    actions, each carrying ``field`` and ``field_default`` (:func:`fill_defaults`).
+
+    What a command may change of the field's declaration (``hybrid.plan`` where it searches):
+        flags: more option strings, before the field's (``--tp`` before
+            ``--tensor-model-parallel-size``).
+        default: the command's default instead of the field's (None: searched).
+        negation: a boolean's ``--no-`` flag as its own action with this help, exclusive with
+            the flag (the default None: ``--flag`` / ``--no-flag`` is one action).
+        override: ``argparse.add_argument`` keywords over the field's (``dest``, ``help``,
+            ``action="append"``, ``type``, ``metavar``).
+    """
     kind = base_type(annotation(f))
-    meta = {k: v for k, v in f.metadata.items()
-            if k not in ("help", "flag", "aliases", "alt_flags")}
-    flags = (flag_of(f), *f.metadata.get("alt_flags", ()))  # --norm-epsilon, --layernorm-...
-    key, help_ = key_of(f), field_help(f)
+    names = (*flags, flag_of(f), *f.metadata.get("alt_flags", ()))  # --layernorm-epsilon
+    kw = dict(dest=key_of(f), help=field_help(f), default=argparse.SUPPRESS)
     if kind is bool and f.name.startswith("no_"):  # --no-load-optim: no --no-no-load-optim
-        actions = [group.add_argument(flag_of(f), dest=key, action="store_true", help=help_,
-                                      default=argparse.SUPPRESS)]
-    elif kind is bool:
-        actions = [group.add_argument(*flags, dest=key, action=argparse.BooleanOptionalAction,
-                                      help=help_, default=argparse.SUPPRESS)]
+        names, kw["action"] = (*flags, flag_of(f)), "store_true"
+    elif kind is bool and negation is None:
+        kw["action"] = argparse.BooleanOptionalAction
+    elif kind is not bool:
+        kw.update(type=kind, **{k: v for k, v in f.metadata.items()
+                                if k not in ("help", "flag", "aliases", "alt_flags")})
+    kw.update(override)
+    if kind is bool and negation is not None:
+        group = group.add_mutually_exclusive_group()
+        kw.update(action="store_const", const=True)
+        actions = [group.add_argument(*names, **kw),
+                   group.add_argument("--no-" + flag_of(f)[2:], **{
+                       **kw, "const": False, "help": negation})]
     else:
-        actions = [group.add_argument(*flags, dest=key, type=kind, help=help_,
-                                      default=argparse.SUPPRESS, **meta)]
+        actions = [group.add_argument(*names, **kw)]
     for alias, const in f.metadata.get("aliases", {}).items():
-        actions.append(group.add_argument(alias, dest=key, action=Alias, const=const,
+        actions.append(group.add_argument(alias, dest=kw["dest"], action=Alias, const=const,
                                           main_flag=flag_of(f), default=argparse.SUPPRESS,
                                           help=f"same as {flag_of(f)} {const}"))
     for action in actions:
         action.field = f
+        action.field_default = default_of(f) if default is _NO_DEFAULT else default
     return actions
+
+
+def fill_defaults(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
+    """Give every field flag of ``parser`` that the command line left out its default
+    (``action.field_default``: the command's, else the field's), for a command whose flags each
+    keep a value (``hybrid.plan``; ``hybrid.pretrain`` takes only the given ones)."""
+    for action in parser._actions:
+        if hasattr(action, "field_default") and not hasattr(ns, action.dest):
+            setattr(ns, action.dest, action.field_default)
+
+
+def field_argv(f: dataclasses.Field, value) -> list[str]:
+    """The flags that set field ``f`` to ``value`` on a generated command line: ``[]`` for None,
+    ``--flag`` / ``--no-flag`` for a boolean, else ``--flag VALUE`` (a list: its items)."""
+    if value is None:
+        return []
+    if isinstance(value, bool):
+        if f.name.startswith("no_"):
+            return [flag_of(f)] if value else []
+        return [flag_of(f) if value else "--no-" + flag_of(f)[2:]]
+    return [flag_of(f), *map(str, value if isinstance(value, list) else [value])]
+
+
+def section_argv(section, always: tuple[str, ...] = ()) -> list[str]:
+    """The flags that give config section ``section`` (a dataclass instance of ``arg()`` fields)
+    its values on a generated command line: every field whose value is not its default, and the
+    fields named in ``always`` (:func:`field_argv`)."""
+    out = []
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if f.name in always or value != default_of(f):
+            out += field_argv(f, value)
+    return out

@@ -55,7 +55,7 @@ def test_qwz_gathers_at_int8_bytes():
 
 
 def test_hpz_refused_where_tp_fills_the_node():
-    with pytest.raises(ValueError, match="does not divide the 1 data-parallel ranks of a node"):
+    with pytest.raises(ValueError, match="a node holds 1 data-parallel ranks"):  # the run's
         _eval(tp=8, hpz_partition_size=2)
     _, skipped = plan.plan(MODEL, CLUSTER, _zero(hpz_partition_size=2),
                            tps=[8], stages=(3,), activations=("full",))
@@ -100,7 +100,8 @@ def test_verify_passes_the_flags_to_the_dry_run_at_stage_3_only():
      "qwZ quantizes the ZeRO-3 parameter gathers; --zero-stage is 2"),
     (["--zero-stage", "1", "--zero-quantized-gradients"],
      "qgZ quantizes the ZeRO-2/3 gradient reduce-scatter; --zero-stage is 1"),
-    (["--tp", "1", "--tp-comm-overlap"], "--tp-comm-overlap needs --tp > 1"),
+    (["--tp", "1", "--tp-comm-overlap"],  # GridConfig's
+     "it needs --sequence-parallel with --tensor-model-parallel-size > 1"),
 ])
 def test_flags_the_trainer_refuses_for_the_given_layout_are_one_line_errors(capsys, extra,
                                                                               message):

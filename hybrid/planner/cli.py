@@ -1,7 +1,10 @@
 """Command line of the memory planner: ``python -m hybrid.plan [--json] [--max-model] ...``.
 
-Flag names follow Megatron-LM where one exists, and ``hybrid.pretrain``'s are accepted too
-(``--preset`` for ``--model``, ``--tensor-model-parallel-size`` for ``--tp``). Memory is in GiB
+Flag names follow Megatron-LM where one exists; a flag ``hybrid.pretrain`` also takes is built
+from the same config field (:mod:`hybrid.planner.cli_args`,
+:func:`hybrid.model_flags.add_model_args`), so ``--preset`` (``--model``),
+``--tensor-model-parallel-size`` (``--tp``), ``--bf16`` and the rest mean the same in both, and
+the ZeRO settings are refused as the run's ``ZeroConfig`` refuses them. Memory is in GiB
 (2^30 bytes) everywhere, on the command line, in the table and in the device presets;
 bandwidths are in GB/s (1e9 bytes/s, as links are quoted); bucket sizes in elements. Bad input
 (tp not dividing the heads, GPUs not divisible by GPUs per node, non-positive sizes) exits
@@ -23,7 +26,8 @@ import re
 import sys
 from typing import TYPE_CHECKING
 
-from hybrid.config_fields import choices_hints, flag_hints
+from hybrid.config import GridConfig
+from hybrid.config_fields import ConfigError, choices_hints, flag_hints
 from hybrid.devices import (
     DEFAULT_DEVICE,
     GIB,
@@ -31,6 +35,7 @@ from hybrid.devices import (
     device_preset,
     preset_names,
 )
+from hybrid.field_flags import check_aliases, fill_defaults
 from hybrid.flops import device_peak_tflops, num_parameters
 from hybrid.model_flags import add_model_args, apply_preset_defaults, model_from_args
 from hybrid.planner.cli_args import (
@@ -56,12 +61,23 @@ if TYPE_CHECKING:
 
 class _Parser(argparse.ArgumentParser):
     """Usage errors in one line naming the flag, like ``hybrid.pretrain`` (the usage is in
-    --help): the closest valid flag, or the valid values of a flag given without one."""
+    --help): the closest valid flag, or the valid values of a flag given without one. The flags
+    declared by config fields (:mod:`hybrid.field_flags`) get their defaults after parsing, and
+    two alias flags that disagree (``--bf16 --fp16``) are such an error."""
 
     def error(self, message: str):
         flags = [s for a in self._actions for s in a.option_strings if s.startswith("--")]
         hints = [*flag_hints(message, flags), *choices_hints(message, self._actions)]
         self.exit(2, f"{self.prog}: error: {'; '.join([message, *hints])} (see --help)\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        try:
+            ns, extra = super().parse_known_args(args, namespace)
+            check_aliases(vars(ns))
+        except ConfigError as e:
+            self.error(str(e))
+        fill_defaults(self, ns)
+        return ns, extra
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -183,11 +199,12 @@ _FLAG_OF = {
 
 
 def _check_fixed_layout(args: argparse.Namespace) -> None:
-    """ValueError when ``--tp-comm-overlap`` cannot apply to any of the ``--tp`` values given
-    (the trainer refuses it there; a searched tp gets the flag where it applies)."""
-    tps = args.tp or [2]
-    if args.tp_comm_overlap and max(tps) < 2:
-        raise ValueError("--tp-comm-overlap needs --tp > 1 (with sequence parallelism), got --tp 1")
+    """ConfigError (a ValueError) when ``--tp-comm-overlap`` cannot apply to any of the ``--tp``
+    values given: :class:`GridConfig` refuses it at the largest, with sequence parallelism on
+    (a searched tp, or sequence parallelism, gets the flag where it applies)."""
+    if args.tp_comm_overlap and args.tp:
+        GridConfig(tensor_model_parallel_size=max(args.tp), sequence_parallel=True,
+                   tp_comm_overlap=True)
 
 
 def _with_flag_names(kind, **kwargs):

@@ -20,6 +20,7 @@ ranks of a node, ``gpus_per_node / tp``.
 from __future__ import annotations
 
 from hybrid.zero.qwz import BLOCK
+from hybrid.zero.topology import NodeTopology
 
 QWZ_BYTES = 1 + 4 / BLOCK
 """Bytes per element of a qwZ gather (int8 + its share of the block's fp32 scale)."""
@@ -27,13 +28,13 @@ QWZ_BYTES = 1 + 4 / BLOCK
 
 def check(training, cluster, tp: int) -> None:
     """Raise ``ValueError`` when ``training.zero.hpz_partition_size`` does not divide the
-    data-parallel ranks of a node (tp must be smaller than the GPUs per node)."""
+    data-parallel ranks of a node (tp must be smaller than the GPUs per node): the run's check,
+    :meth:`hybrid.zero.topology.NodeTopology.check_intra_size`, with a node of
+    ``cluster.gpus_per_node`` GPUs."""
     n = training.zero.hpz_partition_size
-    per_node = min(cluster.gpus_per_node, cluster.num_gpus) // tp
-    if n > 1 and per_node % n:
-        raise ValueError(f"--zero-hpz-partition-size {n} does not divide the {per_node} "
-                         f"data-parallel ranks of a node ({cluster.gpus_per_node} GPUs per node / "
-                         f"tp {tp})")
+    if n > 1:
+        node = NodeTopology(cluster.num_gpus, tp, min(cluster.gpus_per_node, cluster.num_gpus))
+        node.check_intra_size(n, node_from="--gpus-per-node")
 
 
 def gather_terms(training, prec, stage: int, dp: int) -> tuple[tuple[float, int],
