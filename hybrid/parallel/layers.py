@@ -1,5 +1,5 @@
-"""Tensor-parallel layers (Megatron-LM paper, §3), their sequence-parallel forms
-(Korthikanti et al. 2022, arXiv 2205.05198, §4.2.2) and the per-parameter TP spec.
+"""Tensor-parallel layers (Megatron-LM paper, §3) and their sequence-parallel forms
+(Korthikanti et al. 2022, arXiv 2205.05198, §4.2.2).
 
 With ``sequence_parallel=True`` the activations between tensor-parallel regions (LayerNorms,
 dropouts, residuals) are ``[b, s/t, h]`` on each rank: a column-parallel layer all-gathers its
@@ -10,16 +10,12 @@ output layer all-gathers the final LayerNorm's output. Replicated parameters use
 in backward (:func:`tp_summed`), so ``param.grad`` is the full gradient on every TP rank
 before any ZeRO reduction sees it.
 
-Every parameter of a tensor-parallel model carries a :class:`TPSpec` (``param.tp_spec``):
-which dimension is split over the TP group (or ``None`` when replicated), the full unpadded
-shape, and the padded size along the split dimension. ZeRO, gradient clipping, checkpoints and
-consolidation read it instead of re-deriving the sharding.
+Each layer gives its parameters their :class:`hybrid.parallel.tp_spec.TPSpec`.
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -37,79 +33,8 @@ from hybrid.parallel.ops import (
 )
 from hybrid.parallel.rng import RNGTracker
 from hybrid.parallel.shared_input import column_pair
+from hybrid.parallel.tp_spec import TPSpec, set_tp_spec
 from hybrid.parallel.wgrad import linear
-
-
-@dataclass(frozen=True)
-class TPSpec:
-    """How one parameter is laid out over the tensor-parallel group.
-
-    Attributes:
-        split_dim: dimension split across TP ranks, or ``None`` for a replicated parameter.
-        full_shape: global shape without padding (what a single-process model holds).
-        padded_size: global size along ``split_dim`` after padding to a multiple of ``tp_size``
-            (equal to ``full_shape[split_dim]`` when nothing is padded).
-        tp_rank: this rank's index in the TP group.
-        tp_size: TP group size.
-    """
-
-    split_dim: int | None
-    full_shape: tuple[int, ...]
-    padded_size: int
-    tp_rank: int
-    tp_size: int
-
-    @property
-    def replicated(self) -> bool:
-        return self.split_dim is None
-
-    def local_range(self) -> tuple[int, int]:
-        """``[start, stop)`` of this rank's shard along ``split_dim``, in padded coordinates."""
-        if self.replicated:
-            return 0, 0
-        per = self.padded_size // self.tp_size
-        return self.tp_rank * per, (self.tp_rank + 1) * per
-
-    def real_local_size(self) -> int:
-        """Rows of this rank's shard that are real (not padding) along ``split_dim``."""
-        start, stop = self.local_range()
-        return max(0, min(stop, self.full_shape[self.split_dim]) - start)
-
-    def real_numel(self) -> int:
-        """Elements of the local shard that are not padding (all of them when replicated)."""
-        n = 1
-        for d, size in enumerate(self.full_shape):
-            n *= self.real_local_size() if d == self.split_dim else size
-        return n
-
-    def shard(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's (zero-padded) shard of the full tensor ``full`` (shape ``full_shape``)."""
-        if tuple(full.shape) != self.full_shape:
-            raise ValueError(f"expected a tensor of shape {self.full_shape}, got "
-                             f"{tuple(full.shape)}")
-        if self.replicated:
-            return full
-        start, stop = self.local_range()
-        real = self.real_local_size()
-        shape = list(full.shape)
-        shape[self.split_dim] = stop - start
-        out = full.new_zeros(shape)
-        if real > 0:
-            out.narrow(self.split_dim, 0, real).copy_(full.narrow(self.split_dim, start, real))
-        return out
-
-
-def get_tp_spec(param: torch.Tensor) -> TPSpec:
-    """The parameter's :class:`TPSpec`; a plain parameter counts as replicated on one rank."""
-    spec = getattr(param, "tp_spec", None)
-    if spec is None:
-        spec = TPSpec(None, tuple(param.shape), 0, 0, 1)
-    return spec
-
-
-def set_tp_spec(param: torch.Tensor, spec: TPSpec) -> None:
-    """Attach ``spec`` to ``param`` (``param.tp_spec``)."""
-    param.tp_spec = spec
 
 
 def _group_coords(group) -> tuple[int, int]:

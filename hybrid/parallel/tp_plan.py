@@ -49,10 +49,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from hybrid.parallel.grad_groups import group_tp_summed_grads
-from hybrid.parallel.layers import TPSpec, get_tp_spec, set_tp_spec
 from hybrid.parallel.ops import TPLedger
 from hybrid.parallel.rng import RNGTracker
 from hybrid.parallel.sequence import TP_COMM_OVERLAP_NEEDS_SP, sequence_parallel_active
+from hybrid.parallel.tp_spec import TPSpec, get_tp_spec, set_tp_spec
 from hybrid.parallel.tp_split import tp_split_refusal
 from hybrid.parallel.tp_styles import STYLES, Swap
 from hybrid.parallel.vocab import pad_vocab_size
