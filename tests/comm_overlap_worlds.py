@@ -16,9 +16,10 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hybrid.activation.config import ActivationConfig
-from hybrid.parallel.collective_matmul import gather_linear, linear_scatter
 from hybrid.parallel.grid import ProcessGrid
-from hybrid.parallel.ops import reduce_scatter_sequence, sequence_parallel_linear
+from hybrid.parallel.linear.collective_matmul import gather_linear, linear_scatter
+from hybrid.parallel.linear.functions import sequence_parallel_linear
+from hybrid.parallel.ops import reduce_scatter_sequence
 from hybrid.parallel.tp_plan import parallelize_gpt
 from hybrid.zero.config import OptimizerConfig, ZeroConfig
 from models.gpt import GPT, GPTConfig

@@ -15,7 +15,7 @@ import types
 import pytest
 import torch
 
-from hybrid.parallel import wgrad
+from hybrid.parallel.linear import gemm as wgrad
 from hybrid.parallel.spawn import spawn_world
 from hybrid.zero.config import ZeroConfig
 from hybrid.zero.reduce import wgrad_fusion

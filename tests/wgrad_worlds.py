@@ -90,7 +90,7 @@ def buffer_vs_exact(grid: ProcessGrid, fusion: bool) -> dict:
     from the 16-bit ``x`` and ``dy`` the layer saw: ``{name: (max |error|, max |exact|)}``."""
     import torch.distributed as dist
 
-    from hybrid.parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from hybrid.parallel.linear.modules import ColumnParallelLinear, RowParallelLinear
     from tests.zero_worlds import micro_batch
 
     zc = ZeroConfig(precision="bf16", gradient_accumulation_fusion=fusion, stage=0, **BASE)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from hybrid.parallel.ops import TPLedger, _all_reduce
+from hybrid.parallel.ops import TPLedger, _all_reduce, copy_to_tp
 
 
 class _SumOverTP(torch.autograd.Function):
@@ -112,3 +112,23 @@ def group_tp_summed_grads(model: nn.Module, group, ledger: TPLedger | None) -> i
             m.grad_group = shared
         made += 1
     return made
+
+
+def tp_summed(param: torch.Tensor, group, ledger: TPLedger | None = None) -> torch.Tensor:
+    """``param`` unchanged forward; its gradient all-reduced (summed) over ``group`` backward.
+
+    For a replicated parameter used on this rank's ``s/t`` slice under sequence parallelism:
+    each rank's gradient is the slice's part and the sum is the single-process gradient
+    (2205.05198 §4.2.2; Megatron-LM all-reduces LayerNorm gradients the same way). Recorded as
+    ``grad_all_reduce`` in the ledger.
+    """
+    return copy_to_tp(param, group, ledger, "grad_all_reduce")
+
+
+def _summed(module: nn.Module, name: str) -> torch.Tensor:
+    """:func:`tp_summed` of ``module``'s parameter ``name``, through the module's unit-wide group
+    when it has one (``hybrid.parallel.grad_groups``: one all-reduce per block instead of one
+    per parameter)."""
+    if module.grad_group is not None:
+        return module.grad_group.take(module, name)
+    return tp_summed(getattr(module, name), module.group, module.ledger)

@@ -19,14 +19,13 @@ import torch.nn as nn
 
 from hybrid.parallel.cross_entropy import VocabParallelLoss
 from hybrid.parallel.layers import (
-    ColumnParallelLinear,
     ParallelOutputLayer,
-    RowParallelLinear,
     SequenceParallelLayerNorm,
     SequenceParallelPositionEmbedding,
     TPRegionDropout,
     VocabParallelEmbedding,
 )
+from hybrid.parallel.linear.modules import ColumnParallelLinear, RowParallelLinear
 from hybrid.parallel.ops import TPLedger
 from hybrid.parallel.rng import RNGTracker
 from models.gpt import GPT

@@ -46,7 +46,7 @@ from collections import deque
 
 import torch
 
-from hybrid.parallel.wgrad import (
+from hybrid.parallel.linear.gemm import (
     attach_main_grad,
     detach_main_grad,
     gradient_in_main_grad,

@@ -38,6 +38,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from hybrid.parallel.linear.functions import (
+    sequence_parallel_linear,
+    sequence_parallel_linear_grads,
+)
+from hybrid.parallel.linear.gemm import linear, weight_grad
 from hybrid.parallel.ops import (
     SEQ_DIM,
     TPLedger,
@@ -46,10 +51,7 @@ from hybrid.parallel.ops import (
     _nbytes,
     all_gather_flat,
     reduce_scatter_sequence,
-    sequence_parallel_linear,
-    sequence_parallel_linear_grads,
 )
-from hybrid.parallel.wgrad import linear, weight_grad
 
 
 class _Ring:

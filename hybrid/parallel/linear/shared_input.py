@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hybrid.parallel.linear.gemm import linear, weight_grad
 from hybrid.parallel.ops import (
     TPLedger,
     _all_reduce_start,
@@ -30,7 +31,6 @@ from hybrid.parallel.ops import (
     _reduce_scatter_seq_start,
     all_gather_seq,
 )
-from hybrid.parallel.wgrad import linear, weight_grad
 
 
 def _input_grad(grads, weights) -> torch.Tensor:
