@@ -19,6 +19,9 @@ autograd has accumulated the partial gradients, i.e. on the gradient buffers the
 the data-parallel reduction reads them; that is the ZeRO engine's reduction order to own
 (Megatron-LM sums these gradients in its DDP buffers once backward ends), and it would hold back
 the overlap of those buckets' data-parallel reduction with the rest of backward.
+
+:func:`tp_summed` is the one-parameter form (one all-reduce of its own), and
+:func:`summed_param` what a module calls for each of its TP-summed parameters.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from hybrid.parallel.ops import TPLedger, _all_reduce, copy_to_tp
+from hybrid.parallel.ops import TPLedger, all_reduce_tp, copy_to_tp
 
 
 class _SumOverTP(torch.autograd.Function):
@@ -43,7 +46,7 @@ class _SumOverTP(torch.autograd.Function):
         out = list(grads)
         for dtype in dict.fromkeys(g.dtype for g in grads):
             idx = [i for i, g in enumerate(grads) if g.dtype == dtype]
-            flat = _all_reduce(torch.cat([grads[i].reshape(-1) for i in idx]), ctx.group,
+            flat = all_reduce_tp(torch.cat([grads[i].reshape(-1) for i in idx]), ctx.group,
                                ctx.ledger, "grad_all_reduce")
             for i, part in zip(idx, flat.split([grads[i].numel() for i in idx]), strict=True):
                 out[i] = part.view_as(grads[i])
@@ -125,10 +128,10 @@ def tp_summed(param: torch.Tensor, group, ledger: TPLedger | None = None) -> tor
     return copy_to_tp(param, group, ledger, "grad_all_reduce")
 
 
-def _summed(module: nn.Module, name: str) -> torch.Tensor:
-    """:func:`tp_summed` of ``module``'s parameter ``name``, through the module's unit-wide group
-    when it has one (``hybrid.parallel.grad_groups``: one all-reduce per block instead of one
-    per parameter)."""
+def summed_param(module: nn.Module, name: str) -> torch.Tensor:
+    """:func:`tp_summed` of ``module``'s parameter ``name`` (``module`` has ``group``, ``ledger``
+    and ``grad_group``), through the module's unit-wide :class:`TPSummedGroup` when it has one
+    (one all-reduce per block instead of one per parameter)."""
     if module.grad_group is not None:
         return module.grad_group.take(module, name)
     return tp_summed(getattr(module, name), module.group, module.ledger)

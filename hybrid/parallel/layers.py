@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from hybrid.parallel.grad_groups import _summed
+from hybrid.parallel.grad_groups import summed_param
 from hybrid.parallel.linear.functions import column_parallel_linear, sequence_parallel_linear
 from hybrid.parallel.ops import TPLedger, reduce_from_tp, reduce_scatter_sequence
 from hybrid.parallel.rng import RNGTracker
@@ -76,7 +76,9 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelOutputLayer(nn.Module):
-    """Local logits ``[b, s, V_padded / tp] = h @ W_i.T`` from replicated hidden ``[b, s, h]``.
+    """Local logits ``[b, s, V_padded / tp] = h @ W_i.T`` from replicated hidden ``[b, s, h]``:
+    a column-parallel linear (:mod:`hybrid.parallel.linear.functions`) on the vocabulary-split
+    weight it is given (the tied embedding's or the untied head's).
 
     The logits stay split: the vocab-parallel loss consumes them with all-reduces of ``b*s``
     values instead of gathering ``b*s*V`` logits (Megatron-LM §3). With ``sequence_parallel``
@@ -88,11 +90,10 @@ class ParallelOutputLayer(nn.Module):
         self.group = group
         self.sequence_parallel = sequence_parallel
         self.ledger = ledger
+        self._forward = sequence_parallel_linear if sequence_parallel else column_parallel_linear
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            return sequence_parallel_linear(hidden, weight, None, self.group, self.ledger)
-        return column_parallel_linear(hidden, weight, None, self.group, self.ledger)
+        return self._forward(hidden, weight, None, self.group, self.ledger)
 
 
 class TPRegionDropout(nn.Module):
@@ -121,7 +122,8 @@ class TPRegionDropout(nn.Module):
 
 class SequenceParallelLayerNorm(nn.Module):
     """A LayerNorm or RMSNorm whose replicated weight (and bias) — the same Parameter objects as
-    the module it replaces — get TP-summed gradients (:func:`tp_summed`).
+    the module it replaces — get TP-summed gradients
+    (:func:`hybrid.parallel.grad_groups.tp_summed`).
 
     Used where each TP rank normalises different data with the same weights: the ``[b, s/t, h]``
     slices of sequence parallelism, and the per-head q/k norms of ``qk_layernorm`` (each rank
@@ -152,8 +154,8 @@ class SequenceParallelLayerNorm(nn.Module):
         return [n for n in ("weight", "bias") if getattr(self, n) is not None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = None if self.weight is None else _summed(self, "weight")
-        b = None if self.bias is None else _summed(self, "bias")
+        w = None if self.weight is None else summed_param(self, "weight")
+        b = None if self.bias is None else summed_param(self, "bias")
         return self.norm.normalize(x, w, b)
 
 
@@ -184,4 +186,4 @@ class SequenceParallelPositionEmbedding(nn.Module):
             raise ValueError(f"sequence length {s} is not divisible by the TP size {self.size} "
                              "(sequence parallelism needs seq_length % tp == 0)")
         local = ids.narrow(-1, self.rank * (s // self.size), s // self.size)
-        return F.embedding(local, _summed(self, "weight"))
+        return F.embedding(local, summed_param(self, "weight"))

@@ -21,7 +21,9 @@ tensors into ``t`` contiguous chunks of ``s / t`` (rank r holds rows ``[r s/t, (
 or all-gather into an N-byte output ``(t-1)/t N``).
 
 :func:`all_gather_flat` is the one flat all-gather (no autograd) that ZeRO's ledger, the
-partitioned activation checkpoints and the sequence-parallel ops use.
+partitioned activation checkpoints and the sequence-parallel ops use. The launch-and-finish
+forms (:func:`all_reduce_start`, :func:`gather_seq_start`, :func:`reduce_scatter_seq_start`) are
+what the TP linears (:mod:`hybrid.parallel.linear`) overlap with their GEMMs.
 """
 
 from __future__ import annotations
@@ -64,49 +66,46 @@ class TPLedger:
         self.calls.clear()
 
 
-def _autocast_state(device: torch.device) -> tuple[str, bool, torch.dtype]:
-    """``(device type, autocast enabled, autocast dtype)`` of the running forward."""
-    return device.type, torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(
-        device.type)
-
-
-def _nbytes(x: torch.Tensor) -> int:
+def tensor_bytes(x: torch.Tensor) -> int:
+    """Bytes of ``x``'s elements (what a collective on it moves, before the ring factor)."""
     return x.numel() * x.element_size()
 
 
-def _all_reduce(x: torch.Tensor, group, ledger: TPLedger | None = None,
-                kind: str = "all_reduce") -> torch.Tensor:
+def all_reduce_tp(x: torch.Tensor, group, ledger: TPLedger | None = None,
+                  kind: str = "all_reduce") -> torch.Tensor:
+    """The sum of ``x`` over ``group`` (no autograd), in place in ``x`` when it is contiguous;
+    recorded as ``kind``. ``x`` itself at one rank."""
     n = dist.get_world_size(group)
     if n == 1:
         return x
     x = x.contiguous()
     if ledger is not None:
-        ledger.count(kind, _nbytes(x), n)
+        ledger.count(kind, tensor_bytes(x), n)
     dist.all_reduce(x, group=group)
     return x
 
 
-def _all_reduce_start(x: torch.Tensor, group, ledger: TPLedger | None = None,
-                      kind: str = "all_reduce"):
+def all_reduce_start(x: torch.Tensor, group, ledger: TPLedger | None = None,
+                     kind: str = "all_reduce"):
     """Launch the in-place sum of ``x`` (contiguous) over ``group``; its work handle, or None
     at one rank."""
     n = dist.get_world_size(group)
     if n == 1:
         return None
     if ledger is not None:
-        ledger.count(kind, _nbytes(x), n)
+        ledger.count(kind, tensor_bytes(x), n)
     return dist.all_reduce(x, group=group, async_op=True)
 
 
 def all_gather_seq(x: torch.Tensor, group, ledger: TPLedger | None = None,
                    kind: str = "all_gather", token_wise: bool = False) -> torch.Tensor:
     """``[b, s/t, ...]`` on each rank -> ``[b, s, ...]`` (rank-major along dim 1); no autograd.
-    ``token_wise``: the ``b s`` tokens in the gather's own order (see :func:`_gather_seq_start`)."""
-    return _gather_seq_start(x, group, ledger, kind, token_wise)()
+    ``token_wise``: the ``b s`` tokens in the gather's own order (see :func:`gather_seq_start`)."""
+    return gather_seq_start(x, group, ledger, kind, token_wise)()
 
 
-def _gather_seq_start(x: torch.Tensor, group, ledger: TPLedger | None, kind: str,
-                      token_wise: bool = False):
+def gather_seq_start(x: torch.Tensor, group, ledger: TPLedger | None, kind: str,
+                     token_wise: bool = False):
     """Launch :func:`all_gather_seq` asynchronously; returns ``finish()`` -> ``[b, s, ...]``.
 
     The gather lands rank-major (``[t, b, s/t, ...]``); with ``b == 1`` the ``[b, s, ...]``
@@ -121,7 +120,7 @@ def _gather_seq_start(x: torch.Tensor, group, ledger: TPLedger | None, kind: str
     x = x.contiguous()
     out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
     if ledger is not None:
-        ledger.count(kind, _nbytes(out), n)
+        ledger.count(kind, tensor_bytes(out), n)
     work = all_gather_flat(out, x, group, async_op=True)
 
     def finish() -> torch.Tensor:
@@ -133,7 +132,7 @@ def _gather_seq_start(x: torch.Tensor, group, ledger: TPLedger | None, kind: str
     return finish
 
 
-def _check_seq(x: torch.Tensor, n: int) -> int:
+def local_seq_len(x: torch.Tensor, n: int) -> int:
     """``s / n`` for ``x`` of ``[b, s, ...]``; ValueError when ``n`` does not divide ``s``."""
     s = x.shape[SEQ_DIM]
     if s % n:
@@ -148,11 +147,11 @@ def reduce_scatter_seq(x: torch.Tensor, group, ledger: TPLedger | None = None,
     Raises:
         ValueError: ``s`` is not divisible by the group size.
     """
-    return _reduce_scatter_seq_start(x, group, ledger, token_wise)()
+    return reduce_scatter_seq_start(x, group, ledger, token_wise)()
 
 
-def _reduce_scatter_seq_start(x: torch.Tensor, group, ledger: TPLedger | None,
-                              token_wise: bool = False):
+def reduce_scatter_seq_start(x: torch.Tensor, group, ledger: TPLedger | None,
+                             token_wise: bool = False):
     """Launch :func:`reduce_scatter_seq` asynchronously; returns ``finish()`` -> ``[b, s/t, ...]``.
 
     The collective reads its input rank-major: with ``b == 1`` the ``s`` rows already are, so
@@ -163,7 +162,7 @@ def _reduce_scatter_seq_start(x: torch.Tensor, group, ledger: TPLedger | None,
     n = dist.get_world_size(group)
     if n == 1:
         return lambda: x
-    _check_seq(x, n)
+    local_seq_len(x, n)
     if x.shape[0] == 1 or token_wise:
         inp = x.contiguous().view(n, *x.shape[:SEQ_DIM], x.shape[SEQ_DIM] // n,
                                   *x.shape[SEQ_DIM + 1:])
@@ -171,7 +170,7 @@ def _reduce_scatter_seq_start(x: torch.Tensor, group, ledger: TPLedger | None,
         inp = torch.stack(x.chunk(n, dim=SEQ_DIM))  # [t, b, s/t, ...], rank-major, contiguous
     out = torch.empty(inp.shape[1:], dtype=x.dtype, device=x.device)
     if ledger is not None:
-        ledger.count("reduce_scatter", _nbytes(inp), n)
+        ledger.count("reduce_scatter", tensor_bytes(inp), n)
     work = reduce_scatter_flat(out, inp.flatten(0, 1), group, async_op=True)
 
     def finish() -> torch.Tensor:
@@ -189,7 +188,7 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad.clone(), ctx.group, ctx.ledger, ctx.kind), None, None, None
+        return all_reduce_tp(grad.clone(), ctx.group, ctx.ledger, ctx.kind), None, None, None
 
 
 class _ReduceFromTP(torch.autograd.Function):
@@ -198,9 +197,9 @@ class _ReduceFromTP(torch.autograd.Function):
         if dist.get_world_size(group) == 1:
             return x
         if x.is_leaf or x._base is not None or not x.is_contiguous():
-            return _all_reduce(x.clone(), group, ledger)  # not ours to overwrite
+            return all_reduce_tp(x.clone(), group, ledger)  # not ours to overwrite
         ctx.mark_dirty(x)  # an intermediate (the row-parallel matmul's output): sum in place
-        return _all_reduce(x, group, ledger)
+        return all_reduce_tp(x, group, ledger)
 
     @staticmethod
     def backward(ctx, grad):
@@ -276,5 +275,5 @@ def reduce_scatter_sequence(x: torch.Tensor, group, ledger: TPLedger | None = No
                             token_wise: bool = False) -> torch.Tensor:
     """``[b, s, h]`` partial sums -> this rank's ``[b, s/t, h]`` of the sum by reduce-scatter;
     all-gather of the gradient backward ("g-bar"). ``token_wise``: ``x`` holds its tokens in
-    rank-major order (:func:`_gather_seq_start`), and so does the gradient's gather."""
+    rank-major order (:func:`gather_seq_start`), and so does the gradient's gather."""
     return _ReduceScatterSequence.apply(x, group, ledger, token_wise)

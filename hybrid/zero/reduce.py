@@ -46,11 +46,11 @@ from collections import deque
 
 import torch
 
-from hybrid.parallel.linear.gemm import (
+from hybrid.parallel.linear.gemm import wgrad_kernel
+from hybrid.parallel.linear.main_grad import (
     attach_main_grad,
     detach_main_grad,
     gradient_in_main_grad,
-    wgrad_kernel,
 )
 from hybrid.zero.comm import DPComm
 from hybrid.zero.layout import PartitionLayout

@@ -1,10 +1,19 @@
-"""The autograd functions of the column-parallel linear, with their collectives in bulk.
+"""The tensor-parallel linears with their collectives in bulk: one collective per GEMM input or
+output, overlapped in backward with a GEMM that does not need it (as Megatron-LM does).
 
-Megatron-LM paper (arXiv 1909.08053) §3, Figure 3: a column-parallel linear on a replicated input
-all-reduces its input gradient in backward ("f"); on a sequence-parallel input (Korthikanti et
-al. 2022, arXiv 2205.05198, §4.2.2, Figure 5) it all-gathers the input along the sequence forward
-("g") and reduce-scatters the input gradient backward. Each backward overlaps its collective with
-a GEMM, as Megatron-LM does. The pipelined (ring) forms are in
+Megatron-LM paper (arXiv 1909.08053) §3, Figure 3, and its sequence-parallel form (Korthikanti et
+al. 2022, arXiv 2205.05198, §4.2.2, Figure 5):
+
+- :func:`column_parallel_linear`: a replicated input; backward all-reduces the input gradient
+  ("f") during the weight-gradient GEMM.
+- :func:`sequence_parallel_linear`: a ``[b, s/t, in]`` input all-gathered along the sequence
+  ("g"); backward re-gathers the stored slice during the input-gradient GEMM and reduce-scatters
+  the input gradient during the weight-gradient GEMM.
+- :func:`linear_all_reduce` and :func:`linear_reduce_scatter`: the row-parallel product, summed
+  over the group ("f-bar"), or reduce-scattered along the sequence ("g-bar").
+
+Every GEMM and every cast is :mod:`hybrid.parallel.linear.gemm`'s (one :class:`CastPolicy` per
+forward, kept for its backward). The pipelined (ring) forms of ``--tp-comm-overlap`` are
 :mod:`hybrid.parallel.linear.collective_matmul`.
 """
 
@@ -13,15 +22,34 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from hybrid.parallel.linear.gemm import linear, weight_grad
+from hybrid.parallel.linear.gemm import CastPolicy, cast_policy, linear
 from hybrid.parallel.ops import (
     TPLedger,
-    _all_reduce_start,
-    _autocast_state,
-    _gather_seq_start,
-    _reduce_scatter_seq_start,
     all_gather_seq,
+    all_reduce_start,
+    gather_seq_start,
+    reduce_from_tp,
+    reduce_scatter_seq_start,
+    reduce_scatter_sequence,
 )
+
+
+def sequence_parallel_linear_grads(x: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor,
+                                   group, ledger: TPLedger | None, token_wise: bool,
+                                   has_bias: bool, policy: CastPolicy, x_dtype: torch.dtype):
+    """``(grad_x [b, s/t, in], grad_w [out_local, in], grad_b or None)`` of a column-parallel
+    linear on a sequence-parallel input ``x`` (``[b, s/t, in]``, as stored: cast by ``policy``),
+    from its output gradient ``grad`` (``[b, s, out_local]``): the re-gather of ``x`` runs during
+    the input-gradient GEMM, the input gradient's reduce-scatter during the weight-gradient GEMM
+    (2205.05198 §4.2.2; Megatron-LM's overlap). The input gradient is summed in the GEMMs' dtype
+    and returned in ``x_dtype`` (the forward input's)."""
+    grad = policy.cast_grad(grad, weight)
+    gathered = gather_seq_start(x, group, ledger, "regather", token_wise)
+    scatter = reduce_scatter_seq_start(policy.dgrad(grad, weight), group, ledger, token_wise)
+    full = gathered()
+    g2 = grad.reshape(-1, grad.shape[-1])
+    grad_w = policy.wgrad(g2, full.reshape(-1, full.shape[-1]), weight)
+    return scatter().to(x_dtype), grad_w, g2.sum(0) if has_bias else None
 
 
 class _SequenceParallelLinear(torch.autograd.Function):
@@ -31,39 +59,21 @@ class _SequenceParallelLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, group, ledger, token_wise):
+        policy = cast_policy(x.device)
         ctx.group, ctx.ledger, ctx.has_bias = group, ledger, bias is not None
-        ctx.autocast, ctx.token_wise = _autocast_state(x.device), token_wise
+        ctx.policy, ctx.token_wise, ctx.x_dtype = policy, token_wise, x.dtype
+        x, weight = policy.cast_input(x), policy.cast_weight(weight)
         ctx.save_for_backward(x, weight)
-        return torch.nn.functional.linear(
-            all_gather_seq(x, group, ledger, token_wise=token_wise), weight, bias)
+        return policy.forward(all_gather_seq(x, group, ledger, token_wise=token_wise), weight,
+                              policy.cast_bias(bias))
 
     @staticmethod
     def backward(ctx, grad):
-        # Under autocast as the forward ran (what torch.amp.custom_bwd does, for any device),
-        # and overlapped as in Megatron-LM: the re-gather runs during the input-gradient GEMM,
-        # the input gradient's reduce-scatter during the weight-gradient GEMM.
         x, weight = ctx.saved_tensors
-        kind, enabled, dtype = ctx.autocast
-        with torch.autocast(kind, dtype=dtype, enabled=enabled):
-            return (*sequence_parallel_linear_grads(x, weight, grad, ctx.group, ctx.ledger,
-                                                    ctx.token_wise, ctx.has_bias),
-                    None, None, None)
-
-
-def sequence_parallel_linear_grads(x: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor,
-                                   group, ledger: TPLedger | None, token_wise: bool,
-                                   has_bias: bool):
-    """``(grad_x [b, s/t, in], grad_w [out_local, in], grad_b or None)`` of a column-parallel
-    linear on a sequence-parallel input ``x`` (``[b, s/t, in]``, as stored), from its output
-    gradient ``grad`` (``[b, s, out_local]``): the re-gather of ``x`` runs during the
-    input-gradient GEMM, the input gradient's reduce-scatter during the weight-gradient GEMM
-    (2205.05198 §4.2.2; Megatron-LM's overlap)."""
-    gathered = _gather_seq_start(x, group, ledger, "regather", token_wise)
-    scatter = _reduce_scatter_seq_start(grad.matmul(weight), group, ledger, token_wise)
-    full = gathered()
-    g2 = grad.reshape(-1, grad.shape[-1])
-    grad_w = weight_grad(g2, full.reshape(-1, full.shape[-1]), weight)
-    return scatter(), grad_w, g2.sum(0) if has_bias else None
+        return (*sequence_parallel_linear_grads(x, weight, grad, ctx.group, ctx.ledger,
+                                                ctx.token_wise, ctx.has_bias, ctx.policy,
+                                                ctx.x_dtype),
+                None, None, None)
 
 
 class _ColumnParallelLinear(torch.autograd.Function):
@@ -75,30 +85,26 @@ class _ColumnParallelLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, group, ledger):
-        # Autocast's casts made by hand (what it does to F.linear's arguments) so that the
-        # 16-bit copies, not the fp32 input, are what backward keeps, as F.linear keeps them.
-        kind, enabled, dtype = _autocast_state(x.device)
+        policy = cast_policy(x.device)
         ctx.group, ctx.ledger, ctx.has_bias = group, ledger, bias is not None
-        ctx.x_dtype = x.dtype
-        if enabled and x.is_floating_point():
-            x, weight = x.to(dtype), weight.to(dtype)
-            bias = None if bias is None else bias.to(dtype)
+        ctx.policy, ctx.x_dtype = policy, x.dtype
+        x, weight = policy.cast_input(x), policy.cast_weight(weight)
         ctx.save_for_backward(x, weight)
-        with torch.autocast(kind, enabled=False):
-            return torch.nn.functional.linear(x, weight, bias)
+        return policy.forward(x, weight, policy.cast_bias(bias))
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        grad = grad.to(weight.dtype)
+        policy = ctx.policy
+        grad = policy.cast_grad(grad, weight)
         # The sum runs in the input's dtype, as when the all-reduce followed autocast's cast
         # back (the same bytes and rounding as an all-reduce after F.linear's backward).
         grad_x = work = None
         if ctx.needs_input_grad[0]:  # as "f" before the linear: no input gradient, no sum
-            grad_x = grad.matmul(weight).to(ctx.x_dtype)
-            work = _all_reduce_start(grad_x, ctx.group, ctx.ledger)
+            grad_x = policy.dgrad(grad, weight).to(ctx.x_dtype)
+            work = all_reduce_start(grad_x, ctx.group, ctx.ledger)
         g2 = grad.reshape(-1, grad.shape[-1])
-        grad_w = weight_grad(g2, x.reshape(-1, x.shape[-1]), weight)
+        grad_w = policy.wgrad(g2, x.reshape(-1, x.shape[-1]), weight)
         grad_b = g2.sum(0) if ctx.has_bias else None
         if work is not None:
             work.wait()
@@ -106,13 +112,16 @@ class _ColumnParallelLinear(torch.autograd.Function):
 
 
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                           group, ledger: TPLedger | None = None) -> torch.Tensor:
+                           group, ledger: TPLedger | None = None,
+                           token_wise: bool = False) -> torch.Tensor:
     """Column-parallel linear on a replicated input: ``[..., in]`` -> ``[..., out_local]``.
 
     Forward is ``F.linear``; backward all-reduces the input gradient over ``group`` ("f") while
     the weight gradient is computed (launched before that GEMM, waited after it). Equal, bit
     for bit on CPU, to ``F.linear(copy_to_tp(x, group), weight, bias)``, with or without
-    autocast. At one rank it is ``F.linear``.
+    autocast. At one rank it is :func:`hybrid.parallel.linear.gemm.linear`. ``token_wise`` is
+    without effect (no sequence split; taken so that every column-parallel form has one
+    signature).
     """
     if dist.get_world_size(group) == 1:
         return linear(x, weight, bias)
@@ -128,7 +137,29 @@ def sequence_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.
     Forward all-gathers the input along the sequence ("g"); backward reduce-scatters the input
     gradient and re-gathers the stored ``s/t`` input for the weight gradient. ``token_wise``:
     the output's tokens in the gather's rank-major order, no reordering copy at ``b > 1`` in
-    either direction (:func:`_gather_seq_start`; for the MLP, whose row-parallel end
-    reduce-scatters ``token_wise`` too).
+    either direction (:func:`hybrid.parallel.ops.gather_seq_start`; for the MLP, whose
+    row-parallel end reduce-scatters ``token_wise`` too). Under autocast the input is cast
+    before the gather, so the collectives move the 16-bit copy.
     """
     return _SequenceParallelLinear.apply(x, weight, bias, group, ledger, token_wise)
+
+
+def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor, group,
+                      ledger: TPLedger | None = None, token_wise: bool = False) -> torch.Tensor:
+    """Row-parallel linear without its bias: ``[..., in_local]`` -> ``[..., out]``, the sum over
+    ``group`` of this rank's product (``reduce_from_tp``, "f-bar"). ``token_wise`` is without
+    effect (one signature with :func:`linear_reduce_scatter`)."""
+    return reduce_from_tp(linear(x, weight), group, ledger)
+
+
+def linear_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group,
+                          ledger: TPLedger | None = None,
+                          token_wise: bool = False) -> torch.Tensor:
+    """Row-parallel linear without its bias under sequence parallelism: ``[b, s, in_local]`` ->
+    this rank's ``[b, s/t, out]`` of the sum (``reduce_scatter_sequence``, "g-bar"; ``token_wise``
+    as there).
+
+    Raises:
+        ValueError: ``s`` is not divisible by the group size.
+    """
+    return reduce_scatter_sequence(linear(x, weight), group, ledger, token_wise)

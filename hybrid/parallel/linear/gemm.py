@@ -1,13 +1,35 @@
-"""The weight-gradient GEMM of the tensor-parallel linears, accumulated straight into an fp32
-main gradient (Megatron-LM's ``--gradient-accumulation-fusion``).
+"""The one home of a tensor-parallel linear's GEMMs: how its operands are cast and multiplied.
 
-A linear ``y = x W^T`` has the weight gradient ``dW = dy^T x`` (``[out, in]`` from ``dy``
-``[tokens, out]`` and ``x`` ``[tokens, in]``; arXiv 1909.08053 §3 for its sharded forms). With
-16-bit parameters and an fp32 gradient buffer (``--bf16`` without ``--grad-reduce-in-bf16``)
-autograd would round ``dW`` to 16 bits, store it as ``p.grad`` and the ZeRO engine's hook would
-add it into the buffer: a weight-sized 16-bit tensor written, read back, and an extra kernel per
-parameter. Here the GEMM adds its fp32 accumulator into the buffer instead, ``main += dy^T x``,
-with a GEMM that reads 16-bit operands and writes fp32 (:func:`accumulate_wgrad`):
+Every TP linear (:mod:`hybrid.parallel.linear`: column, row and sequence parallel, the
+shared-input pair, the rings of ``--tp-comm-overlap``, the output layer) runs its GEMMs through a
+:class:`CastPolicy` taken when its forward runs (:func:`cast_policy`) and kept for its backward:
+
+- the casts: :meth:`CastPolicy.cast_input`, :meth:`~CastPolicy.cast_weight`,
+  :meth:`~CastPolicy.cast_bias` before the forward GEMM, :meth:`~CastPolicy.cast_grad` before the
+  backward ones;
+- the GEMMs: :meth:`~CastPolicy.forward` (``y = x W^T + b``), :meth:`~CastPolicy.dgrad`
+  (``dx = dy W``), :meth:`~CastPolicy.wgrad` (``dW = dy^T x``, or accumulated into an fp32
+  main gradient, below) and the rings' chunk GEMMs (:meth:`~CastPolicy.chunk_mm`, ``out=``
+  forms, and :meth:`~CastPolicy.chunk_linear`); arXiv 1909.08053 §3 for their sharded forms.
+
+Today's policy is autocast's casts made by hand: with ``torch.autocast`` on, the input, weight
+and bias are cast to the autocast dtype before the GEMM, which then runs with autocast off. By
+hand so that the 16-bit copies, not the fp32 tensors, are what backward keeps (as ``F.linear``
+under autocast keeps them), what the sequence-parallel collectives move, and what the ``out=``
+GEMMs (which autocast does not cast) read; the products are those of ``F.linear`` under
+autocast, bit for bit. Without autocast the operands are used as they come. A policy for
+another number format (FP8) is a subclass that overrides these methods, returned by
+:func:`cast_policy`; no TP linear casts or multiplies anywhere else.
+
+Weight-gradient accumulation (Megatron-LM's ``--gradient-accumulation-fusion``). A linear's
+weight gradient is ``dW = dy^T x`` (``[out, in]`` from ``dy`` ``[tokens, out]`` and ``x``
+``[tokens, in]``). With 16-bit parameters and an fp32 gradient buffer (``--bf16`` without
+``--grad-reduce-in-bf16``) autograd would round ``dW`` to 16 bits, store it as ``p.grad`` and the
+ZeRO engine's hook would add it into the buffer: a weight-sized 16-bit tensor written, read back,
+and an extra kernel per parameter. Here the GEMM adds its fp32 accumulator into the buffer
+instead, ``main += dy^T x``, with a GEMM that reads 16-bit operands and writes fp32
+(:func:`accumulate_wgrad`; the handshake with the buffer's owner is
+:mod:`hybrid.parallel.linear.main_grad`):
 
 - CUDA: apex's ``fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32`` when importable (the
   kernel Megatron-LM calls), else torch's ``addmm(..., out_dtype=torch.float32)`` into the buffer
@@ -18,28 +40,18 @@ with a GEMM that reads 16-bit operands and writes fp32 (:func:`accumulate_wgrad`
   same arithmetic up to the order of the sums. The copies are made for a slice of the tokens at
   a time, ``max(1, out in / (2 (out + in)))`` rows, so they hold no more bytes than the 16-bit
   ``dW`` they replace (beyond one token's row; the default dry run, on CPU, measures them).
-
-The protocol with the gradient owner (``hybrid.zero.reduce``), Megatron-LM's: the owner sets
-``p.main_grad`` (:func:`attach_main_grad`), an fp32 view of its buffer; a wgrad site that
-accumulates into it sets ``p.grad_added_to_main_grad`` and returns a placeholder for autograd,
-so that the parameter's ``AccumulateGrad`` and its post-accumulate-grad hook still run (bucket
-readiness needs them): a zero-copy 16-bit view of the main gradient's own bytes that nothing
-reads, or real zeros when the parameter has other gradient sources (``p.zero_out_wgrad``: the
-tied embedding, whose lookup gradient autograd adds to it). The owner's hook then drops
-``p.grad`` without adding it (:func:`gradient_in_main_grad`), or adds it for ``zero_out_wgrad``.
-
-Every wgrad site calls :func:`weight_grad` (the custom TP autograd functions) or :func:`linear`
-(where a plain ``F.linear`` ran). A weight with a gradient hook (``Tensor.register_hook``, e.g. a
-test injecting an overflow) keeps the unfused path while it has one: the hook must see, and may
-change, its gradient.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from hybrid.parallel.linear.main_grad import fused_main_grad, placeholder
 
 APEX_KERNEL = "apex fused_weight_gradient_mlp_cuda"
 TORCH_KERNEL = "torch addmm out_dtype=float32"
@@ -93,87 +105,140 @@ def accumulate_wgrad(main: torch.Tensor, grad2d: torch.Tensor, input2d: torch.Te
             main.addmm_(grad2d[a:a + rows].t().float(), input2d[a:a + rows].float())
 
 
-def attach_main_grad(p: torch.Tensor, main: torch.Tensor) -> None:
-    """Make ``main`` (fp32, ``p``'s shape) the buffer ``p``'s weight-gradient GEMMs add into."""
-    p.main_grad = main
-    p.grad_added_to_main_grad = False
-
-
-def detach_main_grad(p: torch.Tensor) -> None:
-    """Undo :func:`attach_main_grad` (the owner is closed)."""
-    for name in ("main_grad", "grad_added_to_main_grad"):
-        p.__dict__.pop(name, None)
-
-
-def gradient_in_main_grad(p: torch.Tensor) -> bool:
-    """For the gradient owner's hook: True when a GEMM accumulated ``p``'s gradient into
-    ``p.main_grad`` and ``p.grad`` is a placeholder to drop; False when ``p.grad`` is to be
-    added (no GEMM did, or ``p.zero_out_wgrad``: it holds the other sources' sum). Resets the
-    flag for the next backward."""
-    if not getattr(p, "grad_added_to_main_grad", False):
-        return False
-    p.grad_added_to_main_grad = False
-    return not getattr(p, "zero_out_wgrad", False)
-
-
-def _placeholder(weight: torch.Tensor, main: torch.Tensor) -> torch.Tensor:
-    """What autograd receives as ``weight``'s gradient once the GEMM went into ``main``: zeros
-    (``zero_out_wgrad``) or a contiguous ``weight``-dtype view of ``main``'s first bytes, which
-    ``AccumulateGrad`` takes as ``p.grad`` without a copy and the owner's hook drops unread."""
-    if getattr(weight, "zero_out_wgrad", False):
-        return torch.zeros_like(weight)
-    flat = main.reshape(-1).view(weight.dtype)
-    return flat[:weight.numel()].view(weight.shape)
-
-
-def _fused(weight: torch.Tensor) -> torch.Tensor | None:
-    """``weight``'s main grad when its weight gradient goes there (a ``main_grad`` of another
-    dtype, no gradient hook on it), else None."""
-    main = getattr(weight, "main_grad", None)
-    if main is None or main.dtype == weight.dtype or weight._backward_hooks:
-        return None
-    return main
-
-
 def weight_grad(grad2d: torch.Tensor, input2d: torch.Tensor,
                 weight: torch.Tensor) -> torch.Tensor:
     """``dW = grad2d^T @ input2d`` (``[out, in]``) for autograd to accumulate, or, when
     ``weight`` (the parameter itself) has a ``main_grad`` of another dtype and no gradient hook,
-    that GEMM added into it in fp32 and a placeholder returned (module docstring). ``grad2d``
-    ``[tokens, out]``, ``input2d`` ``[tokens, in]``."""
-    main = _fused(weight)
+    that GEMM added into it in fp32 and a placeholder returned (module docstring;
+    :mod:`hybrid.parallel.linear.main_grad`). ``grad2d`` ``[tokens, out]``, ``input2d``
+    ``[tokens, in]``."""
+    main = fused_main_grad(weight)
     if main is None:
         return grad2d.t().matmul(input2d)
     accumulate_wgrad(main, grad2d, input2d)
-    weight.grad_added_to_main_grad = True
-    return _placeholder(weight, main)
+    return placeholder(weight, main)
+
+
+@dataclass(frozen=True)
+class CastPolicy:
+    """How a TP linear's operands are prepared for its GEMMs, and the GEMMs themselves (module
+    docstring): autocast's casts by hand.
+
+    Attributes:
+        device_type: the device type of the forward (``"cuda"``, ``"cpu"``, ...).
+        dtype: the autocast dtype the operands are cast to, or None (autocast off: operands as
+            they come, every GEMM exactly the plain op).
+    """
+
+    device_type: str
+    dtype: torch.dtype | None = None
+
+    @property
+    def as_they_come(self) -> bool:
+        """True when the GEMMs read the operands themselves (no cast: autocast is off)."""
+        return self.dtype is None
+
+    def _cast(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None or self.as_they_come or not t.is_floating_point():
+            return t
+        return t.to(self.dtype)
+
+    def cast_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The forward GEMM's input ``[..., in]`` as the GEMM reads it (and backward keeps it)."""
+        return self._cast(x)
+
+    def cast_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """The weight ``[out, in]`` as the GEMMs read it (and backward keeps it)."""
+        return self._cast(weight)
+
+    def cast_bias(self, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """The bias ``[out]`` (or None) as the forward GEMM adds it."""
+        return self._cast(bias)
+
+    def cast_grad(self, grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The output gradient ``[..., out]`` in the dtype of the (cast) ``weight``, for the
+        backward GEMMs."""
+        return grad.to(weight.dtype)
+
+    def _gemm(self):
+        """The context of a GEMM on cast operands: autocast off when the casts were made here."""
+        if self.as_they_come:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, enabled=False)
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x W^T + b``: ``[..., in]`` -> ``[..., out]`` (``F.linear``)."""
+        with self._gemm():
+            return F.linear(x, weight, bias)
+
+    def dgrad(self, grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The input gradient ``dy W``: ``[..., out]`` -> ``[..., in]``."""
+        with self._gemm():
+            return grad.matmul(weight)
+
+    def wgrad(self, grad2d: torch.Tensor, input2d: torch.Tensor,
+              weight: torch.Tensor) -> torch.Tensor:
+        """The weight gradient ``dy^T x`` (``[out, in]``) of ``grad2d`` ``[tokens, out]`` and
+        ``input2d`` ``[tokens, in]``, or its placeholder once accumulated into ``weight``'s main
+        grad (:func:`weight_grad`)."""
+        with self._gemm():
+            return weight_grad(grad2d, input2d, weight)
+
+    def chunk_mm(self, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
+                 out: torch.Tensor) -> torch.Tensor:
+        """``out = a @ b (+ bias)`` in place: one ring chunk's GEMM, ``a`` ``[rows, k]``, ``b``
+        ``[k, n]``, ``out`` ``[rows, n]`` (a view of the ring's output)."""
+        with self._gemm():
+            if bias is None:
+                return torch.mm(a, b, out=out)
+            return torch.addmm(bias, a, b, out=out)
+
+    def chunk_linear(self, chunk: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``chunk W^T`` without bias: ``[..., in]`` -> ``[..., out]``, for a chunk that is a
+        strided view of the layer's input (the reduce-scatter ring's partial sums)."""
+        with self._gemm():
+            return torch.matmul(chunk, weight.t())
+
+
+def cast_policy(device: torch.device) -> CastPolicy:
+    """The :class:`CastPolicy` of a forward running now on ``device``: the autocast dtype when
+    autocast is on there, else none (and none on a device without autocast, e.g. ``meta``)."""
+    kind = device.type
+    if not torch.amp.is_autocast_available(kind) or not torch.is_autocast_enabled(kind):
+        return CastPolicy(kind)
+    return CastPolicy(kind, torch.get_autocast_dtype(kind))
 
 
 class _Linear(torch.autograd.Function):
     """``F.linear`` whose weight gradient goes through :func:`weight_grad`."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias):
+    def forward(ctx, x, weight, bias, policy):
         ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        return F.linear(x, weight, bias)
+        ctx.has_bias, ctx.policy = bias is not None, policy
+        return policy.forward(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         g2 = grad.reshape(-1, grad.shape[-1])
-        grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
-        grad_w = (weight_grad(g2, x.reshape(-1, x.shape[-1]), weight)
+        grad_x = ctx.policy.dgrad(grad, weight) if ctx.needs_input_grad[0] else None
+        grad_w = (ctx.policy.wgrad(g2, x.reshape(-1, x.shape[-1]), weight)
                   if ctx.needs_input_grad[1] else None)
-        return grad_x, grad_w, g2.sum(0) if ctx.has_bias else None
+        return grad_x, grad_w, g2.sum(0) if ctx.has_bias else None, None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor,
            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` (``[..., in]`` -> ``[..., out]``); when ``weight`` has a
-    ``main_grad`` of another dtype (and no gradient hook, no autocast is on), an autograd function
-    whose weight gradient accumulates into it (:func:`weight_grad`). Otherwise it is
+    """A TP linear's GEMM without a collective (the row-parallel product, any linear at one
+    rank): ``[..., in]`` -> ``[..., out]``, autograd's own ``F.linear`` on the
+    :func:`cast_policy`'s operands; when they are the parameters themselves and ``weight`` has
+    a ``main_grad`` of another dtype (and no gradient hook), an autograd function whose weight
+    gradient accumulates into it (:func:`weight_grad`). Without autocast or a main grad it is
     ``F.linear`` itself, bit for bit."""
-    if _fused(weight) is None or torch.is_autocast_enabled(x.device.type):
-        return F.linear(x, weight, bias)
-    return _Linear.apply(x, weight, bias)
+    policy = cast_policy(x.device)
+    if policy.as_they_come and fused_main_grad(weight) is not None:
+        return _Linear.apply(x, weight, bias, policy)
+    return policy.forward(policy.cast_input(x), policy.cast_weight(weight),
+                          policy.cast_bias(bias))
