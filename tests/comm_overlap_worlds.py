@@ -1,6 +1,6 @@
 """World functions for ``tests/test_tp_comm_overlap.py`` (spawned ranks; importable).
 
-``--tp-comm-overlap`` (:mod:`hybrid.parallel.collective_matmul`) against the plain
+``--tp-comm-overlap`` (:mod:`hybrid.parallel.linear.collective_matmul`) against the plain
 sequence-parallel run it replaces: same weights, batches and TP dropout streams (the rings draw
 no random numbers), trained through :func:`hybrid.parallelize.parallelize` and the ZeRO engine;
 and the collectives a block's forward waits on with nothing computed meanwhile.

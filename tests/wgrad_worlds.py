@@ -1,4 +1,5 @@
-"""World functions for the fused weight-gradient GEMM (issue 41 item 3, hybrid.parallel.wgrad):
+"""World functions for the fused weight-gradient GEMM (issue 41 item 3,
+hybrid.parallel.linear.gemm):
 bf16 training with ``--gradient-accumulation-fusion`` on and off over the paths that compute a
 weight gradient (the column/row-parallel functions, the SwiGLU pair, sequence parallelism and
 its rings, tp 1's plain linears, the tied and untied output layer), with micro-batch
