@@ -193,8 +193,9 @@ def _step_times(m: GPTConfig, cluster: Cluster, training: Training, gbs: int, tp
 
 def _wgrad_fused(training: Training) -> bool:
     """16-bit weights with fp32 gradients under ``--gradient-accumulation-fusion``: at stages 0/1
-    the weight-gradient GEMMs accumulate into the fp32 buffer (:mod:`hybrid.parallel.wgrad`;
-    assumes the device has such a GEMM, as CUDA torch and apex do)."""
+    the weight-gradient GEMMs accumulate into the fp32 buffer
+    (:mod:`hybrid.parallel.linear.main_grad`; assumes the device has such a GEMM, as CUDA torch
+    and apex do)."""
     return (training.zero.gradient_accumulation_fusion and not training.zero.grad_reduce_in_bf16
             and training.zero.precision != "fp32")
 
