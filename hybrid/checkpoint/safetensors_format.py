@@ -13,7 +13,9 @@ padded size with the grid (see :mod:`hybrid.checkpoint.fragments` for the geomet
 Loading fills each fragment this rank's optimizer updates by reading, from the shards that hold
 them, exactly the elements that overlap it, whatever (tp, dp, stage) saved the checkpoint; the
 reader counts the bytes. The 16/32-bit model weights are not stored: they are the master
-weights, rounded. RNG states are stored per rank (``rng/{name}``).
+weights, rounded. RNG states are stored per rank (``rng/{name}``). ``metadata.json`` says
+``ckpt_format: safetensors`` and ``format_version: 2``; checkpoints from before the format door
+have the version only, and are this format too.
 Format 1 checkpoints (equal ``dp`` cuts of every parameter, written before partition-wise
 saving) are read by the same code; :mod:`hybrid.checkpoint.format1` holds what differs.
 """
@@ -24,20 +26,31 @@ import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from hybrid.checkpoint.directory import (
-    iteration_of_dir,
-    latest_iteration,
-    read_metadata,
-    shard_name,
-)
+from hybrid.checkpoint import format1
+from hybrid.checkpoint.format import FORMAT_KEY, CheckpointFormat, RankPart
 from hybrid.checkpoint.fragments import FragmentReader, RankRows
+from hybrid.checkpoint.names import iteration_dir
+from hybrid.checkpoint.published import IncompleteCheckpointError, chosen_iteration, read_metadata
 from hybrid.checkpoint.stream import Entry, write_safetensors
+from hybrid.zero import state
 from hybrid.zero.state import KINDS, OwnedFragment
 
-__all__ = ["CheckpointReader", "shard_entries", "write_shard"]
+if TYPE_CHECKING:
+    from hybrid.parallel.grid import ProcessGrid
+    from hybrid.zero.engine import ZeroEngine
+
+NAME = "safetensors"
+FORMAT_VERSION = 2
+"""2: each rank stores its ZeRO partition's fragments (1: :mod:`hybrid.checkpoint.format1`)."""
+READABLE_VERSIONS = (format1.VERSION, FORMAT_VERSION)
+
+
+def shard_name(rank: int) -> str:
+    return f"rank_{rank:05d}.safetensors"
 
 
 def shard_entries(fragments: Iterable[OwnedFragment], tp_rank: int) -> tuple[list[Entry], dict]:
@@ -61,39 +74,79 @@ def shard_entries(fragments: Iterable[OwnedFragment], tp_rank: int) -> tuple[lis
 
 
 
-def write_shard(stage_dir: Path, rank: int, entries: list[Entry], layout: dict) -> None:
-    """Stream this rank's shard into ``stage_dir`` under a temporary name, then rename it."""
-    tmp = stage_dir / (shard_name(rank) + ".partial")
-    write_safetensors(tmp, entries, metadata={"layout": json.dumps(layout), "rank": str(rank)})
-    os.replace(tmp, stage_dir / shard_name(rank))
+class SafetensorsFormat(CheckpointFormat):
+    """``--ckpt-format safetensors`` (the default): one streamed safetensors shard per rank."""
 
+    name = NAME
+    description = ("this trainer's format: one safetensors file per rank holding its ZeRO "
+                   "partition, read on any grid")
+
+    def part(self, engine: ZeroEngine, grid: ProcessGrid,
+             rng: dict[str, torch.Tensor]) -> RankPart:
+        """This rank's fragments (:func:`shard_entries`) and RNG states (``rng/{name}``); the
+        header is the fragments' layout."""
+        entries, layout = shard_entries(state.owned_state(engine), grid.tp_rank)
+        entries += [Entry(f"rng/{key}", value.dtype, tuple(value.shape), lambda v=value: v)
+                    for key, value in rng.items()]
+        return RankPart(entries, {"layout": json.dumps(layout)})
+
+    def write(self, stage_dir: Path, rank: int, part: RankPart) -> None:
+        """Stream the shard into ``stage_dir`` under a temporary name, then rename it."""
+        tmp = stage_dir / (shard_name(rank) + ".partial")
+        write_safetensors(tmp, part.entries, metadata={**part.header, "rank": str(rank)})
+        os.replace(tmp, stage_dir / shard_name(rank))
+
+    def files(self, world_size: int) -> list[str]:
+        return [shard_name(r) for r in range(world_size)]
+
+    def reader(self, root: Path, iteration: int, meta: dict) -> CheckpointReader:
+        return CheckpointReader(root, iteration, meta)
+
+    def stamp(self) -> dict:
+        return {FORMAT_KEY: NAME, "format_version": FORMAT_VERSION}
+
+    def claims(self, meta: dict) -> bool:
+        """Named so, or written before ``metadata.json`` named formats (a version, no name)."""
+        return meta.get(FORMAT_KEY, NAME if "format_version" in meta else None) == NAME
+
+    def check(self, meta: dict, where: Path) -> None:
+        if meta.get("format_version") not in READABLE_VERSIONS:
+            raise IncompleteCheckpointError(f"{where}: format version "
+                                            f"{meta.get('format_version')}, this code reads "
+                                            f"versions {READABLE_VERSIONS}")
+
+
+SAFETENSORS = SafetensorsFormat()
 
 
 class CheckpointReader(FragmentReader):
-    """A published checkpoint, whatever its grid: reads parts or whole tensors by overlap.
+    """A published checkpoint of this format, whatever its grid: reads parts or whole tensors by
+    overlap (a :class:`hybrid.checkpoint.format.Reader`).
 
     Args:
         root: the checkpoint root (``--load``).
         iteration: which iteration (default: the latest complete one).
+        meta: its ``metadata.json`` when already read and checked (default: read it here).
 
     Raises:
         FileNotFoundError: no published checkpoint under ``root``.
-        hybrid.checkpoint.directory.IncompleteCheckpointError: metadata or a shard is missing,
-            or the shards' fragments do not cover every parameter.
+        hybrid.checkpoint.published.IncompleteCheckpointError: metadata or a shard is missing,
+            the checkpoint is of another format or version, or the shards' fragments do not
+            cover every parameter.
     """
 
-    def __init__(self, root: str | os.PathLike, iteration: int | None = None):
-        if iteration is None:
-            iteration = latest_iteration(root)
-            if iteration is None:
-                hint = ""
-                if (n := iteration_of_dir(root)) is not None:
-                    hint = (f"; {root} is one iteration's directory: give the checkpoint root "
-                            f"{Path(root).parent} and --iteration {n}")
-                raise FileNotFoundError(f"no complete checkpoint under {root} (no "
-                                        f"{root}/latest_checkpointed_iteration.txt){hint}")
+    def __init__(self, root: str | os.PathLike, iteration: int | None = None,
+                 meta: dict | None = None):
+        iteration = chosen_iteration(root, iteration)
+        if meta is None:
+            meta = read_metadata(root, iteration)
+            where = iteration_dir(root, iteration) / "metadata.json"
+            if not SAFETENSORS.claims(meta):
+                raise IncompleteCheckpointError(f"{where}: not a {NAME} checkpoint (its "
+                                                f"{FORMAT_KEY}: {meta.get(FORMAT_KEY)})")
+            SAFETENSORS.check(meta, where)
         self.root, self.iteration = Path(root), iteration
-        super().__init__(self.root / f"iter_{iteration:07d}", read_metadata(root, iteration))
+        super().__init__(iteration_dir(root, iteration), meta)
         self.dp = self.meta["grid"]["dp"]
 
     def param_names(self) -> list[str]:
