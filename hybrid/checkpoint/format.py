@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
     from hybrid.checkpoint.stream import Entry
     from hybrid.parallel.grid import ProcessGrid
-    from hybrid.parallel.layers import TPSpec
+    from hybrid.parallel.tp_spec import TPSpec
     from hybrid.zero.engine import ZeroEngine
 
 FORMAT_KEY = "ckpt_format"

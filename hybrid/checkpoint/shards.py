@@ -29,8 +29,8 @@ from hybrid.checkpoint.directory import publish, staging_dir
 from hybrid.checkpoint.registry import DEFAULT_FORMAT, format_named, open_checkpoint
 from hybrid.checkpoint.retention import Retention
 from hybrid.checkpoint.safetensors_format import CheckpointReader, shard_entries
-from hybrid.parallel.layers import get_tp_spec
 from hybrid.parallel.rng import capture_rng_states, restore_rng_states
+from hybrid.parallel.tp_spec import get_tp_spec
 from hybrid.zero import state
 from hybrid.zero.state import KINDS
 
