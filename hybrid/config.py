@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from hybrid.activation.config import ActivationConfig
 from hybrid.config_fields import ConfigError, arg, check_choice, check_int, check_number, fail
-from hybrid.devices import device_memory_gib
+from hybrid.devices import DEFAULT_RESERVED_GIB, device_memory_gib
 from hybrid.logging_config import LoggingConfig
 from hybrid.parallel import sequence
 from hybrid.parallel.kernels import FusionConfig
@@ -155,8 +155,8 @@ class DryRunConfig:
                                    "preset (default: A100-80GB)")
     gpu_memory_gib: float | None = arg(None, "dry run: GiB per GPU for its verdict (default: "
                                              "--device's)")
-    reserved_gib: float = arg(1.0, "dry run: GiB per GPU held back for the CUDA context, as "
-                                   "hybrid.plan --reserved-gib")
+    reserved_gib: float = arg(DEFAULT_RESERVED_GIB, "dry run: GiB per GPU held back for the CUDA "
+                                                    "context, as hybrid.plan --reserved-gib")
 
     def __post_init__(self) -> None:
         check_choice(self, "dry_run_device", ("cpu", "cuda"))

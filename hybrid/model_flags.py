@@ -1,22 +1,24 @@
 """Megatron-LM's model flags -> one :class:`models.config.GPTConfig`, for every command line.
 
 ``hybrid.pretrain`` (the ``ModelConfig`` section of its config tree) and ``hybrid.plan`` (its model
-argument group, :func:`add_model_args`, read into the same section by :func:`model_section`) both
-call :func:`resolve_model`, so ``--preset``, ``--num-query-groups``, ``--swiglu`` and the rest mean
-the same in both: a preset, the explicit shape and the architecture flags over it, resolved as
-Megatron-LM resolves them (``--group-query-attention``, ``--num-query-groups``, the RoPE flags),
-with the refusals that need no grid.
+argument group, :func:`add_model_args`, declared by the same fields and read into the same section
+by :func:`model_section`) both call :func:`resolve_model`, so ``--preset``,
+``--num-query-groups``, ``--swiglu`` and the rest mean the same in both: a preset, the explicit
+shape and the architecture flags over it, resolved as Megatron-LM resolves them
+(``--group-query-attention``, ``--num-query-groups``, the RoPE flags), with the refusals that
+need no grid.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
+import dataclasses
 from dataclasses import replace
 
-from hybrid.config import ModelConfig
+from hybrid.config import ModelConfig, TrainingConfig
 from hybrid.config_fields import ConfigError
-from models.config import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, GPTConfig, invalid_query_groups
+from hybrid.field_flags import add_field, key_of
+from models.config import GPTConfig, invalid_query_groups
 from models.presets import get_preset, training_defaults
 
 ROPE_FLAGS = ("rotary_base", "rotary_percent", "rotary_interleaved", "use_rope_scaling",
@@ -112,56 +114,59 @@ def _check_heads(heads: int, groups: int | None) -> None:
 
 _DIMS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size")
 
+PLAN_MODEL_FIELDS = ("preset", "num_layers", "hidden_size", "num_attention_heads",
+                     "ffn_hidden_size", "vocab_size", "seq_length", "max_position_embeddings",
+                     "untie_embeddings_and_output_weights", "position_embedding_type",
+                     "normalization", "swiglu", "group_query_attention", "num_query_groups",
+                     "kv_channels", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
+                     "hidden_dropout", "attention_dropout")
+"""The :class:`ModelConfig` fields whose flags ``hybrid.plan`` takes (its model group)."""
 
-def _finite(text: str) -> float:
-    """argparse type: a float that is a number (nan and inf would pass every comparison check)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
-    return value
+_PLAN_DEFAULTS = {
+    "seq_length": "the --model preset's own (GPT-3's 2048, Llama 3's 8192: "
+                  "models.presets.training_defaults), else 1024",
+    "hidden_dropout": "the --model preset's own (a Llama preset's 0), else Megatron-LM's 0.1; 0 "
+                      "with --attention-dropout 0: no masks, SDPA attention",
+    "attention_dropout": "the --model preset's own (a Llama preset's 0), else Megatron-LM's 0.1",
+    "vocab_size": "the preset's, else GPT-2's 50257",
+}
+"""``hybrid.plan``'s defaults where its model flags differ from ``hybrid.pretrain``'s (the
+training recipe a preset carries, :func:`apply_preset_defaults`; the vocabulary without a
+tokenizer)."""
+
+
+def _plan_reading(f) -> dict:
+    """What ``hybrid.plan`` changes of field ``f``'s flag (:func:`hybrid.field_flags.add_field`):
+    ``--model`` is its name for ``--preset``; ``--max-model`` searches the layer count; the
+    sequence length and dropouts default to the preset's recipe (None until
+    :func:`apply_preset_defaults`), the vocabulary to the preset's (:func:`resolve_model`)."""
+    if f.name == "preset":
+        return dict(flags=("--model",), dest="model")
+    if f.name == "num_layers":
+        return dict(help=f"{f.metadata['help']} (--max-model: searched)")
+    if f.name in _PLAN_DEFAULTS:
+        reading = dict(help=f"{f.metadata['help'].split(' (default')[0]} (hybrid.plan's "
+                            f"default: {_PLAN_DEFAULTS[f.name]})")
+        return reading | (dict(default=None) if f.name in MEGATRON_DEFAULTS else {})
+    return {}
 
 
 def add_model_args(g) -> None:
-    g.add_argument("--model", "--preset", dest="model",
-                   help="preset name (models.presets.get_preset; --preset as in hybrid.pretrain); "
-                   "dims below override")
-    g.add_argument("--num-layers", type=int, help="transformer blocks (--max-model: searched)")
-    g.add_argument("--hidden-size", type=int, help="model width h")
-    g.add_argument("--num-attention-heads", type=int, help="tp must divide it")
-    g.add_argument("--ffn-hidden-size", type=int, help="default 4 * hidden")
-    g.add_argument("--vocab-size", type=int, default=None, help="default 50257 (GPT-2)")
-    g.add_argument("--seq-length", type=int,
-                   help="tokens per sample s (default: 1024); with --model, the preset's own "
-                   "(GPT-3's 2048, Llama 3's 8192: models.presets.training_defaults)")
-    g.add_argument("--max-position-embeddings", type=int, help="default --seq-length")
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
-                   help="a separate output matrix (V x h more parameters)")
-    g.add_argument("--position-embedding-type", choices=POSITION_EMBEDDING_TYPES,
-                   help="rope and none have no position table (default: the preset's)")
-    g.add_argument("--normalization", choices=NORMALIZATIONS, help="default: the preset's")
-    g.add_argument("--swiglu", action="store_true", default=None,
-                   help="SwiGLU MLP (--ffn-hidden-size is each half)")
-    g.add_argument("--group-query-attention", action="store_true", default=None,
-                   help="K/V heads --num-query-groups (default 1)")
-    g.add_argument("--num-query-groups", type=int, help="K/V heads under GQA")
-    g.add_argument("--kv-channels", type=int, help="head size (default hidden / heads)")
-    g.add_argument("--disable-bias-linear", action="store_true", help="no linear biases")
-    g.add_argument("--add-qkv-bias", action="store_true", default=None, help="QKV bias only")
-    g.add_argument("--qk-layernorm", action="store_true", default=None, help="q/k norms")
-    g.add_argument("--hidden-dropout", type=_finite,
-                   help="0 with --attention-dropout 0: no masks, SDPA attention (default: 0.1, "
-                   "Megatron-LM's; a Llama --model preset's own 0)")
-    g.add_argument("--attention-dropout", type=_finite,
-                   help="see --hidden-dropout (default: 0.1; a Llama preset's 0)")
+    """``hybrid.plan``'s model flags: :data:`PLAN_MODEL_FIELDS` of ``hybrid.pretrain``'s
+    :class:`ModelConfig`, declared by their fields (:func:`_plan_reading` says what differs)."""
+    fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
+    for name in PLAN_MODEL_FIELDS:
+        add_field(g, fields[name], **_plan_reading(fields[name]))
 
 
-MEGATRON_DEFAULTS = {"seq_length": 1024, "hidden_dropout": 0.1, "attention_dropout": 0.1,
-                     "global_batch_size": None}
-"""``hybrid.plan``'s defaults for the training settings a preset may carry (Megatron-LM's; no
-global batch: the planner's is then micro-batch x GPUs)."""
+MEGATRON_DEFAULTS = {
+    **{f.name: f.default for f in dataclasses.fields(ModelConfig)
+       if f.name in ("seq_length", "hidden_dropout", "attention_dropout")},
+    "global_batch_size": next(f.default for f in dataclasses.fields(TrainingConfig)
+                              if f.name == "global_batch_size")}
+"""``hybrid.plan``'s defaults for the training settings a preset may carry: ``hybrid.pretrain``'s
+field defaults (Megatron-LM's: 1024 tokens, 0.1 dropout; no global batch: the planner's is then
+micro-batch x GPUs)."""
 
 
 def apply_preset_defaults(args: argparse.Namespace) -> dict:
@@ -212,15 +217,6 @@ def model_from_args(args: argparse.Namespace, required: bool) -> GPTConfig | Non
 
 def model_section(args: argparse.Namespace, num_layers: int | None) -> ModelConfig:
     """``hybrid.plan``'s model flags as ``hybrid.pretrain``'s :class:`ModelConfig` section."""
-    return ModelConfig(
-        preset=args.model, num_layers=num_layers, hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
-        seq_length=args.seq_length, max_position_embeddings=args.max_position_embeddings,
-        vocab_size=args.vocab_size, hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout,
-        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights or None,
-        position_embedding_type=args.position_embedding_type, normalization=args.normalization,
-        swiglu=args.swiglu, group_query_attention=args.group_query_attention,
-        num_query_groups=args.num_query_groups, kv_channels=args.kv_channels,
-        add_bias_linear=False if args.disable_bias_linear else None,
-        add_qkv_bias=args.add_qkv_bias, qk_layernorm=args.qk_layernorm)
+    given = {f.name: getattr(args, key_of(f)) for f in dataclasses.fields(ModelConfig)
+             if f.name in PLAN_MODEL_FIELDS and f.name != "preset"}  # --model
+    return ModelConfig(**{**given, "preset": args.model, "num_layers": num_layers})

@@ -39,7 +39,7 @@ def rows_of(runs, measured: list[dict]) -> list[dict]:
         meas = measured[0][run.name]
         rows.append(dict(
             run=run.name, stage=run.stage, tp=run.tp, dp=run.dp, precision=run.precision,
-            micro_batches=run.micro_batches, persist=run.param_persistence_threshold,
+            micro_batches=run.micro_batches, persist=run.zero.param_persistence_threshold,
             state_pred=pred["states"]["total"], state_meas=meas["states"]["total"],
             state_err=max((e["states.total"] for e in errs), key=abs),
             state_err_max_key=max((abs(v) for e in errs for k, v in e.items()

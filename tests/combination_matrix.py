@@ -193,10 +193,13 @@ def one_parser():
     about a few thousand configurations."""
     from unittest import mock
 
+    from hybrid import field_flags
     from hybrid.job import cli
 
+    annotation = functools.cache(field_flags.annotation)
     with (mock.patch.object(cli, "build_parser", functools.cache(cli.build_parser)),
-          mock.patch.object(cli, "_annotation", functools.cache(cli._annotation))):
+          mock.patch.object(cli, "annotation", annotation),
+          mock.patch.object(field_flags, "annotation", annotation)):
         yield
 
 

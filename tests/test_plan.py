@@ -23,6 +23,7 @@ from hybrid.planner.traffic import (
     tp_traffic_elements,
     vocab_parallel_cross_entropy_elements,
 )
+from hybrid.zero.config import ZeroConfig
 from tests.test_flops import gpt
 
 GB = 1e9
@@ -341,13 +342,14 @@ def test_bf16_gradients_halve_the_gradient_bytes_and_traffic_of_the_70b_pick():
 
     model = get_preset("llama3-70b", hidden_dropout=0.0, attention_dropout=0.0)
     cluster = plan.Cluster(num_gpus=64, gpus_per_node=8)
-    kw = dict(seq_length=4096, precision="bf16", accounting="engine", dropout=False)
-    fp32, bf16 = (plan.evaluate(model, cluster, plan.Training(**kw, grad_reduce_in_bf16=b), 8, 1,
-                                "sp") for b in (False, True))
+    kw = dict(seq_length=4096, accounting="engine", dropout=False)
+    fp32, bf16 = (plan.evaluate(model, cluster, plan.Training(**kw, zero=ZeroConfig(
+        precision="bf16", param_persistence_threshold=0, grad_reduce_in_bf16=b)), 8, 1, "sp")
+        for b in (False, True))
     assert 2 * bf16.model_states["grads"] == fp32.model_states["grads"]
     for k in ("params", "master", "optimizer"):
         assert bf16.model_states[k] == fp32.model_states[k]
     assert 2 * bf16.dp_bytes_by_kind["reduce_scatter"] == fp32.dp_bytes_by_kind["reduce_scatter"]
     assert bf16.dp_bytes_by_kind["all_gather"] == fp32.dp_bytes_by_kind["all_gather"]
-    with pytest.raises(ValueError, match="grad_reduce_in_bf16 needs precision bf16"):
-        plan.Training(seq_length=8, precision="fp32", grad_reduce_in_bf16=True)
+    with pytest.raises(ValueError, match="bf16 gradients need bf16 training"):  # ZeroConfig's
+        plan.Training(seq_length=8, zero=ZeroConfig(precision="fp32", grad_reduce_in_bf16=True))

@@ -78,13 +78,13 @@ def test_the_host_limit_refuses():
 
 
 def test_stage_0_and_bad_fractions_are_refused():
-    with pytest.raises(ValueError, match="needs ZeRO stage 1-3"):
+    with pytest.raises(ValueError, match="offloads the partition of ZeRO 1-3"):  # ZeroConfig's
         plan.evaluate(SMALL, CLUSTER, TRAINING, 1, 0, "none", 1.0)
-    with pytest.raises(ValueError, match=r"--optimizer-offload-fraction must be in \[0, 1\]"):
+    with pytest.raises(ValueError, match=r"--optimizer-offload-fraction 1.5 .*\[0, 1\]"):
         evaluate(1.5)
     cands, skipped = plan.plan(SMALL, CLUSTER, TRAINING, [1], offload_fractions=(1.0,))
     assert {c.stage for c in cands} == {1, 2, 3} and {c.offload_fraction for c in cands} == {1.0}
-    assert any("needs ZeRO stage 1-3" in r for r in skipped)
+    assert any("offloads the partition of ZeRO 1-3" in r for r in skipped)
 
 
 def test_the_search_picks_offload_only_when_it_is_the_only_way_to_fit():
@@ -137,7 +137,9 @@ def test_the_cli_flags_and_json(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--optimizer-offload-fraction", "1.5"], "--optimizer-offload-fraction must be in [0, 1]"),
+    (["--optimizer-offload-fraction", "1.5"],
+     "--optimizer-offload-fraction 1.5 (ZeroConfig.optimizer_offload_fraction): must be a "
+     "number in [0, 1]"),
     (["--host-memory-gib", "0"], "--host-memory-gib must be positive"),
     (["--optimizer-cpu-offload", "--no-optimizer-cpu-offload"], "not allowed with argument"),
 ])

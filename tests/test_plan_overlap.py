@@ -19,6 +19,7 @@ from hybrid.planner.step_time import (
     overlapped,
     step_seconds,
 )
+from hybrid.zero.config import ZeroConfig
 from models.config import GPTConfig
 
 U = UnitSeconds(block_fwd=1.0, block_bwd=2.0, root_fwd=0.3, root_bwd=0.4, gather_block=0.5,
@@ -88,9 +89,10 @@ GPT = GPTConfig(num_layers=8, hidden_size=1024, num_attention_heads=16, vocab_si
                 max_position_embeddings=1024, hidden_dropout=0.0, attention_dropout=0.0)
 
 
-def _eval(cluster, stage, act, **training):
-    t = plan.Training(seq_length=1024, accounting="engine", dropout=False,
-                      param_persistence_threshold=100_000, **training)
+def _eval(cluster, stage, act, zero=(), **training):
+    """``zero``: ZeroConfig fields over bf16 with ZeroConfig's persistence threshold."""
+    z = ZeroConfig(stage=3, precision="bf16", param_persistence_threshold=100_000, **dict(zero))
+    t = plan.Training(seq_length=1024, accounting="engine", dropout=False, zero=z, **training)
     return plan.evaluate(GPT, cluster, t, 2, stage, act)
 
 
@@ -125,7 +127,7 @@ def test_zero3_gathers_hide_behind_compute_and_stage1_refresh_is_exposed():
     z1 = _eval(cluster, 1, "none", micro_batch_size=2, global_batch_size=64).times
     assert z1["refresh_s"] > 0 and z1["first_gather_s"] == 0
     opg = _eval(cluster, 1, "none", micro_batch_size=2, global_batch_size=64,
-                overlap_param_gather=True).times
+                zero={"overlap_param_gather": True}).times
     assert opg["refresh_s"] == 0 and 0 < opg["first_gather_s"] < z1["refresh_s"]
     assert opg["step_s"] < z1["step_s"]
 
@@ -134,12 +136,12 @@ def test_grad_reduce_in_bf16_halves_the_gradient_bytes():
     cluster = plan.Cluster(num_gpus=32, gpus_per_node=8, peak_tflops=989.0)
     fp32 = _eval(cluster, 2, "none", micro_batch_size=2, global_batch_size=64)
     bf16 = _eval(cluster, 2, "none", micro_batch_size=2, global_batch_size=64,
-                 grad_reduce_in_bf16=True)
+                 zero={"grad_reduce_in_bf16": True})
     assert (bf16.dp_bytes_by_kind["reduce_scatter"]
             == fp32.dp_bytes_by_kind["reduce_scatter"] / 2 > 0)
     assert bf16.model_states["grads"] == fp32.model_states["grads"] / 2
-    with pytest.raises(ValueError, match="grad_reduce_in_bf16 needs precision bf16"):
-        plan.Training(seq_length=8, precision="fp32", grad_reduce_in_bf16=True)
+    with pytest.raises(ValueError, match="bf16 gradients need bf16 training"):  # ZeroConfig's
+        plan.Training(seq_length=8, zero=ZeroConfig(precision="fp32", grad_reduce_in_bf16=True))
 
 
 def test_micro_batch_choices_divide_the_global_batch():

@@ -46,7 +46,7 @@ def test_default_accounting_is_the_engines(capsys):
     assert plan_cli.main([*DIMS, "--device", "H100", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["training"]["accounting"] == "engine"
-    assert doc["training"]["param_persistence_threshold"] == 100_000
+    assert doc["training"]["zero"]["param_persistence_threshold"] == 100_000
     states = doc["best"]["model_states"]
     assert states["grads"] == states["master"] > 0  # fp32 gradients (the paper: 2 B, half)
 

@@ -21,8 +21,13 @@ TRAIN = plan.Training(seq_length=2048, micro_batch_size=1, global_batch_size=64,
                       accounting="engine", dropout=False)
 
 
+def _zero(**kw) -> plan.Training:
+    """TRAIN with these ZeroConfig fields (at stage 3, where ZeRO++ applies)."""
+    return dataclasses.replace(TRAIN, zero=dataclasses.replace(TRAIN.zero, stage=3, **kw))
+
+
 def _eval(tp=2, stage=3, **kw):
-    return plan.evaluate(MODEL, CLUSTER, dataclasses.replace(TRAIN, **kw), tp, stage, "full")
+    return plan.evaluate(MODEL, CLUSTER, _zero(**kw), tp, stage, "full")
 
 
 def test_hpz_memory_and_inter_node_bytes():
@@ -50,13 +55,13 @@ def test_qwz_gathers_at_int8_bytes():
 
 
 def test_hpz_refused_where_tp_fills_the_node():
-    with pytest.raises(ValueError, match="does not divide the 1 data-parallel ranks of a node"):
+    with pytest.raises(ValueError, match="a node holds 1 data-parallel ranks"):  # the run's
         _eval(tp=8, hpz_partition_size=2)
-    _, skipped = plan.plan(MODEL, CLUSTER, dataclasses.replace(TRAIN, hpz_partition_size=2),
+    _, skipped = plan.plan(MODEL, CLUSTER, _zero(hpz_partition_size=2),
                            tps=[8], stages=(3,), activations=("full",))
     assert skipped and "--zero-hpz-partition-size 2" in skipped[0]
-    with pytest.raises(ValueError, match="16-bit parameters"):
-        dataclasses.replace(TRAIN, precision="fp32", quantized_weights=True)
+    with pytest.raises(ValueError, match="qwZ replaces 16-bit parameter gathers"):  # ZeroConfig's
+        _zero(precision="fp32", quantized_weights=True)
 
 
 def test_backward_gathers_priced_separately():
@@ -86,15 +91,17 @@ def test_verify_passes_the_flags_to_the_dry_run_at_stage_3_only():
 
 @pytest.mark.parametrize("extra, message", [
     (["--zero-stage", "2", "--grad-reduce", "all_reduce", "--zero-quantized-gradients"],
-     "--zero-quantized-gradients replaces the gradient reduce-scatter; --grad-reduce is "
-     "all_reduce"),
+     "--zero-quantized-gradients True (ZeroConfig.quantized_gradients): qgZ replaces the "
+     "gradient reduce-scatter; --grad-reduce is all_reduce"),
     (["--zero-stage", "2", "--zero-hpz-partition-size", "2"],
-     "need --zero-stage 3, got --zero-stage 2"),
-    (["--zero-stage", "1", "--zero-quantized-weights"],
-     "need --zero-stage 3, got --zero-stage 1"),
+     "--zero-hpz-partition-size 2 (ZeroConfig.hpz_partition_size): hpZ partitions the ZeRO-3 "
+     "parameters a second time; --zero-stage is 2"),
+    (["--zero-stage", "1", "--zero-stage", "2", "--zero-quantized-weights"],  # at no stage
+     "qwZ quantizes the ZeRO-3 parameter gathers; --zero-stage is 2"),
     (["--zero-stage", "1", "--zero-quantized-gradients"],
-     "--zero-quantized-gradients needs --zero-stage 2 or 3, got --zero-stage 1"),
-    (["--tp", "1", "--tp-comm-overlap"], "--tp-comm-overlap needs --tp > 1"),
+     "qgZ quantizes the ZeRO-2/3 gradient reduce-scatter; --zero-stage is 1"),
+    (["--tp", "1", "--tp-comm-overlap"],  # GridConfig's
+     "it needs --sequence-parallel with --tensor-model-parallel-size > 1"),
 ])
 def test_flags_the_trainer_refuses_for_the_given_layout_are_one_line_errors(capsys, extra,
                                                                               message):

@@ -192,7 +192,8 @@ def test_planner_counts_qgz_at_stages_2_and_3_only():
                     max_position_embeddings=1024)
     cluster = plan.Cluster(num_gpus=32, gpus_per_node=8, peak_tflops=989.0)
     base = plan.Training(seq_length=1024, micro_batch_size=2, global_batch_size=64)
-    qgz = dataclasses.replace(base, quantized_gradients=True)
+    qgz = dataclasses.replace(base, zero=dataclasses.replace(base.zero, stage=3,
+                                                             quantized_gradients=True))
     for stage in (0, 1, 2, 3):
         exact, quant = (plan.evaluate(gpt, cluster, t, 2, stage, "none") for t in (base, qgz))
         if stage < 2:
@@ -208,8 +209,8 @@ def test_planner_counts_qgz_at_stages_2_and_3_only():
         assert quant.inter_node_dp_bytes == pytest.approx(
             quant.dp_bytes - m * psi * 0.515625 * 3 / 4, rel=1e-9)
         assert quant.times["step_s"] < exact.times["step_s"]
-    with pytest.raises(ValueError, match="quantized_gradients needs 16-bit training"):
-        dataclasses.replace(base, precision="fp32", quantized_gradients=True)
+    with pytest.raises(ValueError, match="qgZ replaces 16-bit gradient reduce-scatters"):
+        dataclasses.replace(base.zero, stage=3, precision="fp32", quantized_gradients=True)
 
 
 def test_reshard_of_a_qgz_checkpoint_is_bitwise(world):

@@ -14,13 +14,13 @@ expected differences are the layout's padding (each unit rounded up to ``dp * 8`
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from hybrid.planner.plan import Cluster, Training, evaluate
-from hybrid.zero.stage import stage_plan
+from hybrid.zero.config import ZeroConfig
 
 if TYPE_CHECKING:
     from hybrid.parallel.grid import ProcessGrid
@@ -31,42 +31,38 @@ DP_KINDS = ("all_reduce", "reduce_scatter", "all_gather")
 
 @dataclass(frozen=True)
 class CheckRun:
-    """One configuration: model, layout and the step it runs."""
+    """One configuration: model, layout, the run's ZeRO settings and the step it runs."""
 
     model: dict
     """``models.gpt.GPTConfig`` keyword arguments (unpadded vocabulary; dropout should be 0)."""
     tp: int
     dp: int
-    stage: int
-    precision: str = "bf16"
-    """ZeroConfig.precision: 'bf16', 'fp16' or 'fp32'."""
+    zero: ZeroConfig
+    """The engine's settings (stage, precision, buckets, gradient collective, ZeRO++); the
+    planner is given the same (:func:`predict`)."""
     micro_batches: int = 1
     """Gradient-accumulation steps in the one optimizer step."""
     seq_length: int = 16
     micro_batch_size: int = 1
-    param_persistence_threshold: int = 0
-    """ZeroConfig's stage-3 threshold (elements); the planner gets the same number."""
-    bucket_elements: int = 20_000
-    """ZeroConfig reduce / all-gather bucket sizes (elements); traffic does not depend on them."""
-    grad_reduce: str = "reduce_scatter"
-    """ZeroConfig.grad_reduce; the planner gets the same."""
-    grad_reduce_in_bf16: bool = False
-    """ZeroConfig.grad_reduce_in_bf16 (bf16 gradients); the planner gets the same."""
-    hpz_partition_size: int = 1
-    """ZeroConfig.hpz_partition_size (ZeRO++ hpZ, stage 3); the planner gets the same."""
-    quantized_weights: bool = False
-    """ZeroConfig.quantized_weights (ZeRO++ qwZ, stage 3); the planner gets the same."""
+
+    @property
+    def stage(self) -> int:
+        return self.zero.stage
+
+    @property
+    def precision(self) -> str:
+        return self.zero.precision
 
     @property
     def name(self) -> str:
-        persist = stage_plan(self.stage, self.grad_reduce,
-                             self.param_persistence_threshold).persistence_threshold
-        return (f"tp{self.tp}xdp{self.dp} z{self.stage} {self.precision} m={self.micro_batches}"
+        z = self.zero
+        persist = z.plan.persistence_threshold
+        return (f"tp{self.tp}xdp{self.dp} z{z.stage} {z.precision} m={self.micro_batches}"
                 + (f" persist<{persist}" if persist else "")
-                + (f" {self.grad_reduce}" if self.grad_reduce != "reduce_scatter" else "")
-                + (" bf16-grads" if self.grad_reduce_in_bf16 else "")
-                + (f" hpz{self.hpz_partition_size}" if self.hpz_partition_size > 1 else "")
-                + (" qwz" if self.quantized_weights else ""))
+                + (f" {z.grad_reduce}" if z.grad_reduce != "reduce_scatter" else "")
+                + (" bf16-grads" if z.grad_reduce_in_bf16 else "")
+                + (f" hpz{z.hpz_partition_size}" if z.hpz_partition_size > 1 else "")
+                + (" qwz" if z.quantized_weights else ""))
 
 
 def predict(run: CheckRun) -> dict:
@@ -80,13 +76,8 @@ def predict(run: CheckRun) -> dict:
         seq_length=run.seq_length,
         micro_batch_size=run.micro_batch_size,
         global_batch_size=run.micro_batch_size * run.dp * run.micro_batches,
-        precision=run.precision,
         accounting="engine",
-        param_persistence_threshold=run.param_persistence_threshold,
-        grad_reduce=run.grad_reduce,
-        grad_reduce_in_bf16=run.grad_reduce_in_bf16,
-        hpz_partition_size=run.hpz_partition_size,
-        quantized_weights=run.quantized_weights,
+        zero=run.zero,
     )
     c = evaluate(GPTConfig(**run.model), cluster, training, run.tp, run.stage, "none")
     states = {k: c.model_states[k] for k in STATE_KEYS}
@@ -100,7 +91,7 @@ def measure(grid: ProcessGrid, run: CheckRun, seed: int = 1234) -> dict:
     Collective over the grid (every rank calls)."""
     from hybrid.config import PretrainConfig
     from hybrid.parallelize import parallelize
-    from hybrid.zero.config import OptimizerConfig, ZeroConfig
+    from hybrid.zero.config import OptimizerConfig
     from models.gpt import GPT, GPTConfig
 
     if (grid.tp_size, grid.dp_size) != (run.tp, run.dp):
@@ -108,15 +99,8 @@ def measure(grid: ProcessGrid, run: CheckRun, seed: int = 1234) -> dict:
                          f"tp{run.tp} x dp{run.dp}")
     torch.manual_seed(seed)
     cfg = GPTConfig(**{**run.model, "hidden_dropout": 0.0, "attention_dropout": 0.0})
-    zc = ZeroConfig(stage=run.stage, precision=run.precision,
-                    param_persistence_threshold=run.param_persistence_threshold,
-                    reduce_bucket_size=run.bucket_elements,
-                    allgather_bucket_size=run.bucket_elements, grad_reduce=run.grad_reduce,
-                    grad_reduce_in_bf16=run.grad_reduce_in_bf16,
-                    hpz_partition_size=run.hpz_partition_size,
-                    quantized_weights=run.quantized_weights)
     engine = parallelize(GPT(cfg), grid,
-                         PretrainConfig(zero=zc, optimizer=OptimizerConfig(lr=1e-3)))
+                         PretrainConfig(zero=run.zero, optimizer=OptimizerConfig(lr=1e-3)))
     g = torch.Generator().manual_seed(seed + grid.dp_rank)
     for m in range(run.micro_batches):
         tokens = torch.randint(0, cfg.vocab_size, (run.micro_batch_size, run.seq_length + 1),
@@ -161,6 +145,17 @@ def compare(pred: dict, meas: dict) -> dict:
     return out
 
 
+def check_run(model: dict, tp: int, dp: int, stage: int, precision: str = "bf16",
+              micro_batches: int = 1, **zero) -> CheckRun:
+    """A :class:`CheckRun` whose ZeroConfig has buckets of 20,000 elements (the traffic does not
+    depend on them), no persistence threshold unless ``zero`` gives one, and ``zero``'s other
+    fields."""
+    settings = dict(reduce_bucket_size=20_000, allgather_bucket_size=20_000,
+                    param_persistence_threshold=0) | zero
+    return CheckRun(model, tp, dp, ZeroConfig(stage=stage, precision=precision, **settings),
+                    micro_batches)
+
+
 def default_runs(model: dict, world: int = 4) -> list[CheckRun]:
     """The grid of checks: stages 0-3 x (tp, dp) in {(1, world), (2, world/2)} x bf16/fp32 x
     1 and 2 micro-batches, plus stage 3 with a persistence threshold that keeps the biases and
@@ -169,17 +164,18 @@ def default_runs(model: dict, world: int = 4) -> list[CheckRun]:
     both) at tp 1."""
     out = []
     for tp in (1, 2):
+        dp = world // tp
         for stage in range(4):
             for precision in ("bf16", "fp32"):
                 for micro in (1, 2):
-                    out.append(CheckRun(model, tp, world // tp, stage, precision, micro))
-        base = CheckRun(model, tp, world // tp, 3, "bf16", 2, param_persistence_threshold=1000)
-        out += [base, replace(base, precision="fp32", micro_batches=1)]
-        out += [CheckRun(model, tp, world // tp, stage, "bf16", 2, grad_reduce="all_reduce")
+                    out.append(check_run(model, tp, dp, stage, precision, micro))
+        out += [check_run(model, tp, dp, 3, "bf16", 2, param_persistence_threshold=1000),
+                check_run(model, tp, dp, 3, "fp32", 1, param_persistence_threshold=1000)]
+        out += [check_run(model, tp, dp, stage, "bf16", 2, grad_reduce="all_reduce")
                 for stage in (1, 2, 3)]
-        out += [CheckRun(model, tp, world // tp, stage, "bf16", 2, grad_reduce_in_bf16=True)
+        out += [check_run(model, tp, dp, stage, "bf16", 2, grad_reduce_in_bf16=True)
                 for stage in range(4)]
-    zpp = CheckRun(model, 1, world, 3, "bf16", 2, hpz_partition_size=2)
-    out += [zpp, replace(zpp, quantized_weights=True),
-            replace(zpp, hpz_partition_size=1, quantized_weights=True)]
+    out += [check_run(model, 1, world, 3, "bf16", 2, hpz_partition_size=2),
+            check_run(model, 1, world, 3, "bf16", 2, hpz_partition_size=2, quantized_weights=True),
+            check_run(model, 1, world, 3, "bf16", 2, quantized_weights=True)]
     return out

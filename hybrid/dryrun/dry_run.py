@@ -187,23 +187,14 @@ def planner_figures(job) -> dict:
     z, activation = cfg.zero, activation_mode(cfg)
     training = Training(
         seq_length=cfg.model.seq_length, micro_batch_size=cfg.training.micro_batch_size,
-        global_batch_size=job.global_batch_size, precision=z.precision, accounting="engine",
-        param_persistence_threshold=z.plan.persistence_threshold,
-        reduce_bucket_elements=z.reduce_bucket_size,
-        allgather_bucket_elements=z.allgather_bucket_size,
+        global_batch_size=job.global_batch_size, accounting="engine", zero=z,
         make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
-        overlap_comm=z.overlap_comm, grad_reduce=z.grad_reduce,
-        grad_reduce_in_bf16=z.grad_reduce_in_bf16,
-        gradient_accumulation_fusion=z.gradient_accumulation_fusion,
-        quantized_gradients=z.quantized_gradients,
-        quantized_gradients_bits=z.quantized_gradients_bits,
-        hpz_partition_size=z.hpz_partition_size, quantized_weights=z.quantized_weights,
         dropout=job.gpt.hidden_dropout > 0 or job.gpt.attention_dropout > 0)
     # a node of tp GPUs unless hpZ needs more (the bytes do not depend on it)
     node = job.tp * max(1, z.hpz_partition_size)
     cluster = Cluster(num_gpus=job.world_size, gpus_per_node=node, reserved_bytes=0)
     c = evaluate(job.gpt, cluster, training, job.tp, z.stage, activation,
-                 offload_fraction=z.offload_fraction if z.stage else 0.0)
+                 offload_fraction=z.offload_fraction)
     out = {k: c.model_states[k] for k in STATE_KEYS}
     out.update(states=c.model_states["total"], buffers=c.buffers,
                activations=c.activations["gpu"] + c.temporaries["total"],

@@ -12,9 +12,16 @@ PRETRAIN_FLAGS`` is that interpreter: it prints the phase lines and one ``RESULT
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
+
+from hybrid.config import GridConfig, ModelConfig
+from hybrid.field_flags import field_argv, key_of, section_argv
+from hybrid.model_flags import PLAN_MODEL_FIELDS
+from hybrid.planner.cli_args import zero_config
+from hybrid.planner.inputs import layout_zero
 
 # The activation modes of the planner (hybrid.planner.memory.ACTIVATION_OPTIONS) as flags.
 ACTIVATION_FLAGS = {
@@ -29,53 +36,33 @@ ACTIVATION_FLAGS = {
     "full+sp+cpu": ["--sequence-parallel", "--checkpoint-activations", "--partition-activations",
                     "--checkpoint-in-cpu"],
 }
-# planner flags that hybrid.pretrain takes under the same name and meaning (value flags, then
-# switches)
-_SAME_VALUE = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-               "max_position_embeddings", "position_embedding_type", "normalization",
-               "num_query_groups", "kv_channels", "hidden_dropout", "attention_dropout",
-               "seq_length", "param_persistence_threshold",
-               "reduce_bucket_size", "allgather_bucket_size", "make_vocab_size_divisible_by",
-               "grad_reduce")
-_SAME_SWITCH = ("untie_embeddings_and_output_weights", "swiglu", "group_query_attention",
-                "disable_bias_linear", "add_qkv_bias", "qk_layernorm", "grad_reduce_in_bf16",
-                "overlap_param_gather")
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 def pretrain_argv(args, model, chosen, global_batch: int) -> list[str]:
     """The ``hybrid.pretrain`` flags of the dry run of ``chosen`` (a
     :class:`hybrid.planner.plan.Candidate`) for the planner's parsed ``args`` and its model
     (a :class:`models.config.GPTConfig`, for the vocabulary), rank 0 of
-    ``args.num_gpus``; ``global_batch`` in samples; the micro-batch is ``chosen``'s (the
-    planner's search) and ``--overlap-param-gather`` / ``--grad-reduce-in-bf16`` (and at stage 3
-    ZeRO++'s two flags) pass through when set."""
+    ``args.num_gpus``; ``global_batch`` in samples. The model flags pass through as the planner
+    read them (the same fields, :data:`hybrid.model_flags.PLAN_MODEL_FIELDS`); the micro-batch is
+    ``chosen``'s (the planner's search); the ZeRO flags are those of the layout's ZeroConfig
+    (:func:`hybrid.planner.inputs.layout_zero`: ZeRO++ and offload only where its stage takes
+    them); ``--tp-comm-overlap`` only where sequence parallelism takes effect."""
     out = ["--preset", args.model] if args.model else []
-    for name in _SAME_VALUE:
-        value = getattr(args, name)
-        if value is not None:
-            out += [_flag(name), str(value)]
-    out += [_flag(n) for n in _SAME_SWITCH if getattr(args, n, False)]
-    out += [] if getattr(args, "gradient_accumulation_fusion", True) else [
-        "--no-gradient-accumulation-fusion"]
-    if getattr(args, "zero_quantized_gradients", False) and chosen.stage >= 2:  # qgZ: 2-3
-        out += ["--zero-quantized-gradients", "--zero-quantized-gradients-bits",
-                str(args.zero_quantized_gradients_bits)]
+    for f in dataclasses.fields(ModelConfig):
+        if f.name in PLAN_MODEL_FIELDS and f.name not in ("preset", "vocab_size"):
+            out += field_argv(f, getattr(args, key_of(f)))
+    out += ["--make-vocab-size-divisible-by", str(args.make_vocab_size_divisible_by)]
     b = getattr(chosen, "micro_batch_size", None) or (args.micro_batch_size or [None])[0]
     out += ["--micro-batch-size", str(b)] if b else []  # the planner's pick (searched or given)
     out += ["--vocab-size", str(model.vocab_size), "--global-batch-size", str(global_batch),
-            "--tensor-model-parallel-size", str(chosen.tp), "--zero-stage", str(chosen.stage),
-            *ACTIVATION_FLAGS[chosen.activation]]
-    if getattr(args, "tp_comm_overlap", False) and "sp" in chosen.activation and chosen.tp > 1:
+            "--tensor-model-parallel-size", str(chosen.tp)]
+    zero = layout_zero(zero_config(args), chosen.stage, getattr(chosen, "offload_fraction", 0.0))
+    out += section_argv(zero, always=("stage",))
+    out += ACTIVATION_FLAGS[chosen.activation]
+    grid = GridConfig(tensor_model_parallel_size=chosen.tp,
+                      sequence_parallel="sp" in chosen.activation.split("+"))
+    if args.tp_comm_overlap and grid.sequence_parallel_active:
         out.append("--tp-comm-overlap")  # where it takes effect (pretrain refuses it elsewhere)
-    if chosen.stage == 3:  # ZeRO++ (the engine refuses it below stage 3)
-        n = getattr(args, "zero_hpz_partition_size", 1)
-        out += ["--zero-hpz-partition-size", str(n)] if n > 1 else []
-        out += ["--zero-quantized-weights"] if getattr(args, "zero_quantized_weights", 0) else []
-    out += [] if args.precision == "fp32" else ["--" + args.precision]
     out += ["--device", args.device] if args.device else []
     out += ["--gpu-memory-gib", str(args.gpu_memory_gb)] if args.gpu_memory_gb else []
     out += ["--reserved-gib", str(args.reserved_gb), "--mock-data",
@@ -146,9 +133,6 @@ def verify_plan(args, model, training, cluster, chosen) -> tuple[dict, list[str]
         return None
     gbs = training.global_batch_size or training.micro_batch_size * cluster.num_gpus
     argv = pretrain_argv(args, model, chosen, gbs)  # chosen.micro_batch_size: the searched b
-    if chosen.offload_fraction and "--optimizer-cpu-offload" not in argv:  # Megatron-LM's
-        argv += ["--optimizer-cpu-offload", "--optimizer-offload-fraction",
-                 f"{chosen.offload_fraction:g}"]
     out = sys.stderr if args.json else sys.stdout
     print("verify: the dry run of the best layout, rank 0", file=out, flush=True)
     result = verify(argv, lambda line: print("  " + line, file=out, flush=True),

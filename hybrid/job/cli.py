@@ -13,14 +13,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import types
-import typing
 from pathlib import Path
 
 import tomllib
 
 from hybrid.config import PretrainConfig
 from hybrid.config_fields import ConfigError, choices_hints, flag_hints, flag_of
+from hybrid.field_flags import (
+    add_field,
+    annotation,
+    base_type,
+    check_aliases,
+    is_list,
+    key_of,
+)
 
 # torchrun's options that make hybrid-pretrain a launcher (hybrid.job.launch): flag -> has a value
 LAUNCH_OPTIONS = {
@@ -28,67 +34,6 @@ LAUNCH_OPTIONS = {
     "--master-port": True, "--rdzv-backend": True, "--rdzv-endpoint": True, "--rdzv-id": True,
     "--max-restarts": True, "--standalone": False,
 }
-
-
-def _annotation(f: dataclasses.Field):
-    # Our own annotations ("int | None", "list[str]") are strings under postponed evaluation.
-    return eval(f.type, {"list": list}) if isinstance(f.type, str) else f.type
-
-
-def _is_list(f: dataclasses.Field) -> bool:
-    """A list field, optional or not (``list[str]``, ``list[str] | None``)."""
-    a = _annotation(f)
-    return typing.get_origin(a) is list or any(typing.get_origin(x) is list
-                                               for x in typing.get_args(a))
-
-
-def _base_type(annotation) -> type:
-    args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
-        return _base_type(args[0])
-    if typing.get_origin(annotation) is list:
-        return (typing.get_args(annotation) or (str,))[0]
-    return annotation
-
-
-def _key(f: dataclasses.Field) -> str:
-    """The flat name of a field: its flag without dashes (``zero_stage`` for ``zero.stage``)."""
-    return flag_of(f)[2:].replace("-", "_")
-
-
-def _default(f: dataclasses.Field):
-    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-
-
-class _Alias(argparse.Action):
-    """``--bf16``-style flag: sets the field to a constant; another alias or the field's own
-    flag (``--precision``) with a different value conflicts, in either order (see
-    :func:`_check_aliases`)."""
-
-    def __init__(self, option_strings, dest, const, main_flag: str = "", **kwargs):
-        super().__init__(option_strings, dest, nargs=0, const=const, **kwargs)
-        self.main_flag = main_flag
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        set_by = namespace.__dict__.setdefault("_set_by", {})
-        if hasattr(namespace, self.dest) and getattr(namespace, self.dest) != self.const:
-            given = f"{self.main_flag} {getattr(namespace, self.dest)}"
-            previous = set_by.get(self.dest, (given, None))[0]
-            raise ConfigError(f"{previous} and {option_string} are mutually exclusive")
-        set_by[self.dest] = (option_string, self.const, self.main_flag)
-        setattr(namespace, self.dest, self.const)
-
-
-def _check_aliases(ns: dict) -> None:
-    """An alias flag followed by its field's own flag with another value (``--fp16 --precision
-    bf16``) conflicts as the other order does.
-
-    Raises:
-        ConfigError: naming both flags.
-    """
-    for dest, (alias, const, main_flag) in ns.pop("_set_by", {}).items():
-        if ns.get(dest) != const:
-            raise ConfigError(f"{alias} and {main_flag} {ns[dest]} are mutually exclusive")
 
 
 class _ListPresets(argparse.Action):
@@ -135,23 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     groups = {s: parser.add_argument_group(s, " ".join(kind.__doc__.split("\n\n")[0].split()))
               for s, kind in PretrainConfig.sections().items()}
     for section, f in PretrainConfig.flat_fields():
-        kind = _base_type(_annotation(f))
-        meta = {k: v for k, v in f.metadata.items()
-                if k not in ("help", "flag", "aliases", "alt_flags")}
-        flags = (flag_of(f), *f.metadata.get("alt_flags", ()))  # --norm-epsilon, --layernorm-...
-        help_ = f.metadata["help"]
-        if "default" not in help_:
-            help_ += f" (default: {_default(f)!r})"
-        key, g = _key(f), groups[section]
-        if kind is bool and f.name.startswith("no_"):  # --no-load-optim: no --no-no-load-optim
-            g.add_argument(flag_of(f), dest=key, action="store_true", help=help_)
-        elif kind is bool:
-            g.add_argument(*flags, dest=key, action=argparse.BooleanOptionalAction, help=help_)
-        else:
-            g.add_argument(*flags, dest=key, type=kind, help=help_, **meta)
-        for alias, const in f.metadata.get("aliases", {}).items():
-            g.add_argument(alias, dest=key, action=_Alias, const=const, main_flag=flag_of(f),
-                           help=f"same as {flag_of(f)} {const}")
+        add_field(groups[section], f)
     from hybrid.job.megatron_flags import add_help_group
 
     add_help_group(parser)
@@ -171,12 +100,12 @@ def _add_launch_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _file_keys() -> dict[str, tuple[str, dataclasses.Field]]:
-    return {_key(f): (s, f) for s, f in PretrainConfig.flat_fields()}
+    return {key_of(f): (s, f) for s, f in PretrainConfig.flat_fields()}
 
 
 def _alt_keys() -> dict[str, str]:
     """``{alternative flag's flat name: its field's flat name}`` (``layernorm_epsilon``)."""
-    return {a[2:].replace("-", "_"): _key(f) for _, f in PretrainConfig.flat_fields()
+    return {a[2:].replace("-", "_"): key_of(f) for _, f in PretrainConfig.flat_fields()
             for a in f.metadata.get("alt_flags", ())}
 
 
@@ -216,7 +145,7 @@ def _entries(raw: dict):
     for key, value in raw.items():
         name = key.replace("-", "_")
         if name in sections and isinstance(value, dict):
-            by_name = {f.name: _key(f) for f in dataclasses.fields(sections[name])}
+            by_name = {f.name: key_of(f) for f in dataclasses.fields(sections[name])}
             for k, v in value.items():
                 k = k.replace("-", "_")
                 yield by_name.get(k, k), v
@@ -259,7 +188,7 @@ def _read_yaml(p: Path, path: str):
 
 def _alias_keys() -> dict[str, tuple[str, object]]:
     """``{alias flag's flat name: (its field's flat name, the value it sets)}`` (``bf16``)."""
-    return {a[2:].replace("-", "_"): (_key(f), c) for _, f in PretrainConfig.flat_fields()
+    return {a[2:].replace("-", "_"): (key_of(f), c) for _, f in PretrainConfig.flat_fields()
             for a, c in f.metadata.get("aliases", {}).items()}
 
 
@@ -324,26 +253,26 @@ def _parse(argv: list[str], ignored: list[str] | None, given: set[str] | None = 
     if ignored is not None:
         ignored += no_ops
     ns = vars(build_parser().parse_args(argv))
-    _check_aliases(ns)
+    check_aliases(ns)
     values = load_config_file(ns.pop("config")) if "config" in ns else {}
     values.update(ns)
     if given is not None:
         given.update(values)
     sections = {}
     for name, kind in PretrainConfig.sections().items():
-        kwargs = {f.name: _coerce(f, values[_key(f)]) for f in dataclasses.fields(kind)
-                  if _key(f) in values}
+        kwargs = {f.name: _coerce(f, values[key_of(f)]) for f in dataclasses.fields(kind)
+                  if key_of(f) in values}
         sections[name] = kind(**kwargs)
     return PretrainConfig(**sections)
 
 
 def _coerce(f: dataclasses.Field, value):
     """Give a config-file value the field's type (YAML reads ``3e-4`` as a string)."""
-    if _is_list(f):
+    if is_list(f):
         items = value.split() if isinstance(value, str) else value
         if not isinstance(items, list):
             raise ConfigError(f"{flag_of(f)}: expected a list, got {value!r}")
-        kind = _base_type(_annotation(f))  # list[int]: --profile-ranks
+        kind = base_type(annotation(f))  # list[int]: --profile-ranks
         try:
             return [kind(v) for v in items]
         except (TypeError, ValueError):
@@ -351,7 +280,7 @@ def _coerce(f: dataclasses.Field, value):
                               f"{kind.__name__}") from None
     if value is None or isinstance(value, bool):
         return value
-    kind = _base_type(_annotation(f))
+    kind = base_type(annotation(f))
     if isinstance(value, list | dict):
         raise ConfigError(f"{flag_of(f)}: expected one {kind.__name__}, got {value!r}")
     try:

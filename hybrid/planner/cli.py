@@ -1,7 +1,10 @@
 """Command line of the memory planner: ``python -m hybrid.plan [--json] [--max-model] ...``.
 
-Flag names follow Megatron-LM where one exists, and ``hybrid.pretrain``'s are accepted too
-(``--preset`` for ``--model``, ``--tensor-model-parallel-size`` for ``--tp``). Memory is in GiB
+Flag names follow Megatron-LM where one exists; a flag ``hybrid.pretrain`` also takes is built
+from the same config field (:mod:`hybrid.planner.cli_args`,
+:func:`hybrid.model_flags.add_model_args`), so ``--preset`` (``--model``),
+``--tensor-model-parallel-size`` (``--tp``), ``--bf16`` and the rest mean the same in both, and
+the ZeRO settings are refused as the run's ``ZeroConfig`` refuses them. Memory is in GiB
 (2^30 bytes) everywhere, on the command line, in the table and in the device presets;
 bandwidths are in GB/s (1e9 bytes/s, as links are quoted); bucket sizes in elements. Bad input
 (tp not dividing the heads, GPUs not divisible by GPUs per node, non-positive sizes) exits
@@ -23,7 +26,8 @@ import re
 import sys
 from typing import TYPE_CHECKING
 
-from hybrid.config_fields import choices_hints, flag_hints
+from hybrid.config import GridConfig
+from hybrid.config_fields import ConfigError, choices_hints, flag_hints
 from hybrid.devices import (
     DEFAULT_DEVICE,
     GIB,
@@ -31,6 +35,7 @@ from hybrid.devices import (
     device_preset,
     preset_names,
 )
+from hybrid.field_flags import check_aliases, fill_defaults
 from hybrid.flops import device_peak_tflops, num_parameters
 from hybrid.model_flags import add_model_args, apply_preset_defaults, model_from_args
 from hybrid.planner.cli_args import (
@@ -40,6 +45,7 @@ from hybrid.planner.cli_args import (
     assumed_line,
     network,
     offload_fractions,
+    zero_config,
 )
 from hybrid.planner.inputs import Cluster, Training
 from hybrid.planner.max_model import max_layers, max_params, max_params_offloaded
@@ -55,12 +61,23 @@ if TYPE_CHECKING:
 
 class _Parser(argparse.ArgumentParser):
     """Usage errors in one line naming the flag, like ``hybrid.pretrain`` (the usage is in
-    --help): the closest valid flag, or the valid values of a flag given without one."""
+    --help): the closest valid flag, or the valid values of a flag given without one. The flags
+    declared by config fields (:mod:`hybrid.field_flags`) get their defaults after parsing, and
+    two alias flags that disagree (``--bf16 --fp16``) are such an error."""
 
     def error(self, message: str):
         flags = [s for a in self._actions for s in a.option_strings if s.startswith("--")]
         hints = [*flag_hints(message, flags), *choices_hints(message, self._actions)]
         self.exit(2, f"{self.prog}: error: {'; '.join([message, *hints])} (see --help)\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        try:
+            ns, extra = super().parse_known_args(args, namespace)
+            check_aliases(vars(ns))
+        except ConfigError as e:
+            self.error(str(e))
+        fill_defaults(self, ns)
+        return ns, extra
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -175,32 +192,19 @@ _FLAG_OF = {
     "intra_node_gbs": "--intra-node-gbs", "inter_node_gbs": "--inter-node-gbs",
     "cpu_gbs": "--cpu-gbs", "hbm_gbs": "--hbm-gbs", "seq_length": "--seq-length",
     "micro_batch_size": "--micro-batch-size",
-    "global_batch_size": "--global-batch-size", "reduce_bucket_elements": "--reduce-bucket-size",
-    "allgather_bucket_elements": "--allgather-bucket-size",
+    "global_batch_size": "--global-batch-size",
     "make_vocab_size_divisible_by": "--make-vocab-size-divisible-by",
-    "param_persistence_threshold": "--param-persistence-threshold",
-    "grad_reduce_in_bf16": "--grad-reduce-in-bf16",
     "host_memory_gbs": "--host-dram-gbs", "host_efficiency": "--host-efficiency",
-    "quantized_gradients_bits": "--zero-quantized-gradients-bits",
-    "quantized_gradients": "--zero-quantized-gradients",
-    "hpz_partition_size": "--zero-hpz-partition-size",
-    "quantized_weights": "--zero-quantized-weights", "grad_reduce": "--grad-reduce",
 }
 
 
 def _check_fixed_layout(args: argparse.Namespace) -> None:
-    """ValueError when a ZeRO++ or ``--tp-comm-overlap`` flag cannot apply to any of the
-    ``--zero-stage`` / ``--tp`` values given (the trainer refuses those pairs; a searched stage
-    or tp gets the flag where it applies)."""
-    stages, tps = args.zero_stage or ZERO_STAGES, args.tp or [2]
-    if (args.zero_hpz_partition_size > 1 or args.zero_quantized_weights) and 3 not in stages:
-        raise ValueError(f"--zero-hpz-partition-size / --zero-quantized-weights need --zero-stage "
-                         f"3, got --zero-stage {' '.join(map(str, stages))}")
-    if args.zero_quantized_gradients and max(stages) < 2:
-        raise ValueError(f"--zero-quantized-gradients needs --zero-stage 2 or 3, got "
-                         f"--zero-stage {' '.join(map(str, stages))}")
-    if args.tp_comm_overlap and max(tps) < 2:
-        raise ValueError("--tp-comm-overlap needs --tp > 1 (with sequence parallelism), got --tp 1")
+    """ConfigError (a ValueError) when ``--tp-comm-overlap`` cannot apply to any of the ``--tp``
+    values given: :class:`GridConfig` refuses it at the largest, with sequence parallelism on
+    (a searched tp, or sequence parallelism, gets the flag where it applies)."""
+    if args.tp_comm_overlap and args.tp:
+        GridConfig(tensor_model_parallel_size=max(args.tp), sequence_parallel=True,
+                   tp_comm_overlap=True)
 
 
 def _with_flag_names(kind, **kwargs):
@@ -223,21 +227,10 @@ def _training(args: argparse.Namespace) -> Training:
         seq_length=args.seq_length,
         micro_batch_size=(args.micro_batch_size or [1])[0],
         global_batch_size=args.global_batch_size,
-        precision=args.precision,
         accounting=args.accounting,
-        param_persistence_threshold=args.param_persistence_threshold,
-        reduce_bucket_elements=args.reduce_bucket_size,
-        allgather_bucket_elements=args.allgather_bucket_size,
+        zero=zero_config(args),
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-        grad_reduce=args.grad_reduce,
-        grad_reduce_in_bf16=args.grad_reduce_in_bf16,
-        gradient_accumulation_fusion=args.gradient_accumulation_fusion,
-        overlap_param_gather=args.overlap_param_gather,
         tp_comm_overlap=args.tp_comm_overlap,
-        quantized_gradients=args.zero_quantized_gradients,
-        quantized_gradients_bits=args.zero_quantized_gradients_bits,
-        hpz_partition_size=args.zero_hpz_partition_size,
-        quantized_weights=args.zero_quantized_weights,
         dropout=args.hidden_dropout > 0 or args.attention_dropout > 0,
     )
 
@@ -260,13 +253,13 @@ def _max_model(args, model, cluster, training) -> list[dict]:
                 "dp": dp,
                 "stage": stage,
                 "max_params_model_states": max_params(
-                    budget, tp, dp, stage, training.precision, training.accounting
+                    budget, tp, dp, stage, training.zero.precision, training.accounting
                 ),
                 "max_params_offloaded": None if stage == 0 or args.optimizer_cpu_offload is False
                 else max_params_offloaded(budget, cluster.host_memory_bytes,
                                           cluster.gpus_per_node, tp, dp, stage,
-                                          training.precision, training.accounting,
-                                          max(offload_fractions(args))),
+                                          training.zero.precision, training.accounting,
+                                          max(offload_fractions(args, training.zero))),
             }
             if model is not None:
                 layers = {
@@ -320,7 +313,7 @@ def _main(argv: list[str] | None, verify: Verify | None) -> int:
             print(json.dumps({"max_model": rows}, indent=1) if args.json
                   else max_model_text(rows, budget))
             return 0
-        fractions = offload_fractions(args)
+        fractions = offload_fractions(args, training.zero)
         cands, skipped = plan(
             model,
             cluster,

@@ -10,9 +10,9 @@ import dataclasses
 import math
 
 from hybrid.planner.memory import state_bytes_per_param
-from hybrid.planner.offload import check_fraction
 from hybrid.planner.plan import Cluster, Training, evaluate
 from hybrid.planner.precision import get_precision
+from hybrid.zero.config import ZeroConfig
 from models.config import GPTConfig
 
 
@@ -54,11 +54,15 @@ def max_params_offloaded(
     ``host_memory_bytes`` bounds too: Ψ_max = min(memory * tp / device bytes, host * tp /
     (ranks * host bytes)). Engine bf16 at dp = 1: 18 -> 6 bytes, 3x the model (the paper's
     16 -> 4: 4x; ZeRO-Offload §1's 10x also moves the 16-bit gradients and counts activations).
+
+    Raises:
+        ConfigError: a fraction ``ZeroConfig`` refuses (outside [0, 1]).
     """
     if stage == 0:
         return 0
     prec = get_precision(precision, accounting)
-    f = check_fraction(fraction)
+    f = ZeroConfig(stage=stage, optimizer_cpu_offload=True,  # its refusals
+                   optimizer_offload_fraction=fraction).optimizer_offload_fraction
     device = state_bytes_per_param(stage, dp, prec) - f * prec.k / dp
     host = ranks_per_node * f * (prec.k + prec.grad_bytes) / dp
     limits = [memory_bytes * tp / device] + ([host_memory_bytes * tp / host] if host else [])

@@ -51,8 +51,6 @@ partition; without the one-step delayed parameter update of §5.2, so the step s
 
 from __future__ import annotations
 
-import math
-
 from hybrid.planner.inputs import GB
 
 OFFLOAD_SEARCH = (0.0, 0.5, 1.0)
@@ -60,19 +58,11 @@ OFFLOAD_SEARCH = (0.0, 0.5, 1.0)
 the host (half halves the host step where it is what is exposed, e.g. a 40B GPT on 8 H100)."""
 
 
-def check_fraction(fraction: float) -> float:
-    """``fraction`` if it is in [0, 1] (Megatron-LM's ``--optimizer-offload-fraction``);
-    ValueError naming it otherwise."""
-    if not 0.0 <= fraction <= 1.0 or math.isnan(fraction):
-        raise ValueError(f"--optimizer-offload-fraction must be in [0, 1] (the share of the "
-                         f"optimizer kept on the host), got {fraction:g}")
-    return fraction
-
-
 def offloaded_elements(partition: int, fraction: float) -> int:
     """Elements of a rank's optimizer partition of ``partition`` elements whose optimizer runs on
-    the host: ``round(fraction * partition)`` (Megatron-LM splits by element count)."""
-    return round(check_fraction(fraction) * partition)
+    the host: ``round(fraction * partition)`` (Megatron-LM splits by element count; ``fraction``
+    as ``ZeroConfig`` validates it, in [0, 1])."""
+    return round(fraction * partition)
 
 
 def split_states(states: dict, partition: int, fraction: float, prec) -> tuple[dict, dict]:

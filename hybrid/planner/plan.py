@@ -52,7 +52,7 @@ from hybrid.parallel.tp_split import tp_split_refusal
 from hybrid.parallel.vocab import pad_vocab_size
 from hybrid.planner import zeropp
 from hybrid.planner.candidate import Candidate
-from hybrid.planner.inputs import GB, Cluster, Training
+from hybrid.planner.inputs import GB, Cluster, Training, layout_zero
 from hybrid.planner.memory import (
     ACTIVATION_OPTIONS,
     ZERO_STAGES,
@@ -62,19 +62,12 @@ from hybrid.planner.memory import (
     params_per_tp_rank,
     persistent_parameters,
 )
-from hybrid.planner.offload import (
-    OFFLOAD_SEARCH,
-    check_fraction,
-    host_bytes,
-    offloaded_elements,
-    split_states,
-)
+from hybrid.planner.offload import OFFLOAD_SEARCH, host_bytes, offloaded_elements, split_states
 from hybrid.planner.precision import ACCOUNTINGS, get_precision
 from hybrid.planner.step_time import qgz_intra_bytes, qgz_setting, step_breakdown
 from hybrid.planner.temporaries import embedding_backward_bytes, temporary_bytes
 from hybrid.planner.tp_choices import check_tp, tp_candidates
 from hybrid.planner.traffic import dp_traffic_bytes, tp_traffic_elements
-from hybrid.zero.stage import stage_plan
 from models.config import GPTConfig
 
 __all__ = [
@@ -103,11 +96,14 @@ def _padded(model: GPTConfig, tp: int, training: Training) -> GPTConfig:
 
 
 def _check_layout(model: GPTConfig, cluster: Cluster, training: Training, tp: int,
-                  activation: str) -> GPTConfig:
-    """The model with its vocabulary padded for ``tp``, after checking the layout is possible.
+                  activation: str, zero: tuple[int, float]) -> tuple[GPTConfig, Training]:
+    """The model with its vocabulary padded for ``tp`` and ``training`` with the layout's
+    ZeroConfig (``zero``: stage and offload fraction, :func:`hybrid.planner.inputs.layout_zero`),
+    after checking the layout is possible.
 
     Raises ValueError: tp does not divide the heads, the MLP width or the GPUs, or sequence
-    parallelism with tp not dividing the sequence length.
+    parallelism with tp not dividing the sequence length; ConfigError (a ValueError): what
+    ZeroConfig refuses of the layout (offload at stage 0, a fraction outside [0, 1]).
     """
     m0 = model
     check_tp(m0, tp, cluster)
@@ -117,7 +113,15 @@ def _check_layout(model: GPTConfig, cluster: Cluster, training: Training, tp: in
             and tp_split_refusal(m0, tp, sequence_length=s) is not None):
         raise ValueError(f"sequence parallelism needs seq_length divisible by tp: "
                          f"{s} % {tp} = {s % tp}")
-    return m
+    return m, dataclasses.replace(training, zero=layout_zero(training.zero, *zero))
+
+
+def _precision(training: Training):
+    """Bytes per element of ``training``'s precision and accounting
+    (:class:`hybrid.planner.precision.Precision`); bf16 gradients (``--grad-reduce-in-bf16``)
+    are held, accumulated and reduced in 2 bytes."""
+    prec = get_precision(training.zero.precision, training.accounting)
+    return dataclasses.replace(prec, grad_bytes=2) if training.zero.grad_reduce_in_bf16 else prec
 
 
 def _batch(training: Training, cluster: Cluster, dp: int) -> tuple[int, int]:
@@ -138,11 +142,11 @@ def _buffer_bytes(m: GPTConfig, tp: int, dp: int, stage: int, prec, psi_t: int,
     layer_sharded, layer_replicated = layer_parameter_split(m)
     block = layer_sharded // tp + layer_replicated
     root = psi_t - m.num_layers * block
-    return comm_buffer_bytes(psi_t, stage, training.reduce_bucket_elements,
-                             training.allgather_bucket_elements, prec, block, dp,
-                             training.overlap_comm, root,
-                             unit_in_place=training.gradient_accumulation_fusion
-                             and training.grad_reduce == "reduce_scatter")
+    return comm_buffer_bytes(psi_t, stage, training.zero.reduce_bucket_size,
+                             training.zero.allgather_bucket_size, prec, block, dp,
+                             training.zero.overlap_comm, root,
+                             unit_in_place=training.zero.gradient_accumulation_fusion
+                             and training.zero.grad_reduce == "reduce_scatter")
 
 
 def _traffic(m: GPTConfig, tp: int, dp: int, stage: int, prec, micro_batches: int,
@@ -154,7 +158,7 @@ def _traffic(m: GPTConfig, tp: int, dp: int, stage: int, prec, micro_batches: in
     s, b = training.seq_length, training.micro_batch_size
     dp_kinds = dp_traffic_bytes(
         m, dp, stage, tp, prec, micro_batches, persistent_params=persistent, by_kind=True,
-        grad_reduce=training.grad_reduce, qgz=qgz_setting(training, gpus_per_node, tp, dp),
+        grad_reduce=training.zero.grad_reduce, qgz=qgz_setting(training, gpus_per_node, tp, dp),
     )
     tp_elems = tp_traffic_elements(b, s, m.hidden_size, tp, m.num_layers, "full" in parts,
                                    "pa" in parts, m.vocab_size, sequence_parallel="sp" in parts)
@@ -189,10 +193,11 @@ def _step_times(m: GPTConfig, cluster: Cluster, training: Training, gbs: int, tp
 
 def _wgrad_fused(training: Training) -> bool:
     """16-bit weights with fp32 gradients under ``--gradient-accumulation-fusion``: at stages 0/1
-    the weight-gradient GEMMs accumulate into the fp32 buffer (:mod:`hybrid.parallel.wgrad`;
-    assumes the device has such a GEMM, as CUDA torch and apex do)."""
-    return (training.gradient_accumulation_fusion and not training.grad_reduce_in_bf16
-            and training.precision != "fp32")
+    the weight-gradient GEMMs accumulate into the fp32 buffer
+    (:mod:`hybrid.parallel.linear.main_grad`; assumes the device has such a GEMM, as CUDA torch
+    and apex do)."""
+    return (training.zero.gradient_accumulation_fusion and not training.zero.grad_reduce_in_bf16
+            and training.zero.precision != "fp32")
 
 
 def evaluate(
@@ -205,18 +210,16 @@ def evaluate(
 
     Raises ValueError for an impossible layout (tp not dividing heads or GPUs, a global batch
     that is not a multiple of micro batch * dp, sequence parallelism with tp not dividing the
-    sequence length, offload at ZeRO stage 0 or a fraction outside [0, 1]).
+    sequence length, ZeroConfig's refusals: offload at ZeRO stage 0 or a fraction outside [0, 1]).
     """
-    m = _check_layout(model, cluster, training, tp, activation)
-    _check_offload(stage, offload_fraction)
+    m, training = _check_layout(model, cluster, training, tp, activation,
+                                (stage, offload_fraction))
     dp = cluster.num_gpus // tp
     s, b = training.seq_length, training.micro_batch_size
     gbs, micro_batches = _batch(training, cluster, dp)
-    prec = get_precision(training.precision, training.accounting)
-    if training.grad_reduce_in_bf16:  # held, accumulated and reduced in bf16
-        prec = dataclasses.replace(prec, grad_bytes=2)
+    prec = _precision(training)
     psi_t = params_per_tp_rank(m, tp)
-    zero = stage_plan(stage, param_persistence_threshold=training.param_persistence_threshold)
+    zero = training.zero.plan  # the stage's partitioning (hybrid.zero.stage.stage_plan)
     persistent = persistent_parameters(m, tp, zero.persistence_threshold)
     partition = psi_t if stage == 0 else -(-psi_t // dp)
     states, host_states = _states(m, cluster, training, tp, dp, stage, prec, persistent,
@@ -228,11 +231,11 @@ def evaluate(
     temps = temporary_bytes(m, s, b, tp, stage, activation, prec.activation_bytes,
                             model.vocab_size, acts["layers"], training.dropout,
                             wgrad_fused=_wgrad_fused(training))
-    bucket = min(max(1, training.reduce_bucket_elements // dp), -(-psi_t // dp)) * dp
+    bucket = min(max(1, training.zero.reduce_bucket_size // dp), -(-psi_t // dp)) * dp
     # the bytes that phase allocates; the activations are freed by then, so its peak is above
     # the other phases' (states + activ + temps) only by what it allocates beyond them
     temps["embedding_backward"] = embedding_backward_bytes(
-        m, tp, stage, prec.activation_bytes, bucket, 0, training.overlap_comm)
+        m, tp, stage, prec.activation_bytes, bucket, 0, training.zero.overlap_comm)
     temps["total"] = max(temps["total"], temps["embedding_backward"] - acts["gpu"])
     total = states["total"] + acts["gpu"] + temps["total"] + buffers + int(cluster.reserved_bytes)
     dp_kinds, tp_bytes, cpu_bytes = _traffic(m, tp, dp, stage, prec, micro_batches, persistent,
@@ -285,14 +288,6 @@ def _zeropp_bytes(dp_kinds: dict, cluster: Cluster, training: Training, tp: int,
     if inter:
         inter -= qgz_intra_bytes(dp_kinds, training, cluster.gpus_per_node, tp, dp, stage)
     return dp_bytes, inter
-
-
-def _check_offload(stage: int, fraction: float) -> None:
-    """ValueError for ZeRO-Offload at stage 0 (no optimizer partition: Megatron-LM's offload
-    is its distributed optimizer's) or a fraction outside [0, 1]."""
-    if check_fraction(fraction) and stage == 0:
-        raise ValueError("--optimizer-cpu-offload needs ZeRO stage 1-3 (stage 0 keeps no "
-                         "optimizer partition to move to the host), got --zero-stage 0")
 
 
 def micro_batch_choices(global_batch: int, dp: int) -> list[int]:

@@ -291,9 +291,9 @@ def qgz_setting(training, gpus_per_node: int, tp: int, dp: int) -> tuple[int, in
     """``(bits, data-parallel ranks per node)`` of ZeRO++ qgZ for ``Training`` ``training``, or
     None when it is off. A node holds ``gpus_per_node / tp`` ranks of a data-parallel group
     (tp inside the node), at most ``dp``; a partial last node counts by the gcd."""
-    if not training.quantized_gradients:
+    if not training.zero.quantized_gradients:
         return None
-    return training.quantized_gradients_bits, math.gcd(dp, max(1, gpus_per_node // tp))
+    return training.zero.quantized_gradients_bits, math.gcd(dp, max(1, gpus_per_node // tp))
 
 
 def qgz_intra_bytes(dp_kinds: dict, training, gpus_per_node: int, tp: int, dp: int,
@@ -326,7 +326,7 @@ def step_breakdown(model, cluster, training, tp: int, dp: int, stage: int, activ
     bw = (cluster.inter_node_gbs if cluster.num_gpus > cluster.gpus_per_node
           else cluster.intra_node_gbs) * GB
     ring = (dp - 1) / dp
-    all_reduce = stage == 0 or training.grad_reduce == "all_reduce"
+    all_reduce = stage == 0 or training.zero.grad_reduce == "all_reduce"
     (fwd_q, _), (bwd_q, bwd_n) = gather_terms(training, prec, stage, dp)
     gather = fwd_q * ring / bw  # ZeRO++: qwZ's int8 bytes; hpZ's backward inside the node
     gather_bwd = (bwd_q * (bwd_n - 1) / bwd_n / (cluster.intra_node_gbs * GB) if bwd_n != dp
@@ -359,8 +359,8 @@ def step_breakdown(model, cluster, training, tp: int, dp: int, stage: int, activ
     host = offload_seconds(offloaded, prec, cluster, n * comp["block_bwd"] + comp["root_bwd"],
                            min(1.0, tail), n + 1)
     out = step_seconds(u, n, micro_batches, stage, refresh,
-                       max(optimizer, host["host_step_s"]), training.overlap_param_gather,
-                       training.overlap_comm)
+                       max(optimizer, host["host_step_s"]), training.zero.overlap_param_gather,
+                       training.zero.overlap_comm)
     return with_offload(out, optimizer, host)
 
 

@@ -26,7 +26,7 @@ def plan_text(model, cluster, training, cands, skipped, chosen, fitting_only, de
         f"cluster: {cluster.num_gpus} GPUs ({cluster.gpus_per_node}/node) x {device}: "
         f"{cluster.gpu_memory_bytes / GIB:.2f} GiB, peak {cluster.peak_tflops:g} TFLOP/s x "
         f"{cluster.efficiency:g}; s={training.seq_length}, b={_sizes(cands, training)}, "
-        f"{training.precision} ({training.accounting} accounting); host {host_gib} GiB DRAM "
+        f"{training.zero.precision} ({training.accounting} accounting); host {host_gib} GiB DRAM "
         f"per node at {cluster.host_memory_gbs:g} GB/s x {cluster.host_efficiency:g}, PCIe "
         f"{cluster.cpu_gbs:g} GB/s one way per GPU",
         *([note] if note else []),

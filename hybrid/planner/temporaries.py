@@ -27,7 +27,8 @@ t the TP degree):
   before their reduce-scatter (ZeRO 2/3; stages 0/1 add each ``.grad`` into the fp32 flat buffer
   as it arrives, so only its largest weight, ``max(f, qkv) h / t`` elements, and none where the
   weight-gradient GEMMs accumulate into the fp32 buffer themselves: ``wgrad_fused``,
-  :mod:`hybrid.parallel.wgrad`); and the larger of two working sets that are not alive together:
+  :mod:`hybrid.parallel.linear.main_grad`); and the larger of two working sets that are not
+  alive together:
   the MLP's backward, the gradients of its ``[s, b, f/t]`` activations (GeLU: 2 in the compute
   dtype; SwiGLU, ``models.fused``, works in fp32: the upcast gradient, gate and up (16-bit
   training only), the sigmoid, SiLU and one product of the chain, ``6 x 4 B``, ``3 x 4 B`` in

@@ -20,34 +20,35 @@ ranks of a node, ``gpus_per_node / tp``.
 from __future__ import annotations
 
 from hybrid.zero.qwz import BLOCK
+from hybrid.zero.topology import NodeTopology
 
 QWZ_BYTES = 1 + 4 / BLOCK
 """Bytes per element of a qwZ gather (int8 + its share of the block's fp32 scale)."""
 
 
 def check(training, cluster, tp: int) -> None:
-    """Raise ``ValueError`` when ``training.hpz_partition_size`` does not divide the
-    data-parallel ranks of a node (tp must be smaller than the GPUs per node)."""
-    n = training.hpz_partition_size
-    per_node = min(cluster.gpus_per_node, cluster.num_gpus) // tp
-    if n > 1 and per_node % n:
-        raise ValueError(f"--zero-hpz-partition-size {n} does not divide the {per_node} "
-                         f"data-parallel ranks of a node ({cluster.gpus_per_node} GPUs per node / "
-                         f"tp {tp})")
+    """Raise ``ValueError`` when ``training.zero.hpz_partition_size`` does not divide the
+    data-parallel ranks of a node (tp must be smaller than the GPUs per node): the run's check,
+    :meth:`hybrid.zero.topology.NodeTopology.check_intra_size`, with a node of
+    ``cluster.gpus_per_node`` GPUs."""
+    n = training.zero.hpz_partition_size
+    if n > 1:
+        node = NodeTopology(cluster.num_gpus, tp, min(cluster.gpus_per_node, cluster.num_gpus))
+        node.check_intra_size(n, node_from="--gpus-per-node")
 
 
 def gather_terms(training, prec, stage: int, dp: int) -> tuple[tuple[float, int],
                                                                tuple[float, int]]:
     """``((bytes per element, group size) of a forward gather, (same) of a backward one)``."""
     zpp = stage == 3
-    q = QWZ_BYTES if zpp and training.quantized_weights else prec.param_bytes
-    n = training.hpz_partition_size if zpp else 1
+    q = QWZ_BYTES if zpp and training.zero.quantized_weights else prec.param_bytes
+    n = training.zero.hpz_partition_size if zpp else 1
     return (q, dp), ((prec.param_bytes, n) if n > 1 else (q, dp))
 
 
 def secondary_bytes(psi_t: int, persistent: int, training, prec, stage: int) -> int:
     """Bytes of hpZ's secondary shard on one rank (0 when off or below stage 3)."""
-    n = training.hpz_partition_size
+    n = training.zero.hpz_partition_size
     if stage != 3 or n <= 1:
         return 0
     return -(-(psi_t - persistent) // n) * prec.param_bytes
@@ -69,7 +70,7 @@ def inter_node_bytes(dp_bytes: float, psi_t: int, persistent: int, dp: int,
     data-parallel group fits in one node, else all but hpZ's backward gathers."""
     if dp <= min(cluster.gpus_per_node, cluster.num_gpus) // tp:
         return 0.0
-    if stage != 3 or training.hpz_partition_size <= 1:
+    if stage != 3 or training.zero.hpz_partition_size <= 1:
         return dp_bytes
     return dp_bytes - gather_bytes(psi_t, persistent, dp, micro_batches, training, prec,
                                    stage)["backward"]

@@ -9,6 +9,7 @@ naming the flag, the field and the bad value, before any process group is touche
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -20,6 +21,18 @@ from hybrid.zero.stage import GRAD_REDUCE_OPS, ZERO_STAGES, StagePlan, stage_pla
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """Training precision name -> parameter/compute dtype (master weights and gradients stay fp32)."""
+
+STAGE_SETTINGS = {
+    "optimizer_cpu_offload": (1, False),
+    "overlap_param_gather": (1, False),
+    "quantized_gradients": (2, False),
+    "hpz_partition_size": (3, 1),
+    "quantized_weights": (3, False),
+}
+"""The settings only some ZeRO stages take: field -> (the lowest stage that takes it, its value
+when off). Every higher stage takes it too, so a search over stages (``hybrid.plan``) validates
+its settings once at the highest stage it searches and plans each lower stage with
+:meth:`ZeroConfig.at_stage`; :meth:`ZeroConfig.validate` refuses a setting below its stage."""
 
 
 @dataclass
@@ -125,12 +138,28 @@ class ZeroConfig:
         """What this stage partitions and how it reduces (:func:`hybrid.zero.stage.stage_plan`)."""
         return stage_plan(self.stage, self.grad_reduce, self.param_persistence_threshold)
 
+    def at_stage(self, stage: int, **changes) -> ZeroConfig:
+        """This config at ZeRO ``stage``, with the settings that stage does not take
+        (:data:`STAGE_SETTINGS`) off and ``changes`` (other fields) applied: what a search over
+        stages plans at each one.
+
+        Raises:
+            ConfigError: as :meth:`validate`, e.g. a bad stage, or ``changes`` the stage refuses.
+        """
+        off = {name: value for name, (lowest, value) in STAGE_SETTINGS.items() if stage < lowest}
+        return dataclasses.replace(self, stage=stage, **{**off, **changes})
+
+    def _below_stage(self, name: str) -> bool:
+        """Setting ``name`` (of :data:`STAGE_SETTINGS`) is on at a stage that does not take it."""
+        lowest, off = STAGE_SETTINGS[name]
+        return getattr(self, name) != off and self.stage < lowest
+
     def _check_qgz(self) -> None:
         """qgZ against the stage, the gradient collective and the precision."""
         check_choice(self, "quantized_gradients_bits", QUANT_BITS)
         if not self.quantized_gradients:
             return
-        if self.stage < 2:
+        if self._below_stage("quantized_gradients"):
             fail(self, "quantized_gradients", "qgZ quantizes the ZeRO-2/3 gradient "
                  f"reduce-scatter; --zero-stage is {self.stage} (use --zero-stage 2 or 3)")
         if self.grad_reduce != "reduce_scatter":
@@ -173,11 +202,11 @@ class ZeroConfig:
             fail(self, "optimizer_offload_fraction", "must be a number in [0, 1] (the share "
                  "of the optimizer states in host memory)")
         check_int(self, "optimizer_cpu_threads", 0)
-        if self.optimizer_cpu_offload and self.stage == 0:
+        if self._below_stage("optimizer_cpu_offload"):
             fail(self, "optimizer_cpu_offload", "offloads the partition of ZeRO 1-3; stage 0 "
                  "keeps every optimizer state on every rank (dp copies of the host memory): "
                  "use --zero-stage 1, 2 or 3")
-        if self.overlap_param_gather and self.stage == 0:
+        if self._below_stage("overlap_param_gather"):
             fail(self, "overlap_param_gather", "stage 0 gathers no parameters (it copies the "
                  "whole master); use --zero-stage 1, 2 or 3 (Megatron-LM: the distributed "
                  "optimizer)")
@@ -191,10 +220,10 @@ class ZeroConfig:
         """ZeRO++ settings against the stage and precision (the node fit is checked against the
         world by :func:`hybrid.zero.topology.NodeTopology.check_intra_size`)."""
         check_int(self, "hpz_partition_size", 1)
-        if self.hpz_partition_size > 1 and self.stage != 3:
+        if self._below_stage("hpz_partition_size"):
             fail(self, "hpz_partition_size", "hpZ partitions the ZeRO-3 parameters a second "
                  f"time; --zero-stage is {self.stage} (use --zero-stage 3, or size 1 for off)")
-        if self.quantized_weights and self.stage != 3:
+        if self._below_stage("quantized_weights"):
             fail(self, "quantized_weights", "qwZ quantizes the ZeRO-3 parameter gathers; "
                  f"--zero-stage is {self.stage} (use --zero-stage 3)")
         if self.quantized_weights and self.precision == "fp32":

@@ -92,8 +92,11 @@ class NodeTopology:
         """Whether the global ``ranks`` live on more than one node."""
         return len({self.node_of(r) for r in ranks}) > 1
 
-    def check_intra_size(self, size: int, flag: str = "--zero-hpz-partition-size") -> None:
-        """Raise ``ValueError`` unless ``size`` divides the data-parallel ranks per node."""
+    def check_intra_size(self, size: int, flag: str = "--zero-hpz-partition-size",
+                         node_from: str = f"{NODE_SIZE_ENV}, else torchrun's LOCAL_WORLD_SIZE"
+                         ) -> None:
+        """Raise ``ValueError`` unless ``size`` divides the data-parallel ranks per node
+        (``node_from``: where the processes per node came from, for the message)."""
         if size < 1 or self.dp_per_node % size:
             valid = [d for d in range(1, self.dp_per_node + 1) if self.dp_per_node % d == 0]
             raise ValueError(
@@ -101,8 +104,7 @@ class NodeTopology:
                 f"({self.local} processes per node / tp {self.tp}); valid sizes: {valid}"
                 + (" (tp must be smaller than the processes per node)"
                    if self.dp_per_node == 1 else "")
-                + f"; processes per node come from {NODE_SIZE_ENV}, else torchrun's "
-                  "LOCAL_WORLD_SIZE")
+                + f"; processes per node come from {node_from}")
 
     def intra_node_groups(self, size: int) -> list[list[int]]:
         """Every intra-node data-parallel group of ``size`` ranks (global ranks, dp order), for
