@@ -124,7 +124,8 @@ def compute_seconds(model, b: int, s: int, tp: int, recompute: str, flops_per_s:
 def ring_exposed(unit: float, gemm: float, tp: int) -> float:
     """Seconds a collective of ``unit`` seconds leaves exposed when it is decomposed into the
     ``tp`` chunks of a ring pipelined with its GEMM of ``gemm`` seconds (collective matmul,
-    ``hybrid.parallel.collective_matmul``; Wang et al. 2023, doi:10.1145/3567955.3567959, §3):
+    ``hybrid.parallel.linear.collective_matmul``; Wang et al. 2023,
+    doi:10.1145/3567955.3567959, §3):
     ``tp - 1`` transfers of ``unit / (tp - 1)`` each run beside one of ``tp`` GEMM chunks of
     ``gemm / tp``, one chunk (the first all-gather chunk is local, the last reduce-scatter chunk
     is the rank's own) has nothing to hide: ``(tp-1) max(0, unit/(tp-1) - gemm/tp)`` = ``max(0,
