@@ -249,7 +249,7 @@ class Block(nn.Module):
     def __init__(self, config: GPTConfig, rotary: RotaryEmbedding | None = None):
         super().__init__()
         # door: ln1/ln2 and drop1/drop2 are swapped under sequence parallelism (the TP plan's
-        # SEQUENCE_PARALLEL_PLAN); a LayerNorm becomes apex's fused one on CUDA (parallel.kernels)
+        # SEQUENCE_PARALLEL_PLAN); a LayerNorm becomes apex's fused one on CUDA (hybrid.fusion)
         self.ln1 = make_norm(config, config.hidden_size)
         self.attn = Attention(config, rotary)
         self.ln2 = make_norm(config, config.hidden_size)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hybrid.parallel.kernels import apex_norm_kernels, use_fused_kernels
+from hybrid.fusion import apex_norm_kernels, use_fused_kernels
 from hybrid.parallel.layers import SequenceParallelLayerNorm
 from models.fused import NormArithmetic, rms_norm
 from models.fusion import KernelFusion, set_kernel_fusion

@@ -1,3 +1,4 @@
 """The 2D process grid and Megatron-style tensor parallelism (arXiv 1909.08053 §3): conjugate
 autograd ops, column/row/vocab-parallel layers, vocab-parallel cross-entropy, the TP plan that
-swaps a plain GPT's modules, RNG streams, the fused-kernel swap and a local spawn launcher."""
+swaps a plain GPT's modules, RNG streams and a local spawn launcher. (Kernel fusion, which is
+not tensor parallelism, is :mod:`hybrid.fusion`.)"""
