@@ -144,7 +144,7 @@ def test_loader_batches_are_pinned_on_cuda_only(monkeypatch, device):
     from types import SimpleNamespace
 
     import data.loader
-    from hybrid.job import pretrain
+    from hybrid.job import datasets
 
     got = {}
 
@@ -160,7 +160,7 @@ def test_loader_batches_are_pinned_on_cuda_only(monkeypatch, device):
                                                   eod_mask_loss=False)),
                           gpt=SimpleNamespace(vocab_size=10))
     grid = SimpleNamespace(device=torch.device(device), dp_rank=0, dp_size=1)
-    assert len(list(pretrain._batches(range(4), 0, job, grid))) == 1
+    assert len(list(datasets.micro_batches(range(4), 0, job, grid))) == 1
     assert got.get("pin_memory", False) == (device == "cuda")
 
 

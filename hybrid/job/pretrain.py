@@ -21,7 +21,7 @@ process_start()  # --exit-duration-in-mins counts from here at the latest (befor
 from data.split import no_validation_note  # noqa: E402
 from hybrid.job.cli import parse_config  # noqa: E402
 from hybrid.job.config_checks import ConfigError, Job, validate  # noqa: E402
-from hybrid.job.datasets import build_datasets, eod_id  # noqa: E402
+from hybrid.job.datasets import build_datasets, micro_batches  # noqa: E402
 from hybrid.job.megatron_flags import default_stage_note  # noqa: E402
 from hybrid.torch_profile import profile_notes  # noqa: E402
 from hybrid.wandb_names import preflight as wandb_preflight  # noqa: E402
@@ -32,56 +32,6 @@ if TYPE_CHECKING:
     from hybrid.parallel.rng import RNGTracker
     from hybrid.training import TrainState
     from hybrid.zero.engine import ZeroEngine
-
-
-def _batches(dataset, consumed: int, job: Job, grid: ProcessGrid):
-    from data.loader import build_data_loader
-
-    cfg = job.cfg
-    # pinned host batches on CUDA: train_step's non_blocking copy is then truly asynchronous
-    loader = build_data_loader(dataset, consumed, cfg.training.micro_batch_size, grid.dp_rank,
-                               grid.dp_size, pin_memory=grid.device.type == "cuda")
-    batches = checked_tokens(loader, job.gpt.vocab_size, cfg.data.data_path)
-    d = cfg.data
-    if not (d.reset_position_ids or d.reset_attention_mask or d.eod_mask_loss):
-        return batches
-    return packed_documents(batches, eod_id(cfg, job.gpt.vocab_size), d.reset_position_ids,
-                            d.reset_attention_mask, d.eod_mask_loss)
-
-
-def packed_documents(batches, eod: int, reset_position_ids: bool, reset_attention_mask: bool,
-                     eod_mask_loss: bool):
-    """``batches`` ``[b, s+1]`` as ``{"tokens", "loss_mask", "documents"}`` micro-batches
-    (:func:`models.documents.document_layout` of the inputs, on the host as Megatron-LM's
-    dataset builds them): ``--reset-position-ids``, ``--reset-attention-mask``,
-    ``--eod-mask-loss``."""
-    from models.documents import document_layout
-
-    for tokens in batches:
-        docs, mask = document_layout(tokens[:, :-1], eod, reset_position_ids,
-                                     reset_attention_mask, eod_mask_loss)
-        yield {"tokens": tokens, "loss_mask": mask, "documents": docs}
-
-
-def checked_tokens(batches, vocab_size: int, source):
-    """Yield ``batches`` (int64 ``[b, s + 1]`` on the host), refusing a token id outside
-    ``[0, vocab_size)``: data preprocessed with another tokenizer would otherwise be trained on
-    silently (the vocabulary-parallel embedding and loss treat an id they do not hold as
-    another rank's). One ``max``/``min`` per micro-batch on the host, before any device copy.
-
-    Raises:
-        ValueError: naming the id, the vocabulary size and the data.
-    """
-    for batch in batches:
-        hi, lo = int(batch.max()), int(batch.min())
-        if hi >= vocab_size or lo < 0:
-            bad = hi if hi >= vocab_size else lo
-            raise ValueError(f"token id {bad} in --data-path {' '.join(map(str, source or []))} "
-                             f"is outside the vocabulary [0, {vocab_size}) of this run's "
-                             "tokenizer/--vocab-size: the data was preprocessed with another "
-                             "tokenizer (preprocess it again with --tokenizer-model, or give the "
-                             "tokenizer it was made with)")
-        yield batch
 
 
 def engine_line(engine) -> str:
@@ -232,7 +182,7 @@ def run(job: Job) -> dict:
 
     def eval_batches(split, consumed):
         ds = eval_sets[split]
-        return None if ds is None else _batches(ds, consumed, job, grid)
+        return None if ds is None else micro_batches(ds, consumed, job, grid)
 
     schedule, settings = lr_schedule(job, meta, print if grid.rank == 0 else None)
     writer, progress = _metrics(job, grid, state, meta)
@@ -246,7 +196,7 @@ def run(job: Job) -> dict:
                       checkpointer.after_iteration, progress, state, checkpointer.stop_now,
                       profiler=_profiler(job, grid))
     try:
-        trainer.train(_batches(train_ds, state.consumed_samples, job, grid))
+        trainer.train(micro_batches(train_ds, state.consumed_samples, job, grid))
         checkpointer.save(state, wait=True)  # --async-save: written and published here
         if trainer.settings.eval_iters and state.iteration >= job.cfg.training.train_iters:
             checkpointer.final_evaluation(trainer.evaluate, state)
