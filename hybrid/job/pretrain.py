@@ -34,53 +34,6 @@ if TYPE_CHECKING:
     from hybrid.zero.engine import ZeroEngine
 
 
-def engine_line(engine) -> str:
-    """One start-up line: ZeRO stage, precision and this rank's bytes held per kind; on stage 3
-    also how many parameters ``--param-persistence-threshold`` keeps whole, and when that is
-    all of them, which flag value partitions them."""
-    held = ", ".join(f"{k} {v / 2**20:.2f}" for k, v in engine.memory_bytes().items() if v)
-    config, layout = engine.config, engine.layout
-    kept = [u for u in layout.units if u.persistent] if engine.plan.shards_parameters else []
-    note = ""
-    if kept:  # otherwise stage 3's "params" looks unpartitioned on a small model
-        n = sum(u.numel for u in kept)
-        note = (f" (params: the shard plus {n:,} of {layout.numel:,} parameters kept whole, "
-                f"those under --param-persistence-threshold "
-                f"{config.param_persistence_threshold:,}")
-        if n == layout.numel:  # stage 3 then saves no parameter memory: say how to change it
-            note += ("; so none is partitioned: a smaller --param-persistence-threshold "
-                     "partitions the larger ones, 0 partitions all")
-        note += ")"
-    return (f"ZeRO stage {engine.stage} {config.precision} over dp {engine.dp} | "
-            f"{engine_modes(config, engine.grid.device)} | MiB held on rank 0: {held}{note}")
-
-
-def engine_modes(config, device="cpu") -> str:
-    """What the gradient and parameter paths of ``config`` (a ``ZeroConfig``) do on ``device``,
-    in words with their Megatron-LM flags (issue 33)."""
-    from hybrid.zero.reduce import fusion_words
-
-    grads = "bf16 (--grad-reduce-in-bf16)" if config.grad_reduce_in_bf16 else "fp32"
-    fusion = fusion_words(config, device)
-    reduce = ("reduced during backward (--overlap-grad-reduce)" if config.overlap_comm
-              else "reduced after backward (--no-overlap-grad-reduce)")
-    if getattr(config, "quantized_gradients", False):
-        reduce += (f" as int{config.quantized_gradients_bits} over an intra- then inter-node "
-                   "all-to-all (--zero-quantized-gradients)")
-    if config.stage == 0:
-        gather = "parameters copied from the master after the step (stage 0)"
-    elif config.overlap_param_gather:
-        gather = ("updated parameters all-gathered in the background, waited unit by unit in "
-                  "the next forward (--overlap-param-gather)")
-    else:
-        gather = ("updated parameters all-gathered before the step returns "
-                  "(--overlap-param-gather off)")
-    zpp = "".join((f"; ZeRO++ hpZ: backward gathers inside the node over "
-                   f"{config.hpz_partition_size} ranks" if config.hpz_partition_size > 1 else "",
-                   "; ZeRO++ qwZ: int8 parameter gathers" if config.quantized_weights else ""))
-    return f"gradients {grads}, {fusion}, {reduce}; {gather}{zpp}"
-
-
 def loop_settings(job: Job, grid: ProcessGrid, splits=("valid", "test")):
     """The loop's counts and the FLOPs per step for TFLOP/s and MFU, counted as Megatron-LM's
     ``--log-throughput`` (:func:`hybrid.flops.megatron_flops_per_iteration`). ``splits``: the
@@ -170,6 +123,7 @@ def run(job: Job) -> dict:
     from hybrid.job.checkpointing import Checkpointer, lock_save_dir, lr_schedule, start_from
     from hybrid.job.cpu_precision import warn_if_slow
     from hybrid.training import Trainer, TrainState
+    from hybrid.zero.accounting import engine_line
 
     grid, tracker, engine = _build(job)
     if grid.rank == 0:  # once per job: bf16/fp16 without native CPU support is 4.7-7x slower
