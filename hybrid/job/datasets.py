@@ -1,5 +1,5 @@
 """The datasets a pretraining job reads, sized as Megatron-LM sizes them, and the micro-batches
-a rank reads from them (:func:`micro_batches`); shared by the job (:mod:`hybrid.job.pretrain`)
+a rank reads from them (:func:`micro_batches`); shared by the run (:mod:`hybrid.job.run`)
 and the pre-flight check of read-only index caches (:mod:`hybrid.job.preflight`), which runs it
 without writing to learn the index names. (No type import of ``Job``: this module sits below
 :mod:`hybrid.job.config_checks`.)"""
