@@ -160,7 +160,7 @@ def load_world(rank: int, world: int, root: str, out_root: str, model_kw: dict, 
 
     import hybrid.checkpoint.shards as shards
     from hybrid.parallel.grid import ProcessGrid
-    from hybrid.parallel.layers import get_tp_spec
+    from hybrid.parallel.tp_spec import get_tp_spec
 
     _release_freed_memory()
     torch.manual_seed(0)

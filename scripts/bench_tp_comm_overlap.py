@@ -5,7 +5,7 @@
 
 One spawned gloo world of ``tp`` ranks builds the same GPT twice (sequence parallelism, dropout
 0, fp32), once plain and once with the collective-matmul rings
-(:mod:`hybrid.parallel.collective_matmul`), and times forward + backward of one micro-batch
+(:mod:`hybrid.parallel.linear.collective_matmul`), and times forward + backward of one micro-batch
 (``--blocks``: the blocks' forward only) in interleaved rounds (plain, overlapped, plain, ...;
 one warm-up round first), so a load change on the machine hits both alike. Prints each
 round's seconds and the median of the per-round ratios overlapped / plain on rank 0.

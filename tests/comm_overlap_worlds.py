@@ -1,6 +1,6 @@
 """World functions for ``tests/test_tp_comm_overlap.py`` (spawned ranks; importable).
 
-``--tp-comm-overlap`` (:mod:`hybrid.parallel.collective_matmul`) against the plain
+``--tp-comm-overlap`` (:mod:`hybrid.parallel.linear.collective_matmul`) against the plain
 sequence-parallel run it replaces: same weights, batches and TP dropout streams (the rings draw
 no random numbers), trained through :func:`hybrid.parallelize.parallelize` and the ZeRO engine;
 and the collectives a block's forward waits on with nothing computed meanwhile.
@@ -16,9 +16,10 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hybrid.activation.config import ActivationConfig
-from hybrid.parallel.collective_matmul import gather_linear, linear_scatter
 from hybrid.parallel.grid import ProcessGrid
-from hybrid.parallel.ops import reduce_scatter_sequence, sequence_parallel_linear
+from hybrid.parallel.linear.collective_matmul import gather_linear, linear_scatter
+from hybrid.parallel.linear.functions import sequence_parallel_linear
+from hybrid.parallel.ops import reduce_scatter_sequence
 from hybrid.parallel.tp_plan import parallelize_gpt
 from hybrid.zero.config import OptimizerConfig, ZeroConfig
 from models.gpt import GPT, GPTConfig

@@ -22,9 +22,10 @@ import torch.nn as nn
 from hybrid.activation.apply import ActivationConfig, apply_activation_checkpointing
 from hybrid.activation.saved_bytes import measure_saved_bytes
 from hybrid.parallel.grid import ProcessGrid
-from hybrid.parallel.layers import TPRegionDropout, get_tp_spec
+from hybrid.parallel.layers import TPRegionDropout
 from hybrid.parallel.rng import RNGTracker
 from hybrid.parallel.tp_plan import parallelize_gpt, tp_ledger
+from hybrid.parallel.tp_spec import get_tp_spec
 from models.blocks import set_attention_kernel
 from models.gpt import GPT, GPTConfig
 from tests.activation_worlds import _run, micro_batches

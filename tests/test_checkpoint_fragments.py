@@ -17,7 +17,7 @@ from hybrid.checkpoint.directory import FORMAT_VERSION, publish, shard_name, sta
 from hybrid.checkpoint.shards import KINDS, CheckpointReader, shard_entries
 from hybrid.checkpoint.stream import Entry, write_safetensors
 from hybrid.consolidate import main as consolidate_main
-from hybrid.parallel.layers import TPSpec
+from hybrid.parallel.tp_spec import TPSpec
 from hybrid.zero.layout import PartitionLayout
 from hybrid.zero.state import OwnedFragment
 

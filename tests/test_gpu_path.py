@@ -217,7 +217,7 @@ def test_sequence_parallel_linear_backward_runs_under_autocast(monkeypatch):
     gives the gradients of ``F.linear`` under autocast."""
     import torch.distributed as dist
 
-    from hybrid.parallel.ops import sequence_parallel_linear
+    from hybrid.parallel.linear.functions import sequence_parallel_linear
 
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
     g = torch.Generator().manual_seed(0)

@@ -9,6 +9,7 @@ checkpoint -> HF) are compared bitwise.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -89,7 +90,9 @@ def read_all(directory: Path) -> dict[str, torch.Tensor]:
 
 def first_batch(argv: list[str], world: int) -> torch.Tensor:
     """The tokens ``[gbs, s + 1]`` of iteration 1 (samples 0 .. gbs-1, Megatron-LM's order)."""
-    job = validate(parse_config(argv), world_size=world)
+    cfg = parse_config(argv)  # read after the run saved: its --save is no new run's
+    cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, save=None))
+    job = validate(cfg, world_size=world)
     train = build_datasets(job, TrainState())[0]
     return torch.stack([train[i]["tokens"] for i in range(job.global_batch_size)]).long()
 

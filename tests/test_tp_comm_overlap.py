@@ -1,17 +1,17 @@
 """``--tp-comm-overlap`` (issue 34 item 3): the sequence-parallel all-gathers and
 reduce-scatters of the block linears pipelined with their GEMMs on a ring
-(:mod:`hybrid.parallel.collective_matmul`).
+(:mod:`hybrid.parallel.linear.collective_matmul`).
 
 One 4-rank world (gloo) runs every check at tp 2 (dp 2) and tp 4 (dp 1). Against the plain SP
 run, trained 2 AdamW steps through ``parallelize`` and ZeRO-1, GPT and Llama blocks, dropout 0
 and 0.1 (same TP streams: the rings draw nothing), full recompute once: losses within 1e-6
 (the issue's bound; tp 2 is bitwise for the GPT, a sum of two is the same in any order, but
 not for Llama, whose plain SP path runs gate and up on one gather and one reduce-scatter of
-their summed input gradients (``hybrid.parallel.shared_input``) while the rings run each linear
-on its own: the same sum in another order, measured 8e-7 on parameters; tp 4 changes only
-the order of the reduce-scatter's four-term fp32 sums, measured 0 to 5e-7), parameters within
-2e-5 after the steps (Adam normalises each gradient element, so a 1e-7 change of a near-zero
-gradient moves its update by up to ~1e-5 x lr-scale; measured 2e-6 to 5e-6).
+their summed input gradients (``hybrid.parallel.linear.shared_input``) while the rings run
+each linear on its own: the same sum in another order, measured 8e-7 on parameters; tp 4
+changes only the order of the reduce-scatter's four-term fp32 sums, measured 0 to 5e-7),
+parameters within 2e-5 after the steps (Adam normalises each gradient element, so a 1e-7 change
+of a near-zero gradient moves its update by up to ~1e-5 x lr-scale; measured 2e-6 to 5e-6).
 """
 
 import pytest

@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybrid.parallel.layers import TPSpec
 from hybrid.parallel.tp_plan import seeded_shard
+from hybrid.parallel.tp_spec import TPSpec
 from models.gpt import GPTConfig, init_parameter, parameter_generator
 
 CONFIG = GPTConfig(num_layers=3, hidden_size=24, num_attention_heads=4, vocab_size=101,

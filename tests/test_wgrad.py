@@ -1,5 +1,5 @@
 """Gradient-accumulation fusion with 16-bit weights and fp32 gradients (issue 41 item 3;
-:mod:`hybrid.parallel.wgrad`): the weight-gradient GEMMs of the tensor-parallel linears
+:mod:`hybrid.parallel.linear.gemm`): the weight-gradient GEMMs of the tensor-parallel linears
 accumulate in fp32 straight into the engine's main-grad buffer at stages 0/1, the start-up line
 says where that is inactive and why, fp32 training is unchanged bit for bit.
 
@@ -15,7 +15,7 @@ import types
 import pytest
 import torch
 
-from hybrid.parallel import wgrad
+from hybrid.parallel.linear import gemm, main_grad
 from hybrid.parallel.spawn import spawn_world
 from hybrid.zero.config import ZeroConfig
 from hybrid.zero.reduce import wgrad_fusion
@@ -115,9 +115,9 @@ def test_where_the_gemm_fusion_applies():
 
 @pytest.fixture
 def fresh_probe():
-    wgrad._wgrad_kernel.cache_clear()
+    gemm._wgrad_kernel.cache_clear()
     yield
-    wgrad._wgrad_kernel.cache_clear()
+    gemm._wgrad_kernel.cache_clear()
 
 
 def test_cuda_kernel_choice_apex_then_torch_then_none(monkeypatch, fresh_probe):
@@ -125,20 +125,20 @@ def test_cuda_kernel_choice_apex_then_torch_then_none(monkeypatch, fresh_probe):
     (probed); else none, with the reason (the CUDA calls are stood in for on CPU)."""
     monkeypatch.setitem(sys.modules, "fused_weight_gradient_mlp_cuda",
                         types.ModuleType("fused_weight_gradient_mlp_cuda"))
-    assert wgrad.wgrad_kernel("cuda") == (wgrad.APEX_KERNEL, "")
+    assert gemm.wgrad_kernel("cuda") == (gemm.APEX_KERNEL, "")
     monkeypatch.setitem(sys.modules, "fused_weight_gradient_mlp_cuda", None)  # not installed
-    wgrad._wgrad_kernel.cache_clear()
+    gemm._wgrad_kernel.cache_clear()
     monkeypatch.setattr(torch, "zeros", lambda *a, device=None, **k: torch.empty(8, 8))
     monkeypatch.setattr(torch, "ones", lambda *a, device=None, dtype=None, **k: torch.empty(8, 8))
     monkeypatch.setattr(torch, "addmm", lambda *a, **k: None)
-    assert wgrad.wgrad_kernel("cuda") == (wgrad.TORCH_KERNEL, "")
-    wgrad._wgrad_kernel.cache_clear()
+    assert gemm.wgrad_kernel("cuda") == (gemm.TORCH_KERNEL, "")
+    gemm._wgrad_kernel.cache_clear()
 
     def refuse(*a, **k):
         raise RuntimeError("self and mat2 must have the same dtype, but got Float and BFloat16")
 
     monkeypatch.setattr(torch, "addmm", refuse)
-    kernel, why = wgrad.wgrad_kernel("cuda")
+    kernel, why = gemm.wgrad_kernel("cuda")
     assert kernel is None and "apex" in why and torch.__version__ in why and "Float" in why
     z = ZeroConfig(stage=1, precision="bf16")
     assert wgrad_fusion(z.plan, True, torch.bfloat16, torch.float32, "cuda") == why
@@ -161,14 +161,14 @@ def test_accumulate_calls_the_chosen_kernel(monkeypatch):
         return out.add_(a.double().matmul(b.double()).float())
 
     monkeypatch.setattr(torch, "addmm", addmm)
-    for kernel in (wgrad.TORCH_KERNEL, wgrad.APEX_KERNEL, wgrad.CPU_KERNEL):
-        monkeypatch.setattr(wgrad, "wgrad_kernel", lambda device, k=kernel: (k, ""))
+    for kernel in (gemm.TORCH_KERNEL, gemm.APEX_KERNEL, gemm.CPU_KERNEL):
+        monkeypatch.setattr(gemm, "wgrad_kernel", lambda device, k=kernel: (k, ""))
         apex = types.ModuleType("fused_weight_gradient_mlp_cuda")
         apex.wgrad_gemm_accum_fp32 = lambda i, o, m: calls.append("apex") or m.add_(
             o.double().t().matmul(i.double()).float())
         monkeypatch.setitem(sys.modules, "fused_weight_gradient_mlp_cuda", apex)
         main = torch.ones(3, 5)
-        wgrad.accumulate_wgrad(main, dy, x)
+        gemm.accumulate_wgrad(main, dy, x)
         torch.testing.assert_close(main.double(), want, rtol=1e-6, atol=1e-6)
     assert calls == [(torch.float32, True), "apex"]
 
@@ -186,7 +186,7 @@ def test_cpu_upcast_copies_hold_at_most_the_16_bit_gradient_they_replace(monkeyp
         return real(c, a, b)
 
     monkeypatch.setattr(torch.Tensor, "addmm_", spy)
-    wgrad.accumulate_wgrad(main, dy, x)
+    gemm.accumulate_wgrad(main, dy, x)
     assert shapes == [((6, 1), (1, 2))] * 10
     torch.testing.assert_close(main.double(), dy.double().t() @ x.double(), rtol=1e-6, atol=1e-6)
 
@@ -194,16 +194,16 @@ def test_cpu_upcast_copies_hold_at_most_the_16_bit_gradient_they_replace(monkeyp
 def test_placeholder_is_a_view_of_the_main_grad_or_zeros_for_a_tied_weight():
     w = torch.nn.Parameter(torch.randn(4, 3).bfloat16())
     main = torch.zeros(4, 3)
-    wgrad.attach_main_grad(w, main)
+    main_grad.attach_main_grad(w, main)
     dy, x = torch.randn(2, 4).bfloat16(), torch.randn(2, 3).bfloat16()
-    p = wgrad.weight_grad(dy, x, w)
+    p = gemm.weight_grad(dy, x, w)
     assert p.dtype == w.dtype and p.shape == w.shape and p.is_contiguous()
     assert p.untyped_storage().data_ptr() == main.untyped_storage().data_ptr()  # no allocation
-    assert wgrad.gradient_in_main_grad(w) and not wgrad.gradient_in_main_grad(w)  # reset
+    assert main_grad.gradient_in_main_grad(w) and not main_grad.gradient_in_main_grad(w)  # reset
     w.zero_out_wgrad = True
-    p = wgrad.weight_grad(dy, x, w)
-    assert torch.equal(p, torch.zeros_like(w)) and not wgrad.gradient_in_main_grad(w)
-    wgrad.detach_main_grad(w)
+    p = gemm.weight_grad(dy, x, w)
+    assert torch.equal(p, torch.zeros_like(w)) and not main_grad.gradient_in_main_grad(w)
+    main_grad.detach_main_grad(w)
     assert not hasattr(w, "main_grad")
 
 
@@ -213,24 +213,24 @@ def test_a_weight_with_a_gradient_hook_keeps_the_unfused_path():
     for the owner's hook to add; once removed, the fusion is back."""
     w = torch.nn.Parameter(torch.randn(4, 3).bfloat16())
     main = torch.zeros(4, 3)
-    wgrad.attach_main_grad(w, main)
+    main_grad.attach_main_grad(w, main)
     x = torch.randn(2, 3).bfloat16()
     h = w.register_hook(lambda g: torch.full_like(g, float("inf")))
-    wgrad.linear(x, w).sum().backward()
-    assert torch.isinf(w.grad).all() and not main.any() and not wgrad.gradient_in_main_grad(w)
+    gemm.linear(x, w).sum().backward()
+    assert torch.isinf(w.grad).all() and not main.any() and not main_grad.gradient_in_main_grad(w)
     h.remove()
     w.grad = None
-    wgrad.linear(x, w).sum().backward()
-    assert main.any() and wgrad.gradient_in_main_grad(w)
+    gemm.linear(x, w).sum().backward()
+    assert main.any() and main_grad.gradient_in_main_grad(w)
 
 
 def test_linear_is_f_linear_without_a_main_grad():
     w = torch.nn.Parameter(torch.randn(4, 3))
     x = torch.randn(2, 3, requires_grad=True)
-    assert type(wgrad.linear(x, w).grad_fn) is type(torch.nn.functional.linear(x, w).grad_fn)
+    assert type(gemm.linear(x, w).grad_fn) is type(torch.nn.functional.linear(x, w).grad_fn)
     wb = torch.nn.Parameter(torch.randn(4, 3).bfloat16())
-    wgrad.attach_main_grad(wb, torch.zeros(4, 3))
-    assert "_Linear" in type(wgrad.linear(x.bfloat16(), wb).grad_fn).__name__
+    main_grad.attach_main_grad(wb, torch.zeros(4, 3))
+    assert "_Linear" in type(gemm.linear(x.bfloat16(), wb).grad_fn).__name__
 
 
 def test_start_up_line_says_where_the_fusion_acts():
@@ -257,14 +257,14 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 def test_cuda_has_an_fp32_accumulating_wgrad_gemm_and_it_is_exact(fresh_probe):
     """The installed torch (or apex) offers the kernel; it adds ``dy^T x`` of bf16 operands into
     an fp32 buffer in place within fp32 rounding of the fp64 product (1e-5 relative at K 4096)."""
-    kernel, why = wgrad.wgrad_kernel("cuda")
+    kernel, why = gemm.wgrad_kernel("cuda")
     assert kernel is not None, why
     g = torch.Generator(device="cuda").manual_seed(0)
     dy, x = (torch.randn(4096, n, device="cuda", generator=g).bfloat16() for n in (384, 256))
     main = torch.randn(384, 256, device="cuda", generator=g)
     want = main.double() + dy.double().t() @ x.double()
     ptr = main.data_ptr()
-    wgrad.accumulate_wgrad(main, dy, x)
+    gemm.accumulate_wgrad(main, dy, x)
     assert main.data_ptr() == ptr and main.dtype == torch.float32
     torch.testing.assert_close(main.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max())
 

@@ -152,7 +152,7 @@ def test_bf16_accumulates_in_fp32_and_tracks_fp32(w4, stage):
 
 # ---- optimizer state export / import -------------------------------------------------------------
 def test_optimizer_state_by_name(w4, ref):
-    from hybrid.parallel.layers import TPSpec
+    from hybrid.parallel.tp_spec import TPSpec
 
     for r in w4:
         e = r[2]["export"]

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hybrid.parallel.grid import ProcessGrid
-from hybrid.parallel.layers import ColumnParallelLinear
+from hybrid.parallel.linear.modules import ColumnParallelLinear
 from hybrid.parallel.ops import copy_to_tp
 from hybrid.parallel.rng import RNGTracker
 from hybrid.parallel.tp_plan import gather_full_state_dict, parallelize_gpt, tp_ledger

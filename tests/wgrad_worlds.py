@@ -1,4 +1,5 @@
-"""World functions for the fused weight-gradient GEMM (issue 41 item 3, hybrid.parallel.wgrad):
+"""World functions for the fused weight-gradient GEMM (issue 41 item 3,
+hybrid.parallel.linear.gemm):
 bf16 training with ``--gradient-accumulation-fusion`` on and off over the paths that compute a
 weight gradient (the column/row-parallel functions, the SwiGLU pair, sequence parallelism and
 its rings, tp 1's plain linears, the tied and untied output layer), with micro-batch
@@ -90,7 +91,7 @@ def buffer_vs_exact(grid: ProcessGrid, fusion: bool) -> dict:
     from the 16-bit ``x`` and ``dy`` the layer saw: ``{name: (max |error|, max |exact|)}``."""
     import torch.distributed as dist
 
-    from hybrid.parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from hybrid.parallel.linear.modules import ColumnParallelLinear, RowParallelLinear
     from tests.zero_worlds import micro_batch
 
     zc = ZeroConfig(precision="bf16", gradient_accumulation_fusion=fusion, stage=0, **BASE)

@@ -27,7 +27,7 @@ from safetensors import safe_open
 
 from hybrid.checkpoint import format1
 from hybrid.checkpoint.directory import IncompleteCheckpointError
-from hybrid.parallel.layers import TPSpec
+from hybrid.parallel.tp_spec import TPSpec
 
 READ_CHUNK = 4 * 2**20
 """Elements per ``get_slice`` read at most (16 MiB of fp32): what a read stages besides its

@@ -43,8 +43,8 @@ from hybrid.checkpoint.directory import (
 from hybrid.checkpoint.fragments import FragmentReader, RankRows
 from hybrid.checkpoint.retention import Retention
 from hybrid.checkpoint.stream import Entry, write_safetensors
-from hybrid.parallel.layers import get_tp_spec
 from hybrid.parallel.rng import capture_rng_states, restore_rng_states
+from hybrid.parallel.tp_spec import get_tp_spec
 from hybrid.zero import state
 from hybrid.zero.state import KINDS, OwnedFragment
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hybrid.parallel.layers import get_tp_spec
+from hybrid.parallel.tp_spec import get_tp_spec
 
 if TYPE_CHECKING:
     from hybrid.zero.engine import ZeroEngine

@@ -19,6 +19,9 @@ autograd has accumulated the partial gradients, i.e. on the gradient buffers the
 the data-parallel reduction reads them; that is the ZeRO engine's reduction order to own
 (Megatron-LM sums these gradients in its DDP buffers once backward ends), and it would hold back
 the overlap of those buckets' data-parallel reduction with the rest of backward.
+
+:func:`tp_summed` is the one-parameter form (one all-reduce of its own), and
+:func:`summed_param` what a module calls for each of its TP-summed parameters.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from hybrid.parallel.ops import TPLedger, _all_reduce
+from hybrid.parallel.ops import TPLedger, all_reduce_tp, copy_to_tp
 
 
 class _SumOverTP(torch.autograd.Function):
@@ -43,7 +46,7 @@ class _SumOverTP(torch.autograd.Function):
         out = list(grads)
         for dtype in dict.fromkeys(g.dtype for g in grads):
             idx = [i for i, g in enumerate(grads) if g.dtype == dtype]
-            flat = _all_reduce(torch.cat([grads[i].reshape(-1) for i in idx]), ctx.group,
+            flat = all_reduce_tp(torch.cat([grads[i].reshape(-1) for i in idx]), ctx.group,
                                ctx.ledger, "grad_all_reduce")
             for i, part in zip(idx, flat.split([grads[i].numel() for i in idx]), strict=True):
                 out[i] = part.view_as(grads[i])
@@ -112,3 +115,23 @@ def group_tp_summed_grads(model: nn.Module, group, ledger: TPLedger | None) -> i
             m.grad_group = shared
         made += 1
     return made
+
+
+def tp_summed(param: torch.Tensor, group, ledger: TPLedger | None = None) -> torch.Tensor:
+    """``param`` unchanged forward; its gradient all-reduced (summed) over ``group`` backward.
+
+    For a replicated parameter used on this rank's ``s/t`` slice under sequence parallelism:
+    each rank's gradient is the slice's part and the sum is the single-process gradient
+    (2205.05198 §4.2.2; Megatron-LM all-reduces LayerNorm gradients the same way). Recorded as
+    ``grad_all_reduce`` in the ledger.
+    """
+    return copy_to_tp(param, group, ledger, "grad_all_reduce")
+
+
+def summed_param(module: nn.Module, name: str) -> torch.Tensor:
+    """:func:`tp_summed` of ``module``'s parameter ``name`` (``module`` has ``group``, ``ledger``
+    and ``grad_group``), through the module's unit-wide :class:`TPSummedGroup` when it has one
+    (one all-reduce per block instead of one per parameter)."""
+    if module.grad_group is not None:
+        return module.grad_group.take(module, name)
+    return tp_summed(getattr(module, name), module.group, module.ledger)

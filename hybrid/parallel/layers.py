@@ -1,5 +1,7 @@
-"""Tensor-parallel layers (Megatron-LM paper, §3), their sequence-parallel forms
-(Korthikanti et al. 2022, arXiv 2205.05198, §4.2.2) and the per-parameter TP spec.
+"""The tensor-parallel layers around the linears (Megatron-LM paper, §3): the vocab-parallel
+embedding, the output layer, dropout inside a TP region, and the sequence-parallel norm and
+positions (Korthikanti et al. 2022, arXiv 2205.05198, §4.2.2). The column- and row-parallel
+linears are :mod:`hybrid.parallel.linear`.
 
 With ``sequence_parallel=True`` the activations between tensor-parallel regions (LayerNorms,
 dropouts, residuals) are ``[b, s/t, h]`` on each rank: a column-parallel layer all-gathers its
@@ -7,109 +9,26 @@ input along the sequence (and keeps only the slice for backward), a row-parallel
 reduce-scatters its output, the vocab-parallel embedding reduce-scatters its lookup and the
 output layer all-gathers the final LayerNorm's output. Replicated parameters used on a slice
 (LayerNorms, row-parallel biases, positions) get their gradient all-reduced over the TP group
-in backward (:func:`tp_summed`), so ``param.grad`` is the full gradient on every TP rank
-before any ZeRO reduction sees it.
+in backward (:func:`hybrid.parallel.grad_groups.tp_summed`), so ``param.grad`` is the full
+gradient on every TP rank before any ZeRO reduction sees it.
 
-Every parameter of a tensor-parallel model carries a :class:`TPSpec` (``param.tp_spec``):
-which dimension is split over the TP group (or ``None`` when replicated), the full unpadded
-shape, and the padded size along the split dimension. ZeRO, gradient clipping, checkpoints and
-consolidation read it instead of re-deriving the sharding.
+Each layer gives its parameters their :class:`hybrid.parallel.tp_spec.TPSpec`.
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from hybrid.parallel.collective_matmul import column_sp, row_sp
-from hybrid.parallel.ops import (
-    TPLedger,
-    column_parallel_linear,
-    copy_to_tp,
-    reduce_from_tp,
-    reduce_scatter_sequence,
-    sequence_parallel_linear,
-)
+from hybrid.parallel.grad_groups import summed_param
+from hybrid.parallel.linear.functions import column_parallel_linear, sequence_parallel_linear
+from hybrid.parallel.ops import TPLedger, reduce_from_tp, reduce_scatter_sequence
 from hybrid.parallel.rng import RNGTracker
-from hybrid.parallel.shared_input import column_pair
-from hybrid.parallel.wgrad import linear
-
-
-@dataclass(frozen=True)
-class TPSpec:
-    """How one parameter is laid out over the tensor-parallel group.
-
-    Attributes:
-        split_dim: dimension split across TP ranks, or ``None`` for a replicated parameter.
-        full_shape: global shape without padding (what a single-process model holds).
-        padded_size: global size along ``split_dim`` after padding to a multiple of ``tp_size``
-            (equal to ``full_shape[split_dim]`` when nothing is padded).
-        tp_rank: this rank's index in the TP group.
-        tp_size: TP group size.
-    """
-
-    split_dim: int | None
-    full_shape: tuple[int, ...]
-    padded_size: int
-    tp_rank: int
-    tp_size: int
-
-    @property
-    def replicated(self) -> bool:
-        return self.split_dim is None
-
-    def local_range(self) -> tuple[int, int]:
-        """``[start, stop)`` of this rank's shard along ``split_dim``, in padded coordinates."""
-        if self.replicated:
-            return 0, 0
-        per = self.padded_size // self.tp_size
-        return self.tp_rank * per, (self.tp_rank + 1) * per
-
-    def real_local_size(self) -> int:
-        """Rows of this rank's shard that are real (not padding) along ``split_dim``."""
-        start, stop = self.local_range()
-        return max(0, min(stop, self.full_shape[self.split_dim]) - start)
-
-    def real_numel(self) -> int:
-        """Elements of the local shard that are not padding (all of them when replicated)."""
-        n = 1
-        for d, size in enumerate(self.full_shape):
-            n *= self.real_local_size() if d == self.split_dim else size
-        return n
-
-    def shard(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's (zero-padded) shard of the full tensor ``full`` (shape ``full_shape``)."""
-        if tuple(full.shape) != self.full_shape:
-            raise ValueError(f"expected a tensor of shape {self.full_shape}, got "
-                             f"{tuple(full.shape)}")
-        if self.replicated:
-            return full
-        start, stop = self.local_range()
-        real = self.real_local_size()
-        shape = list(full.shape)
-        shape[self.split_dim] = stop - start
-        out = full.new_zeros(shape)
-        if real > 0:
-            out.narrow(self.split_dim, 0, real).copy_(full.narrow(self.split_dim, start, real))
-        return out
-
-
-def get_tp_spec(param: torch.Tensor) -> TPSpec:
-    """The parameter's :class:`TPSpec`; a plain parameter counts as replicated on one rank."""
-    spec = getattr(param, "tp_spec", None)
-    if spec is None:
-        spec = TPSpec(None, tuple(param.shape), 0, 0, 1)
-    return spec
-
-
-def set_tp_spec(param: torch.Tensor, spec: TPSpec) -> None:
-    """Attach ``spec`` to ``param`` (``param.tp_spec``)."""
-    param.tp_spec = spec
+from hybrid.parallel.tp_spec import TPSpec, set_tp_spec
 
 
 def _group_coords(group) -> tuple[int, int]:
@@ -118,115 +37,6 @@ def _group_coords(group) -> tuple[int, int]:
 
 def _param(shape, device, dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
-
-
-class ColumnParallelLinear(nn.Module):
-    """``Y_i = X A_i + b_i``: the weight ``[out, in]`` is split by rows (output features).
-
-    Input ``[..., in]`` (replicated across TP ranks), or ``[b, s/t, in]`` with
-    ``sequence_parallel``; output ``[..., out_padded / tp]``, this rank's slice (full sequence).
-    ``out_features`` may be padded to ``padded_out`` (a multiple of tp). ``ledger`` counts the
-    TP collectives' bytes.
-    """
-
-    def __init__(self, in_features: int, out_features: int, group, bias: bool = True,
-                 padded_out: int | None = None, device=None, dtype=None,
-                 sequence_parallel: bool = False, ledger: TPLedger | None = None):
-        super().__init__()
-        self.group = group
-        self.sequence_parallel = sequence_parallel
-        self.ledger = ledger
-        self.token_wise = False
-        """With ``sequence_parallel``: the output's tokens in rank-major order (no reordering
-        copy at micro-batch > 1), for a token-wise consumer ending in a ``token_wise``
-        :class:`RowParallelLinear` (the MLP; ``hybrid.parallel.ops._gather_seq_start``)."""
-        self.tp_comm_overlap = False
-        """With ``sequence_parallel``: the all-gather pipelined with the GEMM
-        (``hybrid.parallel.collective_matmul``, ``--tp-comm-overlap``)."""
-        rank, size = _group_coords(group)
-        padded_out = padded_out or out_features
-        if padded_out % size:
-            raise ValueError(f"output features {padded_out} are not divisible by the TP size "
-                             f"{size}")
-        local = padded_out // size
-        self.weight = _param((local, in_features), device, dtype)
-        set_tp_spec(self.weight, TPSpec(0, (out_features, in_features), padded_out, rank, size))
-        if bias:
-            self.bias = _param((local,), device, dtype)
-            set_tp_spec(self.bias, TPSpec(0, (out_features,), padded_out, rank, size))
-        else:
-            self.register_parameter("bias", None)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            return column_sp(self, x, self.bias)
-        return column_parallel_linear(x, self.weight, self.bias, self.group, self.ledger)
-
-    def forward_skip_bias(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(forward(x) without the bias, this rank's bias slice or None)``, for a fused
-        consumer that adds it (``models.fusion.linear_skip_bias``)."""
-        if self.sequence_parallel:
-            return column_sp(self, x, None), self.bias
-        return column_parallel_linear(x, self.weight, None, self.group, self.ledger), self.bias
-
-    def forward_pair(self, other: nn.Module, x: torch.Tensor, skip_bias: bool = False):
-        """``(self(x), other(x))`` (with ``skip_bias`` four values) on one input collective, or
-        None (:func:`hybrid.parallel.shared_input.column_pair`)."""
-        return column_pair(self, other, x, skip_bias)
-
-
-class RowParallelLinear(nn.Module):
-    """``Y = sum_i X_i A_i + b``: the weight ``[out, in]`` is split by columns (input features).
-
-    Input ``[..., in / tp]`` (this rank's slice, e.g. from a column-parallel layer); output
-    ``[..., out]`` all-reduced over the TP group, or with ``sequence_parallel`` this rank's
-    ``[b, s/t, out]`` of the sum (reduce-scatter); the bias is replicated and added once.
-    """
-
-    def __init__(self, in_features: int, out_features: int, group, bias: bool = True,
-                 device=None, dtype=None, sequence_parallel: bool = False,
-                 ledger: TPLedger | None = None):
-        super().__init__()
-        self.group = group
-        self.sequence_parallel = sequence_parallel
-        self.ledger = ledger
-        self.token_wise = False
-        """With ``sequence_parallel``: the input's tokens are in rank-major order (from a
-        ``token_wise`` :class:`ColumnParallelLinear`), reduce-scattered without reordering."""
-        self.tp_comm_overlap = False
-        """With ``sequence_parallel``: the reduce-scatter pipelined with the GEMM."""
-        self.grad_group = None
-        """The unit's ``hybrid.parallel.grad_groups.TPSummedGroup`` (SP bias), or None."""
-        rank, size = _group_coords(group)
-        if in_features % size:
-            raise ValueError(f"input features {in_features} are not divisible by the TP size "
-                             f"{size}")
-        self.weight = _param((out_features, in_features // size), device, dtype)
-        set_tp_spec(self.weight, TPSpec(1, (out_features, in_features), in_features, rank, size))
-        if bias:
-            self.bias = _param((out_features,), device, dtype)
-            set_tp_spec(self.bias, TPSpec(None, (out_features,), 0, rank, size))
-        else:
-            self.register_parameter("bias", None)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            y = row_sp(self, x)
-            return y if self.bias is None else y + _summed(self, "bias")
-        y = reduce_from_tp(linear(x, self.weight), self.group, self.ledger)
-        return y if self.bias is None else y + self.bias
-
-    def forward_skip_bias(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(forward(x) without the bias, the bias or None)``, for a fused bias-dropout-add
-        (``models.fusion.linear_skip_bias``); under sequence parallelism the bias is
-        :func:`tp_summed`, as :meth:`forward` adds it."""
-        if self.sequence_parallel:
-            return row_sp(self, x), None if self.bias is None else _summed(self, "bias")
-        return reduce_from_tp(linear(x, self.weight), self.group, self.ledger), self.bias
-
-    def tp_summed_params(self) -> list[str]:
-        """``["bias"]`` under sequence parallelism (its gradient is TP-summed), else nothing."""
-        return ["bias"] if self.sequence_parallel and self.bias is not None else []
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -266,7 +76,9 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelOutputLayer(nn.Module):
-    """Local logits ``[b, s, V_padded / tp] = h @ W_i.T`` from replicated hidden ``[b, s, h]``.
+    """Local logits ``[b, s, V_padded / tp] = h @ W_i.T`` from replicated hidden ``[b, s, h]``:
+    a column-parallel linear (:mod:`hybrid.parallel.linear.functions`) on the vocabulary-split
+    weight it is given (the tied embedding's or the untied head's).
 
     The logits stay split: the vocab-parallel loss consumes them with all-reduces of ``b*s``
     values instead of gathering ``b*s*V`` logits (Megatron-LM §3). With ``sequence_parallel``
@@ -278,11 +90,10 @@ class ParallelOutputLayer(nn.Module):
         self.group = group
         self.sequence_parallel = sequence_parallel
         self.ledger = ledger
+        self._forward = sequence_parallel_linear if sequence_parallel else column_parallel_linear
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            return sequence_parallel_linear(hidden, weight, None, self.group, self.ledger)
-        return column_parallel_linear(hidden, weight, None, self.group, self.ledger)
+        return self._forward(hidden, weight, None, self.group, self.ledger)
 
 
 class TPRegionDropout(nn.Module):
@@ -309,29 +120,10 @@ class TPRegionDropout(nn.Module):
         return self.tracker.fork()
 
 
-def tp_summed(param: torch.Tensor, group, ledger: TPLedger | None = None) -> torch.Tensor:
-    """``param`` unchanged forward; its gradient all-reduced (summed) over ``group`` backward.
-
-    For a replicated parameter used on this rank's ``s/t`` slice under sequence parallelism:
-    each rank's gradient is the slice's part and the sum is the single-process gradient
-    (2205.05198 §4.2.2; Megatron-LM all-reduces LayerNorm gradients the same way). Recorded as
-    ``grad_all_reduce`` in the ledger.
-    """
-    return copy_to_tp(param, group, ledger, "grad_all_reduce")
-
-
-def _summed(module: nn.Module, name: str) -> torch.Tensor:
-    """:func:`tp_summed` of ``module``'s parameter ``name``, through the module's unit-wide group
-    when it has one (``hybrid.parallel.grad_groups``: one all-reduce per block instead of one
-    per parameter)."""
-    if module.grad_group is not None:
-        return module.grad_group.take(module, name)
-    return tp_summed(getattr(module, name), module.group, module.ledger)
-
-
 class SequenceParallelLayerNorm(nn.Module):
     """A LayerNorm or RMSNorm whose replicated weight (and bias) — the same Parameter objects as
-    the module it replaces — get TP-summed gradients (:func:`tp_summed`).
+    the module it replaces — get TP-summed gradients
+    (:func:`hybrid.parallel.grad_groups.tp_summed`).
 
     Used where each TP rank normalises different data with the same weights: the ``[b, s/t, h]``
     slices of sequence parallelism, and the per-head q/k norms of ``qk_layernorm`` (each rank
@@ -362,8 +154,8 @@ class SequenceParallelLayerNorm(nn.Module):
         return [n for n in ("weight", "bias") if getattr(self, n) is not None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = None if self.weight is None else _summed(self, "weight")
-        b = None if self.bias is None else _summed(self, "bias")
+        w = None if self.weight is None else summed_param(self, "weight")
+        b = None if self.bias is None else summed_param(self, "bias")
         return self.norm.normalize(x, w, b)
 
 
@@ -394,4 +186,4 @@ class SequenceParallelPositionEmbedding(nn.Module):
             raise ValueError(f"sequence length {s} is not divisible by the TP size {self.size} "
                              "(sequence parallelism needs seq_length % tp == 0)")
         local = ids.narrow(-1, self.rank * (s // self.size), s // self.size)
-        return F.embedding(local, _summed(self, "weight"))
+        return F.embedding(local, summed_param(self, "weight"))

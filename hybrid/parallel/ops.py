@@ -21,7 +21,9 @@ tensors into ``t`` contiguous chunks of ``s / t`` (rank r holds rows ``[r s/t, (
 or all-gather into an N-byte output ``(t-1)/t N``).
 
 :func:`all_gather_flat` is the one flat all-gather (no autograd) that ZeRO's ledger, the
-partitioned activation checkpoints and the sequence-parallel ops use.
+partitioned activation checkpoints and the sequence-parallel ops use. The launch-and-finish
+forms (:func:`all_reduce_start`, :func:`gather_seq_start`, :func:`reduce_scatter_seq_start`) are
+what the TP linears (:mod:`hybrid.parallel.linear`) overlap with their GEMMs.
 """
 
 from __future__ import annotations
@@ -30,8 +32,6 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
-
-from hybrid.parallel.wgrad import linear, weight_grad
 
 SEQ_DIM = 1
 """The sequence dimension of the model's ``[b, s, h]`` activations."""
@@ -66,49 +66,46 @@ class TPLedger:
         self.calls.clear()
 
 
-def _autocast_state(device: torch.device) -> tuple[str, bool, torch.dtype]:
-    """``(device type, autocast enabled, autocast dtype)`` of the running forward."""
-    return device.type, torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(
-        device.type)
-
-
-def _nbytes(x: torch.Tensor) -> int:
+def tensor_bytes(x: torch.Tensor) -> int:
+    """Bytes of ``x``'s elements (what a collective on it moves, before the ring factor)."""
     return x.numel() * x.element_size()
 
 
-def _all_reduce(x: torch.Tensor, group, ledger: TPLedger | None = None,
-                kind: str = "all_reduce") -> torch.Tensor:
+def all_reduce_tp(x: torch.Tensor, group, ledger: TPLedger | None = None,
+                  kind: str = "all_reduce") -> torch.Tensor:
+    """The sum of ``x`` over ``group`` (no autograd), in place in ``x`` when it is contiguous;
+    recorded as ``kind``. ``x`` itself at one rank."""
     n = dist.get_world_size(group)
     if n == 1:
         return x
     x = x.contiguous()
     if ledger is not None:
-        ledger.count(kind, _nbytes(x), n)
+        ledger.count(kind, tensor_bytes(x), n)
     dist.all_reduce(x, group=group)
     return x
 
 
-def _all_reduce_start(x: torch.Tensor, group, ledger: TPLedger | None = None,
-                      kind: str = "all_reduce"):
+def all_reduce_start(x: torch.Tensor, group, ledger: TPLedger | None = None,
+                     kind: str = "all_reduce"):
     """Launch the in-place sum of ``x`` (contiguous) over ``group``; its work handle, or None
     at one rank."""
     n = dist.get_world_size(group)
     if n == 1:
         return None
     if ledger is not None:
-        ledger.count(kind, _nbytes(x), n)
+        ledger.count(kind, tensor_bytes(x), n)
     return dist.all_reduce(x, group=group, async_op=True)
 
 
 def all_gather_seq(x: torch.Tensor, group, ledger: TPLedger | None = None,
                    kind: str = "all_gather", token_wise: bool = False) -> torch.Tensor:
     """``[b, s/t, ...]`` on each rank -> ``[b, s, ...]`` (rank-major along dim 1); no autograd.
-    ``token_wise``: the ``b s`` tokens in the gather's own order (see :func:`_gather_seq_start`)."""
-    return _gather_seq_start(x, group, ledger, kind, token_wise)()
+    ``token_wise``: the ``b s`` tokens in the gather's own order (see :func:`gather_seq_start`)."""
+    return gather_seq_start(x, group, ledger, kind, token_wise)()
 
 
-def _gather_seq_start(x: torch.Tensor, group, ledger: TPLedger | None, kind: str,
-                      token_wise: bool = False):
+def gather_seq_start(x: torch.Tensor, group, ledger: TPLedger | None, kind: str,
+                     token_wise: bool = False):
     """Launch :func:`all_gather_seq` asynchronously; returns ``finish()`` -> ``[b, s, ...]``.
 
     The gather lands rank-major (``[t, b, s/t, ...]``); with ``b == 1`` the ``[b, s, ...]``
@@ -123,7 +120,7 @@ def _gather_seq_start(x: torch.Tensor, group, ledger: TPLedger | None, kind: str
     x = x.contiguous()
     out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
     if ledger is not None:
-        ledger.count(kind, _nbytes(out), n)
+        ledger.count(kind, tensor_bytes(out), n)
     work = all_gather_flat(out, x, group, async_op=True)
 
     def finish() -> torch.Tensor:
@@ -135,7 +132,7 @@ def _gather_seq_start(x: torch.Tensor, group, ledger: TPLedger | None, kind: str
     return finish
 
 
-def _check_seq(x: torch.Tensor, n: int) -> int:
+def local_seq_len(x: torch.Tensor, n: int) -> int:
     """``s / n`` for ``x`` of ``[b, s, ...]``; ValueError when ``n`` does not divide ``s``."""
     s = x.shape[SEQ_DIM]
     if s % n:
@@ -150,11 +147,11 @@ def reduce_scatter_seq(x: torch.Tensor, group, ledger: TPLedger | None = None,
     Raises:
         ValueError: ``s`` is not divisible by the group size.
     """
-    return _reduce_scatter_seq_start(x, group, ledger, token_wise)()
+    return reduce_scatter_seq_start(x, group, ledger, token_wise)()
 
 
-def _reduce_scatter_seq_start(x: torch.Tensor, group, ledger: TPLedger | None,
-                              token_wise: bool = False):
+def reduce_scatter_seq_start(x: torch.Tensor, group, ledger: TPLedger | None,
+                             token_wise: bool = False):
     """Launch :func:`reduce_scatter_seq` asynchronously; returns ``finish()`` -> ``[b, s/t, ...]``.
 
     The collective reads its input rank-major: with ``b == 1`` the ``s`` rows already are, so
@@ -165,7 +162,7 @@ def _reduce_scatter_seq_start(x: torch.Tensor, group, ledger: TPLedger | None,
     n = dist.get_world_size(group)
     if n == 1:
         return lambda: x
-    _check_seq(x, n)
+    local_seq_len(x, n)
     if x.shape[0] == 1 or token_wise:
         inp = x.contiguous().view(n, *x.shape[:SEQ_DIM], x.shape[SEQ_DIM] // n,
                                   *x.shape[SEQ_DIM + 1:])
@@ -173,7 +170,7 @@ def _reduce_scatter_seq_start(x: torch.Tensor, group, ledger: TPLedger | None,
         inp = torch.stack(x.chunk(n, dim=SEQ_DIM))  # [t, b, s/t, ...], rank-major, contiguous
     out = torch.empty(inp.shape[1:], dtype=x.dtype, device=x.device)
     if ledger is not None:
-        ledger.count("reduce_scatter", _nbytes(inp), n)
+        ledger.count("reduce_scatter", tensor_bytes(inp), n)
     work = reduce_scatter_flat(out, inp.flatten(0, 1), group, async_op=True)
 
     def finish() -> torch.Tensor:
@@ -191,7 +188,7 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad.clone(), ctx.group, ctx.ledger, ctx.kind), None, None, None
+        return all_reduce_tp(grad.clone(), ctx.group, ctx.ledger, ctx.kind), None, None, None
 
 
 class _ReduceFromTP(torch.autograd.Function):
@@ -200,9 +197,9 @@ class _ReduceFromTP(torch.autograd.Function):
         if dist.get_world_size(group) == 1:
             return x
         if x.is_leaf or x._base is not None or not x.is_contiguous():
-            return _all_reduce(x.clone(), group, ledger)  # not ours to overwrite
+            return all_reduce_tp(x.clone(), group, ledger)  # not ours to overwrite
         ctx.mark_dirty(x)  # an intermediate (the row-parallel matmul's output): sum in place
-        return _all_reduce(x, group, ledger)
+        return all_reduce_tp(x, group, ledger)
 
     @staticmethod
     def backward(ctx, grad):
@@ -278,115 +275,5 @@ def reduce_scatter_sequence(x: torch.Tensor, group, ledger: TPLedger | None = No
                             token_wise: bool = False) -> torch.Tensor:
     """``[b, s, h]`` partial sums -> this rank's ``[b, s/t, h]`` of the sum by reduce-scatter;
     all-gather of the gradient backward ("g-bar"). ``token_wise``: ``x`` holds its tokens in
-    rank-major order (:func:`_gather_seq_start`), and so does the gradient's gather."""
+    rank-major order (:func:`gather_seq_start`), and so does the gradient's gather."""
     return _ReduceScatterSequence.apply(x, group, ledger, token_wise)
-
-
-class _SequenceParallelLinear(torch.autograd.Function):
-    """``F.linear(all_gather_seq(x), weight, bias)`` that keeps only the ``s/t`` input slice for
-    backward and all-gathers it again there for the weight gradient (2205.05198 §4.2.2: "Y_i^s
-    is stored and all-gathered again in the backward pass")."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, group, ledger, token_wise):
-        ctx.group, ctx.ledger, ctx.has_bias = group, ledger, bias is not None
-        ctx.autocast, ctx.token_wise = _autocast_state(x.device), token_wise
-        ctx.save_for_backward(x, weight)
-        return torch.nn.functional.linear(
-            all_gather_seq(x, group, ledger, token_wise=token_wise), weight, bias)
-
-    @staticmethod
-    def backward(ctx, grad):
-        # Under autocast as the forward ran (what torch.amp.custom_bwd does, for any device),
-        # and overlapped as in Megatron-LM: the re-gather runs during the input-gradient GEMM,
-        # the input gradient's reduce-scatter during the weight-gradient GEMM.
-        x, weight = ctx.saved_tensors
-        kind, enabled, dtype = ctx.autocast
-        with torch.autocast(kind, dtype=dtype, enabled=enabled):
-            return (*sequence_parallel_linear_grads(x, weight, grad, ctx.group, ctx.ledger,
-                                                    ctx.token_wise, ctx.has_bias),
-                    None, None, None)
-
-
-def sequence_parallel_linear_grads(x: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor,
-                                   group, ledger: TPLedger | None, token_wise: bool,
-                                   has_bias: bool):
-    """``(grad_x [b, s/t, in], grad_w [out_local, in], grad_b or None)`` of a column-parallel
-    linear on a sequence-parallel input ``x`` (``[b, s/t, in]``, as stored), from its output
-    gradient ``grad`` (``[b, s, out_local]``): the re-gather of ``x`` runs during the
-    input-gradient GEMM, the input gradient's reduce-scatter during the weight-gradient GEMM
-    (2205.05198 §4.2.2; Megatron-LM's overlap)."""
-    gathered = _gather_seq_start(x, group, ledger, "regather", token_wise)
-    scatter = _reduce_scatter_seq_start(grad.matmul(weight), group, ledger, token_wise)
-    full = gathered()
-    g2 = grad.reshape(-1, grad.shape[-1])
-    grad_w = weight_grad(g2, full.reshape(-1, full.shape[-1]), weight)
-    return scatter(), grad_w, g2.sum(0) if has_bias else None
-
-
-class _ColumnParallelLinear(torch.autograd.Function):
-    """``F.linear(copy_to_tp(x), weight, bias)`` whose backward launches the input gradient's
-    all-reduce before the weight-gradient GEMM and waits for it after, so the two overlap (as
-    Megatron-LM's column-parallel linear does; the sum is the "f" of arXiv 1909.08053 §3,
-    Figure 3). On a GPU the all-reduce runs on the process group's own stream, the GEMM on the
-    compute stream; ``wait`` only makes the compute stream wait for it."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, group, ledger):
-        # Autocast's casts made by hand (what it does to F.linear's arguments) so that the
-        # 16-bit copies, not the fp32 input, are what backward keeps, as F.linear keeps them.
-        kind, enabled, dtype = _autocast_state(x.device)
-        ctx.group, ctx.ledger, ctx.has_bias = group, ledger, bias is not None
-        ctx.x_dtype = x.dtype
-        if enabled and x.is_floating_point():
-            x, weight = x.to(dtype), weight.to(dtype)
-            bias = None if bias is None else bias.to(dtype)
-        ctx.save_for_backward(x, weight)
-        with torch.autocast(kind, enabled=False):
-            return torch.nn.functional.linear(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        grad = grad.to(weight.dtype)
-        # The sum runs in the input's dtype, as when the all-reduce followed autocast's cast
-        # back (the same bytes and rounding as an all-reduce after F.linear's backward).
-        grad_x = work = None
-        if ctx.needs_input_grad[0]:  # as "f" before the linear: no input gradient, no sum
-            grad_x = grad.matmul(weight).to(ctx.x_dtype)
-            work = _all_reduce_start(grad_x, ctx.group, ctx.ledger)
-        g2 = grad.reshape(-1, grad.shape[-1])
-        grad_w = weight_grad(g2, x.reshape(-1, x.shape[-1]), weight)
-        grad_b = g2.sum(0) if ctx.has_bias else None
-        if work is not None:
-            work.wait()
-        return grad_x, grad_w, grad_b, None, None
-
-
-def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                           group, ledger: TPLedger | None = None) -> torch.Tensor:
-    """Column-parallel linear on a replicated input: ``[..., in]`` -> ``[..., out_local]``.
-
-    Forward is ``F.linear``; backward all-reduces the input gradient over ``group`` ("f") while
-    the weight gradient is computed (launched before that GEMM, waited after it). Equal, bit
-    for bit on CPU, to ``F.linear(copy_to_tp(x, group), weight, bias)``, with or without
-    autocast. At one rank it is ``F.linear``.
-    """
-    if dist.get_world_size(group) == 1:
-        return linear(x, weight, bias)
-    return _ColumnParallelLinear.apply(x, weight, bias, group, ledger)
-
-
-def sequence_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                             group, ledger: TPLedger | None = None,
-                             token_wise: bool = False) -> torch.Tensor:
-    """Column-parallel linear on a sequence-parallel input: ``[b, s/t, in]`` ->
-    ``[b, s, out_local]``.
-
-    Forward all-gathers the input along the sequence ("g"); backward reduce-scatters the input
-    gradient and re-gathers the stored ``s/t`` input for the weight gradient. ``token_wise``:
-    the output's tokens in the gather's rank-major order, no reordering copy at ``b > 1`` in
-    either direction (:func:`_gather_seq_start`; for the MLP, whose row-parallel end
-    reduce-scatters ``token_wise`` too).
-    """
-    return _SequenceParallelLinear.apply(x, weight, bias, group, ledger, token_wise)

@@ -19,7 +19,8 @@ The plan maps module-name patterns to parallel styles (arXiv 1909.08053 §3), ea
     everything else (LayerNorms, positions, biases of row-parallel layers) is replicated.
 
 With ``sequence_parallel`` (Korthikanti et al. 2022, arXiv 2205.05198, §4.2.2) the same layers
-take their sequence-parallel form (see :mod:`hybrid.parallel.layers`) and these are added::
+take their sequence-parallel form (see :mod:`hybrid.parallel.layers` and
+:mod:`hybrid.parallel.linear`) and these are added::
 
     wpe                      -> SequenceParallelPositionEmbedding (this rank's s/t positions)
     layers.*.ln1, ln2, ln_f  -> SequenceParallelLayerNorm (TP-summed weight/bias gradients)
@@ -49,10 +50,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from hybrid.parallel.grad_groups import group_tp_summed_grads
-from hybrid.parallel.layers import TPSpec, get_tp_spec, set_tp_spec
 from hybrid.parallel.ops import TPLedger
 from hybrid.parallel.rng import RNGTracker
 from hybrid.parallel.sequence import TP_COMM_OVERLAP_NEEDS_SP, sequence_parallel_active
+from hybrid.parallel.tp_spec import TPSpec, get_tp_spec, set_tp_spec
 from hybrid.parallel.tp_split import tp_split_refusal
 from hybrid.parallel.tp_styles import STYLES, Swap
 from hybrid.parallel.vocab import pad_vocab_size
@@ -152,7 +153,7 @@ def parallelize_gpt(
             (``--sequence-parallel``; no effect at tp = 1, as in Megatron-LM).
         ledger: counts the TP collectives' bytes (a new one when None; :func:`tp_ledger`).
         tp_comm_overlap: pipeline the blocks' SP all-gathers and reduce-scatters with their
-            GEMMs (``--tp-comm-overlap``, :mod:`hybrid.parallel.collective_matmul`).
+            GEMMs (``--tp-comm-overlap``, :mod:`hybrid.parallel.linear.collective_matmul`).
 
     Returns:
         The same ``model`` object, now tensor-parallel. Every parameter carries a ``tp_spec``.

@@ -1,7 +1,8 @@
 """The tensor-parallel plan's styles: how each kind of module is swapped for its TP form.
 
 :data:`STYLES` maps a style name, as the plans of :mod:`hybrid.parallel.tp_plan` name it, to a
-callable ``(module, swap) -> replacement`` (the layers are :mod:`hybrid.parallel.layers`'):
+callable ``(module, swap) -> replacement`` (the layers are :mod:`hybrid.parallel.layers`' and
+:mod:`hybrid.parallel.linear.modules`'):
 ``vocab_embedding``, ``vocab_output`` (the untied head), ``column``, ``row`` (and their
 ``column_token_wise`` / ``row_token_wise`` forms for the MLP), ``tp_dropout``,
 ``parallel_output``, ``vocab_parallel_loss``, ``tp_summed_norm`` (the per-head q/k norms) and,
@@ -19,14 +20,13 @@ import torch.nn as nn
 
 from hybrid.parallel.cross_entropy import VocabParallelLoss
 from hybrid.parallel.layers import (
-    ColumnParallelLinear,
     ParallelOutputLayer,
-    RowParallelLinear,
     SequenceParallelLayerNorm,
     SequenceParallelPositionEmbedding,
     TPRegionDropout,
     VocabParallelEmbedding,
 )
+from hybrid.parallel.linear.modules import ColumnParallelLinear, RowParallelLinear
 from hybrid.parallel.ops import TPLedger
 from hybrid.parallel.rng import RNGTracker
 from models.gpt import GPT
@@ -47,7 +47,7 @@ class Swap:
     dtype: torch.dtype
     tp_comm_overlap: bool = False
     """Pipeline the block linears' SP collectives with their GEMMs
-    (``hybrid.parallel.collective_matmul``)."""
+    (``hybrid.parallel.linear.collective_matmul``; given to each linear at construction)."""
 
     @property
     def kw(self) -> dict:
@@ -74,23 +74,16 @@ def _vocab_output(module: nn.Module, s: Swap) -> nn.Module:
                                 padded_out=s.vocab_pad, **s.kw, ledger=s.ledger)
 
 
-def _column(module: nn.Linear, s: Swap) -> nn.Module:
-    layer = ColumnParallelLinear(module.in_features, module.out_features, s.tp_group,
-                                 bias=module.bias is not None, **s.kw, **s.sp)
-    layer.tp_comm_overlap = s.tp_comm_overlap
-    return layer
+def _column(module: nn.Linear, s: Swap, token_wise: bool = False) -> nn.Module:
+    return ColumnParallelLinear(module.in_features, module.out_features, s.tp_group,
+                                bias=module.bias is not None, **s.kw, **s.sp,
+                                token_wise=token_wise, tp_comm_overlap=s.tp_comm_overlap)
 
 
-def _row(module: nn.Linear, s: Swap) -> nn.Module:
-    layer = RowParallelLinear(module.in_features, module.out_features, s.tp_group,
-                              bias=module.bias is not None, **s.kw, **s.sp)
-    layer.tp_comm_overlap = s.tp_comm_overlap
-    return layer
-
-
-def _token_wise(layer: nn.Module) -> nn.Module:
-    layer.token_wise = True
-    return layer
+def _row(module: nn.Linear, s: Swap, token_wise: bool = False) -> nn.Module:
+    return RowParallelLinear(module.in_features, module.out_features, s.tp_group,
+                             bias=module.bias is not None, **s.kw, **s.sp,
+                             token_wise=token_wise, tp_comm_overlap=s.tp_comm_overlap)
 
 
 def _vocab_parallel_loss(module: nn.Module, s: Swap) -> nn.Module:
@@ -105,8 +98,8 @@ STYLES: dict[str, Callable[[nn.Module, Swap], nn.Module]] = {
     "vocab_output": _vocab_output,
     "column": _column,
     "row": _row,
-    "column_token_wise": lambda module, s: _token_wise(_column(module, s)),
-    "row_token_wise": lambda module, s: _token_wise(_row(module, s)),
+    "column_token_wise": lambda module, s: _column(module, s, token_wise=True),
+    "row_token_wise": lambda module, s: _row(module, s, token_wise=True),
     "tp_dropout": lambda module, s: TPRegionDropout(module.p, s.tracker),
     "sp_layernorm": lambda module, s: SequenceParallelLayerNorm(module, s.tp_group, s.ledger),
     "tp_summed_norm": lambda module, s: SequenceParallelLayerNorm(module, s.tp_group, s.ledger,

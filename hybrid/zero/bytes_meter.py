@@ -13,8 +13,9 @@ nothing.
 Bytes per op, from the tensors themselves: every input read plus every output written; an
 operand that is only written (``copy_``/``zero_``/``fill_``'s destination, an ``out=``) is
 counted once, as a write; an in-place op's operand counts as read and written. A GEMM that
-accumulates into a buffer (the fused weight-gradient GEMM, :mod:`hybrid.parallel.wgrad`) counts
-only the buffer, read and written: its operands are read by the GEMM with or without fusion.
+accumulates into a buffer (the fused weight-gradient GEMM, :mod:`hybrid.parallel.linear.gemm`)
+counts only the buffer, read and written: its operands are read by the GEMM with or without
+fusion.
 Units: bytes.
 """
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from hybrid.parallel.layers import get_tp_spec
+from hybrid.parallel.tp_spec import get_tp_spec
 
 ROOT = "root"
 PERSISTENT = "persistent"

@@ -24,7 +24,7 @@ Gradient-accumulation fusion (``fusion``, Megatron-LM's ``--gradient-accumulatio
 stage 0/1 parameters whose dtype is the gradient's get ``p.grad`` = their view of the full flat
 buffer (Megatron's ``main_grad``), so autograd accumulates in place and the hook adds nothing;
 16-bit parameters with fp32 gradients get ``p.main_grad`` = that view instead
-(:func:`hybrid.parallel.wgrad.attach_main_grad`), and the weight-gradient GEMMs of the
+(:func:`hybrid.parallel.linear.main_grad.attach_main_grad`), and the weight-gradient GEMMs of the
 tensor-parallel linears accumulate into it in fp32 (the hook drops their placeholder ``p.grad``;
 embeddings, norms and biases are still added by the hook) where the device has such a GEMM
 (:func:`wgrad_fusion`); stage 1 reduce-scatters each unit in place in that buffer
@@ -46,11 +46,11 @@ from collections import deque
 
 import torch
 
-from hybrid.parallel.wgrad import (
+from hybrid.parallel.linear.gemm import wgrad_kernel
+from hybrid.parallel.linear.main_grad import (
     attach_main_grad,
     detach_main_grad,
     gradient_in_main_grad,
-    wgrad_kernel,
 )
 from hybrid.zero.comm import DPComm
 from hybrid.zero.layout import PartitionLayout
@@ -71,7 +71,7 @@ def wgrad_fusion(plan: StagePlan, fusion: bool, param_dtype: torch.dtype,
     """Why the weight-gradient GEMMs of ``param_dtype`` weights do not accumulate straight into
     the ``grad_dtype`` buffer on ``device``; None when they do (16-bit weights, fp32 gradients,
     stage 0/1, fusion on, a GEMM that writes fp32 from 16-bit operands:
-    :func:`hybrid.parallel.wgrad.wgrad_kernel`). Raises nothing."""
+    :func:`hybrid.parallel.linear.gemm.wgrad_kernel`). Raises nothing."""
     if not fusion:
         return "--no-gradient-accumulation-fusion"
     if param_dtype == grad_dtype:

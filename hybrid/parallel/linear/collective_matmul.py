@@ -19,7 +19,7 @@ Megatron-LM's ``--tp-comm-overlap``, torchtitan's async TP):
   full sum of its own chunk.
 
 The backward passes: the column-parallel layer keeps the bulk overlap of
-:func:`hybrid.parallel.ops.sequence_parallel_linear` (re-gather of the input during the
+:func:`hybrid.parallel.linear.functions.sequence_parallel_linear` (re-gather of the input during the
 input-gradient GEMM, the input gradient's reduce-scatter during the weight-gradient GEMM, as
 Megatron-LM's ``tp_comm_bulk_wgrad`` / ``tp_comm_bulk_dgrad``); the row-parallel layer's
 all-gather of the output gradient is pipelined with its input-gradient GEMM as in forward, and
@@ -30,7 +30,9 @@ NCCL): gloo runs them on CPU, so the CPU tests prove exactness; on a GPU NCCL ru
 own stream and ``wait`` only makes the compute stream wait. Each chunk's GEMM is the full GEMM's
 rows, so outputs equal the plain path's up to the order of the reduce-scatter's sum (fp32:
 ~1e-7). The ledger counts the bytes of the collective each ring replaces (the same, ring
-accounting, ``hybrid.parallel.ops.TPLedger``).
+accounting, ``hybrid.parallel.ops.TPLedger``). Every chunk's GEMM and every cast is
+:mod:`hybrid.parallel.linear.gemm`'s (:meth:`~hybrid.parallel.linear.gemm.CastPolicy.chunk_mm`,
+``out=`` into the ring's output, and :meth:`~hybrid.parallel.linear.gemm.CastPolicy.chunk_linear`).
 """
 
 from __future__ import annotations
@@ -38,18 +40,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from hybrid.parallel.ops import (
-    SEQ_DIM,
-    TPLedger,
-    _autocast_state,
-    _check_seq,
-    _nbytes,
-    all_gather_flat,
-    reduce_scatter_sequence,
-    sequence_parallel_linear,
-    sequence_parallel_linear_grads,
-)
-from hybrid.parallel.wgrad import linear, weight_grad
+from hybrid.parallel.linear.functions import sequence_parallel_linear_grads
+from hybrid.parallel.linear.gemm import CastPolicy, cast_policy, linear
+from hybrid.parallel.ops import SEQ_DIM, TPLedger, all_gather_flat, local_seq_len, tensor_bytes
 
 
 class _Ring:
@@ -77,57 +70,45 @@ def _wait(works: list) -> None:
         w.wait()
 
 
-def _cast(tensors, device: torch.device):
-    """Autocast's casts made by hand (``out=`` GEMMs are not autocast): ``tensors`` in the
-    autocast dtype when it is on, else as they are; and that autocast state."""
-    state = _autocast_state(device)
-    if not state[1]:
-        return tensors, state
-    return [t if t is None or not t.is_floating_point() else t.to(state[2]) for t in tensors], state
-
-
-def ring_gather_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                       ring: _Ring, out: torch.Tensor | None = None,
+def ring_gather_gemm(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None,
+                       ring: _Ring, policy: CastPolicy,
                        gathered: torch.Tensor | None = None) -> torch.Tensor:
-    """``[t, b, s/t, out]``: chunk ``c`` (rank ``c``'s rows) of ``all_gather(x) @ weight.T
-    (+ bias)``, from this rank's ``x`` ``[b, s/t, in]`` (see the module docstring). ``gathered``
-    (``[t, b, s/t, in]``, optional) receives the chunks themselves, for a caller that needs them
-    (the row-parallel backward's weight gradient); ``out`` is written in place when given."""
+    """``[t, b, s/t, out]``: chunk ``c`` (rank ``c``'s rows) of ``all_gather(x) @ weight_t
+    (+ bias)``, from this rank's ``x`` ``[b, s/t, in]`` and ``weight_t`` ``[in, out]`` (the
+    weight transposed for the forward, the weight itself for an input gradient; see the module
+    docstring), each chunk's GEMM :meth:`CastPolicy.chunk_mm`. ``gathered`` (``[t, b, s/t,
+    in]``, optional) receives the chunks themselves, for a caller that needs them (the
+    row-parallel backward's weight gradient)."""
     r, t = ring.rank, ring.size
     x = x.contiguous()
-    n_out = weight.shape[0]
-    if out is None:
-        out = x.new_empty((t, *x.shape[:-1], n_out))
+    n_out = weight_t.shape[1]
+    out = x.new_empty((t, *x.shape[:-1], n_out))
     cur = x if gathered is None else gathered[r].copy_(x)
-    w_t = weight.t()
     for k in range(t):
         c = (r + k) % t
         works, nxt = [], None
         if k < t - 1:
             nxt = torch.empty_like(x) if gathered is None else gathered[(c + 1) % t]
             works = ring.exchange(cur, nxt, to_next=False)
-        rows, dst = cur.reshape(-1, cur.shape[-1]), out[c].view(-1, n_out)
-        if bias is None:
-            torch.mm(rows, w_t, out=dst)
-        else:
-            torch.addmm(bias, rows, w_t, out=dst)
+        policy.chunk_mm(cur.reshape(-1, cur.shape[-1]), weight_t, bias, out[c].view(-1, n_out))
         _wait(works)
         cur = nxt
     return out
 
 
-def ring_matmul_scatter(y: torch.Tensor, weight: torch.Tensor, ring: _Ring,
-                        token_wise: bool) -> torch.Tensor:
+def ring_gemm_scatter(y: torch.Tensor, weight: torch.Tensor, ring: _Ring, token_wise: bool,
+                        policy: CastPolicy) -> torch.Tensor:
     """This rank's ``[b, s/t, out]`` of the sum over the ring of ``y @ weight.T``, ``y``
-    ``[b, s, in]`` (rank-major tokens with ``token_wise``; see the module docstring)."""
+    ``[b, s, in]`` (rank-major tokens with ``token_wise``; see the module docstring), each
+    chunk's GEMM :meth:`CastPolicy.chunk_linear`."""
     r, t = ring.rank, ring.size
-    per = _check_seq(y, t)
+    per = local_seq_len(y, t)
     chunks = (y.contiguous().view(t, y.shape[0], per, *y.shape[2:]) if token_wise
               else y.split(per, dim=SEQ_DIM))
     acc, works, recv = None, [], None
     for k in range(t):
         c = (r - 1 - k) % t
-        part = torch.matmul(chunks[c], weight.t())
+        part = policy.chunk_linear(chunks[c], weight)
         if k > 0:
             _wait(works)
             part = recv + part  # the previous ranks' partial sum of chunk c, then this rank's
@@ -140,7 +121,7 @@ def ring_matmul_scatter(y: torch.Tensor, weight: torch.Tensor, ring: _Ring,
 
 def _seq_view(buf: torch.Tensor, token_wise: bool) -> torch.Tensor:
     """``[t, b, s/t, ...]`` rank-major -> ``[b, s, ...]`` (a view with ``token_wise`` or ``b ==
-    1``, else one reordering copy; ``hybrid.parallel.ops._gather_seq_start``)."""
+    1``, else one reordering copy; ``hybrid.parallel.ops.gather_seq_start``)."""
     if token_wise:
         return buf.view(buf.shape[1], -1, *buf.shape[3:])
     return buf.movedim(0, SEQ_DIM).flatten(SEQ_DIM, SEQ_DIM + 1)
@@ -148,27 +129,27 @@ def _seq_view(buf: torch.Tensor, token_wise: bool) -> torch.Tensor:
 
 class _GatherLinear(torch.autograd.Function):
     """``F.linear(all_gather_seq(x), weight, bias)`` with the gather pipelined with the GEMM;
-    backward as :func:`hybrid.parallel.ops.sequence_parallel_linear`'s."""
+    backward as :func:`hybrid.parallel.linear.functions.sequence_parallel_linear`'s."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, group, ledger, token_wise):
-        ring = _Ring(group)
-        ctx.group, ctx.ledger, ctx.token_wise = group, ledger, token_wise
+        ring, policy = _Ring(group), cast_policy(x.device)
+        ctx.group, ctx.ledger, ctx.token_wise, ctx.policy = group, ledger, token_wise, policy
         ctx.has_bias, ctx.x_dtype = bias is not None, x.dtype
-        (x, weight, bias), (kind, _, _) = _cast((x, weight, bias), x.device)
+        x, weight = policy.cast_input(x), policy.cast_weight(weight)
         ctx.save_for_backward(x, weight)
         if ledger is not None:
-            ledger.count("all_gather", ring.size * _nbytes(x), ring.size)
-        with torch.autocast(kind, enabled=False):
-            return _seq_view(ring_gather_matmul(x, weight, bias, ring), token_wise)
+            ledger.count("all_gather", ring.size * tensor_bytes(x), ring.size)
+        out = ring_gather_gemm(x, weight.t(), policy.cast_bias(bias), ring, policy)
+        return _seq_view(out, token_wise)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        grad_x, grad_w, grad_b = sequence_parallel_linear_grads(
-            x, weight, grad.to(weight.dtype), ctx.group, ctx.ledger, ctx.token_wise,
-            ctx.has_bias)
-        return grad_x.to(ctx.x_dtype), grad_w, grad_b, None, None, None
+        return (*sequence_parallel_linear_grads(x, weight, grad, ctx.group, ctx.ledger,
+                                                ctx.token_wise, ctx.has_bias, ctx.policy,
+                                                ctx.x_dtype),
+                None, None, None)
 
 
 class _LinearScatter(torch.autograd.Function):
@@ -177,42 +158,42 @@ class _LinearScatter(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y, weight, group, ledger, token_wise):
-        ring = _Ring(group)
+        ring, policy = _Ring(group), cast_policy(y.device)
         ctx.group, ctx.ledger, ctx.token_wise, ctx.y_dtype = group, ledger, token_wise, y.dtype
-        (y, weight), (kind, _, _) = _cast((y, weight), y.device)
+        ctx.policy = policy
+        y, weight = policy.cast_input(y), policy.cast_weight(weight)
         ctx.save_for_backward(y, weight)
-        with torch.autocast(kind, enabled=False):
-            out = ring_matmul_scatter(y, weight, ring, token_wise)
+        out = ring_gemm_scatter(y, weight, ring, token_wise, policy)
         if ledger is not None:
-            ledger.count("reduce_scatter", ring.size * _nbytes(out), ring.size)
+            ledger.count("reduce_scatter", ring.size * tensor_bytes(out), ring.size)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         y, weight = ctx.saved_tensors
-        ring = _Ring(ctx.group)
-        grad = grad.to(weight.dtype).contiguous()
+        ring, policy = _Ring(ctx.group), ctx.policy
+        grad = policy.cast_grad(grad, weight).contiguous()
         t = ring.size
         if ctx.ledger is not None:
-            ctx.ledger.count("all_gather", t * _nbytes(grad), t)
+            ctx.ledger.count("all_gather", t * tensor_bytes(grad), t)
         gathered = grad.new_empty((t, *grad.shape))
         grad_y = None
         if ctx.needs_input_grad[0]:  # the input gradient's GEMM, chunk by chunk on the ring
-            grad_y = _seq_view(ring_gather_matmul(grad, weight.t(), None, ring,
+            grad_y = _seq_view(ring_gather_gemm(grad, weight, None, ring, policy,
                                                   gathered=gathered), ctx.token_wise)
             grad_y = grad_y.to(ctx.y_dtype)
         else:
             all_gather_flat(gathered.view(-1), grad.view(-1), ctx.group)
         g2 = _seq_view(gathered, ctx.token_wise).reshape(-1, grad.shape[-1])
-        grad_w = weight_grad(g2, y.reshape(-1, y.shape[-1]), weight)
+        grad_w = policy.wgrad(g2, y.reshape(-1, y.shape[-1]), weight)
         return grad_y, grad_w, None, None, None
 
 
 def gather_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group,
                   ledger: TPLedger | None = None, token_wise: bool = False) -> torch.Tensor:
-    """:func:`hybrid.parallel.ops.sequence_parallel_linear` (``[b, s/t, in]`` ->
+    """:func:`hybrid.parallel.linear.functions.sequence_parallel_linear` (``[b, s/t, in]`` ->
     ``[b, s, out_local]``) with its all-gather pipelined with the GEMM (module docstring);
-    ``token_wise`` as there. At one rank it is ``F.linear``."""
+    ``token_wise`` as there. At one rank it is :func:`hybrid.parallel.linear.gemm.linear`."""
     if dist.get_world_size(group) == 1:
         return linear(x, weight, bias)
     return _GatherLinear.apply(x, weight, bias, group, ledger, token_wise)
@@ -220,8 +201,8 @@ def gather_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 def linear_scatter(y: torch.Tensor, weight: torch.Tensor, group, ledger: TPLedger | None = None,
                    token_wise: bool = False) -> torch.Tensor:
-    """``reduce_scatter_sequence(F.linear(y, weight))`` (``[b, s, in_local]`` -> ``[b, s/t,
-    out]``) with the reduce-scatter pipelined with the GEMM (module docstring).
+    """:func:`hybrid.parallel.linear.functions.linear_reduce_scatter` (``[b, s, in_local]`` ->
+    ``[b, s/t, out]``) with the reduce-scatter pipelined with the GEMM (module docstring).
 
     Raises:
         ValueError: ``s`` is not divisible by the group size.
@@ -229,21 +210,3 @@ def linear_scatter(y: torch.Tensor, weight: torch.Tensor, group, ledger: TPLedge
     if dist.get_world_size(group) == 1:
         return linear(y, weight)
     return _LinearScatter.apply(y, weight, group, ledger, token_wise)
-
-
-def column_sp(layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """A sequence-parallel column-parallel ``layer``'s GEMM with ``bias`` (its own or None):
-    pipelined (:func:`gather_linear`) when ``layer.tp_comm_overlap``, else
-    :func:`hybrid.parallel.ops.sequence_parallel_linear`."""
-    fn = gather_linear if layer.tp_comm_overlap else sequence_parallel_linear
-    return fn(x, layer.weight, bias, layer.group, layer.ledger, layer.token_wise)
-
-
-def row_sp(layer, x: torch.Tensor) -> torch.Tensor:
-    """A sequence-parallel row-parallel ``layer``'s reduce-scattered GEMM, without the bias:
-    pipelined (:func:`linear_scatter`) when ``layer.tp_comm_overlap``, else ``F.linear`` then
-    :func:`hybrid.parallel.ops.reduce_scatter_sequence`."""
-    if layer.tp_comm_overlap:
-        return linear_scatter(x, layer.weight, layer.group, layer.ledger, layer.token_wise)
-    return reduce_scatter_sequence(linear(x, layer.weight), layer.group, layer.ledger,
-                                   layer.token_wise)
