@@ -15,7 +15,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TREE = ("hybrid", "models", "data")
-PACKAGES = ("hybrid/zero",)
+PACKAGES = ("hybrid/zero", "hybrid/parallel")
 """The directories held to 0 (issue 42)."""
 
 
