@@ -84,7 +84,7 @@ def _stub_comm(dp: int, rank: int):
     comm = object.__new__(DPComm)
     comm.group, comm.size, comm.rank, comm.composed = None, dp, rank, False
     comm.skip_collectives, comm.bytes = True, __import__("collections").defaultdict(float)
-    comm.inter_node = False
+    comm.inter_node, comm.quantized = False, None  # no qgZ (given at construction)
     comm.node_bytes = {k: __import__("collections").defaultdict(float)
                        for k in ("intra_node", "inter_node")}
     return comm
