@@ -310,6 +310,11 @@ class CheckpointConfig:
     async_save: bool = arg(False, "save in the background: each rank copies its shard to host "
                                   "memory (pinned on GPU) and a thread writes it while training "
                                   "goes on; published once every rank has written")
+    ckpt_format: str = arg("safetensors", "checkpoint format to save in (Megatron-LM's flag): "
+                                          "safetensors, this trainer's (one file per rank, read on "
+                                          "any grid); Megatron-LM's torch_dist, torch, torch_dcp "
+                                          "and fsdp_dtensor are refused. --load reads the format "
+                                          "its metadata.json names")
     overwrite_save: bool = arg(False, "save into a --save that holds checkpoints this run does "
                                       "not resume (no --load of it, or --finetune): they are "
                                       "replaced iteration by iteration and the pointer moves "

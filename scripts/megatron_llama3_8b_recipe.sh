@@ -7,6 +7,8 @@
 #     decay samples scaled, --eval-iters 2, --eval-interval 20;
 #   - paths: under $OUT (default runs/llama3_recipe); processes: $NPROC (default 2, on CPU);
 #   - the FP8 flags (DTYPE_ARGS) are left out: no FP8 here;
+#   - --ckpt-format torch_dist is left out: Megatron-LM's format is not implemented here (refused);
+#     the checkpoints are this trainer's safetensors format;
 #   - TP_SIZE may come from the environment (default the script's 1; TP_SIZE=2 NPROC=2 is the
 #     script's tp 2 with its --sequence-parallel).
 # Usage: [TP_SIZE=2] NPROC=2 bash scripts/megatron_llama3_8b_recipe.sh [more hybrid.pretrain flags]
@@ -128,7 +130,6 @@ EVAL_AND_LOGGING_ARGS=(
     --profile
     --profile-step-start 4
     --profile-step-end 6
-    --ckpt-format torch_dist 
     --distributed-timeout-minutes 60
     --save "$CHECKPOINT_PATH"
     --load "$CHECKPOINT_PATH" 

@@ -11,10 +11,10 @@ BASE = ["--mock-data", "--vocab-size", "64", "--num-layers", "1", "--hidden-size
 
 
 def test_sequence_parallel_at_tp1_and_flags_without_effect_are_noted(capsys):
-    _checked_job(BASE + ["--sequence-parallel", "--ckpt-format", "torch_dist", "--manual-gc"])
+    _checked_job(BASE + ["--sequence-parallel", "--distributed-backend", "nccl", "--manual-gc"])
     out = capsys.readouterr().out
     assert "--sequence-parallel has no effect at --tensor-model-parallel-size 1" in out
-    assert "accepted without effect" in out and "--ckpt-format torch_dist" in out
+    assert "accepted without effect" in out and "--distributed-backend nccl" in out
     assert "--manual-gc" in out
     _checked_job(BASE + ["--log-throughput"])  # what every log line does: no note at all
     assert "accepted without effect" not in capsys.readouterr().out

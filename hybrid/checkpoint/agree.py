@@ -84,7 +84,7 @@ def _previous(staging: Path | None) -> str:
     directory that holds ``staging``."""
     if staging is None:
         return "the previous checkpoint is intact"
-    from hybrid.checkpoint.directory import IncompleteCheckpointError, latest_iteration
+    from hybrid.checkpoint.published import IncompleteCheckpointError, latest_iteration
 
     try:
         latest = latest_iteration(staging.parent)

@@ -4,12 +4,13 @@ As Megatron-LM's ``--async-save``: the save call only copies each rank's state t
 a background thread streams it to the shard file; the checkpoint is finalised (published)
 later, when every rank's write has finished. Here:
 
-1. **Snapshot** (:func:`snapshot`, the only part training waits for): each rank copies its own
-   shard's tensors (its ZeRO partition's fp32 master and Adam moments, unpadded, and its RNG
-   states) into one host buffer, pinned when the states are on a GPU (the copies are then
+1. **Snapshot** (:func:`snapshot`, the only part training waits for): each rank copies the
+   tensors of its part in the job's ``--ckpt-format`` (its ZeRO partition's fp32 master and
+   Adam moments, and its RNG states: :meth:`hybrid.checkpoint.format.CheckpointFormat.part`)
+   into one host buffer, pinned when the states are on a GPU (the copies are then
    asynchronous, and synchronised once). The buffer is kept for the next save. Its size is
    :func:`snapshot_bytes`, which the dry run reports.
-2. **Write**: a daemon thread writes the snapshot to ``iter_N.tmp/rank_XXXXX.safetensors``
+2. **Write**: a daemon thread writes the snapshot into ``iter_N.tmp/`` in the format
    (:func:`hybrid.checkpoint.shards.write_shard`; file writes release the GIL). It keeps the
    default CPU priority: a niced thread that holds the GIL while the OS runs others stalls the
    training thread, which must hand the GIL over to it (priority inversion).
@@ -28,6 +29,7 @@ exact from it. A failed write (full disk) is reported at publication like a sync
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -39,9 +41,11 @@ import torch
 import torch.distributed as dist
 
 from hybrid.checkpoint.agree import all_succeed
+from hybrid.checkpoint.registry import DEFAULT_FORMAT, format_named
 from hybrid.checkpoint.stream import Entry
 
 if TYPE_CHECKING:
+    from hybrid.checkpoint.format import CheckpointFormat, RankPart
     from hybrid.checkpoint.retention import Retention
     from hybrid.parallel.grid import ProcessGrid
     from hybrid.parallel.rng import RNGTracker
@@ -59,14 +63,14 @@ def snapshot_bytes(entries: list[Entry]) -> int:
     return sum(_aligned(e.nbytes) for e in entries)
 
 
-def host_snapshot_bytes(engine: ZeroEngine, grid: ProcessGrid) -> int:
+def host_snapshot_bytes(engine: ZeroEngine, grid: ProcessGrid,
+                        fmt: CheckpointFormat | None = None) -> int:
     """Bytes of host memory ``--async-save`` holds on this rank (the snapshot buffer, kept
-    between saves): its ZeRO partition's fp32 master and two Adam moments, unpadded (12 bytes
-    per element it owns), aligned; the RNG states (a few KiB) left out. The dry run reports it."""
-    from hybrid.checkpoint.shards import shard_entries
-    from hybrid.zero import state
-
-    return snapshot_bytes(shard_entries(state.owned_state(engine), grid.tp_rank)[0])
+    between saves) for a part in ``fmt`` (default: the default format): its ZeRO partition's
+    fp32 master and two Adam moments (the default format: unpadded, 12 bytes per element it
+    owns), aligned; the RNG states (a few KiB) left out. The dry run reports it."""
+    fmt = fmt or format_named(DEFAULT_FORMAT)
+    return snapshot_bytes(fmt.part(engine, grid, {}).entries)
 
 
 def snapshot(entries: list[Entry], buffer: torch.Tensor | None,
@@ -124,10 +128,12 @@ class AsyncSaver:
             world group, otherwise over a gloo group of every rank made here (collective: every
             rank constructs its saver at the same point).
         print_fn: rank 0's printer for the "saved" line (None: silent).
+        fmt: the format it writes (``--ckpt-format``; default: the default format).
     """
 
-    def __init__(self, grid: ProcessGrid, print_fn=None):
+    def __init__(self, grid: ProcessGrid, print_fn=None, fmt: CheckpointFormat | None = None):
         self.grid, self.print = grid, print_fn
+        self.fmt = fmt or format_named(DEFAULT_FORMAT)
         self.flag_group = None if grid.device.type == "cpu" else dist.new_group(backend="gloo")
         self.pending: Pending | None = None
         self.buffer: torch.Tensor | None = None
@@ -137,7 +143,7 @@ class AsyncSaver:
     def save(self, root: str | os.PathLike, iteration: int, engine: ZeroEngine,
              train_state: dict, metadata: dict, tracker: RNGTracker | None,
              keep: int | Retention | None) -> None:
-        """Wait for the pending save, snapshot this rank's shard and start writing it
+        """Wait for the pending save, snapshot this rank's part and start writing it
         (collective; arguments as :func:`hybrid.checkpoint.shards.save_checkpoint`).
 
         Raises:
@@ -149,13 +155,14 @@ class AsyncSaver:
         self.wait()
         t0 = time.perf_counter()
         stage_dir = shards.begin_save(root, iteration, self.grid)
-        entries, layout = shards.rank_entries(engine, self.grid, tracker)
+        part = shards.rank_part(self.fmt, engine, self.grid, tracker)
         pin = self.grid.device.type == "cuda"
-        entries, self.buffer = snapshot(entries, self.buffer, pin)
+        entries, self.buffer = snapshot(part.entries, self.buffer, pin)
+        part = dataclasses.replace(part, entries=entries)
         meta = (shards.checkpoint_metadata(engine, self.grid, train_state, metadata)
                 if self.grid.rank == 0 else None)
         job = Pending(str(root), iteration, meta, keep)
-        job.thread = threading.Thread(target=self._write, args=(job, stage_dir, entries, layout),
+        job.thread = threading.Thread(target=self._write, args=(job, stage_dir, part, self.fmt),
                                       name=f"async-save-{iteration}", daemon=True)
         job.thread.start()
         self.pending = job
@@ -166,19 +173,18 @@ class AsyncSaver:
         not pay for the allocation and its page faults inside the training loop."""
         from hybrid.checkpoint import shards
 
-        entries, _ = shards.rank_entries(engine, self.grid, tracker)
-        total = snapshot_bytes(entries)
+        total = snapshot_bytes(shards.rank_part(self.fmt, engine, self.grid, tracker).entries)
         if self.buffer is None or self.buffer.numel() < total:
             self.buffer = torch.empty(total, dtype=torch.uint8,
                                       pin_memory=self.grid.device.type == "cuda")
             self.buffer.zero_()
 
     @staticmethod
-    def _write(job: Pending, stage_dir: Path, entries: list[Entry], layout: dict) -> None:
+    def _write(job: Pending, stage_dir: Path, part: RankPart, fmt: CheckpointFormat) -> None:
         from hybrid.checkpoint import shards
 
         try:
-            shards.write_shard(stage_dir, dist.get_rank(), entries, layout)
+            shards.write_shard(stage_dir, dist.get_rank(), part, fmt)
         except BaseException as e:  # reported to every rank at publication
             job.error = e
 
@@ -213,7 +219,8 @@ class AsyncSaver:
 
         all_succeed(written, self.grid.device, what,
                     cleanup=shards.staging_dir(job.root, job.iteration))
-        final = shards.publish_agreed(job.root, job.iteration, job.meta, self.grid, job.keep)
+        final = shards.publish_agreed(job.root, job.iteration, job.meta, self.grid, job.keep,
+                                      self.fmt)
         if self.print is not None and report:
             self.print(f" saved checkpoint at iteration {job.iteration} to {job.root} (written "
                        f"in the background in {time.monotonic() - job.started:.1f} s; training "

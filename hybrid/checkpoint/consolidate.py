@@ -4,9 +4,11 @@
 
 The result loads with ``strict=True`` into ``models.gpt.GPT`` built from the checkpoint's model
 dimensions (``metadata.json``), the tied embedding included (stored once as ``wte.weight``).
-Runs in one process, whatever grid saved the checkpoint, one tensor at a time: each full tensor
-is assembled from its fragments, written and freed before the next, so the peak is the largest
-tensor plus the reader's read chunk (``hybrid.checkpoint.fragments.READ_CHUNK``).
+The checkpoint is read in the format its ``metadata.json`` names
+(:func:`hybrid.checkpoint.registry.open_checkpoint`), in one process, whatever grid saved it,
+one tensor at a time: each full tensor is assembled by the format's reader, written and freed
+before the next, so the peak is the largest tensor plus what the reader stages (the default
+format: its read chunk, ``hybrid.checkpoint.fragments.READ_CHUNK``).
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from hybrid.checkpoint.directory import IncompleteCheckpointError
-from hybrid.checkpoint.shards import CheckpointReader
+from hybrid.checkpoint.published import IncompleteCheckpointError
+from hybrid.checkpoint.registry import open_checkpoint
 from hybrid.checkpoint.stream import Entry, write_safetensors
 
 
@@ -39,7 +41,7 @@ def consolidate(load: str, output: str, iteration: int | None = None) -> dict:
     if out.exists() or out.is_symlink():
         raise FileExistsError(f"--output {out} already exists; give a new file name (nothing is "
                               "overwritten)")
-    reader = CheckpointReader(load, iteration)
+    reader = open_checkpoint(load, iteration)
     entries = [Entry(name, torch.float32, tuple(p["full_shape"]),
                      lambda name=name: reader.full_tensor(name, "master"))
                for name, p in reader.meta["params"].items()]

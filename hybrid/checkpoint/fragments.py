@@ -26,7 +26,7 @@ import torch
 from safetensors import safe_open
 
 from hybrid.checkpoint import format1
-from hybrid.checkpoint.directory import IncompleteCheckpointError
+from hybrid.checkpoint.published import IncompleteCheckpointError
 from hybrid.parallel.tp_spec import TPSpec
 
 READ_CHUNK = 4 * 2**20

@@ -1,85 +1,54 @@
-"""Save and load training checkpoints that any grid can read (exact resume and resharding).
+"""Save and load training checkpoints in any format (:mod:`hybrid.checkpoint.format`), on any grid.
 
-Each rank writes one safetensors shard (``hybrid.checkpoint.directory`` handles directories,
-atomicity and the "latest" pointer) holding only what it owns: for every parameter, the fp32
-``master``, ``exp_avg`` and ``exp_avg_sq`` of its ZeRO partition's fragment
-(:func:`hybrid.zero.state.owned_state`), without vocabulary padding, keyed ``{kind}/{name}``.
-Stage 0 ranks split the writing the same way; replicated parameters are written by TP rank 0
-only. No model state is all-gathered, and the shard is streamed tensor by tensor
-(:mod:`hybrid.checkpoint.stream`), so saving stages one fragment at most. The shard's
-safetensors metadata places each fragment (source TP rank, range of the unpadded TP-local
-tensor, flattened); ``metadata.json`` records each parameter's full shape, split dimension and
-padded size with the grid (see :mod:`hybrid.checkpoint.fragments` for the geometry).
+A save is collective and the same for every format: rank 0 creates the staging directory
+(:mod:`hybrid.checkpoint.directory`: directories, atomicity, the "latest" pointer); every rank
+hands its owned fragments and RNG states to the format (:meth:`CheckpointFormat.part`) and
+writes its shard, one rank's part in that format (:func:`write_shard`); the ranks agree on the
+outcome (:mod:`hybrid.checkpoint.agree`); rank 0 publishes ``metadata.json``
+(:func:`checkpoint_metadata`: grid, ZeRO stage, loop counters, loss scaler, optimizer step,
+every parameter's full shape, split dimension and padded size; the format stamps its name).
+``--async-save`` runs the same steps with the write in a thread
+(:mod:`hybrid.checkpoint.async_save`).
 
-Loading fills each fragment this rank's optimizer updates by reading, from the shards that hold
-them, exactly the elements that overlap it, whatever (tp, dp, stage) saved the checkpoint; the
-reader counts the bytes. The 16/32-bit model weights are not stored: they are the master
-weights, rounded. RNG states are stored per rank and restored only on the same grid.
-Format 1 checkpoints (equal ``dp`` cuts of every parameter, written before partition-wise
-saving) are read by the same code; :mod:`hybrid.checkpoint.format1` holds what differs.
+A load opens the checkpoint by the format its ``metadata.json`` names
+(:func:`hybrid.checkpoint.registry.open_checkpoint`) and fills each fragment this rank's
+optimizer updates from the reader, whatever (tp, dp, stage) saved it. RNG states are restored
+only on the same grid. The default format's code: :mod:`hybrid.checkpoint.safetensors_format`.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import warnings
-from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
 from hybrid.checkpoint.agree import all_succeed
-from hybrid.checkpoint.directory import (
-    iteration_of_dir,
-    latest_iteration,
-    publish,
-    read_metadata,
-    shard_name,
-    staging_dir,
-)
-from hybrid.checkpoint.fragments import FragmentReader, RankRows
+from hybrid.checkpoint.directory import publish, staging_dir
+from hybrid.checkpoint.registry import DEFAULT_FORMAT, format_named, open_checkpoint
 from hybrid.checkpoint.retention import Retention
-from hybrid.checkpoint.stream import Entry, write_safetensors
+from hybrid.checkpoint.safetensors_format import CheckpointReader, shard_entries
 from hybrid.parallel.rng import capture_rng_states, restore_rng_states
 from hybrid.parallel.tp_spec import get_tp_spec
 from hybrid.zero import state
-from hybrid.zero.state import KINDS, OwnedFragment
+from hybrid.zero.state import KINDS
 
 if TYPE_CHECKING:
+    from hybrid.checkpoint.format import CheckpointFormat, RankPart
     from hybrid.parallel.grid import ProcessGrid
     from hybrid.parallel.rng import RNGTracker
     from hybrid.zero.engine import ZeroEngine
 
-__all__ = ["KINDS", "CheckpointReader", "load_checkpoint", "save_checkpoint"]
-
-
-def shard_entries(fragments: Iterable[OwnedFragment], tp_rank: int) -> tuple[list[Entry], dict]:
-    """The stream entries (``{kind}/{name}``: the fragment's real elements, fp32, 1-D) and the
-    layout metadata (``{name: {"tp_rank", "flat_range"}}``, the range in real-local coordinates)
-    of one rank's shard. Replicated parameters are left to TP rank 0; padding-only fragments
-    are skipped."""
-    entries, layout = [], {}
-    for f in fragments:
-        if f.spec.replicated and tp_rank != 0:
-            continue
-        rows = RankRows.of_spec(f.spec)
-        lo, hi = rows.real_index(f.start), rows.real_index(f.stop)
-        if hi == lo:
-            continue
-        layout[f.slot.name] = dict(tp_rank=tp_rank, flat_range=[lo, hi])
-        for kind in KINDS:
-            entries.append(Entry(f"{kind}/{f.slot.name}", torch.float32, (hi - lo,),
-                                 lambda v=f.views[kind], s=f.start, r=rows: r.real_part(v, s)))
-    return entries, layout
+# CheckpointReader and shard_entries: the default format's, importable from here as before the door
+__all__ = ["KINDS", "CheckpointReader", "load_checkpoint", "save_checkpoint", "shard_entries",
+           "write_shard"]
 
 
 def save_checkpoint(root: str | os.PathLike, iteration: int, engine: ZeroEngine, grid: ProcessGrid,
-                    train_state: dict,
-                    metadata: dict, tracker: RNGTracker | None = None,
-                    keep: int | Retention | None = None) -> Path | None:
+                    train_state: dict, metadata: dict, tracker: RNGTracker | None = None,
+                    keep: int | Retention | None = None,
+                    fmt: CheckpointFormat | None = None) -> Path | None:
     """Write a checkpoint of ``iteration`` under ``root`` (collective: every rank calls).
 
     Args:
@@ -92,6 +61,8 @@ def save_checkpoint(root: str | os.PathLike, iteration: int, engine: ZeroEngine,
         tracker: the TP RNG tracker (its stream is saved with the other RNG states).
         keep: ``--save-keep-last``'s policy or count (None keeps all; see
             :mod:`hybrid.checkpoint.retention`).
+        fmt: the format to write (``--ckpt-format``; default
+            :data:`hybrid.checkpoint.registry.DEFAULT_FORMAT`).
 
     Returns:
         The published directory on rank 0, None elsewhere.
@@ -102,12 +73,13 @@ def save_checkpoint(root: str | os.PathLike, iteration: int, engine: ZeroEngine,
             ENOSPC); it names the ranks, the path and the errno, and the staging directory has
             been removed. The previous checkpoint and the pointer are untouched.
     """
+    fmt = fmt or format_named(DEFAULT_FORMAT)
     stage_dir = begin_save(root, iteration, grid)
-    entries, layout = rank_entries(engine, grid, tracker)
-    all_succeed(lambda: write_shard(stage_dir, grid.rank, entries, layout), grid.device,
+    part = rank_part(fmt, engine, grid, tracker)
+    all_succeed(lambda: write_shard(stage_dir, grid.rank, part, fmt), grid.device,
                 f"saving iteration {iteration} to {root}", cleanup=stage_dir)
     meta = checkpoint_metadata(engine, grid, train_state, metadata) if grid.rank == 0 else None
-    return publish_agreed(root, iteration, meta, grid, keep)
+    return publish_agreed(root, iteration, meta, grid, keep, fmt)
 
 
 def begin_save(root: str | os.PathLike, iteration: int, grid: ProcessGrid) -> Path:
@@ -124,20 +96,26 @@ def begin_save(root: str | os.PathLike, iteration: int, grid: ProcessGrid) -> Pa
     return stage_dir
 
 
-def rank_entries(engine: ZeroEngine, grid: ProcessGrid,
-                 tracker: RNGTracker | None) -> tuple[list[Entry], dict]:
-    """This rank's shard: its fragments' entries and layout (:func:`shard_entries`) plus its
-    RNG states (``rng/{name}``)."""
-    entries, layout = shard_entries(state.owned_state(engine), grid.tp_rank)
-    for key, value in capture_rng_states(tracker, grid.device).items():
-        entries.append(Entry(f"rng/{key}", value.dtype, tuple(value.shape), lambda v=value: v))
-    return entries, layout
+def rank_part(fmt: CheckpointFormat, engine: ZeroEngine, grid: ProcessGrid,
+              tracker: RNGTracker | None) -> RankPart:
+    """This rank's part in ``fmt``: its owned fragments and its RNG states (every rank calls
+    it at the same point)."""
+    return fmt.part(engine, grid, capture_rng_states(tracker, grid.device))
+
+
+def write_shard(stage_dir: Path, rank: int, part: RankPart, fmt: CheckpointFormat) -> None:
+    """Write global rank ``rank``'s part into ``stage_dir`` in ``fmt``: the one place a rank's
+    checkpoint bytes are written, by a synchronous save and by ``--async-save``'s thread alike
+    (no collective)."""
+    fmt.write(stage_dir, rank, part)
 
 
 def publish_agreed(root: str | os.PathLike, iteration: int, meta: dict | None,
-                   grid: ProcessGrid, keep: int | Retention | None) -> Path | None:
-    """Rank 0 publishes (``meta``: its :func:`checkpoint_metadata`; None elsewhere), every rank
-    agrees on the outcome (collective). Returns the published directory on rank 0.
+                   grid: ProcessGrid, keep: int | Retention | None,
+                   fmt: CheckpointFormat | None = None) -> Path | None:
+    """Rank 0 publishes (``meta``: its :func:`checkpoint_metadata`; None elsewhere) what the
+    ranks wrote in ``fmt`` (default: the default format), every rank agrees on the outcome
+    (collective). Returns the published directory on rank 0.
 
     Raises:
         hybrid.checkpoint.agree.SaveFailedError: publication failed (every rank).
@@ -146,23 +124,17 @@ def publish_agreed(root: str | os.PathLike, iteration: int, meta: dict | None,
 
     def step():
         if grid.rank == 0:
-            final.append(publish(root, iteration, meta, grid.world_size, keep))
+            final.append(publish(root, iteration, meta, grid.world_size, keep, fmt))
 
     all_succeed(step, grid.device, f"saving iteration {iteration} to {root}",
                 cleanup=staging_dir(root, iteration))
     return final[0] if final else None
 
 
-def write_shard(stage_dir: Path, rank: int, entries: list[Entry], layout: dict) -> None:
-    """Stream this rank's shard into ``stage_dir`` under a temporary name, then rename it."""
-    tmp = stage_dir / (shard_name(rank) + ".partial")
-    write_safetensors(tmp, entries, metadata={"layout": json.dumps(layout), "rank": str(rank)})
-    os.replace(tmp, stage_dir / shard_name(rank))
-
-
 def checkpoint_metadata(engine: ZeroEngine, grid: ProcessGrid, train_state: dict,
                         metadata: dict) -> dict:
-    """``metadata.json``'s content besides what :func:`publish` adds: ``metadata`` plus the
+    """``metadata.json``'s content besides what :func:`publish` adds (the format's stamp, the
+    iteration, the files, the save sequence), the same in every format: ``metadata`` plus the
     grid, ZeRO stage, loop counters, loss scaler, optimizer step and every parameter's full
     shape, split dimension and padded size."""
     specs = {s.name: get_tp_spec(engine.params[s.index]) for s in engine.layout.slots}
@@ -175,45 +147,11 @@ def checkpoint_metadata(engine: ZeroEngine, grid: ProcessGrid, train_state: dict
                 optimizer_step=state.optimizer_step(engine), params=params)
 
 
-class CheckpointReader(FragmentReader):
-    """A published checkpoint, whatever its grid: reads parts or whole tensors by overlap.
-
-    Args:
-        root: the checkpoint root (``--load``).
-        iteration: which iteration (default: the latest complete one).
-
-    Raises:
-        FileNotFoundError: no published checkpoint under ``root``.
-        hybrid.checkpoint.directory.IncompleteCheckpointError: metadata or a shard is missing,
-            or the shards' fragments do not cover every parameter.
-    """
-
-    def __init__(self, root: str | os.PathLike, iteration: int | None = None):
-        if iteration is None:
-            iteration = latest_iteration(root)
-            if iteration is None:
-                hint = ""
-                if (n := iteration_of_dir(root)) is not None:
-                    hint = (f"; {root} is one iteration's directory: give the checkpoint root "
-                            f"{Path(root).parent} and --iteration {n}")
-                raise FileNotFoundError(f"no complete checkpoint under {root} (no "
-                                        f"{root}/latest_checkpointed_iteration.txt){hint}")
-        self.root, self.iteration = Path(root), iteration
-        super().__init__(self.root / f"iter_{iteration:07d}", read_metadata(root, iteration))
-        self.dp = self.meta["grid"]["dp"]
-
-    def param_names(self) -> list[str]:
-        return list(self.meta["params"])
-
-    def rng_states(self, rank: int) -> dict[str, torch.Tensor]:
-        f = self.files[rank]
-        return {k[4:]: f.get_tensor(k) for k in f.keys() if k.startswith("rng/")}
-
-
 def load_checkpoint(root: str | os.PathLike, engine: ZeroEngine, grid: ProcessGrid,
                     tracker: RNGTracker | None = None, load_optim: bool = True,
                     load_rng: bool = True) -> dict:
-    """Load the latest complete checkpoint under ``root`` into ``engine`` (collective).
+    """Load the latest complete checkpoint under ``root`` into ``engine`` (collective), in the
+    format its ``metadata.json`` names.
 
     Each rank reads only the saved elements that overlap the fragments its optimizer updates
     (its partition; stage 0: everything). With ``load_optim=False`` only the weights come back
@@ -222,14 +160,16 @@ def load_checkpoint(root: str | os.PathLike, engine: ZeroEngine, grid: ProcessGr
 
     Returns:
         ``metadata.json`` of the loaded checkpoint (its ``train_state`` restores the loop), plus
-        ``"read"``: this rank's ``{"bytes": tensor bytes read, "reads": get_slice calls}``.
+        ``"read"``: this rank's ``{"bytes": tensor bytes read, "reads": reads issued}``.
 
     Raises:
+        FileNotFoundError, hybrid.checkpoint.published.IncompleteCheckpointError: as
+            :func:`hybrid.checkpoint.registry.open_checkpoint`.
         KeyError: the checkpoint's parameter names differ from the model's.
         ValueError: a parameter's full shape or split dimension differs.
     """
-    reader = CheckpointReader(root)
-    saved, ours = set(reader.param_names()), {s.name for s in engine.layout.slots}
+    reader = open_checkpoint(root)
+    saved, ours = set(reader.meta["params"]), {s.name for s in engine.layout.slots}
     if saved != ours:
         raise KeyError(f"checkpoint {reader.root} does not match the model: missing "
                        f"{sorted(ours - saved)}, unexpected {sorted(saved - ours)}")
@@ -241,11 +181,11 @@ def load_checkpoint(root: str | os.PathLike, engine: ZeroEngine, grid: ProcessGr
                        load_optim)
     if load_optim:
         engine.scaler.load_state_dict(reader.meta["loss_scaler"])
-    same_grid = (reader.tp, reader.dp) == (grid.tp_size, grid.dp_size)
-    if load_rng and same_grid:
+    tp, dp = reader.meta["grid"]["tp"], reader.meta["grid"]["dp"]
+    if load_rng and (tp, dp) == (grid.tp_size, grid.dp_size):
         restore_rng_states(reader.rng_states(grid.rank), tracker, grid.device)
     elif load_rng and grid.rank == 0:
-        warnings.warn(f"checkpoint grid tp={reader.tp} x dp={reader.dp} differs from this run's "
+        warnings.warn(f"checkpoint grid tp={tp} x dp={dp} differs from this run's "
                       f"tp={grid.tp_size} x dp={grid.dp_size}: RNG states are not restored",
                       stacklevel=2)
     return dict(reader.meta, read=dict(bytes=reader.bytes_read, reads=reader.reads))

@@ -60,20 +60,18 @@ def _host_checkpoint_bytes(engine) -> int:
     return 0
 
 
-def _save_staging_peak(engine, grid, device_only: bool = False) -> int:
-    """Bytes alive at the peak of staging this rank's checkpoint shard: the same entries and
-    the same staging (:func:`hybrid.checkpoint.stream.staged`) as ``save_checkpoint``, with the
-    file write left out (a fake tensor has no bytes). Counted on top of the engine's tensors
-    (``device_only``: device storages only, as the step's meter)."""
-    from hybrid.checkpoint.shards import shard_entries
+def _save_staging_peak(engine, grid, fmt, device_only: bool = False) -> int:
+    """Bytes alive at the peak of staging this rank's checkpoint part in ``fmt`` (the job's
+    ``--ckpt-format``): the same entries (RNG states aside) and the same staging
+    (:func:`hybrid.checkpoint.stream.staged`) as ``save_checkpoint``, with the file write left
+    out (a fake tensor has no bytes). Counted on top of the engine's tensors (``device_only``:
+    device storages only, as the step's meter)."""
     from hybrid.checkpoint.stream import staged
-    from hybrid.zero import state
 
     meter = StorageMeter(device_only)
     meter.track(*_engine_tensors(engine))
     with meter:
-        entries, _ = shard_entries(state.owned_state(engine), grid.tp_rank)
-        for t in staged(entries):
+        for t in staged(fmt.part(engine, grid, {}).entries):
             del t
     return meter.peak
 
@@ -243,6 +241,7 @@ def _build_and_step(job, grid, t0: float, clock: PhaseClock) -> dict:
 
     from hybrid import train_step
     from hybrid.checkpoint.async_save import host_snapshot_bytes
+    from hybrid.checkpoint.registry import format_named
     from hybrid.dryrun.fake_cuda import transfer_log
     from hybrid.parallel.rng import RNGTracker
     from hybrid.parallelize import meta_gpt, parallelize
@@ -273,10 +272,11 @@ def _build_and_step(job, grid, t0: float, clock: PhaseClock) -> dict:
             step, log, mock.patch.object(train_step, "host_values", read),
             mock.patch.object(grad_norm, "host_values", read)])
         t = time.perf_counter()
-        save_peak = _save_staging_peak(engine, grid, device_only)
+        fmt = format_named(cfg.checkpoint.ckpt_format)
+        save_peak = _save_staging_peak(engine, grid, fmt, device_only)
         clock.done("save (staging this rank's checkpoint shard, no file written)",
                    time.perf_counter() - t, last=True)
-    snapshot = host_snapshot_bytes(engine, grid) if cfg.checkpoint.async_save else 0
+    snapshot = host_snapshot_bytes(engine, grid, fmt) if cfg.checkpoint.async_save else 0
     measured = _measured(engine, held, step, start, device_only)
     measured.update(construction_peak=build.peak, save_peak=save_peak,
                     async_save_snapshot=snapshot)

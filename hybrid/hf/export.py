@@ -10,9 +10,9 @@ biases on every linear layer or none), ``Qwen2ForCausalLM`` (Q/K/V biases only) 
 ``config.json``, ``generation_config.json`` (the EOS id), the fp32 master weights as sharded
 safetensors with ``model.safetensors.index.json`` (``--max-shard-size``; one
 ``model.safetensors`` when it fits), streamed one tensor at a time from a checkpoint saved on
-any grid, and the tokenizer: a sentencepiece model translated to ``tokenizer.json``, or a
-Hugging Face tokenizer's files copied. A tokenizer whose vocabulary is not the model's is
-refused. The directory appears complete or not at all.
+any grid, in the format its ``metadata.json`` names, and the tokenizer: a sentencepiece model
+translated to ``tokenizer.json``, or a Hugging Face tokenizer's files copied. A tokenizer
+whose vocabulary is not the model's is refused. The directory appears complete or not at all.
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ from pathlib import Path
 
 import torch
 
-from hybrid.checkpoint.directory import IncompleteCheckpointError
-from hybrid.checkpoint.shards import CheckpointReader
+from hybrid.checkpoint.format import Reader
+from hybrid.checkpoint.published import IncompleteCheckpointError
+from hybrid.checkpoint.registry import open_checkpoint
 from hybrid.checkpoint.stream import Entry
 from hybrid.hf import convert as gpt2
 from hybrid.hf import llama_weights as llama
@@ -75,7 +76,7 @@ class _Tensors:
     """Our full tensors read from the checkpoint, the last one kept (q, k and v are three HF
     tensors of one of ours): one of our tensors held at a time."""
 
-    def __init__(self, reader: CheckpointReader):
+    def __init__(self, reader: Reader):
         self.reader, self.name, self.tensor = reader, None, None
 
     def __call__(self, name: str) -> torch.Tensor:
@@ -89,7 +90,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 """``--dtype`` values: the weights' type in the export (fp32 masters rounded to nearest)."""
 
 
-def entries(reader: CheckpointReader, config: GPTConfig, family: str,
+def entries(reader: Reader, config: GPTConfig, family: str,
             dtype: torch.dtype = torch.float32) -> list[Entry]:
     """The HF tensors of the checkpoint in ``dtype``, in our parameter order, each produced on
     demand.
@@ -97,7 +98,7 @@ def entries(reader: CheckpointReader, config: GPTConfig, family: str,
     Raises:
         UnsupportedModelError: the checkpoint's parameters are not the class's.
     """
-    saved = reader.param_names()
+    saved = list(reader.meta["params"])
     expected = gpt2.parameter_names(config) if family == "gpt2" else llama.parameter_names(config)
     if sorted(saved) != sorted(expected):
         raise UnsupportedModelError(f"checkpoint parameters differ from {family}'s: extra "
@@ -169,7 +170,7 @@ def export_hf(load: str | os.PathLike, output: str | os.PathLike, iteration: int
         raise FileNotFoundError(f"--load {load}: no such directory (the --save directory of a "
                                 "training run)")
     _check_output(output)
-    reader = CheckpointReader(load, iteration)
+    reader = open_checkpoint(load, iteration)
     config, family = model_family(reader.meta.get("model", {}))
     tensors = entries(reader, config, family, DTYPES[dtype])
     tok = tokenizer_source(tokenizer_model, tokenizer_type, reader.meta, config.vocab_size)

@@ -19,13 +19,15 @@ if TYPE_CHECKING:
 
 class Checkpointer:
     """Saves at ``--save-interval``, at the end, and when SIGTERM / the time limit asks to stop
-    (the stop happens without ``--save`` too: it just does not save)."""
+    (the stop happens without ``--save`` too: it just does not save), in ``--ckpt-format``."""
 
     def __init__(self, job: Job, engine: ZeroEngine, grid: ProcessGrid,
                  tracker: RNGTracker | None, writer: MetricsWriter):
+        from hybrid.checkpoint.registry import format_named
         from hybrid.job.preemption import StopSignal
 
         self.ck, self.engine, self.grid = job.cfg.checkpoint, engine, grid
+        self.fmt = format_named(self.ck.ckpt_format)
         self.tracker, self.writer = tracker, writer
         self.metadata = dict(_metadata(job), wandb_run_id=writer.wandb_run_id)
         # SIGTERM and the time limit stop the run with or without --save (saving only with it)
@@ -38,7 +40,7 @@ class Checkpointer:
         if self.ck.save and self.ck.async_save:
             from hybrid.checkpoint.async_save import AsyncSaver
 
-            self.saver = AsyncSaver(grid, writer.print if grid.rank == 0 else None)
+            self.saver = AsyncSaver(grid, writer.print if grid.rank == 0 else None, self.fmt)
             self.saver.reserve(engine, tracker)
 
     def save(self, state: TrainState, report: bool = True, wait: bool = False) -> None:
@@ -54,7 +56,8 @@ class Checkpointer:
                                 self.metadata, self.tracker, self.retention)
             else:
                 save_checkpoint(self.ck.save, state.iteration, self.engine, self.grid,
-                                state.counters(), self.metadata, self.tracker, self.retention)
+                                state.counters(), self.metadata, self.tracker, self.retention,
+                                self.fmt)
                 if self.grid.rank == 0 and report:
                     self.writer.print(f" saved checkpoint at iteration {state.iteration} to "
                                       f"{self.ck.save}")

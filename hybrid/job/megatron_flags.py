@@ -60,7 +60,7 @@ SIZE_ONE = {"--pipeline-model-parallel-size": "pipeline parallelism",
 
 NO_OP = {
     "--use-mcore-models", "--use-legacy-models", "--distributed-backend", "--attention-backend",
-    "--use-flash-attn", "--transformer-impl", "--ckpt-format", "--no-masked-softmax-fusion",
+    "--use-flash-attn", "--transformer-impl", "--no-masked-softmax-fusion",
     "--masked-softmax-fusion",
     # no persistent LayerNorm kernel here: the fused norm is compiled (or apex's FusedLayerNorm)
     "--no-persist-layer-norm", "--cross-entropy-loss-fusion",

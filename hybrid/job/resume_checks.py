@@ -46,12 +46,15 @@ def checkpoint_metadata(load: str) -> dict | None:
     """``metadata.json`` of the latest complete checkpoint under ``load``; None when there is none.
 
     Raises:
+        hybrid.checkpoint.published.IncompleteCheckpointError: a file is missing, or the
+            checkpoint is in a format (or version) this code does not read.
         ResumeMismatch: ``load`` is one iteration's directory (``.../iter_0000500``) rather than
             the checkpoint root (a run would otherwise silently start from scratch).
     """
     from pathlib import Path
 
-    from hybrid.checkpoint.directory import iteration_of_dir, latest_iteration, read_metadata
+    from hybrid.checkpoint.directory import iteration_of_dir, latest_iteration
+    from hybrid.checkpoint.registry import checked_metadata
 
     if not load or not Path(load).is_dir():
         return None
@@ -60,7 +63,7 @@ def checkpoint_metadata(load: str) -> dict | None:
         raise ResumeMismatch(f"--load {load} is one iteration's directory, not a checkpoint root: "
                              f"give --load {Path(load).parent} (a run resumes from the root's "
                              f"latest complete iteration, here {n} or later)")
-    return None if latest is None else read_metadata(load, latest)
+    return None if latest is None else checked_metadata(load, latest)
 
 
 def _flag(name: str) -> str:
