@@ -9,6 +9,7 @@ Modules, in pipeline order:
 * ``split`` / ``gpt_dataset`` / ``blended_dataset`` / ``index_cache`` / ``rank0_first``:
   cached, shuffled ``seq_length + 1``-token samples per split, blended by weight.
 * ``loader``: per-data-parallel-rank micro-batches with exact resume.
+* ``batches``: each micro-batch checked against the vocabulary, packed documents' layout.
 
 ``scripts/preprocess_data.sh`` runs the first steps end to end.
 """

@@ -20,7 +20,7 @@ NO_DATA = ("no training data given: give --data-path PREFIX (a preprocessed <pre
 
 TOKEN_SAMPLE = 1 << 20
 """Tokens read from the start of each dataset to check them against the vocabulary (4 MiB at
-most); the training loop checks every micro-batch too (``hybrid.job.pretrain``)."""
+most); the training loop checks every micro-batch too (:func:`data.batches.checked_tokens`)."""
 
 
 def _check_pair(prefix: str) -> None:

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from hybrid.activation.config import ActivationConfig
 from hybrid.config_fields import ConfigError, arg, check_choice, check_int, check_number, fail
 from hybrid.devices import DEFAULT_RESERVED_GIB, device_memory_gib
+from hybrid.fusion import FusionConfig
 from hybrid.logging_config import LoggingConfig
 from hybrid.parallel import sequence
-from hybrid.parallel.kernels import FusionConfig
 from hybrid.schedule import DECAY_STYLES, WD_INCR_STYLES, WSD_DECAY_STYLES
 from hybrid.zero.config import OptimizerConfig, ZeroConfig
 from models.config import NORMALIZATIONS, POSITION_EMBEDDING_TYPES

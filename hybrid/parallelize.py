@@ -15,8 +15,8 @@ The run-time doors of the plain model (each named with ``# door:`` where it open
    ``k_norm`` TP-summed, ``attn.attn_dropout`` on the TP stream, ``output_layer`` and
    ``loss_fn`` vocab-parallel; under sequence parallelism also ``wpe``, ``ln1``/``ln2``/``ln_f``
    and ``drop``/``drop1``/``drop2``.
-2. Kernel fusion (:func:`hybrid.parallel.kernels.apply_kernel_fusion`, per
-   ``config.fusion``): each ``Block``/``Attention``/``MLP``/norm's ``fusion`` attribute
+2. Kernel fusion (:func:`hybrid.fusion.apply_kernel_fusion`, per ``config.fusion``): each
+   ``Block``/``Attention``/``MLP``/norm's ``fusion`` attribute
    (:class:`models.fusion.KernelFusion`, a plain attribute the model reads, off by default)
    selects its compiled elementwise regions; on CUDA with apex, each norm's ``fused_kernel``
    is apex's (the norm keeps its module and arithmetic).
@@ -68,7 +68,7 @@ def parallelize(model: GPT, grid: ProcessGrid, config: PretrainConfig,
         ``engine.activation_checkpointing`` the
         :class:`hybrid.activation.apply.ActivationCheckpointing` handle (None when off) and
         ``engine.kernel_fusion_note`` one line saying which kernels are fused
-        (``config.fusion``, :mod:`hybrid.parallel.kernels`).
+        (``config.fusion``, :mod:`hybrid.fusion`).
 
     Raises:
         ValueError: tp does not divide the heads or the MLP width, or the activation options do
@@ -104,8 +104,8 @@ def parallelize(model: GPT, grid: ProcessGrid, config: PretrainConfig,
 
 
 def _fuse_kernels(model, grid: ProcessGrid, config: PretrainConfig) -> str:
-    """Apply ``config.fusion`` on ``grid.device`` (:mod:`hybrid.parallel.kernels`); the note."""
-    from hybrid.parallel.kernels import apply_kernel_fusion
+    """Apply ``config.fusion`` on ``grid.device`` (:mod:`hybrid.fusion`); the note."""
+    from hybrid.fusion import apply_kernel_fusion
     from models.fusion import OFF
 
     # The dry run traces fake tensors, which torch.compile does not take: it runs eager

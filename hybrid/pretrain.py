@@ -16,7 +16,8 @@ from hybrid.job.preemption import catch_stops_early  # noqa: E402
 if __name__ == "__main__":  # before torch loads: a stop during the imports is kept too
     catch_stops_early()
 
-from hybrid.job.pretrain import exit_now, start, train  # noqa: E402
+from hybrid.job.pretrain import start, train  # noqa: E402
+from hybrid.job.teardown import exit_now  # noqa: E402
 
 
 def pretrain(argv: list[str] | None = None) -> int:

@@ -27,16 +27,17 @@ import torch.nn.functional as F
 from models import fusion
 from models.config import GPTConfig
 from models.document_attention import block_causal_attention
-from models.fused import LayerNorm, LayerNorm1P, RMSNorm, RMSNorm1P, swiglu
 from models.fusion import OFF, linear_pair, linear_skip_bias
+from models.norms import LayerNorm, LayerNorm1P, RMSNorm, RMSNorm1P
 from models.rope import RotaryEmbedding
+from models.swiglu import swiglu
 
 if TYPE_CHECKING:
     from models.documents import DocumentContext
 
 
 def make_norm(config: GPTConfig, size: int) -> nn.Module:
-    """:class:`models.fused.LayerNorm` (weight and bias) or :class:`models.fused.RMSNorm`
+    """:class:`models.norms.LayerNorm` (weight and bias) or :class:`models.norms.RMSNorm`
     (weight only; Zhang & Sennrich 2019, arXiv 1910.07467 Eq. 4) of width ``size``, per
     ``config.normalization``, with ``config.layernorm_epsilon``."""
     if config.apply_layernorm_1p:  # zero-centred weights, Megatron-LM's --apply-layernorm-1p
@@ -208,7 +209,7 @@ def set_attention_kernel(model: nn.Module, kernel: str) -> None:
 
 class MLP(nn.Module):
     """``fc2(gelu(fc1(x)))``, or with ``swiglu`` ``fc2(silu(gate(x)) * fc1(x))`` (Shazeer 2020,
-    arXiv 2002.05202 Eq. 6; :func:`models.fused.swiglu` saves only gate and up). ``gate`` and
+    arXiv 2002.05202 Eq. 6; :func:`models.swiglu.swiglu` saves only gate and up). ``gate`` and
     ``fc1`` (the "up" projection) are each ``[f, h]``,
     ``fc2`` is ``[h, f]``. Input/output ``[b, s, h]``."""
 
@@ -249,7 +250,7 @@ class Block(nn.Module):
     def __init__(self, config: GPTConfig, rotary: RotaryEmbedding | None = None):
         super().__init__()
         # door: ln1/ln2 and drop1/drop2 are swapped under sequence parallelism (the TP plan's
-        # SEQUENCE_PARALLEL_PLAN); a LayerNorm becomes apex's fused one on CUDA (parallel.kernels)
+        # SEQUENCE_PARALLEL_PLAN); a LayerNorm becomes apex's fused one on CUDA (hybrid.fusion)
         self.ln1 = make_norm(config, config.hidden_size)
         self.attn = Attention(config, rotary)
         self.ln2 = make_norm(config, config.hidden_size)

@@ -38,7 +38,7 @@ class KernelFusion:
     """Which elementwise chains run as compiled regions (Megatron-LM's fusion flags)."""
 
     norm: bool = False
-    """LayerNorm / RMSNorm (apex's kernels when ``hybrid.parallel.kernels`` finds them)."""
+    """LayerNorm / RMSNorm (apex's kernels when ``hybrid.fusion`` finds them)."""
     bias_gelu: bool = False
     """``gelu(y + b)`` after the MLP's first linear (``--no-bias-gelu-fusion``)."""
     bias_swiglu: bool = False

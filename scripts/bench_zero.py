@@ -81,8 +81,8 @@ def worker(stage: int, tp: int, floor: bool, profile: bool, fusion: bool = True,
     import workload as C  # the peers' workload and reporting
 
     from hybrid.config import PretrainConfig
+    from hybrid.fusion import FusionConfig
     from hybrid.parallel.grid import ProcessGrid
-    from hybrid.parallel.kernels import FusionConfig
     from hybrid.parallelize import parallelize
     from hybrid.zero.config import OptimizerConfig, ZeroConfig
     from hybrid.zero.profile import NULL_TIMER, PhaseTimer

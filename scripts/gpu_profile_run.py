@@ -166,6 +166,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from hybrid.job.pretrain import exit_now
+    from hybrid.job.teardown import exit_now
 
     exit_now(main())  # as hybrid.pretrain ends (gloo threads outliving the process group)

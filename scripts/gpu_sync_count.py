@@ -1,6 +1,6 @@
 """Host synchronisations per iteration of the real training loop (``hybrid.pretrain``).
 
-Runs ``hybrid.job.pretrain.run`` on one rank with the given flags (mock data, dropout and
+Runs ``hybrid.job.run.run`` on one rank with the given flags (mock data, dropout and
 activation checkpointing by default) and counts, per training iteration after the first:
 
 - on CUDA, the synchronising calls ``torch.cuda.set_sync_debug_mode("warn")`` reports;
@@ -48,7 +48,7 @@ def count_loop_syncs(rank: int, world: int, argv: list[str], device: str) -> lis
     import hybrid.training as training
     from hybrid.job.cli import parse_config
     from hybrid.job.config_checks import validate
-    from hybrid.job.pretrain import run
+    from hybrid.job.run import run
     from hybrid.zero import grad_norm
 
     per_iter: list[list[str]] = []

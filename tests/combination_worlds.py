@@ -27,7 +27,7 @@ def run_all(rank: int, world: int, runs: list[tuple[list[str], dict[str, str]]])
 
     from hybrid.job.cli import parse_config
     from hybrid.job.config_checks import validate
-    from hybrid.job.pretrain import run
+    from hybrid.job.run import run
 
     out = []
     for argv, env in runs:

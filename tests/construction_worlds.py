@@ -97,8 +97,8 @@ def _compare(grid, cfg: GPTConfig, stage: int) -> dict:
 
 
 def stage3_engine_lines(rank: int, world: int, model_kw: dict, thresholds) -> dict:
-    """``hybrid.job.pretrain.engine_line`` of a stage-3 engine per persistence threshold."""
-    from hybrid.job.pretrain import engine_line
+    """``hybrid.zero.accounting.engine_line`` of a stage-3 engine per persistence threshold."""
+    from hybrid.zero.accounting import engine_line
 
     grid = ProcessGrid(tp=1)
     cfg = GPTConfig(**model_kw, hidden_dropout=0.0, attention_dropout=0.0)

@@ -1,4 +1,4 @@
-"""World function of the Hugging Face tests: train or import through ``hybrid.job.pretrain.run``,
+"""World function of the Hugging Face tests: train or import through ``hybrid.job.run.run``,
 then evaluate the distributed model on a fixed batch."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def run_and_evaluate(rank: int, world: int, argvs: list[list[str]],
     (returned from global rank 0 only; the others return their logged history)."""
     from hybrid.job.cli import parse_config
     from hybrid.job.config_checks import validate
-    from hybrid.job.pretrain import run
+    from hybrid.job.run import run
 
     out = []
     for argv in argvs:

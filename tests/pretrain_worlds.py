@@ -27,7 +27,7 @@ def run_configs(rank: int, world: int, argvs: list[list[str]]) -> list[list[dict
     """Run ``hybrid.pretrain`` in this spawned world once per argv; return each history."""
     from hybrid.job.cli import parse_config
     from hybrid.job.config_checks import validate
-    from hybrid.job.pretrain import run
+    from hybrid.job.run import run
 
     out = []
     for argv in argvs:
@@ -103,7 +103,7 @@ def engine_lifetime(rank: int, world: int, argv: list[str]) -> tuple[bool, bool]
 
     from hybrid.job.cli import parse_config
     from hybrid.job.config_checks import validate
-    from hybrid.job.pretrain import run
+    from hybrid.job.run import run
 
     cfg = parse_config(argv)
     out = []

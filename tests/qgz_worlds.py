@@ -76,8 +76,7 @@ def collective_world(rank: int, world: int) -> dict:
     y = torch.empty(300)
     q(y, x)
     out["nan"] = (int(y.isnan().sum()), bool(y.isfinite().all()))
-    comm = DPComm(grid.dp_group)
-    comm.quantized = q
+    comm = DPComm(grid.dp_group, quantized=q)
     comm.reduce_scatter(torch.empty(1000), _inputs(world, 1000, torch.float32, rank))
     out["ledger"] = ({k: dict(v) for k, v in comm.node_bytes.items()}, dict(comm.bytes))
     return out

@@ -15,7 +15,7 @@ from hybrid.job.preemption import catch_stops_early  # noqa: E402
 def main() -> None:
     catch_stops_early()
     from hybrid.job import launch
-    from hybrid.job.pretrain import exit_now
+    from hybrid.job.teardown import exit_now
     from hybrid.pretrain import pretrain as pretrain_main
 
     argv = sys.argv[1:]

@@ -124,7 +124,7 @@ def test_training_loop_refuses_token_ids_outside_the_vocabulary():
     """The per-micro-batch check behind the start-up sample (ids past the sample)."""
     import torch
 
-    from hybrid.job.pretrain import checked_tokens
+    from data.batches import checked_tokens
 
     good, bad = torch.tensor([[0, 5, 9]]), torch.tensor([[1, 10, 2]])
     assert [b.tolist() for b in checked_tokens([good, good], 10, ["ds"])] == [[[0, 5, 9]]] * 2

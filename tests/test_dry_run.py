@@ -86,7 +86,7 @@ def test_storage_meter_counts_like_torch_memtracker():
     import torch
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from hybrid.dryrun.dry_run import StorageMeter
+    from hybrid.dryrun.storage_meter import StorageMeter
 
     def work():
         a = torch.zeros(1000)                    # 4000 B

@@ -84,7 +84,7 @@ def _stub_comm(dp: int, rank: int):
     comm = object.__new__(DPComm)
     comm.group, comm.size, comm.rank, comm.composed = None, dp, rank, False
     comm.skip_collectives, comm.bytes = True, __import__("collections").defaultdict(float)
-    comm.inter_node = False
+    comm.inter_node, comm.quantized = False, None  # no qgZ (given at construction)
     comm.node_bytes = {k: __import__("collections").defaultdict(float)
                        for k in ("intra_node", "inter_node")}
     return comm
@@ -144,7 +144,7 @@ def test_loader_batches_are_pinned_on_cuda_only(monkeypatch, device):
     from types import SimpleNamespace
 
     import data.loader
-    from hybrid.job import pretrain
+    from hybrid.job import datasets
 
     got = {}
 
@@ -160,7 +160,7 @@ def test_loader_batches_are_pinned_on_cuda_only(monkeypatch, device):
                                                   eod_mask_loss=False)),
                           gpt=SimpleNamespace(vocab_size=10))
     grid = SimpleNamespace(device=torch.device(device), dp_rank=0, dp_size=1)
-    assert len(list(pretrain._batches(range(4), 0, job, grid))) == 1
+    assert len(list(datasets.micro_batches(range(4), 0, job, grid))) == 1
     assert got.get("pin_memory", False) == (device == "cuda")
 
 

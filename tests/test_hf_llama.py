@@ -35,7 +35,7 @@ from data.preprocess import preprocess  # noqa: E402
 from hybrid.hf.export import export_hf  # noqa: E402
 from hybrid.job.cli import parse_config  # noqa: E402
 from hybrid.job.config_checks import validate  # noqa: E402
-from hybrid.job.pretrain import build_datasets  # noqa: E402
+from hybrid.job.datasets import build_datasets  # noqa: E402
 from hybrid.parallel.spawn import spawn_world  # noqa: E402
 from hybrid.training import TrainState  # noqa: E402
 from tests.data_helpers import tiny_corpus, write_jsonl  # noqa: E402

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 from hybrid.config import PretrainConfig
 from hybrid.config_fields import ConfigError
+from hybrid.fusion import FusionConfig
 from hybrid.job.cli import parse_config
-from hybrid.parallel.kernels import FusionConfig
 from hybrid.parallel.rng import RNGTracker
 from hybrid.parallel.spawn import spawn_world
 from models import fusion
@@ -151,7 +151,7 @@ def test_set_kernel_fusion_reaches_every_fusable_module():
 
 def test_the_start_up_line_names_only_the_fusions_the_model_has():
     """Every chain asked for; a GPT runs no SwiGLU and no RoPE, a Llama no bias-GeLU."""
-    from hybrid.parallel.kernels import apply_kernel_fusion
+    from hybrid.fusion import apply_kernel_fusion
 
     every = KernelFusion.every()
     gpt = apply_kernel_fusion(GPT(GPTConfig(**GPT_KW)), every, torch.device("cpu"))

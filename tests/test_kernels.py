@@ -18,11 +18,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hybrid.parallel.kernels import apex_norm_kernels, use_fused_kernels
+from hybrid.fusion import apex_norm_kernels, use_fused_kernels
 from hybrid.parallel.layers import SequenceParallelLayerNorm
-from models.fused import NormArithmetic, rms_norm
 from models.fusion import KernelFusion, set_kernel_fusion
 from models.gpt import GPT, GPTConfig
+from models.norms import NormArithmetic, rms_norm
 
 CFG = dict(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=50,
            max_position_embeddings=8, hidden_dropout=0.0, attention_dropout=0.0)

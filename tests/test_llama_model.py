@@ -193,7 +193,8 @@ def test_llama_presets_count_the_published_parameters(name, count):
 
 def test_fused_rms_norm_and_swiglu_match_the_composite_forms():
     """Same values and gradients as torch's composite forms (float64 gradcheck, fp32 1e-6)."""
-    from models.fused import rms_norm, swiglu
+    from models.norms import rms_norm
+    from models.swiglu import swiglu
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 5, 8, dtype=torch.float64, generator=g, requires_grad=True)

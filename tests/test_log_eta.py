@@ -62,7 +62,7 @@ def test_the_eta_leaves_out_an_evaluation_split_that_is_skipped():
 
     from hybrid.job.cli import parse_config
     from hybrid.job.config_checks import validate
-    from hybrid.job.pretrain import loop_settings
+    from hybrid.job.run import loop_settings
 
     job = validate(parse_config(["--num-layers", "2", "--hidden-size", "64",
                                  "--num-attention-heads", "4", "--seq-length", "32",

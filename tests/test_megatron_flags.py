@@ -231,7 +231,7 @@ def test_zero_engine_flags_have_megatron_names_defaults_and_rules():
 
 
 def test_start_up_line_says_what_each_gradient_and_gather_path_is():
-    from hybrid.job.pretrain import engine_modes
+    from hybrid.zero.accounting import engine_modes
 
     line = engine_modes(parse_config([]).zero)
     for words in ("gradients fp32", "main-grad buffer (--gradient-accumulation-fusion)",

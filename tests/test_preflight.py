@@ -97,7 +97,7 @@ def test_a_read_only_index_cache_is_read_when_it_holds_every_index_the_job_needs
     # kind 7: a read-only --data-cache-path holding the right indices was refused, and a
     # read-only default cache holding other indices passed, then crashed inside the ranks
     from hybrid.job import preflight
-    from hybrid.job.pretrain import build_datasets
+    from hybrid.job.datasets import build_datasets
 
     data, given = tmp_path / "shared", tmp_path / "indices"
     data.mkdir()
@@ -134,7 +134,7 @@ def test_the_read_only_cache_check_sizes_a_resumed_job_from_its_checkpoint(tmp_p
     global batch, so it needs other indices than a fresh run of the same flags: the check sized
     them for a fresh run, passed, and the ranks then failed on the read-only cache."""
     from hybrid.job import preflight
-    from hybrid.job.pretrain import build_datasets
+    from hybrid.job.datasets import build_datasets
     from hybrid.parallel.spawn import spawn_world
     from tests.pretrain_worlds import run_configs
 

@@ -225,7 +225,7 @@ def test_reshard_of_a_qgz_checkpoint_is_bitwise(world):
 
 
 def test_start_up_line_names_qgz():
-    from hybrid.job.pretrain import engine_modes
+    from hybrid.zero.accounting import engine_modes
 
     line = engine_modes(ZeroConfig(stage=3, precision="bf16", quantized_gradients=True,
                                    quantized_gradients_bits=8))

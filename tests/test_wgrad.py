@@ -142,7 +142,7 @@ def test_cuda_kernel_choice_apex_then_torch_then_none(monkeypatch, fresh_probe):
     assert kernel is None and "apex" in why and torch.__version__ in why and "Float" in why
     z = ZeroConfig(stage=1, precision="bf16")
     assert wgrad_fusion(z.plan, True, torch.bfloat16, torch.float32, "cuda") == why
-    from hybrid.job.pretrain import engine_modes
+    from hybrid.zero.accounting import engine_modes
 
     line = engine_modes(z, "cuda")
     assert "except the bf16 weight gradients: fusion inactive, torch" in line, line
@@ -234,7 +234,7 @@ def test_linear_is_f_linear_without_a_main_grad():
 
 
 def test_start_up_line_says_where_the_fusion_acts():
-    from hybrid.job.pretrain import engine_modes
+    from hybrid.zero.accounting import engine_modes
 
     line = engine_modes(ZeroConfig(stage=1, precision="bf16"))
     assert ("bf16 weight gradients accumulated straight into the main-grad buffer "

@@ -172,7 +172,8 @@ def dry_run_job(job, argv: list[str]) -> int:
     (:func:`hybrid.dryrun.fake_cuda.run_preloaded`, which runs :func:`main`). Returns the exit
     status."""
     from hybrid.dryrun import fake_cuda
-    from hybrid.job.pretrain import header, torn_down
+    from hybrid.job.startup_notes import header
+    from hybrid.job.teardown import torn_down
 
     if job.cfg.dry_run.dry_run_device == "cuda" and not fake_cuda.loaded():
         return fake_cuda.run_preloaded(argv)

@@ -1,7 +1,8 @@
-"""The datasets a pretraining job reads, sized as Megatron-LM sizes them; shared by the job
-(:mod:`hybrid.job.pretrain`) and the pre-flight check of read-only index caches
-(:mod:`hybrid.job.preflight`), which runs it without writing to learn the index names. (No type
-import of ``Job``: this module sits below :mod:`hybrid.job.config_checks`.)"""
+"""The datasets a pretraining job reads, sized as Megatron-LM sizes them, and the micro-batches
+a rank reads from them (:func:`micro_batches`); shared by the run (:mod:`hybrid.job.run`)
+and the pre-flight check of read-only index caches (:mod:`hybrid.job.preflight`), which runs it
+without writing to learn the index names. (No type import of ``Job``: this module sits below
+:mod:`hybrid.job.config_checks`.)"""
 
 from __future__ import annotations
 
@@ -85,3 +86,26 @@ def eod_id(cfg, vocab_size: int) -> int:
             raise ValueError(f"--vocab-file {d.vocab_file} has no <|endoftext|> (the eod)")
         return int(vocab["<|endoftext|>"])
     return vocab_size - 1
+
+
+def micro_batches(dataset, consumed: int, job, grid):
+    """This rank's micro-batches of ``dataset`` from ``consumed`` samples on
+    (:func:`data.loader.build_data_loader` over ``grid``'s data-parallel rank), each checked
+    against the vocabulary (:func:`data.batches.checked_tokens`) and, with
+    ``--reset-position-ids``, ``--reset-attention-mask`` or ``--eod-mask-loss``, given its
+    documents' layout (:func:`data.batches.packed_documents`). ``job``: a validated
+    :class:`hybrid.job.config_checks.Job`; ``grid``: its
+    :class:`hybrid.parallel.grid.ProcessGrid`."""
+    from data.batches import checked_tokens, packed_documents
+    from data.loader import build_data_loader
+
+    cfg = job.cfg
+    # pinned host batches on CUDA: train_step's non_blocking copy is then truly asynchronous
+    loader = build_data_loader(dataset, consumed, cfg.training.micro_batch_size, grid.dp_rank,
+                               grid.dp_size, pin_memory=grid.device.type == "cuda")
+    batches = checked_tokens(loader, job.gpt.vocab_size, cfg.data.data_path)
+    d = cfg.data
+    if not (d.reset_position_ids or d.reset_attention_mask or d.eod_mask_loss):
+        return batches
+    return packed_documents(batches, eod_id(cfg, job.gpt.vocab_size), d.reset_position_ids,
+                            d.reset_attention_mask, d.eod_mask_loss)

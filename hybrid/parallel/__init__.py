@@ -2,4 +2,5 @@
 autograd ops, the TP linears (:mod:`hybrid.parallel.linear`: column/row parallel, their rings
 and their one GEMM module), the vocab-parallel and sequence-parallel layers, the per-parameter
 TP spec, vocab-parallel cross-entropy, the TP plan that swaps a plain GPT's modules, RNG
-streams, the fused-kernel swap and a local spawn launcher."""
+streams and a local spawn launcher. (Kernel fusion, which is not tensor parallelism, is
+:mod:`hybrid.fusion`.)"""

@@ -130,7 +130,7 @@ class SequenceParallelLayerNorm(nn.Module):
     holds other heads, so the weight's gradient is the sum over ranks; tp > 1 with or without
     sequence parallelism).
 
-    The arithmetic is the wrapped norm's own (:meth:`models.fused.NormArithmetic.normalize`,
+    The arithmetic is the wrapped norm's own (:meth:`models.norms.NormArithmetic.normalize`,
     kept as the submodule ``norm``, a copy without parameters): this wrapper only substitutes the
     TP-summed views of the parameters it took over, so every variant of the norm (zero-centred
     ``1 + w``, fused or apex kernels) computes here what it computes unwrapped.

@@ -111,7 +111,7 @@ def layer_saved_terms(shape: GPTConfig, recompute: str = "none", dropout: bool =
       under selective recompute, ``(a + G)d`` more; under SDPA the rotated or normalised copies
       are counted already (so ``(3a + 3G)d``); their statistics are ``a + G`` fp32 values per
       token (RMSNorm; twice that for LayerNorm).
-    - MLP, split over t: GeLU keeps its input and output, ``2f``; SwiGLU (``models.fused``)
+    - MLP, split over t: GeLU keeps its input and output, ``2f``; SwiGLU (``models.swiglu``)
       keeps gate, up and their product, ``3f`` (autograd's composite form would keep ``4f``).
 
     At G = a, d = h/a, f = 4h with dropout this is Table 2's ``34sbh + 5as^2b`` in bytes.

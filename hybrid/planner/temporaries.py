@@ -30,7 +30,7 @@ t the TP degree):
   :mod:`hybrid.parallel.linear.main_grad`); and the larger of two working sets that are not
   alive together:
   the MLP's backward, the gradients of its ``[s, b, f/t]`` activations (GeLU: 2 in the compute
-  dtype; SwiGLU, ``models.fused``, works in fp32: the upcast gradient, gate and up (16-bit
+  dtype; SwiGLU, ``models.swiglu``, works in fp32: the upcast gradient, gate and up (16-bit
   training only), the sigmoid, SiLU and one product of the chain, ``6 x 4 B``, ``3 x 4 B`` in
   fp32), or under sequence parallelism the all-gathered full-sequence input ``[s, b, h]`` of a
   column-parallel layer and its gradient (``2 sbh e``; ``hybrid.parallel.ops``). Besides, with

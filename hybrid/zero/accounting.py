@@ -1,12 +1,15 @@
 """What a ZeRO engine holds, in bytes and tensors, and a printable account of it (ZeRO paper §5
 model states, §6.2 constant-size buffers; arXiv 1910.02054). Read by the start-up line, the dry
-run's memory meter and the planner's cross-check."""
+run's memory meter and the planner's cross-check. The start-up line itself is here too
+(:func:`engine_line`): the stage, what the gradient and parameter paths do
+(:func:`engine_modes`) and the bytes held, so the job only prints it."""
 
 from __future__ import annotations
 
 import torch
 
 from hybrid.zero.offload import SplitFlat
+from hybrid.zero.reduce import fusion_words
 
 
 def _nb(t) -> int:
@@ -78,3 +81,49 @@ def summary(engine) -> str:
     traffic = {k: f"{v / 2**20:.2f} MiB" for k, v in engine.last_comm_bytes.items()}
     return (f"ZeRO stage {engine.stage} {engine.config.precision} dp={engine.dp} "
             f"rank={engine.dp_rank}: {engine.layout}\n  held: {mib}\n  moved last step: {traffic}")
+
+
+def engine_line(engine) -> str:
+    """The engine's start-up line, which the job prints on rank 0: ZeRO stage, precision, what
+    the gradient and parameter paths do (:func:`engine_modes`) and this rank's bytes held per
+    kind (MiB); on stage 3 also how many parameters ``--param-persistence-threshold`` keeps
+    whole, and when that is all of them, which flag value partitions them."""
+    held = ", ".join(f"{k} {v / 2**20:.2f}" for k, v in engine.memory_bytes().items() if v)
+    config, layout = engine.config, engine.layout
+    kept = [u for u in layout.units if u.persistent] if engine.plan.shards_parameters else []
+    note = ""
+    if kept:  # otherwise stage 3's "params" looks unpartitioned on a small model
+        n = sum(u.numel for u in kept)
+        note = (f" (params: the shard plus {n:,} of {layout.numel:,} parameters kept whole, "
+                f"those under --param-persistence-threshold "
+                f"{config.param_persistence_threshold:,}")
+        if n == layout.numel:  # stage 3 then saves no parameter memory: say how to change it
+            note += ("; so none is partitioned: a smaller --param-persistence-threshold "
+                     "partitions the larger ones, 0 partitions all")
+        note += ")"
+    return (f"ZeRO stage {engine.stage} {config.precision} over dp {engine.dp} | "
+            f"{engine_modes(config, engine.grid.device)} | MiB held on rank 0: {held}{note}")
+
+
+def engine_modes(config, device="cpu") -> str:
+    """What the gradient and parameter paths of ``config`` (a ``ZeroConfig``) do on ``device``,
+    in words with their Megatron-LM flags (issue 33)."""
+    grads = "bf16 (--grad-reduce-in-bf16)" if config.grad_reduce_in_bf16 else "fp32"
+    fusion = fusion_words(config, device)
+    reduce = ("reduced during backward (--overlap-grad-reduce)" if config.overlap_comm
+              else "reduced after backward (--no-overlap-grad-reduce)")
+    if getattr(config, "quantized_gradients", False):
+        reduce += (f" as int{config.quantized_gradients_bits} over an intra- then inter-node "
+                   "all-to-all (--zero-quantized-gradients)")
+    if config.stage == 0:
+        gather = "parameters copied from the master after the step (stage 0)"
+    elif config.overlap_param_gather:
+        gather = ("updated parameters all-gathered in the background, waited unit by unit in "
+                  "the next forward (--overlap-param-gather)")
+    else:
+        gather = ("updated parameters all-gathered before the step returns "
+                  "(--overlap-param-gather off)")
+    zpp = "".join((f"; ZeRO++ hpZ: backward gathers inside the node over "
+                   f"{config.hpz_partition_size} ranks" if config.hpz_partition_size > 1 else "",
+                   "; ZeRO++ qwZ: int8 parameter gathers" if config.quantized_weights else ""))
+    return f"gradients {grads}, {fusion}, {reduce}; {gather}{zpp}"

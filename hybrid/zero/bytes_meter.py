@@ -89,7 +89,7 @@ class EngineBytes(TorchDispatchMode):
 @contextmanager
 def collectives_uncounted(meter: EngineBytes):
     """While active, ops inside ``DPComm`` collectives and their waits are not counted."""
-    cls, work = comm_module.DPComm, comm_module._Work
+    cls, work = comm_module.DPComm, comm_module.Work
     saved = {name: getattr(cls, name) for name in ("all_reduce", "reduce_scatter", "all_gather")}
     saved_wait = work.wait
 

@@ -59,9 +59,10 @@ import torch.distributed as dist
 from hybrid.parallel.ops import all_gather_flat, reduce_scatter_flat
 
 
-class _Work:
+class Work:
     """Work handle of a collective that ran synchronously or was skipped (no parts), or of a
-    composed one: ``wait`` waits for its parts, then runs ``finish`` once."""
+    composed one (also qgZ's and qwZ's, :mod:`hybrid.zero.qgz`, :mod:`hybrid.zero.qwz`): ``wait``
+    waits for its parts, then runs ``finish`` once."""
 
     def __init__(self, works=(), finish=None):
         self.works, self.finish = list(works), finish
@@ -78,7 +79,13 @@ class _Work:
 
 
 class DPComm:
-    """Collectives over one group that count their bytes (see the module docstring)."""
+    """Collectives over one group that count their bytes (see the module docstring).
+
+    Args:
+        group: the process group (None: the world).
+        ledger: another ``DPComm`` whose byte ledger this one adds to (hpZ's intra-node group).
+        quantized: qgZ's reduce-scatter over ``group`` (:attr:`quantized`), or None.
+    """
 
     skip_collectives = False
     """Compute-only floor: count but do not communicate (see the module docstring)."""
@@ -90,16 +97,18 @@ class DPComm:
     3.7 vs 4.3 ms at 262,144)."""
     recorder: list | None = None
     """When a list: ``(op, input elements, dtype)`` of every collective (see :func:`replay`)."""
-    quantized = None
-    """ZeRO++ qgZ (``--zero-quantized-gradients``): a
-    :class:`hybrid.zero.qgz.QuantizedReduceScatter` that every :meth:`reduce_scatter` runs
-    instead, its intra- and inter-node bytes counted separately; None: exact collectives."""
     list_gather_by_broadcast: bool
     """All-gathers into a list of slots run as one broadcast per rank into its slot (NCCL: no
     temporary flat buffer and no copies; see the module docstring)."""
 
-    def __init__(self, group, ledger: DPComm | None = None):
+    def __init__(self, group, ledger: DPComm | None = None, quantized=None):
         self.group = group
+        self.quantized = quantized
+        """ZeRO++ qgZ (``--zero-quantized-gradients``): a
+        :class:`hybrid.zero.qgz.QuantizedReduceScatter` over ``group`` that every
+        :meth:`reduce_scatter` runs instead, its intra- and inter-node bytes counted separately
+        (given at construction, :func:`hybrid.zero.qgz.quantized_reduce_scatter`); None: exact
+        collectives."""
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.bytes: dict[str, float] = defaultdict(float) if ledger is None else ledger.bytes
@@ -133,8 +142,8 @@ class DPComm:
         """Sum ``t`` in place over the group."""
         self._count("all_reduce", t, 2.0)
         if self.size == 1 or self.skip_collectives:
-            return _Work()
-        return dist.all_reduce(t, group=self.group, async_op=async_op) or _Work()
+            return Work()
+        return dist.all_reduce(t, group=self.group, async_op=async_op) or Work()
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False,
                        scratch: torch.Tensor | None = None):
@@ -147,7 +156,7 @@ class DPComm:
         if self.size == 1 or self.skip_collectives:
             n = out.numel()
             out.copy_(inp[self.rank * n:(self.rank + 1) * n])
-            return _Work()
+            return Work()
         return self._reduce_scatter(out, inp, async_op, scratch)
 
     def _quantized_reduce_scatter(self, out, inp, async_op):
@@ -160,7 +169,7 @@ class DPComm:
         if self.skip_collectives:
             n = out.numel()
             out.copy_(inp[self.rank * n:(self.rank + 1) * n])
-            return _Work()
+            return Work()
         return self.quantized(out, inp, async_op)
 
     @property
@@ -172,10 +181,10 @@ class DPComm:
         if self.quantized is not None:
             return self.quantized(out, inp, async_op)
         if not self.composed:
-            return reduce_scatter_flat(out, inp, self.group, async_op=async_op) or _Work()
+            return reduce_scatter_flat(out, inp, self.group, async_op=async_op) or Work()
         recv = torch.empty_like(inp) if scratch is None else scratch[:inp.numel()]
         work = dist.all_to_all_single(recv, inp, group=self.group, async_op=True)
-        done = _Work([work], lambda: torch.sum(recv.view(self.size, -1), 0, out=out))
+        done = Work([work], lambda: torch.sum(recv.view(self.size, -1), 0, out=out))
         if not async_op:
             done.wait()
         return done
@@ -187,7 +196,7 @@ class DPComm:
         if self.size == 1 or self.skip_collectives:  # the floor writes its chunk everywhere
             for o in (out if isinstance(out, list) else out.view(self.size, -1)):
                 o.copy_(inp.view_as(o))
-            return _Work()
+            return Work()
         return self._all_gather(out, inp, async_op)
 
     def _all_gather(self, out, inp, async_op):
@@ -199,13 +208,13 @@ class DPComm:
             own = slots[self.rank]
             if own.data_ptr() != inp.data_ptr():
                 own.copy_(inp.view_as(own))
-            done = _Work(works)
+            done = Work(works)
             if not async_op:
                 done.wait()
             return done
         if isinstance(out, list):
-            return dist.all_gather(out, inp, group=self.group, async_op=async_op) or _Work()
-        return all_gather_flat(out, inp, self.group, async_op=async_op) or _Work()
+            return dist.all_gather(out, inp, group=self.group, async_op=async_op) or Work()
+        return all_gather_flat(out, inp, self.group, async_op=async_op) or Work()
 
     def snapshot(self) -> dict[str, float]:
         return dict(self.bytes)

@@ -112,8 +112,7 @@ class ZeroEngine:
         self.plan = zero_config.plan
         """What the stage partitions and how it reduces (:mod:`hybrid.zero.stage`)."""
         self.stage, self.dtype = self.plan.stage, zero_config.dtype
-        self.comm = DPComm(grid.dp_group)
-        self.comm.quantized = quantized_reduce_scatter(grid, zero_config)  # qgZ, or None
+        self.comm = DPComm(grid.dp_group, quantized=quantized_reduce_scatter(grid, zero_config))
         self.dp, self.dp_rank = self.comm.size, self.comm.rank
         self.params = [p for _, p in model.named_parameters()]
         self.layout = L = PartitionLayout.from_model(

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from hybrid.zero.comm import _Work
+from hybrid.zero.comm import Work
 from hybrid.zero.quantize import DEFAULT_BITS, dequantize, payload_bytes, quantize
 
 
@@ -113,11 +113,11 @@ class QuantizedReduceScatter:
                              f"{self.size} x the output's {c}")
         rows = inp.view(N, L, c).transpose(0, 1).reshape(L, N * c)  # row j -> local rank j
         if L == 1:
-            return self._inter(out, rows.float().view(N, c), _Work())
+            return self._inter(out, rows.float().view(N, c), Work())
         send = quantize(rows, self.bits)
         recv = torch.empty_like(send)
         work = dist.all_to_all_single(recv, send, group=self.groups.intra_group, async_op=True)
-        done = _Work([work], lambda: self._inter(
+        done = Work([work], lambda: self._inter(
             out, dequantize(recv, N * c, self.bits).sum(0).view(N, c), None))
         if not async_op:
             done.wait()

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from hybrid.zero import quantize as codec
-from hybrid.zero.comm import DPComm, _Work
+from hybrid.zero.comm import DPComm, Work
 
 BLOCK = 2048
 """Elements per quantization block (one fp32 scale each)."""
@@ -75,7 +75,7 @@ def quantized_all_gather(comm: DPComm, slots: list[torch.Tensor], src: torch.Ten
         for r, slot in enumerate(slots):
             dequantize(gathered[r * mine.numel():(r + 1) * mine.numel()], slot.view(n))
 
-    done = _Work([work], decode)
+    done = Work([work], decode)
     if not async_op:
         done.wait()
     return done

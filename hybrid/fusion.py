@@ -109,14 +109,14 @@ def use_fused_kernels(model: nn.Module, device: torch.device) -> int:
     """Give every norm of ``model`` apex's fused kernel on CUDA, in place.
 
     Each norm keeps its module, parameters and arithmetic
-    (:meth:`models.fused.NormArithmetic.normalize`: the zero-centred ``1 + w`` scale included,
+    (:meth:`models.norms.NormArithmetic.normalize`: the zero-centred ``1 + w`` scale included,
     and under sequence parallelism the TP-summed weight); only the kernel that ``fusion.norm``
     runs changes, from the compiled region to apex's.
 
     Returns:
         The number of norms given apex's kernel (0 on CPU or without apex).
     """
-    from models.fused import NormArithmetic, RMSNorm
+    from models.norms import NormArithmetic, RMSNorm
 
     kernels = apex_norm_kernels() if device.type == "cuda" else None
     if kernels is None:

@@ -1,16 +1,14 @@
-"""RMSNorm and SwiGLU with the saved-for-backward footprint of fused kernels.
+"""The model's norm modules (LayerNorm, RMSNorm and their zero-centred ``1P`` variants), their
+shared arithmetic (:class:`NormArithmetic`), and RMSNorm with the saved-for-backward footprint of
+a fused kernel.
 
-Autograd through torch's composite forms keeps more than the math needs: ``nn.RMSNorm`` on a
+Autograd through torch's composite RMSNorm keeps more than the math needs: ``nn.RMSNorm`` on a
 16-bit input saves the fp32 upcast and the fp32 normalised input (two ``[s, b, h]`` fp32
-tensors, 8x a bf16 input), and ``silu(gate) * up`` saves the gate, the SiLU output and the up
-projection. These functions save what Megatron-LM's fused RMSNorm (Apex / Transformer Engine)
-and fused ``bias_swiglu`` save, and recompute the rest in backward:
-
-- :func:`rms_norm`: the input and the per-token ``1 / rms`` (fp32), like ``F.layer_norm``;
-- :func:`swiglu`: ``gate`` and ``up`` only.
-
-Both compute in fp32 (float64 stays float64) and return the input dtype, so fp32 results equal
-the composite forms' up to rounding (checked by ``tests/test_llama_model.py``).
+tensors, 8x a bf16 input). :func:`rms_norm` saves what Megatron-LM's fused RMSNorm (Apex /
+Transformer Engine) saves, the input and the per-token ``1 / rms`` (fp32), like
+``F.layer_norm``, and recomputes the rest in backward. It computes in fp32 (float64 stays
+float64) and returns the input dtype, so fp32 results equal the composite form's up to rounding
+(checked by ``tests/test_llama_model.py``). SwiGLU's counterpart is :mod:`models.swiglu`.
 """
 
 from __future__ import annotations
@@ -160,25 +158,3 @@ class LayerNorm1P(LayerNorm):
     def effective_weight(self, weight: torch.Tensor) -> torch.Tensor:
         """``1 + weight``."""
         return weight + 1
-
-
-class _SwiGLU(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(gate, up)
-        return (torch.nn.functional.silu(_wide(gate)) * _wide(up)).to(gate.dtype)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        gate, up = ctx.saved_tensors
-        g, a, u = _wide(grad), _wide(gate), _wide(up)
-        sig = torch.sigmoid(a)
-        silu = a * sig
-        grad_gate = g * u * sig * (1 + a * (1 - sig))  # d silu(a) / da = s (1 + a (1 - s))
-        return grad_gate.to(gate.dtype), (g * silu).to(up.dtype)
-
-
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` (Shazeer 2020, arXiv 2002.05202 Eq. 6), computed in fp32; both
-    ``[..., f]``. Saves only ``gate`` and ``up`` for backward (SiLU is recomputed)."""
-    return _SwiGLU.apply(gate, up)
