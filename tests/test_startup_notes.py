@@ -20,6 +20,18 @@ def test_sequence_parallel_at_tp1_and_flags_without_effect_are_noted(capsys):
     assert "accepted without effect" not in capsys.readouterr().out
 
 
+def test_zeropp_quantizers_at_data_parallel_size_1_say_they_do_nothing(capsys):
+    """The combination test's find: at tp = world (dp 1) qwZ and qgZ were accepted silently and
+    trained bitwise as ZeRO without them."""
+    world = ["--dry-run-world-size", "2", "--zero-stage", "3", "--bf16"]
+    quantizers = ["--zero-quantized-weights", "--zero-quantized-gradients"]
+    _checked_job(BASE + world + quantizers + ["--tensor-model-parallel-size", "2"])
+    assert ("note: --zero-quantized-weights and --zero-quantized-gradients have no effect at "
+            "data-parallel size 1") in capsys.readouterr().out
+    _checked_job(BASE + world + quantizers)  # dp 2: they quantize
+    assert "no effect at data-parallel size 1" not in capsys.readouterr().out
+
+
 def test_a_profiler_flag_that_traces_nothing_says_so(capsys):
     """A fresh user's --profile-step-start 10 on a 2-iteration run wrote no trace, silently."""
     _checked_job(BASE + ["--profile", "--profile-step-start", "10", "--profile-step-end", "12"])

@@ -1,8 +1,8 @@
 """What the job says before it trains, on rank 0: the notes on its flags that come before any
 process group (:func:`print_notes`: wandb's names checked, Megatron-LM flags accepted without
-effect, the default ZeRO stage, a sequence parallelism or profiling flag without effect, a
-``--split`` without validation data, ``--init-from-hf``'s model flags and dropout), and the
-run's one-line setup (:func:`header`), which the run and the dry run print first.
+effect, the default ZeRO stage, a sequence parallelism, ZeRO++ quantizer or profiling flag
+without effect, a ``--split`` without validation data, ``--init-from-hf``'s model flags and
+dropout), and the run's one-line setup (:func:`header`), which the run and the dry run print first.
 """
 
 from __future__ import annotations
@@ -37,6 +37,20 @@ def header(job: Job) -> str:
             f"{' + '.join(act) or 'all kept'}")
 
 
+def quantizers_note(cfg: PretrainConfig, dp: int) -> str | None:
+    """The note for ZeRO++'s quantized collectives at data-parallel size ``dp`` 1, where there is
+    no ZeRO gather or reduce-scatter to quantize (the run trains bitwise as without them), or
+    None."""
+    on = [flag for flag, set_ in (("--zero-quantized-weights", cfg.zero.quantized_weights),
+                                  ("--zero-quantized-gradients", cfg.zero.quantized_gradients))
+          if set_]
+    if dp > 1 or not on:
+        return None
+    return (f"note: {' and '.join(on)} {'has' if len(on) == 1 else 'have'} no effect at "
+            "data-parallel size 1 (no ZeRO gather or reduce-scatter to quantize: all ranks are "
+            "one tensor-parallel group); the run trains as without")
+
+
 def print_notes(cfg: PretrainConfig, job: Job, ignored: list[str], hf_flags: list[str],
                 given: set[str]) -> None:
     """Print the notes on ``cfg``'s flags that come before any process group (see the module
@@ -60,7 +74,7 @@ def print_notes(cfg: PretrainConfig, job: Job, ignored: list[str], hf_flags: lis
         print("hybrid-pretrain: note: --sequence-parallel has no effect at "
               "--tensor-model-parallel-size 1 (no group to split the sequence over); disabled, as "
               "Megatron-LM disables it", flush=True)
-    notes = [*profile_notes(cfg.logging, cfg.training.train_iters),
+    notes = [quantizers_note(cfg, job.dp), *profile_notes(cfg.logging, cfg.training.train_iters),
              no_validation_note(cfg.data.split, cfg.eval.eval_iters)]
     for note in filter(None, notes):
         print(f"hybrid-pretrain: {note}", flush=True)
