@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from hybrid.parallel.linear.functions import sequence_parallel_linear_grads
+from hybrid.parallel.linear.functions import sequence_parallel_linear
 from hybrid.parallel.linear.gemm import CastPolicy, cast_policy, linear
 from hybrid.parallel.ops import SEQ_DIM, TPLedger, all_gather_flat, local_seq_len, tensor_bytes
 
@@ -71,8 +71,8 @@ def _wait(works: list) -> None:
 
 
 def ring_gather_gemm(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None,
-                       ring: _Ring, policy: CastPolicy,
-                       gathered: torch.Tensor | None = None) -> torch.Tensor:
+                     ring: _Ring, policy: CastPolicy,
+                     gathered: torch.Tensor | None = None) -> torch.Tensor:
     """``[t, b, s/t, out]``: chunk ``c`` (rank ``c``'s rows) of ``all_gather(x) @ weight_t
     (+ bias)``, from this rank's ``x`` ``[b, s/t, in]`` and ``weight_t`` ``[in, out]`` (the
     weight transposed for the forward, the weight itself for an input gradient; see the module
@@ -97,7 +97,7 @@ def ring_gather_gemm(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor
 
 
 def ring_gemm_scatter(y: torch.Tensor, weight: torch.Tensor, ring: _Ring, token_wise: bool,
-                        policy: CastPolicy) -> torch.Tensor:
+                      policy: CastPolicy) -> torch.Tensor:
     """This rank's ``[b, s/t, out]`` of the sum over the ring of ``y @ weight.T``, ``y``
     ``[b, s, in]`` (rank-major tokens with ``token_wise``; see the module docstring), each
     chunk's GEMM :meth:`CastPolicy.chunk_linear`."""
@@ -127,29 +127,16 @@ def _seq_view(buf: torch.Tensor, token_wise: bool) -> torch.Tensor:
     return buf.movedim(0, SEQ_DIM).flatten(SEQ_DIM, SEQ_DIM + 1)
 
 
-class _GatherLinear(torch.autograd.Function):
-    """``F.linear(all_gather_seq(x), weight, bias)`` with the gather pipelined with the GEMM;
-    backward as :func:`hybrid.parallel.linear.functions.sequence_parallel_linear`'s."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, group, ledger, token_wise):
-        ring, policy = _Ring(group), cast_policy(x.device)
-        ctx.group, ctx.ledger, ctx.token_wise, ctx.policy = group, ledger, token_wise, policy
-        ctx.has_bias, ctx.x_dtype = bias is not None, x.dtype
-        x, weight = policy.cast_input(x), policy.cast_weight(weight)
-        ctx.save_for_backward(x, weight)
-        if ledger is not None:
-            ledger.count("all_gather", ring.size * tensor_bytes(x), ring.size)
-        out = ring_gather_gemm(x, weight.t(), policy.cast_bias(bias), ring, policy)
-        return _seq_view(out, token_wise)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        return (*sequence_parallel_linear_grads(x, weight, grad, ctx.group, ctx.ledger,
-                                                ctx.token_wise, ctx.has_bias, ctx.policy,
-                                                ctx.x_dtype),
-                None, None, None)
+def ring_gather_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group,
+                       ledger: TPLedger | None, token_wise: bool,
+                       policy: CastPolicy) -> torch.Tensor:
+    """``[b, s, out_local]``: the forward of :func:`gather_linear`, ``x`` (``[b, s/t, in]``,
+    cast) gathered on the ring chunk by chunk, each chunk multiplied as it arrives (module
+    docstring); the ledger counts the all-gather it replaces."""
+    ring = _Ring(group)
+    if ledger is not None:
+        ledger.count("all_gather", ring.size * tensor_bytes(x), ring.size)
+    return _seq_view(ring_gather_gemm(x, weight.t(), bias, ring, policy), token_wise)
 
 
 class _LinearScatter(torch.autograd.Function):
@@ -196,7 +183,8 @@ def gather_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     ``token_wise`` as there. At one rank it is :func:`hybrid.parallel.linear.gemm.linear`."""
     if dist.get_world_size(group) == 1:
         return linear(x, weight, bias)
-    return _GatherLinear.apply(x, weight, bias, group, ledger, token_wise)
+    return sequence_parallel_linear(x, weight, bias, group, ledger, token_wise,
+                                    gather_gemm=ring_gather_linear)
 
 
 def linear_scatter(y: torch.Tensor, weight: torch.Tensor, group, ledger: TPLedger | None = None,

@@ -52,20 +52,29 @@ def sequence_parallel_linear_grads(x: torch.Tensor, weight: torch.Tensor, grad: 
     return scatter().to(x_dtype), grad_w, g2.sum(0) if has_bias else None
 
 
+def bulk_gather_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group,
+                     ledger: TPLedger | None, token_wise: bool,
+                     policy: CastPolicy) -> torch.Tensor:
+    """``[b, s, out_local]``: ``x`` (``[b, s/t, in]``, cast) all-gathered along the sequence, then
+    one GEMM (the forward of :func:`sequence_parallel_linear`; the ring's is
+    :func:`hybrid.parallel.linear.collective_matmul.ring_gather_linear`)."""
+    return policy.forward(all_gather_seq(x, group, ledger, token_wise=token_wise), weight, bias)
+
+
 class _SequenceParallelLinear(torch.autograd.Function):
     """``F.linear(all_gather_seq(x), weight, bias)`` that keeps only the ``s/t`` input slice for
     backward and all-gathers it again there for the weight gradient (2205.05198 §4.2.2: "Y_i^s
-    is stored and all-gathered again in the backward pass")."""
+    is stored and all-gathered again in the backward pass"). ``gather_gemm`` computes the
+    forward from the cast operands: in bulk (:func:`bulk_gather_gemm`) or on the ring."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, ledger, token_wise):
+    def forward(ctx, x, weight, bias, group, ledger, token_wise, gather_gemm):
         policy = cast_policy(x.device)
         ctx.group, ctx.ledger, ctx.has_bias = group, ledger, bias is not None
         ctx.policy, ctx.token_wise, ctx.x_dtype = policy, token_wise, x.dtype
         x, weight = policy.cast_input(x), policy.cast_weight(weight)
         ctx.save_for_backward(x, weight)
-        return policy.forward(all_gather_seq(x, group, ledger, token_wise=token_wise), weight,
-                              policy.cast_bias(bias))
+        return gather_gemm(x, weight, policy.cast_bias(bias), group, ledger, token_wise, policy)
 
     @staticmethod
     def backward(ctx, grad):
@@ -73,7 +82,7 @@ class _SequenceParallelLinear(torch.autograd.Function):
         return (*sequence_parallel_linear_grads(x, weight, grad, ctx.group, ctx.ledger,
                                                 ctx.token_wise, ctx.has_bias, ctx.policy,
                                                 ctx.x_dtype),
-                None, None, None)
+                None, None, None, None)
 
 
 class _ColumnParallelLinear(torch.autograd.Function):
@@ -129,8 +138,8 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
 
 
 def sequence_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                             group, ledger: TPLedger | None = None,
-                             token_wise: bool = False) -> torch.Tensor:
+                             group, ledger: TPLedger | None = None, token_wise: bool = False,
+                             gather_gemm=bulk_gather_gemm) -> torch.Tensor:
     """Column-parallel linear on a sequence-parallel input: ``[b, s/t, in]`` ->
     ``[b, s, out_local]``.
 
@@ -139,9 +148,11 @@ def sequence_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.
     the output's tokens in the gather's rank-major order, no reordering copy at ``b > 1`` in
     either direction (:func:`hybrid.parallel.ops.gather_seq_start`; for the MLP, whose
     row-parallel end reduce-scatters ``token_wise`` too). Under autocast the input is cast
-    before the gather, so the collectives move the 16-bit copy.
+    before the gather, so the collectives move the 16-bit copy. ``gather_gemm``: the forward's
+    gather and GEMM (:func:`bulk_gather_gemm`, or ``--tp-comm-overlap``'s ring); the backward is
+    the same either way.
     """
-    return _SequenceParallelLinear.apply(x, weight, bias, group, ledger, token_wise)
+    return _SequenceParallelLinear.apply(x, weight, bias, group, ledger, token_wise, gather_gemm)
 
 
 def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor, group,
