@@ -76,7 +76,8 @@ def parallelize(model: GPT, grid: ProcessGrid, config: PretrainConfig,
     """
     from hybrid.activation.apply import apply_activation_checkpointing
     from hybrid.parallel.rng import RNGTracker
-    from hybrid.parallel.tp_plan import parallelize_gpt, seeded_weights
+    from hybrid.parallel.tp_plan import parallelize_gpt
+    from hybrid.parallel.tp_weights import seeded_weights
     from hybrid.zero.engine import ZeroEngine
 
     sp = config.grid.sequence_parallel

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from hybrid.parallel.grid import ProcessGrid
-from hybrid.parallel.tp_plan import parallelize_gpt, seeded_weights
+from hybrid.parallel.tp_plan import parallelize_gpt
+from hybrid.parallel.tp_weights import seeded_weights
 from hybrid.zero.engine import OptimizerConfig, ZeroConfig, ZeroEngine
 from models.gpt import GPT, GPTConfig
 
@@ -76,7 +77,7 @@ def same_as_materialised(rank: int, world: int, model_kw: dict, stages, tp: int)
 
 
 def _compare(grid, cfg: GPTConfig, stage: int) -> dict:
-    from hybrid.parallel.tp_plan import full_weights
+    from hybrid.parallel.tp_weights import full_weights
 
     a, b = _build(grid, cfg, stage, False), _build(grid, cfg, stage, True)
 

@@ -14,7 +14,8 @@ from hybrid.activation.apply import apply_activation_checkpointing
 from hybrid.activation.config import ActivationConfig
 from hybrid.parallel.grid import ProcessGrid
 from hybrid.parallel.rng import RNGTracker
-from hybrid.parallel.tp_plan import gather_full_state_dict, parallelize_gpt
+from hybrid.parallel.tp_plan import parallelize_gpt
+from hybrid.parallel.tp_weights import gather_full_state_dict
 from models.fusion import KernelFusion, set_kernel_fusion
 from models.gpt import GPT, GPTConfig
 from tests.tiny import make_batch, tiny_config

@@ -1,6 +1,6 @@
 """Seeded initialisation of one TP shard, block by block, equals the shard of the full draw.
 
-``hybrid.parallel.tp_plan.seeded_shard`` never holds a whole parameter: it draws the full weight
+``hybrid.parallel.tp_weights.seeded_shard`` never holds a whole parameter: it draws the full weight
 from the parameter's generator in blocks of 16-row multiples and keeps its shard. That is exact
 only because torch's CPU ``normal_`` draws uniforms in order and transforms aligned groups of 16
 (redrawing the last 16 when the size is not a multiple of 16); this test holds it to bitwise
@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybrid.parallel.tp_plan import seeded_shard
 from hybrid.parallel.tp_spec import TPSpec
+from hybrid.parallel.tp_weights import seeded_shard
 from models.gpt import GPTConfig, init_parameter, parameter_generator
 
 CONFIG = GPTConfig(num_layers=3, hidden_size=24, num_attention_heads=4, vocab_size=101,

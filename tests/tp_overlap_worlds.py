@@ -20,7 +20,8 @@ from hybrid.parallel.grid import ProcessGrid
 from hybrid.parallel.linear.modules import ColumnParallelLinear
 from hybrid.parallel.ops import copy_to_tp
 from hybrid.parallel.rng import RNGTracker
-from hybrid.parallel.tp_plan import gather_full_state_dict, parallelize_gpt, tp_ledger
+from hybrid.parallel.tp_plan import parallelize_gpt, tp_ledger
+from hybrid.parallel.tp_weights import gather_full_state_dict
 from models.gpt import GPT, GPTConfig
 
 GPT_CFG = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=101,

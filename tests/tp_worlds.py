@@ -8,12 +8,9 @@ import torch.distributed as dist
 from hybrid.parallel.cross_entropy import vocab_parallel_cross_entropy
 from hybrid.parallel.grid import ProcessGrid
 from hybrid.parallel.rng import RNGTracker
-from hybrid.parallel.tp_plan import (
-    count_parameters,
-    gather_full_state_dict,
-    parallelize_gpt,
-)
+from hybrid.parallel.tp_plan import parallelize_gpt
 from hybrid.parallel.tp_spec import get_tp_spec
+from hybrid.parallel.tp_weights import count_parameters, gather_full_state_dict
 from hybrid.parallel.vocab import pad_vocab_size
 from models.gpt import GPT, GPTConfig
 from models.presets import get_preset

@@ -96,7 +96,7 @@ class ZeroEngine:
         zero_config: stage, buckets, overlap, precision and loss scaling.
         optimizer_config: AdamW hyper-parameters and clipping.
         weights: the initial weights (:mod:`hybrid.zero.storage`), e.g.
-            ``hybrid.parallel.tp_plan.seeded_weights(config, seed)``; None reads the model's own
+            ``hybrid.parallel.tp_weights.seeded_weights(config, seed)``; None reads the model's own
             (materialised) parameters.
 
     Raises:

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hybrid.parallel.tp_plan import gather_full_tensor
 from hybrid.parallel.tp_spec import TPSpec, get_tp_spec
+from hybrid.parallel.tp_weights import gather_full_tensor
 from hybrid.zero.layout import Fragment, ParamSlot
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")

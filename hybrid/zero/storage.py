@@ -18,8 +18,8 @@ a seeded initialisation with tp > 1, the largest full parameter the generator dr
 A weight source is ``source(name, param) -> tensor``: the TP-local value (shape
 ``param.shape``, any floating dtype) of the parameter with the clean name ``name``
 (``layers.0.attn.qkv.weight``), given the model's parameter (possibly on ``meta``; its
-``tp_spec`` says how it is sharded). ``hybrid.parallel.tp_plan.seeded_weights`` (the same values
-as ``GPT.init_weights(seed)``) and ``hybrid.parallel.tp_plan.full_weights`` (a full state dict,
+``tp_spec`` says how it is sharded). ``hybrid.parallel.tp_weights.seeded_weights`` (the same values
+as ``GPT.init_weights(seed)``) and ``hybrid.parallel.tp_weights.full_weights`` (a full state dict,
 for ``--finetune``) make one; :func:`model_weights` reads a materialised model.
 """
 
@@ -64,7 +64,7 @@ def model_weights(params: list[torch.Tensor]) -> WeightSource:
     def source(name: str, param: torch.Tensor) -> torch.Tensor:
         if param.is_meta:
             raise ValueError(f"parameter {name} is on the meta device: pass a weight source "
-                             "(e.g. hybrid.parallel.tp_plan.seeded_weights) to build it")
+                             "(e.g. hybrid.parallel.tp_weights.seeded_weights) to build it")
         return param.detach()
 
     return source
