@@ -64,7 +64,13 @@ def test_a_stop_before_the_workers_catch_it_is_kept_for_them(monkeypatch):
     forward.deliver()
     forward.deliver()
     assert kills == [([11], signal.SIGTERM), ([12], signal.SIGTERM)] and not forward.waiting()
-    assert catches(os.getpid(), signal.SIGINT)  # Python's own Ctrl-C handler
+    # Python's own Ctrl-C handler, installed here: a background shell job starts pytest with
+    # SIGINT ignored, and Python then installs none
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        assert catches(os.getpid(), signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert not catches(os.getpid(), signal.SIGUSR2)
 
 
