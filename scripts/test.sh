@@ -8,6 +8,10 @@
 #           its cheapest test that runs it for real; the multi-rank suites that repeat a check
 #           across layouts are left to the full run. About 140 CPU-seconds (see README, Tests).
 #   VENV    which environment (default .venv); extra arguments go to pytest.
+#   PYTEST_WORKERS  pytest-xdist workers (default 2; 0 runs in pytest's own process). Each
+#           worker takes whole test files (--dist loadfile), so a file's spawned world is
+#           built once; the launcher, signal and wandb tests wait on their children a third of
+#           their time, which the other worker fills.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 V=${VENV:-$ROOT/.venv}
@@ -46,4 +50,8 @@ fi
 cd "$ROOT"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} WANDB_MODE=${WANDB_MODE:-offline}
 "$V/bin/ruff" check .
-exec "$V/bin/python" -m pytest -q -rs "$@"
+W=${PYTEST_WORKERS:-2}
+if [ "$W" = 0 ]; then
+    exec "$V/bin/python" -m pytest -q -rs "$@"
+fi
+exec "$V/bin/python" -m pytest -q -rs -n "$W" --dist loadfile "$@"

@@ -84,6 +84,30 @@ def _caller_io(ctx) -> tuple[dict[str, str], tuple[_CallerFd, _CallerFd] | None]
     return dict(os.environ), (_CallerFd(1), _CallerFd(2)) if forked else None
 
 
+def _store(rank: int, world_size: int, port, timeout: datetime.timedelta):
+    """The world's TCPStore: rank 0 binds a port the kernel picks (0) and publishes it in
+    ``port`` (a shared ``ctx.Value``), the other ranks connect to it once published. Binding
+    port 0 in the process that serves it leaves no window in which another process (another
+    world started at the same moment) can take the port, as a port found free and bound later
+    would.
+
+    Raises:
+        RuntimeError: rank 0 did not publish its port within ``timeout``.
+    """
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=timeout,
+                              wait_for_workers=False)
+        with port.get_lock():
+            port.value = store.port
+        return store
+    end = time.monotonic() + timeout.total_seconds()
+    while port.value == 0:
+        if time.monotonic() > end:
+            raise RuntimeError(f"spawn_world: rank 0 published no store port within {timeout}")
+        time.sleep(0.01)
+    return dist.TCPStore("127.0.0.1", port.value, world_size, is_master=False, timeout=timeout)
+
+
 def _worker(rank, world_size, port, fn, args, timeout_s, queue, backend="gloo", env=None,
             stdio=None):
     if env is not None:  # a forked rank has the server's environment: take the caller's
@@ -95,7 +119,6 @@ def _worker(rank, world_size, port, fn, args, timeout_s, queue, backend="gloo", 
             os.close(fd)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
         RANK=str(rank),
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size),
@@ -106,12 +129,14 @@ def _worker(rank, world_size, port, fn, args, timeout_s, queue, backend="gloo", 
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(
-            backend,
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = _store(rank, world_size, port, timeout)
+        # a process group that fn destroys and initialises again (the job does, per run)
+        # comes up from the environment on the same port, rank 0 serving it again
+        os.environ["MASTER_PORT"] = str(store.port)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timeout)
+        del store  # the process group holds it: destroying the group frees the port
         out = fn(rank, world_size, *args)
         # Pickle by value here (not through shared memory, whose file descriptors die with
         # this process) so that an unpicklable result is reported, not lost in the feeder thread.
@@ -168,7 +193,7 @@ def spawn_world(
     _check_backend(world_size, backend)
     ctx = _context(start_method)
     queue = ctx.Queue()
-    port = free_port()
+    port = ctx.Value("i", 0)  # the store's port, published by rank 0 (:func:`_store`)
     env, stdio = _caller_io(ctx)
     procs = [
         ctx.Process(target=_worker, args=(r, world_size, port, fn, args, timeout_s, queue,
