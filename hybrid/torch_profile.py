@@ -3,7 +3,9 @@
 all), as Megatron-LM's ``--use-pytorch-profiler`` schedule records them (``wait = start - 1,
 warmup = 1, active = end - start``: ``end - start`` iterations from ``start`` on).
 
-Each profiled rank writes one Chrome/TensorBoard trace, ``rank-<global rank>.pt.trace.json.gz``,
+Each profiled rank writes one Chrome/TensorBoard trace, ``rank-<global rank>.pt.trace.json.gz``
+(``rank-<r>.iterations-<first>-<last>.pt.trace.json.gz`` for a run resumed inside the window or
+where that name is taken: a trace is never written over another run's),
 in ``<--tensorboard-dir>/../torch_profile`` (Megatron-LM's place) or ``./torch_profile`` without
 a TensorBoard directory; the name ends in ``.pt.trace.json.gz`` so that TensorBoard's PyTorch
 profiler plugin lists it, and ``chrome://tracing`` or Perfetto open it. Every profiled iteration
@@ -116,11 +118,15 @@ class IterationProfiler:
         prof, self._prof = self._prof, None
         prof.__exit__(None, None, None)
         self.directory.mkdir(parents=True, exist_ok=True)
+        first = max(self.start, self.first)
         self.path = self.directory / f"rank-{self.rank}.pt.trace.json.gz"
+        if first != self.start or self.path.exists():  # never over another run's trace
+            last = self._last if self._last is not None else first
+            self.path = self.directory / (f"rank-{self.rank}.iterations-{first}-{last}"
+                                          ".pt.trace.json.gz")
         prof.export_chrome_trace(str(self.path))
         if self.print_fn is None:
             return
-        first = max(self.start, self.first)
         lost = "" if first == self.start else (
             f"; the run resumed at iteration {first}, inside the window --profile-step-start "
             f"{self.start} .. --profile-step-end {self.end}: {_iterations(self.start, first - 1)} "

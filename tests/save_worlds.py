@@ -88,3 +88,19 @@ def second_job(rank: int, world: int, argv: list[str], holder_pid: int) -> list[
     dist.barrier()
     out.append(str(len(run_configs(rank, world, [argv])[0])))
     return out
+
+
+def run_finished_again(rank: int, world: int, base: list[str], ck: str) -> tuple[int, int, list]:
+    """Train to 2 saving in ``ck``, then the same command with ``--load ck``: the metadata's
+    mtime (ns) after each, and the directory's iterations."""
+    from pathlib import Path
+
+    from hybrid.checkpoint.directory import list_iterations
+    from tests.pretrain_worlds import run_configs
+
+    argv = base + ["--save", ck, "--train-iters", "2"]
+    meta = Path(ck) / "iter_0000002" / "metadata.json"
+    run_configs(rank, world, [argv])
+    before = meta.stat().st_mtime_ns
+    run_configs(rank, world, [argv + ["--load", ck]])
+    return before, meta.stat().st_mtime_ns, list_iterations(ck)

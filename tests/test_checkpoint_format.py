@@ -97,3 +97,18 @@ def test_metadata_names_its_format_and_older_checkpoints_are_the_default_one(tmp
         with pytest.raises(IncompleteCheckpointError, match=f"format {name!r}, which this code "
                                                             "does not read"):
             format_of(meta, where)
+
+
+@pytest.mark.parametrize("pointer", ["10", "release"])
+def test_a_megatron_legacy_checkpoint_is_named_with_the_way_in(tmp_path, pointer):
+    """Megatron-LM's legacy layout (``iter_N/mp_rank_00/model_optim_rng.pt``, or its ``release``
+    pointer) is refused as that format, with how to start from its weights, rather than as one
+    of our saves that did not finish."""
+    d = tmp_path / ("release" if pointer == "release" else "iter_0000010") / "mp_rank_00"
+    d.mkdir(parents=True)
+    (d / "model_optim_rng.pt").write_bytes(b"not read")
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text(pointer + "\n")
+    with pytest.raises(IncompleteCheckpointError) as e:
+        open_checkpoint(tmp_path)
+    assert "legacy format" in str(e.value) and "--init-from-hf" in str(e.value)
+    assert "did not finish" not in str(e.value)

@@ -232,3 +232,7 @@ def test_start_up_line_names_qgz():
     assert "reduced during backward (--overlap-grad-reduce) as int8 over an intra- then " \
            "inter-node all-to-all (--zero-quantized-gradients)" in line
     assert "all-to-all" not in engine_modes(ZeroConfig(stage=3, precision="bf16"))
+    # at data-parallel size 1 there is nothing to quantize: the start-up note says so, and the
+    # line does not describe a quantized collective (a fresh user found both, contradicting)
+    assert "all-to-all" not in engine_modes(ZeroConfig(stage=3, precision="bf16",
+                                                       quantized_gradients=True), dp=1)

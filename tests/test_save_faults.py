@@ -20,7 +20,7 @@ from hybrid.checkpoint.directory import (
 )
 from hybrid.checkpoint.retention import Retention, next_sequence, save_order
 from hybrid.parallel.spawn import spawn_world
-from tests.save_worlds import MOCK, disk_full_on, roll_back_and_resume
+from tests.save_worlds import MOCK, disk_full_on, roll_back_and_resume, run_finished_again
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -132,6 +132,17 @@ def test_rolled_back_and_fresh_runs_keep_their_new_checkpoint(tmp_path):
     (seen,) = spawn_world(1, roll_back_and_resume, MOCK, ck, timeout_s=60)
     assert seen == [[2, 4, 6], [5, 6], [1, 5, 6]]
     assert latest_iteration(ck) == 1
+
+
+@pytest.mark.timeout(300)
+def test_a_finished_run_started_again_leaves_its_checkpoint_and_says_so(tmp_path, capfd):
+    """Started again with --load of its own --save, a finished run saved its last iteration
+    once more (on another grid, the checkpoint of another grid) without a word."""
+    ck = str(tmp_path / "ck")
+    before, after, iterations = spawn_world(1, run_finished_again, MOCK, ck, timeout_s=60)[0]
+    assert after == before and iterations == [2]
+    assert (f"nothing left to train: loaded iteration 2 of --train-iters 2; the checkpoint in "
+            f"{ck} is left as it is") in capfd.readouterr().out
 
 
 def test_the_start_up_line_names_what_a_rolled_back_run_may_overwrite(tmp_path):

@@ -60,9 +60,12 @@ def test_a_run_resumed_inside_the_window_traces_the_rest_of_it(tmp_path):
     from hybrid.torch_profile import IterationProfiler
 
     lines = []
+    first = IterationProfiler(3, 6, 0, tmp_path / "in")
+    _run(first, range(1, 5))  # stopped after iteration 4 (--exit-interval 4)
     resumed = IterationProfiler(3, 6, 0, tmp_path / "in", print_fn=lines.append)
     _run(resumed, range(5, 9))  # --load of iteration 4: the first iteration is 5
-    assert steps_in(resumed.path) == {5}
+    assert steps_in(resumed.path) == {5} and steps_in(first.path) == {3, 4}  # both kept
+    assert resumed.path.name == "rank-0.iterations-5-5.pt.trace.json.gz"
     assert lines == [f" profiler: iteration 5 of rank 0 traced to {resumed.path} (torch.profiler, "
                      "Chrome/TensorBoard format); the run resumed at iteration 5, inside the "
                      "window --profile-step-start 3 .. --profile-step-end 6: iterations 3-4 ran "

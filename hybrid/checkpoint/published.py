@@ -16,6 +16,11 @@ from hybrid.checkpoint.names import ITER_PATTERN, iteration_dir, list_iterations
 
 POINTER = "latest_checkpointed_iteration.txt"
 
+FOREIGN_HINT = ("to start from its weights, convert it to a Hugging Face checkpoint "
+                "(Megatron-Bridge or Megatron-LM's tools/checkpoint) and pass that to "
+                "--init-from-hf")
+"""How another tool's checkpoint gets in, said with each refusal of one."""
+
 
 class IncompleteCheckpointError(RuntimeError):
     """A checkpoint directory lacks its metadata or one of its files, or is in no format this
@@ -35,6 +40,10 @@ def latest_iteration(root: str | os.PathLike) -> int | None:
     if not pointer.is_file():
         return None
     text = pointer.read_text().strip()
+    if text == "release":
+        raise IncompleteCheckpointError(f"{pointer} says 'release': a checkpoint converted into "
+                                        "Megatron-LM's legacy format (its release/ directory), "
+                                        f"which this code does not read; {FOREIGN_HINT}")
     if not text.isdigit():
         raise IncompleteCheckpointError(f"{pointer} does not hold an iteration number: {text!r}")
     return int(text)
@@ -74,6 +83,11 @@ def read_metadata(root: str | os.PathLike, iteration: int) -> dict:
         raise FileNotFoundError(f"no checkpoint for iteration {iteration} in {root} "
                                 f"(available: {list_iterations(root)})")
     meta_path = d / "metadata.json"
+    legacy = sorted(d.glob("mp_rank_*/model_optim_rng.pt"))
+    if not meta_path.is_file() and legacy:
+        raise IncompleteCheckpointError(f"{d}: a checkpoint in Megatron-LM's legacy format 'torch' "
+                                        f"({legacy[0].relative_to(d)}), which this code does not "
+                                        f"read; {FOREIGN_HINT}")
     if not meta_path.is_file():
         raise IncompleteCheckpointError(f"{d} has no metadata.json: the save did not finish; not "
                                         "loading it")

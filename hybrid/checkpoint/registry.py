@@ -16,7 +16,12 @@ from pathlib import Path
 
 from hybrid.checkpoint.format import FORMAT_KEY, CheckpointFormat, Reader
 from hybrid.checkpoint.names import iteration_dir
-from hybrid.checkpoint.published import IncompleteCheckpointError, chosen_iteration, read_metadata
+from hybrid.checkpoint.published import (
+    FOREIGN_HINT,
+    IncompleteCheckpointError,
+    chosen_iteration,
+    read_metadata,
+)
 from hybrid.checkpoint.safetensors_format import SAFETENSORS
 
 DEFAULT_FORMAT = SAFETENSORS.name
@@ -84,7 +89,8 @@ def format_of(meta: dict, where: Path) -> CheckpointFormat:
             return fmt
     name = meta.get(FORMAT_KEY) or meta.get("sharded_backend")  # Megatron-LM's key
     raise IncompleteCheckpointError(f"{where}: a checkpoint in format {name!r}, which this code "
-                                    f"does not read; it reads: {', '.join(FORMATS)}")
+                                    f"does not read; it reads: {', '.join(FORMATS)}; "
+                                    f"{FOREIGN_HINT}")
 
 
 def checked_metadata(root: str | os.PathLike, iteration: int) -> dict:

@@ -102,17 +102,20 @@ def engine_line(engine) -> str:
                      "partitions the larger ones, 0 partitions all")
         note += ")"
     return (f"ZeRO stage {engine.stage} {config.precision} over dp {engine.dp} | "
-            f"{engine_modes(config, engine.grid.device)} | MiB held on rank 0: {held}{note}")
+            f"{engine_modes(config, engine.grid.device, engine.dp)} | MiB held on rank 0: "
+            f"{held}{note}")
 
 
-def engine_modes(config, device="cpu") -> str:
-    """What the gradient and parameter paths of ``config`` (a ``ZeroConfig``) do on ``device``,
-    in words with their Megatron-LM flags (issue 33)."""
+def engine_modes(config, device="cpu", dp: int = 2) -> str:
+    """What the gradient and parameter paths of ``config`` (a ``ZeroConfig``) do on ``device``
+    at data-parallel size ``dp``, in words with their Megatron-LM flags (issue 33). ZeRO++'s
+    quantized collectives are not named at ``dp`` 1, where there is nothing to quantize (the
+    start-up note says so)."""
     grads = "bf16 (--grad-reduce-in-bf16)" if config.grad_reduce_in_bf16 else "fp32"
     fusion = fusion_words(config, device)
     reduce = ("reduced during backward (--overlap-grad-reduce)" if config.overlap_comm
               else "reduced after backward (--no-overlap-grad-reduce)")
-    if getattr(config, "quantized_gradients", False):
+    if getattr(config, "quantized_gradients", False) and dp > 1:
         reduce += (f" as int{config.quantized_gradients_bits} over an intra- then inter-node "
                    "all-to-all (--zero-quantized-gradients)")
     if config.stage == 0:
@@ -125,5 +128,6 @@ def engine_modes(config, device="cpu") -> str:
                   "(--overlap-param-gather off)")
     zpp = "".join((f"; ZeRO++ hpZ: backward gathers inside the node over "
                    f"{config.hpz_partition_size} ranks" if config.hpz_partition_size > 1 else "",
-                   "; ZeRO++ qwZ: int8 parameter gathers" if config.quantized_weights else ""))
+                   "; ZeRO++ qwZ: int8 parameter gathers" if config.quantized_weights and dp > 1
+                   else ""))
     return f"gradients {grads}, {fusion}, {reduce}; {gather}{zpp}"
