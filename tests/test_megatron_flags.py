@@ -39,6 +39,9 @@ OUT_OF_SCOPE = {  # the script's own, with its values, and a few of the Llama-3 
     ("--fp8-format", "hybrid"): "FP8 training",
     ("--num-experts", "8"): "mixture of experts",
     ("--tokenizer-type", "TikTokenizer"): "only sentencepiece",
+    # accepted without effect at Megatron-LM's default 'single' only (a fresh user found
+    # 'cyclic' and 'external', which change the samples there, accepted as no-ops)
+    ("--dataloader-type", "cyclic"): "only single (Megatron-LM's default sampler",
 }
 
 

@@ -98,6 +98,11 @@ REFUSED = {
 
 REFUSED_PREFIXES = {"--moe-": "mixture of experts (MoE)", "--fp8-": "FP8 training"}
 
+ONLY_VALUE = {"--dataloader-type": ("single", "Megatron-LM's default sampler, the samples in "
+                                              "order, is the one implemented here")}
+"""Flags of :data:`NO_OP` that are without effect at one value only (Megatron-LM's default):
+flag -> (that value, why the others are refused)."""
+
 SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
 TOKENIZER_TYPES = (*SENTENCEPIECE_TYPES, "HuggingFaceTokenizer", "GPT2BPETokenizer",
                    "NullTokenizer")
@@ -119,6 +124,8 @@ def _split(argv: list[str]) -> list[tuple[str, list[str]]]:
 
 
 def _refusal(flag: str, values: list[str]) -> str | None:
+    if flag in ONLY_VALUE and values and values != [ONLY_VALUE[flag][0]]:
+        return f"{flag} {' '.join(values)}: only {ONLY_VALUE[flag][0]} ({ONLY_VALUE[flag][1]})"
     if flag in SIZE_ONE and values != ["1"]:
         return f"{flag} {' '.join(values)}: {SIZE_ONE[flag]} is not supported here (only 1)"
     if flag in REFUSED:
