@@ -85,15 +85,8 @@ def resolve_model(m: ModelConfig, vocab: int | None = None,
                                      or overrides.get("swiglu", base.swiglu) != base.swiglu)
     if reshaped and "ffn_hidden_size" not in overrides:
         overrides["ffn_hidden_size"] = None  # Megatron's default width for the new shape
-    if base is not None and m.max_position_embeddings is None \
-            and m.seq_length > base.max_position_embeddings:
-        raise ConfigError(f"--seq-length {m.seq_length} is over {preset_flag} {m.preset}'s "
-                          f"{base.max_position_embeddings} positions; give "
-                          f"--max-position-embeddings {m.seq_length} to train past them (a "
-                          "learned position table grows, and no longer matches the published "
-                          "model's)")
     max_pos = m.max_position_embeddings or (
-        base.max_position_embeddings if base is not None else m.seq_length)
+        max(base.max_position_embeddings, m.seq_length) if base is not None else m.seq_length)
     common = dict(max_position_embeddings=max_pos,
                   hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout,
                   init_method_std=m.init_method_std, layernorm_epsilon=m.layernorm_epsilon)

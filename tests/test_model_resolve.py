@@ -61,18 +61,12 @@ def _both(argv: list[str]):
 
 @pytest.mark.parametrize("preset", list_presets())
 def test_plan_and_pretrain_resolve_the_same_preset_model(preset):
-    refused = []
+    refused = 0
     for flags in PRESET_FLAGS:
         planned, trained = _both(["--preset", preset, *flags])
         assert planned == trained, (preset, flags)
-        if isinstance(planned, str):
-            refused.append(planned)
-    # only --num-query-groups 2 where it does not divide the heads, and --seq-length 4096 over
-    # a preset's position table (grown only with --max-position-embeddings)
-    assert len(refused) <= 2 and all("--num-query-groups" in r or "--seq-length 4096 is over" in r
-                                     for r in refused), refused
-    if get_preset(preset).max_position_embeddings < 4096:
-        assert any("--max-position-embeddings 4096 to train past them" in r for r in refused)
+        refused += isinstance(planned, str)
+    assert refused <= 1  # only --num-query-groups 2 where it does not divide the heads
 
 
 @pytest.mark.parametrize("flags", FLAG_SETS, ids=range(len(FLAG_SETS)))
