@@ -124,7 +124,7 @@ REFUSALS = {
     "qgZ replaces the gradient reduce-scatter": "hybrid/zero/config.py",
     "qgZ replaces 16-bit gradient reduce-scatters": "hybrid/zero/config.py",
     "hpZ partitions the ZeRO-3 parameters a second": "hybrid/zero/config.py",
-    "a node holds {self.dp_per_node} data-parallel ranks": "hybrid/zero/topology.py",
+    "a node holds {self.dp_per_node} data-parallel ": "hybrid/zero/topology.py",
     "qwZ quantizes the ZeRO-3 parameter gathers": "hybrid/zero/config.py",
     "qwZ replaces 16-bit parameter gathers": "hybrid/zero/config.py",
     "offloads the partition of ZeRO 1-3": "hybrid/zero/config.py",

@@ -28,7 +28,8 @@ def test_paths_are_bit_exact_against_the_unfused_engine(w4, tp, stage, dropout, 
     for rank in w4:
         r = rank[tp]["exact"].get((stage, dropout, path))
         if r is None:
-            assert stage == 0 and "param_gather" in path  # refused at stage 0 (nothing gathered)
+            # refused at stage 0 (nothing gathered); bucket sizes run at tp1 x dp4 only
+            assert (stage == 0 and "param_gather" in path) or (tp > 1 and "small_buckets" in path)
             continue
         assert r["same"], (tp, stage, dropout, path)
 

@@ -133,12 +133,21 @@ VARIANTS = {
 }
 
 
+DP_ONLY = ("no_overlap", "small_buckets", "huge_buckets", "all_reduce", "native_collectives",
+           "broadcast_gathers")
+"""Variants that change only the data-parallel collectives (buckets, reduce op, composition):
+run on tp1 x dp4, the widest data-parallel group, and not again on tp2 x dp2 (every pair of
+grid and ZeRO option is also in ``tests/test_combinations.py``)."""
+
+
 def _parity(grid, rank0: bool) -> dict:
     out = {}
     for stage in range(4):
         for name, kw in VARIANTS.items():
             if stage == 0 and kw.get("overlap_param_gather"):
                 continue  # refused: stage 0 gathers no parameters
+            if grid.tp_size > 1 and name in DP_ONLY:
+                continue
             kw = dict(kw)
             comm = kw.pop("comm", {})
             engine = build(grid, ZeroConfig(stage=stage, **kw))

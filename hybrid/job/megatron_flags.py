@@ -42,8 +42,8 @@ MEANING_HELP = {
     "exits 0",
     "--accumulate-allreduce-grads-in-fp32": "what happens anyway: gradients are accumulated in "
     "fp32",
-    "--no-position-embedding": "--position-embedding-type none (beside RoPE nothing: RoPE "
-    "has no position table)",
+    "--no-position-embedding": "--position-embedding-type none (no learned position table; "
+    "with --position-embedding-type rope it changes nothing, RoPE having no table)",
     "--log-throughput": "what happens anyway: every log line has tokens/s and TFLOP/s per device",
     "--use-precision-aware-optimizer": "what happens anyway: the fp32 master is the optimizer's "
     "own parameter, offloaded or not",

@@ -100,8 +100,9 @@ class NodeTopology:
         if size < 1 or self.dp_per_node % size:
             valid = [d for d in range(1, self.dp_per_node + 1) if self.dp_per_node % d == 0]
             raise ValueError(
-                f"{flag} {size}: a node holds {self.dp_per_node} data-parallel ranks "
-                f"({self.local} processes per node / tp {self.tp}); valid sizes: {valid}"
+                f"{flag} {size}: a node holds {self.dp_per_node} data-parallel "
+                f"rank{'s' * (self.dp_per_node != 1)} ({self.local} "
+                f"process{'es' * (self.local != 1)} per node / tp {self.tp}); valid sizes: {valid}"
                 + (" (tp must be smaller than the processes per node)"
                    if self.dp_per_node == 1 else "")
                 + f"; processes per node come from {node_from}")
