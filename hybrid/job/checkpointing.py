@@ -65,6 +65,21 @@ class Checkpointer:
         if wait and self.saver is not None:
             self.saver.wait(report=report)
 
+    def resumed_at(self, iteration: int, train_iters: int | None) -> None:
+        """The run resumed at ``iteration``: loaded from its own ``--save``, that iteration is
+        held there already, so the end of training does not save it again (a finished run
+        started once more would otherwise rewrite its last checkpoint, on another grid when the
+        grid changed); with nothing left to train rank 0 says so."""
+        if not (self.ck.save and self.ck.load) or iteration == 0:
+            return
+        if os.path.realpath(self.ck.save) != os.path.realpath(self.ck.load):
+            return
+        self.saved_at = iteration
+        if self.grid.rank == 0 and train_iters and iteration >= train_iters:
+            self.writer.print(f" nothing left to train: loaded iteration {iteration} of "
+                              f"--train-iters {train_iters}; the checkpoint in {self.ck.save} is "
+                              "left as it is")
+
     def after_iteration(self, state: TrainState) -> bool:
         """Publish a finished background save; save when due; True (on every rank) when the
         run must stop now (the Trainer's ``after_iteration`` hook): a stop signal, the time

@@ -7,7 +7,6 @@ raised. :mod:`hybrid.job.pretrain` runs it and turns its outcome into the exit s
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -49,7 +48,8 @@ def run(job: Job) -> dict:
         writer.print(f"{engine_line(engine)} | {engine.kernel_fusion_note}{where}")
     checkpointer = Checkpointer(job, engine, grid, tracker, writer)
     checkpointer.metadata["lr_schedule"] = settings  # the one followed, for the next resume
-    _loaded_from_save(job, checkpointer, state, meta, writer)
+    if meta is not None:
+        checkpointer.resumed_at(state.iteration, job.cfg.training.train_iters)
     loop = loop_settings(job, grid, tuple(k for k, ds in eval_sets.items() if ds is not None))
     trainer = Trainer(engine, grid, loop, schedule, writer, eval_batches,
                       checkpointer.after_iteration, progress, state, checkpointer.stop_now,
@@ -90,23 +90,6 @@ def _build(job: Job) -> tuple[ProcessGrid, RNGTracker, ZeroEngine]:
 
         engine.set_profiler(PhaseTimer(grid.device))
     return grid, tracker, engine
-
-
-def _loaded_from_save(job, checkpointer, state, meta, writer) -> None:
-    """A run resumed from its own ``--save`` holds there the iteration it loaded: the end of
-    training does not save it again (a finished run started once more would otherwise rewrite
-    its last checkpoint, on another grid when the grid changed), and with nothing left to train
-    rank 0 says so."""
-    ck = job.cfg.checkpoint
-    if meta is None or not (ck.save and ck.load) or state.iteration == 0:
-        return
-    if os.path.realpath(ck.save) != os.path.realpath(ck.load):
-        return
-    checkpointer.saved_at = state.iteration
-    train_iters = job.cfg.training.train_iters
-    if checkpointer.grid.rank == 0 and train_iters and state.iteration >= train_iters:
-        writer.print(f" nothing left to train: loaded iteration {state.iteration} of "
-                     f"--train-iters {train_iters}; the checkpoint in {ck.save} is left as it is")
 
 
 def _metrics(job: Job, grid: ProcessGrid, state: TrainState, meta: dict | None):
